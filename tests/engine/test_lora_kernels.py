@@ -1,0 +1,305 @@
+"""LoRA shrink/expand kernels: torch fast path, per-segment reference, dense per-token math,
+and the Triton kernels (under TRITON_INTERPRET=1 when there is no GPU)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from loramux.engine.lora import ops
+from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.ops import torch_ops, triton_ops
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def make_slots(seg_spec: list[tuple[int, int]], n_none: int, seed: int) -> list[int]:
+    """Token slots from (slot, n_tokens) pairs plus ``n_none`` -1 tokens, shuffled."""
+    slots = [s for s, n in seg_spec for _ in range(n)] + [-1] * n_none
+    random.Random(seed).shuffle(slots)
+    return slots
+
+
+def make_weights(ranks, num_slices, K, widths, dtype, seed, device="cpu"):
+    """a_stack [slots, slices, R, K], b_stack [slots, N, R] with zeros beyond each rank."""
+    g = torch.Generator().manual_seed(seed)
+    R = max(max(ranks), 1)
+    n = len(ranks)
+    a = torch.randn(n, num_slices, R, K, generator=g) / K**0.5
+    b = torch.randn(n, sum(widths), R, generator=g) / R**0.5
+    for i, r in enumerate(ranks):
+        a[i, :, r:] = 0
+        b[i, :, r:] = 0
+    scale = 0.5 + torch.rand(n, generator=g)
+    return a.to(device, dtype), b.to(device, dtype), scale.to(device)
+
+
+def offsets(widths):
+    out = [0]
+    for w in widths:
+        out.append(out[-1] + w)
+    return out
+
+
+def dense_delta(x, a, b, slots, ranks, scale, offs) -> torch.Tensor:
+    """Per-token LoRA delta in fp64 with each token's own A/B (no segments at all)."""
+    T = x.shape[0]
+    delta = torch.zeros(T, b.shape[1], dtype=torch.float64, device=x.device)
+    for t, slot in enumerate(slots):
+        if slot < 0 or ranks[slot] == 0:
+            continue
+        for s in range(a.shape[1]):
+            lo, hi = offs[s], offs[s + 1]
+            v = float(scale[slot]) * torch.einsum("rk,k->r", a[slot, s].double(), x[t].double())
+            delta[t, lo:hi] = torch.einsum("nr,r->n", b[slot, lo:hi].double(), v)
+    return delta
+
+
+# Layouts: (name, [(slot, n_tokens)...], n_none, ranks per slot)
+LAYOUTS = {
+    "decode_32_adapters": ([(i, 1) for i in range(32)], 3, [1 + (i * 7) % 64 for i in range(32)]),
+    "prefill_one_adapter": ([(0, 40)], 0, [16]),
+    "mixed_long_short": ([(2, 100), (0, 1), (5, 1), (3, 7), (1, 2)], 6, [8, 4, 16, 1, 0, 64]),
+    "rank0_and_none": ([(0, 3), (1, 5)], 4, [0, 8]),
+    "all_none": ([], 5, [4, 8]),
+}
+
+
+# ---------------------------------------------------------------------------- meta
+
+
+def test_meta_segments_are_stable_sorted_and_drop_rank0():
+    slots = [2, -1, 0, 2, 1, 0, -1, 2]
+    meta = LoRABatchMeta.build(slots, torch.tensor([4, 0, 8]))
+    assert meta.num_tokens == 8
+    assert meta.sorted_token_idx.tolist() == [2, 5, 4, 0, 3, 7]
+    assert meta.seg_slots.tolist() == [0, 2]  # slot 1 has rank 0: no segment
+    assert meta.seg_starts.tolist() == [0, 3]
+    assert meta.seg_lens.tolist() == [2, 3]
+    assert meta.max_seg_len == 3
+    assert meta.num_lora_tokens == 6
+    assert meta.has_lora
+    assert not meta.identity_layout and not meta.identity_tokens
+
+
+def test_meta_has_lora_false():
+    assert not LoRABatchMeta.build([-1, -1], torch.tensor([4])).has_lora
+    assert not LoRABatchMeta.build([0, 0, -1], torch.tensor([0, 3])).has_lora
+    empty = LoRABatchMeta.build([], torch.tensor([4]))
+    assert not empty.has_lora and empty.num_tokens == 0
+
+
+def test_meta_rejects_bad_slots():
+    with pytest.raises(ValueError, match="token slots"):
+        LoRABatchMeta.build([0, 3], torch.tensor([4, 4]))
+    with pytest.raises(ValueError, match="token slots"):
+        LoRABatchMeta.build([-2], torch.tensor([4]))
+
+
+def test_meta_chunk_layout_covers_every_segment_row_once():
+    slots = make_slots([(1, 100), (0, 1), (3, 1), (2, 9)], 5, seed=1)
+    meta = LoRABatchMeta.build(torch.tensor(slots), torch.tensor([2, 4, 8, 16]))
+    C = meta.chunk_len
+    assert C < 100  # one long segment must not pad every short one to 100 rows
+    pos = meta.chunk_pos.view(-1, C)
+    mask = meta.chunk_mask.view(-1, C).bool()
+    real = pos[mask]
+    assert sorted(real.tolist()) == list(range(meta.num_lora_tokens))
+    assert torch.equal(meta.chunk_tokens, meta.sorted_token_idx[meta.chunk_pos])
+    assert torch.equal(meta.chunk_pos[meta.chunk_keep], real)
+    # every chunk holds rows of one slot only
+    slots_t = torch.tensor(slots)
+    chunk_tok_slots = slots_t[meta.chunk_tokens].view(-1, C)
+    assert torch.equal(chunk_tok_slots, meta.chunk_slots[:, None].expand(-1, C))
+
+
+def test_meta_identity_flags():
+    meta = LoRABatchMeta.build([3] * 10, torch.tensor([0, 0, 0, 8]))
+    assert meta.identity_layout and meta.identity_tokens and meta.chunk_mask is None
+    meta = LoRABatchMeta.build([1, 0, 1], torch.tensor([4, 4]))
+    assert not meta.identity_tokens
+
+
+# ---------------------------------------------------------------------------- torch backend
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("widths", [(48,), (40, 24), (48, 16, 16)], ids=["1s", "2s", "3s"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_fast_matches_reference_and_dense(layout, widths, dtype):
+    spec, n_none, ranks = LAYOUTS[layout]
+    slots = make_slots(spec, n_none, seed=len(layout))
+    K = 67
+    a, b, scale = make_weights(ranks, len(widths), K, widths, dtype, seed=3)
+    offs = offsets(widths)
+    meta = LoRABatchMeta.build(slots, torch.tensor(ranks))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(len(slots), K, generator=g).to(dtype)
+    y0 = torch.randn(len(slots), offs[-1], generator=g).to(dtype)
+
+    v_fast = torch_ops.lora_shrink(x, a, meta, scale)
+    v_ref = torch_ops._reference_shrink(x, a, meta, scale)
+    assert v_fast.dtype == torch.float32
+    assert v_fast.shape == (len(widths), meta.num_lora_tokens, a.shape[2])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(v_fast, v_ref, **tol)
+
+    y_fast, y_ref = y0.clone(), y0.clone()
+    torch_ops.lora_expand(v_fast, b, meta, y_fast, offs)
+    torch_ops._reference_expand(v_ref, b, meta, y_ref, offs)
+    want = y0.double() + dense_delta(x, a, b, slots, ranks, scale, offs)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
+    torch.testing.assert_close(y_ref.double(), want, **tol)
+    torch.testing.assert_close(y_fast.double(), want, **tol)
+
+    # rows without an adapter (or with a rank-0 adapter) are bit-for-bit untouched
+    untouched = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert torch.equal(y_fast[untouched], y0[untouched])
+    if meta.has_lora:  # the comparison is not vacuous
+        touched = [t for t in range(len(slots)) if t not in untouched]
+        assert (y_fast[touched].float() - y0[touched].float()).abs().max() > 0.1
+
+
+def test_add_lora_no_lora_is_noop_and_auto_is_torch_on_cpu():
+    a, b, scale = make_weights([4], 1, 16, (8,), torch.float32, seed=0)
+    meta = LoRABatchMeta.build([-1, -1, -1], torch.tensor([4]))
+    y = torch.randn(3, 8)
+    y0 = y.clone()
+    ops.add_lora(y, torch.randn(3, 16), a, b, meta, scale, (0, 8))
+    assert torch.equal(y, y0)
+    assert ops.resolve_backend("auto", "cpu") == "torch"
+    assert ops.resolve_backend("torch", "cpu") == "torch"
+    with pytest.raises(ValueError, match="unknown LoRA backend"):
+        ops.resolve_backend("cuda", "cpu")
+
+
+def test_add_lora_torch_matches_dense():
+    widths = (32, 16, 16)
+    ranks = [8, 16, 0]
+    slots = make_slots([(0, 5), (1, 9), (2, 2)], 3, seed=2)
+    a, b, scale = make_weights(ranks, 3, 40, widths, torch.float32, seed=4)
+    x = torch.randn(len(slots), 40)
+    y = torch.randn(len(slots), 64)
+    want = y.double() + dense_delta(x, a, b, slots, ranks, scale, offsets(widths))
+    meta = LoRABatchMeta.build(slots, torch.tensor(ranks))
+    ops.add_lora(y, x, a, b, meta, scale, offsets(widths), backend="torch")
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_slice_offsets_rejected():
+    a, b, scale = make_weights([4], 2, 16, (8, 8), torch.float32, seed=0)
+    meta = LoRABatchMeta.build([0, 0], torch.tensor([4]))
+    v = torch_ops.lora_shrink(torch.randn(2, 16), a, meta, scale)
+    with pytest.raises(ValueError, match="slice_offsets"):
+        torch_ops.lora_expand(v, b, meta, torch.zeros(2, 16), (0, 8))
+
+
+# ---------------------------------------------------------------------------- triton backend
+
+
+def require_triton() -> None:
+    if triton_ops.HAS_TRITON:
+        return
+    if IN_CI:
+        pytest.fail("triton must be importable under CI=true")
+    pytest.skip("triton is not installed")
+
+
+# (name, seg spec, n_none, ranks, slice widths, K)
+TRITON_CASES = {
+    # one ~100-token segment next to 1-token ones, a rank-0 slot, odd K and N: tl.dot path
+    "mixed_3slices": (
+        [(2, 100), (0, 1), (5, 1), (3, 7), (4, 3)],
+        5,
+        [8, 4, 64, 1, 0, 33],
+        (67, 33, 17),
+        2049,
+    ),
+    # 32 adapters x 1 token: the non-dot decode path (BLOCK_M = 1)
+    "decode_32": (
+        [(i, 1) for i in range(32)],
+        4,
+        [1 + (i * 7) % 64 for i in range(32)],
+        (65,),
+        2049,
+    ),
+    # segments of 2-3 tokens: decode path with BLOCK_M = 4, two slices
+    "decode_short_2slices": ([(0, 3), (1, 2), (2, 1), (3, 3)], 2, [16, 0, 5, 64], (33, 31), 257),
+}
+
+
+def _triton_case(name, dtype, seed=0):
+    spec, n_none, ranks, widths, K = TRITON_CASES[name]
+    slots = make_slots(spec, n_none, seed=seed)
+    a, b, scale = make_weights(ranks, len(widths), K, widths, dtype, seed=seed + 1, device=DEV)
+    g = torch.Generator().manual_seed(seed + 2)
+    x = torch.randn(len(slots), K, generator=g).to(DEV, dtype)
+    y0 = torch.randn(len(slots), sum(widths), generator=g).to(DEV, dtype)
+    meta = LoRABatchMeta.build(slots, torch.tensor(ranks), device=DEV)
+    return slots, ranks, a, b, scale, x, y0, meta, offsets(widths)
+
+
+def _tol(dtype):
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "name,dtype,deterministic",
+    [
+        ("mixed_3slices", torch.float32, False),
+        ("mixed_3slices", torch.float16, True),
+        ("decode_32", torch.float32, True),
+        ("decode_32", torch.float16, False),
+        ("decode_short_2slices", torch.float32, False),
+        ("decode_short_2slices", torch.float16, True),
+    ],
+)
+def test_triton_matches_torch_reference(name, dtype, deterministic):
+    require_triton()
+    slots, ranks, a, b, scale, x, y0, meta, offs = _triton_case(name, dtype)
+    v_ref = torch_ops._reference_shrink(x, a, meta, scale)
+    v = ops.lora_shrink(x, a, meta, scale, backend="triton", deterministic=deterministic)
+    assert v.dtype == torch.float32 and v.shape == v_ref.shape
+    torch.testing.assert_close(v, v_ref, **_tol(dtype))
+
+    y_ref, y = y0.clone(), y0.clone()
+    torch_ops._reference_expand(v_ref, b, meta, y_ref, offs)
+    ops.lora_expand(v, b, meta, y, offs, backend="triton")
+    torch.testing.assert_close(y.float(), y_ref.float(), **_tol(dtype))
+    want = y0.double() + dense_delta(x, a, b, slots, ranks, scale, offs)
+    torch.testing.assert_close(y.double(), want, **_tol(dtype))
+
+    untouched = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert untouched and torch.equal(y[untouched], y0[untouched])
+    touched = [t for t in range(len(slots)) if t not in untouched]
+    assert (y[touched].float() - y0[touched].float()).abs().max() > 0.1
+
+
+def test_triton_split_k_atomics_match_deterministic():
+    require_triton()
+    _, _, a, b, scale, x, _, meta, _ = _triton_case("mixed_3slices", torch.float32, seed=7)
+    v_det = triton_ops.lora_shrink(x, a, meta, scale, deterministic=True)
+    v_split = triton_ops.lora_shrink(x, a, meta, scale, config={"SPLIT_K": 8})
+    torch.testing.assert_close(v_split, v_det, atol=1e-5, rtol=1e-5)
+    # deterministic=True overrides a requested split-K and is bit-reproducible
+    v_det2 = triton_ops.lora_shrink(x, a, meta, scale, deterministic=True, config={"SPLIT_K": 8})
+    assert torch.equal(v_det, v_det2)
+
+
+def test_triton_add_lora_and_paths_chosen_by_max_seg_len():
+    require_triton()
+    slots, ranks, a, b, scale, x, y0, meta, offs = _triton_case("decode_32", torch.float32, seed=3)
+    assert not triton_ops.shrink_config(meta, x.shape[1], a.shape[2], 1, DEV, False)["USE_DOT"]
+    meta_long = LoRABatchMeta.build([0] * 20, torch.tensor([4]))
+    assert triton_ops.expand_config(meta_long, 4, 64)["USE_DOT"]
+    y = y0.clone()
+    ops.add_lora(y, x, a, b, meta, scale, offs, backend="triton")
+    want = y0.double() + dense_delta(x, a, b, slots, ranks, scale, offs)
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
