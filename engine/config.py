@@ -1,0 +1,124 @@
+"""Engine configuration: one dataclass per area, validated in ``__post_init__``.
+
+Option names follow vLLM where the meaning is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_CPU_DTYPES = ("float32", "bfloat16")
+_CUDA_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and how."""
+
+    model: str | None = None
+    """Hugging Face folder of a Llama-family model; None = the default model."""
+    tokenizer: str | None = None
+    """Tokenizer folder; None = the model folder."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16 (CUDA only)."""
+    device: str = "auto"
+    """auto | cpu | cuda[:N]."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None = the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the engine's generator for unseeded sampled requests."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto",) + _CUDA_DTYPES:
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of device memory the engine may use (weights + KV cache)."""
+    kv_cache_memory: int | None = None
+    """CPU: bytes for the KV cache; None = 2 GiB capped at what max_num_seqs full sequences need."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks (tests, benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be >= 1")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 256
+    """Most sequences in one step."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens in one step; None = max(2048, max_model_len)."""
+    max_waiting: int | None = None
+    """Bound of the waiting queue (None = unbounded); the HTTP layer answers 429 past it."""
+    starvation_steps: int = 64
+    """A waiting request skipped this many steps blocks admission of others until it runs."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving limits."""
+
+    max_loras: int = 4
+    """Adapters resident in device slots (and distinct adapters in one step)."""
+    max_lora_rank: int = 16
+    """Largest rank a slot holds."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in CPU memory (LRU); None = max_loras * 2."""
+    lora_backend: str = "auto"
+    """auto | torch | triton."""
+    lora_dtype: str = "auto"
+    """dtype of slot buffers; auto = the model dtype."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras * 2
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.lora_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"lora_backend must be auto, torch or triton; got {self.lora_backend!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, in one place."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig | None = None
+    """None = LoRA disabled."""

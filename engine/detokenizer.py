@@ -1,0 +1,59 @@
+"""Incremental detokenization and stop-string handling.
+
+Uses the tokenizers library's ``DecodeStream``, which emits text only once the
+bytes of a multi-byte UTF-8 character are complete.
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from loramux.engine.sequence import Sequence
+
+
+class Detokenizer:
+    """Turns each new token of a sequence into text and applies stop strings."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer._tokenizer
+
+    def decode_token(self, seq: Sequence, token_id: int) -> str:
+        """Text that ``token_id`` adds to ``seq`` (may be '' while a character is incomplete)."""
+        if seq.detok_state is None:
+            seq.detok_state = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+        piece = seq.detok_state.step(self._backend, token_id)
+        return piece or ""
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for logprobs)."""
+        return self.tokenizer.convert_ids_to_tokens(token_id) or ""
+
+    @staticmethod
+    def apply_stop_strings(seq: Sequence, new_text: str) -> bool:
+        """Append ``new_text`` to ``seq.text``; cut at a stop string. True when one matched."""
+        stops = seq.params.stop_strings
+        before = len(seq.text)
+        seq.text += new_text
+        if not stops or not new_text:
+            return False
+        longest = max(len(s) for s in stops)
+        start = max(0, before - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in stops:
+            i = seq.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        seq.stop_reason = s
+        return True
+
+
+def stream_holdback(seq: Sequence) -> int:
+    """Characters of ``seq.text`` to hold back while streaming: a stop string may still complete."""
+    if seq.is_finished or not seq.params.stop_strings or seq.params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in seq.params.stop_strings) - 1

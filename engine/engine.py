@@ -1,0 +1,245 @@
+"""LLMEngine: the synchronous core. ``step()`` = schedule → run → postprocess."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from loramux.engine.block_manager import KVCacheManager
+from loramux.engine.config import EngineConfig
+from loramux.engine.detokenizer import Detokenizer
+from loramux.engine.lora_request import LoRARequest
+from loramux.engine.model.llama import LlamaModel
+from loramux.engine.outputs import Logprob, RequestOutput
+from loramux.engine.postprocess import Postprocessor
+from loramux.engine.request import Request
+from loramux.engine.runner import ModelRunner, plan_num_blocks
+from loramux.engine.sampler import Sampler
+from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict | list[int]
+AdapterSource = Callable[[str], str | Path]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting``; retry later."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_path: Path) -> torch.dtype:
+    if name == "auto":
+        from transformers import AutoConfig
+
+        cfg_dtype = getattr(AutoConfig.from_pretrained(model_path), "dtype", None)
+        name = str(cfg_dtype).replace("torch.", "") if cfg_dtype is not None else "float32"
+        if device.type == "cpu" and name == "float16":
+            name = "bfloat16"
+        if device.type == "cuda" and name == "float32":
+            name = "bfloat16"
+    dtype = getattr(torch, name)
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError("float16 is not supported on the CPU (it is very slow there); use bfloat16 or float32")
+    return dtype
+
+
+class LLMEngine:
+    """Owns the model, KV cache, scheduler, sampler and (optionally) LoRA slots."""
+
+    def __init__(self, config: EngineConfig, adapter_source: AdapterSource | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        mc = config.model
+        if mc.model is None:
+            from loramux.engine.default_model import default_model_path
+
+            model_path = default_model_path()
+        else:
+            model_path = Path(mc.model).expanduser()
+            if not model_path.is_dir():
+                raise ValueError(f"model {mc.model!r} is not a local folder")
+        self.model_path = model_path
+        self.device = resolve_device(mc.device)
+        dtype = resolve_dtype(mc.dtype, self.device, model_path)
+        self.model = LlamaModel(model_path, dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_path)
+        dims = self.model.dims
+        self.max_model_len = mc.max_model_len or dims.max_position_embeddings
+        if self.max_model_len > dims.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {dims.max_position_embeddings}"
+            )
+        cc, sc = config.cache, config.scheduler
+        num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
+        self.kv = KVCacheManager(num_blocks, cc.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size)
+        self.lora_manager = None
+        if config.lora is not None:
+            from loramux.engine.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(config.lora, self.model, adapter_source)
+            self.model.lora = self.lora_manager
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, self.lora_manager)
+        self.generator = torch.Generator().manual_seed(mc.seed)
+        self.eos_token_ids = self._eos_ids()
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.sampler = Sampler(dims.vocab_size, self.eos_token_ids, self.generator)
+        self.postprocessor = Postprocessor(self.detokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        logger.info(
+            "engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
+            model_path.name, dtype, self.device, num_blocks, cc.block_size, self.max_model_len,
+        )
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen_cfg = self.model_path / "generation_config.json"
+        if gen_cfg.is_file():
+            import json
+
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    # --- requests -------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text, token ids) of a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": ...}``."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError (bad input) or QueueFullError."""
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.dims.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.verify_vocab(vocab)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(ids)} tokens, leaving no room for output. Please reduce "
+                f"the length of the prompt."
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the length of the "
+                f"prompt or max_tokens."
+            )
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by this engine; leave it unset")
+        lora_key = None
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise ValueError("this engine was started without LoRA (enable_lora=False)")
+            self.lora_manager.register(lora_request)
+            lora_key = lora_request.key
+        sc = self.config.scheduler
+        if sc.max_waiting is not None and len(self.scheduler.waiting) >= sc.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({sc.max_waiting} requests)")
+        seqs = []
+        for i in range(params.best_of):
+            seq = Sequence(request_id, i, ids, params, lora_key)
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed + i * 1_000_003)
+            seqs.append(seq)
+        req = Request(request_id, text, ids, params, seqs, lora_request)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False when it is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.aborted = True
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that advanced."""
+        return [r.to_output() for r in self.step_requests()]
+
+    def step_requests(self) -> list[Request]:
+        """Like ``step`` but returns the Request records (the async engine snapshots them)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.lora_manager is not None:
+                self.lora_manager.poll()
+            return []
+        batch = self.runner.order(plan)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            req = self.requests[seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(batch.token_lora_keys)
+        logits = self.runner.execute(batch)
+        sampled = self.sampler(logits, batch.seqs)
+        touched: dict[str, Request] = {}
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            seq.num_computed_tokens += n
+            self.postprocessor.accept(seq, row, sampled)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        now = time.monotonic()
+        for req in touched.values():
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.finished:
+                req.metrics.finished_time = now
+                self.requests.pop(req.request_id, None)
+        return list(touched.values())
+
+    def logprob_entry(self, token_id: int, logprob: float, rank: int) -> Logprob:
+        return Logprob(logprob, rank, self.detokenizer.token_text(token_id))

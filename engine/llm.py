@@ -1,0 +1,148 @@
+"""Offline API, vLLM-compatible: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from loramux.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loramux.engine.engine import AdapterSource, LLMEngine, PromptType
+from loramux.engine.lora_request import LoRARequest
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """A base model (plus LoRA adapters) for offline batched generation.
+
+    Code written for ``vllm.LLM`` runs by changing the import.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_backend: str = "auto",
+        adapter_source: AdapterSource | None = None,
+        **unused,
+    ) -> None:
+        ignored = {k for k in unused if k not in _VLLM_ACCEPTED}
+        if ignored:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(ignored)}")
+        config = EngineConfig(
+            model=ModelConfig(model, tokenizer, dtype, device, max_model_len, seed),
+            cache=CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_backend) if enable_lora else None,
+        )
+        self.llm_engine = LLMEngine(config, adapter_source)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        ids = []
+        for prompt, sp, lr in zip(prompts, params, loras, strict=True):
+            rid = f"offline-{self._counter}"
+            self._counter += 1
+            self.llm_engine.add_request(rid, prompt, sp, lr)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Render one conversation (or a list of them) with the chat template, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": render_chat(
+                    self.llm_engine.tokenizer, conv, add_generation_prompt, chat_template,
+                    chat_template_kwargs,
+                )
+            }
+            for conv in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while len(done) < len(ids):
+            for req in engine.step_requests():
+                if req.finished and req.request_id in wanted:
+                    done[req.request_id] = req.to_output()
+                    bar.update()
+        bar.close()
+        return [done[i] for i in ids]
+
+
+def render_chat(tokenizer, conversation, add_generation_prompt=True, chat_template=None, kwargs=None) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template."""
+    if not conversation:
+        raise ValueError("messages must not be empty")
+    text = tokenizer.apply_chat_template(
+        conversation,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        **(kwargs or {}),
+    )
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+# vLLM constructor arguments that are accepted and have no effect here.
+_VLLM_ACCEPTED = {
+    "trust_remote_code", "tensor_parallel_size", "enforce_eager", "disable_log_stats",
+    "swap_space", "quantization", "revision", "tokenizer_mode", "download_dir",
+}

@@ -1,0 +1,1 @@
+"""Llama-family model implementation over a paged KV cache."""

@@ -1,0 +1,195 @@
+"""Llama / Mistral / Qwen2 forward pass with fused projections and LoRA hooks.
+
+Projections are fused per layer (q|k|v and gate|up) so a step runs four matmuls
+per layer; a LoRA hook, when attached, adds each token's adapter delta to the
+output of every projection group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from loramux.engine.model.weights import (
+    ModelDims,
+    ModelLoadError,
+    dims_from_config,
+    load_state_dict,
+    read_hf_config,
+)
+
+# Projection groups a LoRA hook is called for, with the modules fused into each.
+PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoRAHook(Protocol):
+    """Adds adapter deltas; attached by the LoRA manager, called by every layer."""
+
+    def active(self) -> bool:
+        """True when this step has tokens with an adapter."""
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[T, N] += LoRA delta of group ``group`` in ``layer`` for input x[T, K]."""
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + 2 kv, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, q]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
+
+
+class LlamaModel:
+    """The base model's weights and forward pass (no autograd, no nn.Module overhead)."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+        path = Path(path)
+        self.path = path
+        self.hf_config = read_hf_config(path)
+        self.dims: ModelDims = dims_from_config(self.hf_config)
+        self.dtype = dtype
+        self.device = device
+        self.lora: LoRAHook | None = None
+        self._load(load_state_dict(path, dtype, device))
+        self._build_rope()
+
+    # --- loading ---------------------------------------------------------------
+    def _load(self, sd: dict[str, torch.Tensor]) -> None:
+        d = self.dims
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return sd.pop(name)
+            except KeyError:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} is missing") from None
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(d.num_layers):
+            p = f"model.layers.{i}."
+            q, k, v = (take(p + f"self_attn.{m}_proj.weight") for m in "qkv")
+            bias = None
+            if d.qkv_bias:
+                bias = torch.cat([take(p + f"self_attn.{m}_proj.bias") for m in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([q, k, v]).contiguous(),
+                    qkv_bias=bias,
+                    o=take(p + "self_attn.o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat(
+                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                    ).contiguous(),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        if "lm_head.weight" in sd and not d.tie_word_embeddings:
+            self.lm_head = take("lm_head.weight")
+        else:
+            sd.pop("lm_head.weight", None)
+            self.lm_head = self.embed
+        leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ModelLoadError(f"{self.path}: unexpected tensors {leftover[:5]}")
+
+    def _build_rope(self) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rope = LlamaRotaryEmbedding(self.hf_config)
+        inv_freq = rope.inv_freq.to(torch.float32)
+        self.max_positions = self.dims.max_position_embeddings
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        scaling = float(rope.attention_scaling)
+        self.cos = (emb.cos() * scaling).to(self.dtype).to(self.device)  # [P, D]
+        self.sin = (emb.sin() * scaling).to(self.dtype).to(self.device)
+
+    # --- forward -----------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_rows: torch.Tensor,  # [B] rows whose logits are needed
+    ) -> torch.Tensor:  # [B, V] fp32
+        d = self.dims
+        lora = self.lora if self.lora is not None and self.lora.active() else None
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        residual = h
+        qs, kvs = d.q_size, d.kv_size
+        for i, w in enumerate(self.layers):
+            x = _rms_norm(residual, w.input_norm, d.rms_norm_eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, q + 2 kv]
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
+            q = qkv[:, :qs].view(-1, d.num_heads, d.head_dim)
+            k = qkv[:, qs : qs + kvs].view(-1, d.num_kv_heads, d.head_dim)
+            v = qkv[:, qs + kvs :].view(-1, d.num_kv_heads, d.head_dim)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
+            v = v.contiguous()
+            k_cache, v_cache = kv_caches[i]
+            write_kv(k_cache, v_cache, k, v, attn)
+            a = paged_attention(q, k, v, k_cache, v_cache, attn)  # [T, q]
+            o = F.linear(a, w.o)
+            if lora is not None:
+                lora.add(i, "o", a, o)
+            residual = residual + o
+            x = _rms_norm(residual, w.post_norm, d.rms_norm_eps)
+            gu = F.linear(x, w.gate_up)  # [T, 2 I]
+            if lora is not None:
+                lora.add(i, "gate_up", x, gu)
+            gate, up = gu.chunk(2, dim=-1)
+            m = F.silu(gate) * up
+            dn = F.linear(m, w.down)
+            if lora is not None:
+                lora.add(i, "down", m, dn)
+            residual = residual + dn
+        last = residual.index_select(0, logits_rows)
+        last = _rms_norm(last, self.norm, d.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def kv_bytes_per_token(self) -> int:
+        d = self.dims
+        return 2 * d.num_layers * d.kv_size * torch.finfo(self.dtype).bits // 8
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for w in self.layers:
+            tensors += [w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Hugging Face order for low precision: normalize in fp32, cast, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,56 @@
+"""Postprocessing of one sampled token: append, logprobs, detokenize, stop checks."""
+
+from __future__ import annotations
+
+from loramux.engine.detokenizer import Detokenizer
+from loramux.engine.outputs import Logprob
+from loramux.engine.sampler import SamplerOutput
+from loramux.engine.sequence import Sequence, SequenceStatus
+
+
+class Postprocessor:
+    """Applies a step's picks to sequences and decides when they finish."""
+
+    def __init__(self, detokenizer: Detokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.detok = detokenizer
+        self.eos = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def accept(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
+        """Append the row's token to ``seq`` and mark it finished when a limit is hit."""
+        token = out.token_ids[row]
+        seq.append_token(token)
+        p = seq.params
+        if out.logprobs is not None:
+            lp = out.logprobs[row]
+            seq.cumulative_logprob += lp
+            if p.logprobs is not None:
+                entry = {token: Logprob(lp, out.ranks[row], self.detok.token_text(token))}
+                for rank, (tid, tlp) in enumerate(
+                    zip(out.top_ids[row], out.top_logprobs[row], strict=True), start=1
+                ):
+                    if tid not in entry:
+                        entry[tid] = Logprob(tlp, rank, self.detok.token_text(tid))
+                seq.logprobs.append(entry)
+        is_eos = token in self.eos and not p.ignore_eos
+        new_text = self.detok.decode_token(seq, token) if p.detokenize and not is_eos else ""
+        n_out = seq.num_output_tokens
+        if n_out < p.min_tokens:  # no stop condition applies before min_tokens
+            seq.text += new_text
+            return
+        if is_eos:
+            self._finish(seq, "stop", None)
+        elif token in p.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif self.detok.apply_stop_strings(seq, new_text):
+            self._finish(seq, "stop", seq.stop_reason)
+        elif p.max_tokens is not None and n_out >= p.max_tokens:
+            self._finish(seq, "length", None)
+        elif seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,180 @@
+"""Model runner: turns a SchedulerOutput into tensors, runs the model, returns logits.
+
+Owns the KV cache tensors. Rows of a step: decode sequences first (one token
+each), then prefilling sequences (all their uncomputed tokens, contiguous).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from loramux.engine.config import CacheConfig
+from loramux.engine.model.attention import AttentionMetadata
+from loramux.engine.model.llama import LlamaModel
+from loramux.engine.scheduler import SchedulerOutput
+from loramux.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass
+class StepBatch:
+    """The order of sequences in a step; row i of the logits belongs to ``seqs[i]``."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    token_lora_keys: list[str | None]  # per token, in row order
+
+
+def plan_num_blocks(model: LlamaModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
+    """How many KV blocks fit the configured memory."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    per_block = model.kv_bytes_per_token() * cache.block_size
+    if model.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(model.device)
+        budget = total * cache.gpu_memory_utilization - (total - free) - (1 << 30)
+        if budget < per_block:
+            raise ValueError(
+                "no memory left for the KV cache: raise gpu_memory_utilization "
+                f"(now {cache.gpu_memory_utilization})"
+            )
+    elif cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    else:
+        want = max_num_seqs * (max_model_len + cache.block_size) * model.kv_bytes_per_token()
+        budget = min(_DEFAULT_CPU_KV_BYTES, want)
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory of {budget} bytes holds no block of {cache.block_size} tokens "
+            f"({per_block} bytes each)"
+        )
+    return blocks
+
+
+class ModelRunner:
+    """Builds the step's tensors and runs the forward pass."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        d = model.dims
+        slots = num_blocks * block_size
+        self.kv_caches = [
+            (
+                torch.zeros(slots, d.num_kv_heads, d.head_dim, dtype=model.dtype, device=model.device),
+                torch.zeros(slots, d.num_kv_heads, d.head_dim, dtype=model.dtype, device=model.device),
+            )
+            for _ in range(d.num_layers)
+        ]
+        self._arange_block = torch.arange(block_size)
+
+    def order(self, out: SchedulerOutput) -> StepBatch:
+        decode = [s for s in out.scheduled if not s.is_prefill]
+        prefill = [s for s in out.scheduled if s.is_prefill]
+        items = decode + prefill
+        keys: list[str | None] = []
+        for s in items:
+            keys.extend([s.seq.lora_key] * s.num_new_tokens)
+        return StepBatch([s.seq for s in items], [s.num_new_tokens for s in items], keys)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; returns logits [B, V] fp32 for the last token of each sequence."""
+        dev = self.model.device
+        ids: list[int] = []
+        pos: list[int] = []
+        num_decode = 0
+        prefill_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            if n == 1 and start == seq.num_tokens - 1 and not prefill_lens:
+                num_decode += 1
+            else:
+                if start != 0:
+                    raise RuntimeError("prefill with computed context is not supported")
+                prefill_lens.append(n)
+        positions = torch.tensor(pos, dtype=torch.long)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs],
+            dtype=torch.long,
+        )  # [B, max_blocks]
+        row_of_token = torch.repeat_interleave(
+            torch.arange(len(batch.seqs)), torch.tensor(batch.num_new_tokens)
+        )
+        slot_mapping = (
+            tables[row_of_token, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            num_decode=num_decode,
+            decode_kv_idx=None,
+            decode_mask=None,
+            prefill_lens=prefill_lens,
+            prefill_gather=None,
+            prefill_mask=None,
+            prefill_unpad=None,
+        )
+        window = self.model.dims.sliding_window
+        if num_decode:
+            self._decode_meta(attn, tables[:num_decode], positions[:num_decode] + 1, window)
+        if prefill_lens:
+            self._prefill_meta(attn, prefill_lens, num_decode, window)
+        logits_rows = torch.cumsum(torch.tensor(batch.num_new_tokens), 0) - 1
+        return self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            positions.to(dev),
+            attn,
+            self.kv_caches,
+            logits_rows.to(dev),
+        )
+
+    def _decode_meta(self, attn: AttentionMetadata, tables, ctx_lens, window) -> None:
+        bs = self.block_size
+        ld = int(ctx_lens.max())
+        nb = -(-ld // bs)
+        idx = (tables[:, :nb, None] * bs + self._arange_block).reshape(len(tables), -1)[:, :ld]
+        key_pos = torch.arange(ld).unsqueeze(0)
+        valid = key_pos < ctx_lens.unsqueeze(1)
+        if window is not None:
+            valid &= key_pos >= (ctx_lens.unsqueeze(1) - window)
+        dev = self.model.device
+        attn.decode_kv_idx = idx.to(dev)
+        if not bool(valid.all()):
+            attn.decode_mask = valid[:, None, None, :].to(dev)
+
+    def _prefill_meta(self, attn: AttentionMetadata, lens: list[int], offset: int, window) -> None:
+        dev = self.model.device
+        lp = max(lens)
+        windowed = window is not None and lp > window
+        if len(set(lens)) > 1:
+            q_pos = torch.arange(lp)
+            valid = q_pos.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [Bp, Lp]
+            starts = torch.tensor([0] + lens[:-1]).cumsum(0)
+            gather = (starts.unsqueeze(1) + q_pos.unsqueeze(0)).clamp(max=sum(lens) - 1)
+            attn.prefill_gather = gather.to(dev)
+            attn.prefill_unpad = (
+                torch.arange(len(lens)).unsqueeze(1) * lp + q_pos.unsqueeze(0)
+            )[valid].to(dev)
+            causal = q_pos.unsqueeze(1) >= q_pos.unsqueeze(0)  # [Lp, Lp]
+            mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # [Bp, Lp(q), Lp(k)]
+        else:
+            mask = None
+        if windowed:
+            q_pos = torch.arange(lp)
+            near = (q_pos.unsqueeze(1) - q_pos.unsqueeze(0)) < window
+            base = mask if mask is not None else (q_pos.unsqueeze(1) >= q_pos.unsqueeze(0)).unsqueeze(0)
+            mask = base & near
+        if mask is not None:
+            attn.prefill_mask = mask.unsqueeze(1).to(dev)

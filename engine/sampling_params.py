@@ -1,0 +1,202 @@
+"""Per-request sampling parameters with vLLM's names, defaults and validation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2
+_MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (vLLM semantics).
+
+    Validated on construction: a bad value raises ``ValueError`` naming the
+    parameter and its allowed range.
+    """
+
+    n: int = 1
+    """Completions returned for the prompt."""
+    best_of: int | None = None
+    """Completions generated; the ``n`` with the highest cumulative logprob are returned."""
+    presence_penalty: float = 0.0
+    """Added once to every token already generated (OpenAI semantics), in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Added per occurrence of a generated token (OpenAI semantics), in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Hugging Face multiplicative penalty over prompt and generated tokens, > 0."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 = off."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top probability, in [0, 1]."""
+    seed: int | None = None
+    """Per-request generator: the same seed gives the same tokens whatever else is in the batch."""
+    stop: str | list[str] | None = None
+    """Strings that end generation; cut from the text."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None = up to max_model_len."""
+    min_tokens: int = 0
+    """EOS and stop tokens are blocked until this many tokens exist."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and the top-N alternatives."""
+    prompt_logprobs: int | None = None
+    """Return the top-N logprobs of every prompt token."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of the given token ids, each in [-100, 100]."""
+    allowed_token_ids: list[int] | None = None
+    """Restrict sampling to these token ids."""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors nan or inf "
+                "in tensors. We have maxed it out to %s.",
+                self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE,
+            )
+            self.temperature = _MIN_TEMPERATURE
+        self._verify()
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _verify(self) -> None:
+        _int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        _int("best_of", self.best_of)
+        if self.best_of < self.n:
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and "
+                f"best_of={self.best_of}."
+            )
+        if self.is_greedy and self.best_of > 1 and self.best_of != self.n:
+            raise ValueError(
+                f"best_of must be 1 (or equal to n) when using greedy sampling, got {self.best_of}."
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if _number("repetition_penalty", self.repetition_penalty) <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+        if _number("temperature", self.temperature) < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < _number("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int(name, value)
+                if value < 0:
+                    raise ValueError(f"{name} must be non-negative, got {value}.")
+        if self.seed is not None:
+            _int("seed", self.seed)
+        for s in self.stop_strings:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must be a string or a list of strings, got {s!r}.")
+            if s == "":
+                raise ValueError("stop cannot contain an empty string.")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t)
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative token ids, got {t}.")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token}.")
+            if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token}."
+                )
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise ValueError("allowed_token_ids must not be empty.")
+            for t in self.allowed_token_ids:
+                _int("allowed_token_ids", t)
+                if t < 0:
+                    raise ValueError(f"allowed_token_ids must be non-negative, got {t}.")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when tokens are picked by argmax (temperature 0)."""
+        return self.temperature < _SAMPLING_EPS
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check token ids against the model's vocabulary; called when a request is added."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list((self.logit_bias or {}).keys())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} contains token id {bad[0]} outside the vocabulary "
+                    f"(size {vocab_size})."
+                )
+
+    def clone(self, **changes) -> SamplingParams:
+        """A copy with some fields replaced (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    return value
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    if value != value:
+        raise ValueError(f"{name} must be a number, got NaN.")
+    return float(value)

@@ -1,0 +1,191 @@
+"""Continuous-batching scheduler: which sequences run in the next step.
+
+Each step it first keeps every running sequence decoding (one token each),
+preempting the newest running sequences (recompute later) when KV blocks run
+out, then admits waiting sequences in arrival order while the token budget,
+``max_num_seqs``, free blocks and the adapter limit allow. It knows nothing of
+the model: it hands a plain-data :class:`SchedulerOutput` to the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loramux.engine.block_manager import KVCacheManager
+from loramux.engine.config import SchedulerConfig
+from loramux.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterGate(Protocol):
+    """What the scheduler asks of the adapter slot manager."""
+
+    max_loras: int
+
+    def acquire(self, lora_key: str, in_use: set[str]) -> bool:
+        """True when ``lora_key`` sits (or was just placed) in a device slot, evicting
+        nothing in ``in_use``; otherwise start loading it and return False."""
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence and how many of its tokens are computed this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new_tokens > 1 or self.seq.num_computed_tokens < self.seq.num_tokens - 1
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step (plain data for the runner)."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FIFO admission, newest-first preemption, bounded adapter diversity."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        adapters: AdapterGate | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_model_len)
+        self.adapters = adapters
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- queue ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; called by the engine when a request arrives."""
+        if seq.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt is {seq.num_tokens} tokens, longer than max_model_len "
+                f"({self.max_model_len})"
+            )
+        if self.kv.blocks_for(seq.num_tokens + 1) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens does not fit in the KV cache "
+                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # --- planning ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step; mutates block tables and queues."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self._schedule_running(out)
+        budget -= len(out.scheduled)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        kept: list[Sequence] = []
+        queue = list(self.running)  # oldest first
+        while queue:
+            seq = queue.pop(0)
+            while not self.kv.can_allocate(seq, 1):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.kv.allocate(seq, 1)
+                out.scheduled.append(ScheduledSeq(seq, 1))
+                kept.append(seq)
+        self.running = kept
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        logger.warning(
+            "Sequence %s of request %s is preempted by RECOMPUTE mode because there is not "
+            "enough KV cache space. This can affect the end-to-end performance. Increase "
+            "kv_cache_memory or gpu_memory_utilization to provide more KV cache memory. "
+            "total_num_cumulative_preemption=%d",
+            seq.seq_id, seq.request_id, self.num_preemptions,
+        )
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        in_use = {s.lora_key for s in self.running if s.lora_key is not None}
+        holding_for: Sequence | None = None
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if len(self.running) + len(admitted) >= self.config.max_num_seqs:
+                break
+            need = seq.num_tokens - seq.num_computed_tokens
+            if need > budget:
+                break
+            if not self._adapter_ok(seq, in_use, holding_for):
+                seq.skipped_steps += 1
+                if holding_for is None and seq.skipped_steps > self.config.starvation_steps:
+                    holding_for = seq  # aging: stop taking new adapters until it runs
+                continue
+            if not self.kv.can_allocate(seq, need):
+                break
+            self.kv.allocate(seq, need)
+            seq.status = SequenceStatus.RUNNING
+            seq.skipped_steps = 0
+            budget -= need
+            admitted.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, need))
+            if seq.lora_key is not None:
+                in_use.add(seq.lora_key)
+        for seq in admitted:
+            self.waiting.remove(seq)
+        self.running.extend(admitted)
+
+    def _adapter_ok(self, seq: Sequence, in_use: set[str], holding_for: Sequence | None) -> bool:
+        key = seq.lora_key
+        if key is None or key in in_use:
+            return True
+        if self.adapters is None:
+            return False
+        if holding_for is not None and holding_for.lora_key != key:
+            return False
+        if len(in_use) >= self.adapters.max_loras:
+            return False
+        return self.adapters.acquire(key, in_use)

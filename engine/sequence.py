@@ -1,0 +1,80 @@
+"""Per-sequence state owned by the engine: tokens, KV blocks, status, generator."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loramux.engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated sequence (a request with ``best_of`` > 1 has several).
+
+    ``token_ids`` holds prompt + generated tokens; ``num_computed_tokens`` of them
+    have their keys and values in the KV cache.
+    """
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_key: str | None = None
+    """Adapter of this sequence (None = the base model)."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    token_ids: list[int] = field(init=False)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    text: str = ""
+    """Detokenized output so far (stop strings already cut)."""
+    skipped_steps: int = 0
+    """Steps this sequence waited while others were admitted (aging)."""
+    num_preemptions: int = 0
+    detok_state: object | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
