@@ -70,11 +70,22 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:
-            self.stop_strings = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            self.stop_strings = _list("stop", self.stop)
+        self.stop_token_ids = _list("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _list("allowed_token_ids", self.allowed_token_ids)
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        if 0 < self.temperature < _MIN_TEMPERATURE:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}."
+                )
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"logit_bias must map integer token ids to numbers, got {self.logit_bias!r}."
+                ) from None
+        if 0 < _number("temperature", self.temperature) < _MIN_TEMPERATURE:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors nan or inf "
                 "in tensors. We have maxed it out to %s.",
@@ -192,6 +203,14 @@ def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}.")
     return value
+
+
+def _list(name: str, value) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list, got {value!r}.")
+    return list(value)
 
 
 def _number(name: str, value) -> float:
