@@ -92,7 +92,9 @@ class LLMEngine:
         if config.lora is not None:
             from loramux.engine.lora.manager import LoRAManager
 
-            self.lora_manager = LoRAManager(config.lora, self.model, adapter_source)
+            self.lora_manager = LoRAManager(
+                config.lora, self.model, adapter_source, running_keys=self._running_lora_keys
+            )
             self.model.lora = self.lora_manager
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, self.lora_manager)
         self.generator = torch.Generator().manual_seed(mc.seed)
@@ -105,6 +107,9 @@ class LLMEngine:
             "engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
             model_path.name, dtype, self.device, num_blocks, cc.block_size, self.max_model_len,
         )
+
+    def _running_lora_keys(self) -> set[str]:
+        return {s.lora_key for s in self.scheduler.running if s.lora_key is not None}
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -210,11 +215,12 @@ class LLMEngine:
 
     def step_requests(self) -> list[Request]:
         """Like ``step`` but returns the Request records (the async engine snapshots them)."""
+        failed = self._fail_broken_adapters()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.lora_manager is not None:
-                self.lora_manager.poll()
-            return []
+                self.lora_manager.poll(wait=0.005)
+            return failed
         batch = self.runner.order(plan)
         now = time.monotonic()
         for seq in batch.seqs:
@@ -223,9 +229,13 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(batch.token_lora_keys)
-        logits = self.runner.execute(batch)
+        try:
+            logits = self.runner.execute(batch)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.finish_step()
         sampled = self.sampler(logits, batch.seqs)
-        touched: dict[str, Request] = {}
+        touched: dict[str, Request] = {r.request_id: r for r in failed}
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             seq.num_computed_tokens += n
             self.postprocessor.accept(seq, row, sampled)
@@ -240,6 +250,22 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 self.requests.pop(req.request_id, None)
         return list(touched.values())
+
+    def _fail_broken_adapters(self) -> list[Request]:
+        """Finish the requests whose adapter failed to load, with the load error attached."""
+        if self.lora_manager is None:
+            return []
+        broken = self.lora_manager.failed()
+        if not broken:
+            return []
+        out = []
+        for req in list(self.requests.values()):
+            key = req.lora_request.key if req.lora_request is not None else None
+            if key in broken:
+                req.error = broken[key]
+                self.abort_request(req.request_id)
+                out.append(req)
+        return out
 
     def logprob_entry(self, token_id: int, logprob: float, rank: int) -> Logprob:
         return Logprob(logprob, rank, self.detokenizer.token_text(token_id))

@@ -113,6 +113,10 @@ class LLM:
         while len(done) < len(ids):
             for req in engine.step_requests():
                 if req.finished and req.request_id in wanted:
+                    if req.error is not None:
+                        for rid in ids:
+                            engine.abort_request(rid)
+                        raise req.error
                     done[req.request_id] = req.to_output()
                     bar.update()
         bar.close()

@@ -23,6 +23,8 @@ class Request:
     lora_request: object | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     aborted: bool = False
+    error: Exception | None = None
+    """Why the engine ended the request early (e.g. its adapter failed to load)."""
 
     @property
     def finished(self) -> bool:
@@ -62,4 +64,5 @@ class Request:
             finished=finished,
             metrics=self.metrics,
             lora_request=self.lora_request,
+            extra={"error": self.error} if self.error is not None else {},
         )

@@ -1,0 +1,159 @@
+"""AsyncEngine: the engine's step loop on a background thread, asyncio in front.
+
+All engine mutations (add, abort, step) happen on the loop thread; callers
+reach it through a command queue. ``generate`` is an async iterator of
+cumulative ``RequestOutput`` snapshots; leaving it early aborts the request and
+frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from loramux.engine.engine import LLMEngine, PromptType
+from loramux.engine.lora_request import LoRARequest
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error; the server should restart it."""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and readiness."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class AsyncEngine:
+    """Thread-backed asynchronous front of :class:`LLMEngine`."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable, concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
+        self._thread.start()
+
+    # --- public API ----------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step it advances; the last is finished."""
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, stream)
+        try:
+            await self.call(lambda: self.engine.add_request(request_id, prompt, sampling_params, lora_request))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.extra.get("error") is not None:
+                    finished = True
+                    raise item.extra["error"]
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks."""
+        self._streams.pop(request_id, None)
+        return await self.call(lambda: self.engine.abort_request(request_id))
+
+    async def call(self, fn: Callable):
+        """Run ``fn()`` on the engine thread (between steps) and return its result."""
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def call_sync(self, fn: Callable, timeout: float | None = None):
+        """Blocking variant of :meth:`call` for non-async callers."""
+        return self._submit(fn).result(timeout)
+
+    def stats(self) -> EngineStats:
+        s = self.engine.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.engine.kv.usage, s.num_preemptions)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))
+        self._thread.join(timeout)
+
+    # --- the loop --------------------------------------------------------------------
+    def _submit(self, fn: Callable) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._dead is not None:
+            fut.set_exception(EngineDeadError(f"the engine stopped: {self._dead!r}"))
+            return fut
+        self._commands.put((fn, fut))
+        return fut
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            fn, fut = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    fut.set_exception(exc)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not engine.has_unfinished_requests())
+                if not engine.has_unfinished_requests():
+                    if engine.lora_manager is not None:
+                        engine.lora_manager.poll()
+                    continue
+                for req in engine.step_requests():
+                    target = self._streams.get(req.request_id)
+                    if target is not None:
+                        loop, stream = target
+                        loop.call_soon_threadsafe(stream.put_nowait, req.to_output(streaming=True))
+        except BaseException as exc:
+            logger.exception("engine loop failed")
+            self._dead = exc
+            for loop, stream in list(self._streams.values()):
+                loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(f"the engine stopped: {exc!r}"))

@@ -1,0 +1,76 @@
+"""Device slot buffers: stacked LoRA A/B weights for every projection group.
+
+For layer ``l`` and group ``g`` (qkv, o, gate_up, down):
+``a[l][g]``: [max_loras, num_slices, max_lora_rank, K] and
+``b[l][g]``: [max_loras, N_total, max_lora_rank] (slices' rows concatenated), plus a
+per-slot ``scale`` [max_loras] fp32 and ``ranks`` [max_loras] int64 (0 = empty).
+Rows/columns beyond an adapter's rank, and modules it does not target, are zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loramux.adapters.format import LoraWeights
+from loramux.engine.model.llama import PROJECTION_GROUPS
+from loramux.engine.model.weights import ModelDims
+
+
+class SlotBuffers:
+    """The stacked weights that the LoRA kernels read."""
+
+    def __init__(self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device) -> None:
+        self.dims = dims
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        shapes = dims.module_shapes()
+        self.slice_offsets: dict[str, list[int]] = {}
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for group, modules in PROJECTION_GROUPS.items():
+            offs = [0]
+            for m in modules:
+                offs.append(offs[-1] + shapes[m][1])
+            self.slice_offsets[group] = offs
+        for _ in range(dims.num_layers):
+            a_layer, b_layer = {}, {}
+            for group, modules in PROJECTION_GROUPS.items():
+                k = shapes[modules[0]][0]
+                n = self.slice_offsets[group][-1]
+                a_layer[group] = torch.zeros(max_loras, len(modules), max_rank, k, dtype=dtype, device=device)
+                b_layer[group] = torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
+            self.a.append(a_layer)
+            self.b.append(b_layer)
+        self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)
+
+    def write(self, slot: int, weights: LoraWeights) -> None:
+        """Copy an adapter into ``slot`` (zeroing whatever was there)."""
+        r = weights.spec.r
+        if r > self.max_rank:
+            raise ValueError(f"adapter rank {r} exceeds max_lora_rank {self.max_rank}")
+        for layer in range(self.dims.num_layers):
+            modules = weights.layers.get(layer, {})
+            for group, names in PROJECTION_GROUPS.items():
+                a = self.a[layer][group][slot]
+                b = self.b[layer][group][slot]
+                a.zero_()
+                b.zero_()
+                offs = self.slice_offsets[group]
+                for s, name in enumerate(names):
+                    pair = modules.get(name)
+                    if pair is None:
+                        continue
+                    wa, wb = pair
+                    a[s, :r].copy_(wa, non_blocking=True)
+                    b[offs[s] : offs[s + 1], :r].copy_(wb, non_blocking=True)
+        self.scale[slot] = weights.spec.scale
+        self.ranks[slot] = r
+
+    def clear(self, slot: int) -> None:
+        """Mark ``slot`` empty (its weights are overwritten by the next write)."""
+        self.ranks[slot] = 0
+        self.scale[slot] = 0.0
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values())
