@@ -27,7 +27,13 @@ import torch
 
 from loramux.adapters.arch import SUPPORTED_MODULES
 from loramux.adapters.errors import AdapterValidationError
-from loramux.adapters.format import CONFIG_NAME, LoraWeights, load_adapter, parse_config, read_config
+from loramux.adapters.format import (
+    CONFIG_NAME,
+    LoraWeights,
+    load_adapter,
+    parse_config,
+    read_config,
+)
 from loramux.engine.config import LoRAConfig
 from loramux.engine.lora import ops
 from loramux.engine.lora.meta import LoRABatchMeta
@@ -69,7 +75,9 @@ class LoRAManager:
         self.source = adapter_source
         self.running_keys = running_keys or (lambda: set())
         dtype = model.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
-        self.slots = SlotBuffers(model.dims, config.max_loras, config.max_lora_rank, dtype, model.device)
+        self.slots = SlotBuffers(
+            model.dims, config.max_loras, config.max_lora_rank, dtype, model.device
+        )
         self.backend = ops.resolve_backend(config.lora_backend, model.device)
         self.adapters: dict[str, AdapterState] = {}
         self.slot_of: dict[str, int] = {}
@@ -103,7 +111,9 @@ class LoRAManager:
             )
         unsupported = [m for m in spec.target_modules if m not in SUPPORTED_MODULES]
         if unsupported:
-            raise LoRAError(f"adapter {request.lora_name!r} targets unsupported modules {unsupported}")
+            raise LoRAError(
+                f"adapter {request.lora_name!r} targets unsupported modules {unsupported}"
+            )
         self.adapters[request.key] = AdapterState(request, spec.r)
 
     def _folder(self, request: LoRARequest) -> Path:
@@ -212,7 +222,9 @@ class LoRAManager:
     def poll(self, wait: float = 0.0) -> None:
         """Move finished background loads into the CPU tier (called between steps)."""
         if wait and self.loading and not any(f.done() for f in self.loading.values()):
-            futures.wait(list(self.loading.values()), timeout=wait, return_when=futures.FIRST_COMPLETED)
+            futures.wait(
+                list(self.loading.values()), timeout=wait, return_when=futures.FIRST_COMPLETED
+            )
         for key, fut in list(self.loading.items()):
             if not fut.done():
                 continue
@@ -222,8 +234,10 @@ class LoRAManager:
                 continue
             exc = fut.exception()
             if exc is not None:
-                state.error = exc if isinstance(exc, (LoRAError, AdapterValidationError)) else LoRAError(
-                    f"adapter {key!r} failed to load: {exc}"
+                state.error = (
+                    exc
+                    if isinstance(exc, (LoRAError, AdapterValidationError))
+                    else LoRAError(f"adapter {key!r} failed to load: {exc}")
                 )
                 logger.error("adapter %s failed to load: %s", key, exc)
                 continue

@@ -65,6 +65,7 @@ class LoRABatchMeta:
     active_pos: torch.Tensor | None  # [T_act] int64 sorted positions in segments; None = all
     identity_layout: bool  # padded rows == sorted rows (no pads, no rank-0 rows)
     identity_tokens: bool  # additionally sorted_token_idx == arange(T)
+    chunk_slot_start: int | None  # chunk_slots == arange(start, start + NC): weights as a view
     _has_lora: bool = False
 
     @classmethod
@@ -123,6 +124,9 @@ class LoRABatchMeta:
             identity_layout and t_lora == T and bool((sorted_idx == np.arange(T)).all())
         )
         keep_rows = np.nonzero(valid)[0] if padded else None
+        slot_start = None
+        if chunk_slots.size and (chunk_slots == chunk_slots[0] + np.arange(chunk_slots.size)).all():
+            slot_start = int(chunk_slots[0])
         active = pos[valid] if not covered else None
 
         pack = [slots, sorted_idx, seg_starts, seg_lens, seg_slots, chunk_slots, pos, chunk_tokens]
@@ -156,6 +160,7 @@ class LoRABatchMeta:
             active_pos=active_t,
             identity_layout=identity_layout,
             identity_tokens=identity_tokens,
+            chunk_slot_start=slot_start,
             _has_lora=bool(seg_slots.size),
         )
 

@@ -19,7 +19,9 @@ from loramux.engine.model.weights import ModelDims
 class SlotBuffers:
     """The stacked weights that the LoRA kernels read."""
 
-    def __init__(self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device
+    ) -> None:
         self.dims = dims
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -37,7 +39,9 @@ class SlotBuffers:
             for group, modules in PROJECTION_GROUPS.items():
                 k = shapes[modules[0]][0]
                 n = self.slice_offsets[group][-1]
-                a_layer[group] = torch.zeros(max_loras, len(modules), max_rank, k, dtype=dtype, device=device)
+                a_layer[group] = torch.zeros(
+                    max_loras, len(modules), max_rank, k, dtype=dtype, device=device
+                )
                 b_layer[group] = torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
@@ -73,4 +77,6 @@ class SlotBuffers:
         self.scale[slot] = 0.0
 
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values())
+        return sum(
+            t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values()
+        )

@@ -120,11 +120,14 @@ def test_meta_chunk_layout_covers_every_segment_row_once():
     assert torch.equal(chunk_tok_slots, meta.chunk_slots[:, None].expand(-1, C))
 
 
-def test_meta_identity_flags():
+def test_meta_identity_flags_and_slot_range():
     meta = LoRABatchMeta.build([3] * 10, torch.tensor([0, 0, 0, 8]))
     assert meta.identity_layout and meta.identity_tokens and meta.chunk_mask is None
+    assert meta.chunk_slot_start == 3
     meta = LoRABatchMeta.build([1, 0, 1], torch.tensor([4, 4]))
-    assert not meta.identity_tokens
+    assert not meta.identity_tokens and meta.chunk_slot_start == 0
+    meta = LoRABatchMeta.build([2, 0, 2], torch.tensor([4, 4, 4]))
+    assert meta.chunk_slot_start is None  # slots 0 and 2: weights are gathered
 
 
 # ---------------------------------------------------------------------------- torch backend
@@ -160,8 +163,13 @@ def test_torch_fast_matches_reference_and_dense(layout, widths, dtype):
     torch.testing.assert_close(y_fast.double(), want, **tol)
 
     # rows without an adapter (or with a rank-0 adapter) are bit-for-bit untouched
+    y_fused = y0.clone()
+    torch_ops.add_lora(y_fused, x, a, b, meta, scale, offs)
+    torch.testing.assert_close(y_fused.double(), want, **tol)
+
     untouched = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
     assert torch.equal(y_fast[untouched], y0[untouched])
+    assert torch.equal(y_fused[untouched], y0[untouched])
     if meta.has_lora:  # the comparison is not vacuous
         touched = [t for t in range(len(slots)) if t not in untouched]
         assert (y_fast[touched].float() - y0[touched].float()).abs().max() > 0.1

@@ -113,5 +113,8 @@ def add_lora(
     if not meta.has_lora:
         return
     name = resolve_backend(backend, x.device)
+    if name == "torch":
+        torch_ops.add_lora(y, x, a_stack, b_stack, meta, scale, slice_offsets)
+        return
     v = lora_shrink(x, a_stack, meta, scale, backend=name, deterministic=deterministic)
     lora_expand(v, b_stack, meta, y, slice_offsets, backend=name)

@@ -2,8 +2,9 @@
 
 The fast path runs a constant number of torch ops per layer, whatever the number of
 adapters: one gather of x rows into the padded chunk layout of ``LoRABatchMeta``, one
-gather of the chunks' A matrices, one ``bmm`` for all slices, then per slice (<= 3) one
-``bmm`` with the chunks' B rows and one ``index_add_`` into y.
+gather of the chunks' A matrices (a view when the chunks use consecutive slots), one ``bmm``
+for all slices, then per slice (<= 3) one ``bmm`` with the chunks' B rows into one delta
+buffer, and one ``index_add_`` of the delta rows into y.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from loramux.engine.lora.meta import LoRABatchMeta
 
-__all__ = ["lora_expand", "lora_shrink"]
+__all__ = ["add_lora", "lora_expand", "lora_shrink"]
 
 
 def _check_offsets(slice_offsets: Sequence[int], num_slices: int, n_total: int) -> list[int]:
@@ -28,29 +29,85 @@ def _check_offsets(slice_offsets: Sequence[int], num_slices: int, n_total: int) 
     return offs
 
 
-def lora_shrink(
+def _chunk_weights(stack: torch.Tensor, meta: LoRABatchMeta, dtype: torch.dtype) -> torch.Tensor:
+    """``stack[chunk_slots]`` in ``dtype``: a view when the chunks use consecutive slots."""
+    if meta.chunk_slot_start is not None:
+        w = stack.narrow(0, meta.chunk_slot_start, meta.num_chunks)
+    else:
+        w = stack.index_select(0, meta.chunk_slots)
+    return w.to(dtype)
+
+
+def _shrink_padded(
     x: torch.Tensor, a_stack: torch.Tensor, meta: LoRABatchMeta, scale: torch.Tensor
 ) -> torch.Tensor:
-    """Torch shrink: ``[T, K] -> [num_slices, T_lora, R]`` fp32 (see ``ops.lora_shrink``)."""
-    num_slots, num_slices, R, K = a_stack.shape
+    """Shrink in the chunk layout -> ``[NC * C, num_slices, R]`` fp32 (pad rows arbitrary)."""
+    _, num_slices, R, K = a_stack.shape
     if x.shape != (meta.num_tokens, K):
         raise ValueError(f"x must be [{meta.num_tokens}, {K}]; got {list(x.shape)}")
-    T_lora = meta.num_lora_tokens
-    if not meta.has_lora:
-        return torch.zeros(num_slices, T_lora, R, dtype=torch.float32, device=x.device)
     NC, C = meta.num_chunks, meta.chunk_len
     cdtype = torch.promote_types(x.dtype, a_stack.dtype)
     xg = x if meta.identity_tokens else x.index_select(0, meta.chunk_tokens)  # [NC*C, K]
     xg = xg.to(cdtype).reshape(NC, C, K)
-    a = a_stack.index_select(0, meta.chunk_slots).to(cdtype)  # [NC, slices, R, K]
-    out = torch.bmm(xg, a.view(NC, num_slices * R, K).transpose(1, 2))  # [NC, C, slices*R]
-    out = out * scale.to(torch.float32).index_select(0, meta.chunk_slots).view(NC, 1, 1)
-    out = out.view(NC * C, num_slices, R)  # fp32
+    a = _chunk_weights(a_stack, meta, cdtype).reshape(NC, num_slices * R, K)
+    out = torch.bmm(xg, a.transpose(1, 2))  # [NC, C, slices*R]
+    if meta.chunk_slot_start is not None:
+        sc = scale.narrow(0, meta.chunk_slot_start, NC)
+    else:
+        sc = scale.index_select(0, meta.chunk_slots)
+    out = out * sc.to(torch.float32).view(NC, 1, 1)  # fp32
+    return out.view(NC * C, num_slices, R)
+
+
+def _expand_padded(
+    vp: torch.Tensor, b_stack: torch.Tensor, meta: LoRABatchMeta, y: torch.Tensor, offs: list[int]
+) -> None:
+    """Expand from the chunk layout ``vp`` ``[NC * C, num_slices, R]`` (pad rows zero) into y."""
+    n_total = b_stack.shape[1]
+    if y.shape != (meta.num_tokens, n_total):
+        raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
+    NC, C = meta.num_chunks, meta.chunk_len
+    R = vp.shape[2]
+    cdtype = torch.promote_types(y.dtype, b_stack.dtype)
+    vp = vp.to(cdtype)
+    b = _chunk_weights(b_stack, meta, cdtype)  # [NC, N_total, R]
+    if len(offs) == 2:
+        delta = torch.bmm(vp.view(NC, C, R), b.transpose(1, 2))  # [NC, C, N_total]
+    else:
+        delta = torch.empty(NC, C, n_total, dtype=cdtype, device=y.device)
+        for s in range(len(offs) - 1):
+            lo, hi = offs[s], offs[s + 1]
+            if hi > lo:
+                vs = vp[:, s].reshape(NC, C, R)
+                torch.bmm(vs, b[:, lo:hi].transpose(1, 2), out=delta[:, :, lo:hi])
+    delta = delta.view(NC * C, n_total)
+    if meta.identity_tokens:
+        y.add_(delta)
+    else:
+        y.index_add_(0, meta.chunk_tokens, delta.to(y.dtype))  # pad rows add exact zeros
+
+
+def _mask_pads(vp: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor:
+    if meta.chunk_mask is None:
+        return vp
+    return vp * meta.chunk_mask.view(-1, 1, 1)
+
+
+def lora_shrink(
+    x: torch.Tensor, a_stack: torch.Tensor, meta: LoRABatchMeta, scale: torch.Tensor
+) -> torch.Tensor:
+    """Torch shrink: ``[T, K] -> [num_slices, T_lora, R]`` fp32 (see ``ops.lora_shrink``)."""
+    _, num_slices, R, _ = a_stack.shape
+    if not meta.has_lora:
+        return torch.zeros(
+            num_slices, meta.num_lora_tokens, R, dtype=torch.float32, device=x.device
+        )
+    out = _shrink_padded(x, a_stack, meta, scale)  # [NC*C, slices, R]
     if meta.chunk_keep is not None:
         out = out.index_select(0, meta.chunk_keep)  # [T_act, slices, R]
     if meta.active_pos is None:
         return out.permute(1, 0, 2)  # [slices, T_lora, R]
-    v = torch.zeros(num_slices, T_lora, R, dtype=torch.float32, device=x.device)
+    v = torch.zeros(num_slices, meta.num_lora_tokens, R, dtype=torch.float32, device=x.device)
     v.index_copy_(1, meta.active_pos, out.permute(1, 0, 2))
     return v
 
@@ -63,31 +120,30 @@ def lora_expand(
     slice_offsets: Sequence[int],
 ) -> None:
     """Torch expand: ``y[tok, slice cols] += B[slot, slice rows] @ v[s, i]`` in place."""
-    num_slices, T_lora, R = v.shape
-    offs = _check_offsets(slice_offsets, num_slices, b_stack.shape[1])
-    if y.shape != (meta.num_tokens, b_stack.shape[1]):
-        raise ValueError(f"y must be [{meta.num_tokens}, {b_stack.shape[1]}]; got {list(y.shape)}")
+    offs = _check_offsets(slice_offsets, v.shape[0], b_stack.shape[1])
     if not meta.has_lora:
         return
-    NC, C = meta.num_chunks, meta.chunk_len
-    cdtype = torch.promote_types(y.dtype, b_stack.dtype)
+    vp = v.permute(1, 0, 2)  # [T_lora, slices, R]
     if not meta.identity_layout:
-        v = v.index_select(1, meta.chunk_pos)  # [slices, NC*C, R]
-        if meta.chunk_mask is not None:
-            v = v * meta.chunk_mask
-    v = v.to(cdtype)
-    b = b_stack.index_select(0, meta.chunk_slots).to(cdtype)  # [NC, N_total, R]
-    for s in range(num_slices):
-        lo, hi = offs[s], offs[s + 1]
-        if hi == lo:
-            continue
-        out = torch.bmm(v[s].reshape(NC, C, R), b[:, lo:hi].transpose(1, 2))  # [NC, C, n]
-        out = out.view(NC * C, hi - lo).to(y.dtype)
-        ys = y if (lo == 0 and hi == y.shape[1]) else y[:, lo:hi]
-        if meta.identity_tokens:
-            ys.add_(out)
-        else:
-            ys.index_add_(0, meta.chunk_tokens, out)  # pad rows add exact zeros
+        vp = _mask_pads(vp.index_select(0, meta.chunk_pos), meta)  # [NC*C, slices, R]
+    _expand_padded(vp, b_stack, meta, y, offs)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    meta: LoRABatchMeta,
+    scale: torch.Tensor,
+    slice_offsets: Sequence[int],
+) -> None:
+    """Fused shrink + expand that keeps v in the chunk layout (no sorted-order round trip)."""
+    offs = _check_offsets(slice_offsets, a_stack.shape[1], b_stack.shape[1])
+    if not meta.has_lora:
+        return
+    vp = _mask_pads(_shrink_padded(x, a_stack, meta, scale), meta)
+    _expand_padded(vp, b_stack, meta, y, offs)
 
 
 def _reference_shrink(

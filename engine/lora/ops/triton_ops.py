@@ -15,6 +15,7 @@ Triton is imported lazily: this module imports (with ``HAS_TRITON = False``) wit
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -46,6 +47,7 @@ def _clamp(v: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, v))
 
 
+@functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -59,8 +61,9 @@ def _block_m(max_seg_len: int) -> tuple[int, bool]:
     return (16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64), True
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """fp32 operands: exact fp32 products (no TF32), to match the torch reference."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 if HAS_TRITON:
@@ -248,7 +251,7 @@ def shrink_config(
         block_n = _clamp(_next_pow2(R), 16, 64)
         block_k = 64 if K >= 64 else _clamp(_next_pow2(K), 16, 64)
     else:
-        block_n = _clamp(_next_pow2(R), 1, 64)
+        block_n = _clamp(_next_pow2(R), 8, 64)
         block_k = _clamp(_DECODE_TILE_ELEMS // (block_m * block_n), 16, 256)
     split_k = 1
     if not deterministic:
@@ -266,7 +269,7 @@ def expand_config(meta: LoRABatchMeta, R: int, max_n: int) -> dict:
         block_k = _clamp(_next_pow2(R), 16, 64)
         block_n = 64
     else:
-        block_k = _clamp(_next_pow2(R), 1, 64)
+        block_k = _clamp(_next_pow2(R), 8, 64)
         block_n = _clamp(_DECODE_TILE_ELEMS // (block_m * block_k), 16, 256)
     block_n = min(block_n, max(16, _next_pow2(max_n)))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot)
