@@ -39,7 +39,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits[:, : self.vocab_size]
         want_logprobs = [s.params.logprobs is not None for s in seqs]
-        raw = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        # best_of > n ranks completions by cumulative logprob, asked for or not
+        need_raw = any(want_logprobs) or any(s.params.best_of > s.params.n for s in seqs)
+        raw = torch.log_softmax(logits, dim=-1) if need_raw else None
         logits = self._process(logits, seqs)
         tokens = self._pick(logits, seqs)
         return self._logprobs(raw, tokens, seqs, want_logprobs)
@@ -123,16 +125,19 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(tp < 1.0 for tp in top_p):
             probs = _top_k_top_p(probs, top_k, top_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+        # Noise is drawn on each generator's own device (CPU generators on a CUDA engine).
         noise = torch.empty_like(probs)
+        v = probs.shape[1]
         unseeded = [r for r, i in enumerate(sampled) if seqs[i].generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=dev
-            ).exponential_(generator=self.generator)
+            g = self.generator
+            noise[unseeded] = torch.empty(len(unseeded), v, device=g.device).exponential_(
+                generator=g
+            ).to(dev)
         for r, i in enumerate(sampled):
             g = seqs[i].generator
             if g is not None:
-                noise[r].exponential_(generator=g)
+                noise[r] = torch.empty(v, device=g.device).exponential_(generator=g).to(dev)
         picked = (probs / noise).argmax(dim=-1)
         tokens[sampled] = picked
         return tokens
