@@ -1,0 +1,628 @@
+"""``RegistryService``: tenants, API keys and adapters over SQL + an object store.
+
+Upload is validate → write the weights to the store under a content-addressed key →
+commit the row (and its audit event) in one transaction. A failure at any point leaves
+no row; an object written by a failed upload is unreferenced and ``gc()`` removes it.
+Every adapter query is scoped to one tenant: another tenant's adapter is reported
+exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, selectinload
+
+from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
+from loramux.adapters.format import (
+    DEFAULT_MAX_ADAPTER_BYTES,
+    DEFAULT_MAX_LORA_RANK,
+    MAX_CONFIG_BYTES,
+    LoraWeights,
+    load_adapter,
+    validate_adapter,
+)
+from loramux.registry import auth
+from loramux.registry.cache import AdapterCache, cache_entry_name
+from loramux.registry.db import Database
+from loramux.registry.errors import (
+    AdapterConflict,
+    AdapterNotFound,
+    BaseModelNotConfigured,
+    TenantConflict,
+    TenantNotFound,
+)
+from loramux.registry.models import Adapter, AdapterEvent, ApiKey, Tenant, utcnow
+from loramux.registry.names import check_name
+from loramux.registry.presets import check_preset
+from loramux.registry.store import ObjectStore, sha256_file
+
+logger = logging.getLogger(__name__)
+
+OBJECT_PREFIX = "adapters/sha256/"
+DEFAULT_GC_MIN_AGE_S = 3600.0
+
+TenantRef = Tenant | int | str
+Listener = Callable[[str, "AdapterHandle"], None]
+
+
+def object_key(sha256: str) -> str:
+    """The content-addressed key of an adapter's weights."""
+    return f"{OBJECT_PREFIX}{sha256}/{WEIGHTS_NAME}"
+
+
+@dataclass(frozen=True)
+class AdapterHandle:
+    """A snapshot of one adapter row, with its weights one call away.
+
+    ``local_path()`` fetches the weights into the local disk cache on first use and
+    returns a PEFT folder; ``load()`` reads it as :class:`LoraWeights`. Engines use the
+    handle (or ``RegistryService.fetch_by_id``) as their adapter source.
+    """
+
+    id: int
+    tenant_id: int
+    name: str
+    version: int
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    sha256: str
+    size_bytes: int
+    object_key: str
+    status: str
+    default_preset: dict[str, Any] | None
+    config: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def cache_key(self) -> str:
+        """Identifies the content (weights + config); changes when the adapter is replaced."""
+        return cache_entry_name(self.sha256, self.config)
+
+    def local_path(self) -> Path:
+        """The adapter's local PEFT folder, fetched from the object store on first use."""
+        if self._fetch is None:
+            raise RuntimeError("this handle is not attached to a registry")
+        return self._fetch(self)
+
+    def load(self, *, dtype=None) -> LoraWeights:
+        import torch
+
+        return load_adapter(self.local_path(), dtype=dtype or torch.float32)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields for the API and the CLI."""
+        d = asdict(self)
+        d.pop("_fetch")
+        d["target_modules"] = list(self.target_modules)
+        d["created_at"] = self.created_at.isoformat()
+        d["updated_at"] = self.updated_at.isoformat()
+        return d
+
+
+@dataclass(frozen=True)
+class AdapterEventInfo:
+    id: int
+    tenant_id: int | None
+    adapter_id: int | None
+    adapter_name: str
+    kind: str
+    actor: str | None
+    details: dict[str, Any] | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class GcReport:
+    deleted_objects: list[str]
+    pruned_cache_entries: list[str]
+
+
+class RegistryService:
+    """Tenants, API keys and adapters. Thread-safe; one per process.
+
+    ``base_config`` (a ``config.json`` dict or ``PretrainedConfig``) and
+    ``base_model_name`` describe the served base model; uploads are validated
+    against them. ``base_model_path`` (a Hugging Face folder) is needed for export.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        store: ObjectStore,
+        cache: AdapterCache,
+        *,
+        base_config: Mapping[str, Any] | Any | None = None,
+        base_model_name: str | None = None,
+        base_model_path: str | os.PathLike | None = None,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES,
+        tmp_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self.db = db
+        self.store = store
+        self.cache = cache
+        self.base_config = base_config
+        self.base_model_name = base_model_name
+        self.base_model_path = Path(base_model_path) if base_model_path else None
+        self.max_lora_rank = max_lora_rank
+        self.max_adapter_bytes = max_adapter_bytes
+        self.tmp_dir = Path(tmp_dir) if tmp_dir else None
+        if self.tmp_dir:
+            self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._listeners: list[Listener] = []
+
+    # -- events ---------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(kind, handle)`` after each committed change (uploaded, replaced,
+        deleted, preset_changed, evicted, exported); the platform relays it to engines."""
+        self._listeners.append(listener)
+
+    def _notify(self, kind: str, handle: AdapterHandle) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(kind, handle)
+            except Exception:  # a listener must not undo a committed change
+                logger.exception("adapter event listener failed for %s %s", kind, handle.name)
+
+    # -- tenants and keys -----------------------------------------------------------
+
+    def create_tenant(self, name: str, *, admin: bool = False) -> tuple[Tenant, str]:
+        """Create a tenant and its first API key; the plaintext key is returned only here."""
+        check_name(name, "tenant")
+        try:
+            with self.db.session() as s:
+                tenant = Tenant(name=name)
+                s.add(tenant)
+                s.flush()
+                key = self._add_key(s, tenant.id, admin=admin, label="initial")
+        except IntegrityError:
+            raise TenantConflict(f"tenant {name!r} already exists; pick another name") from None
+        return tenant, key
+
+    def _add_key(self, s: Session, tenant_id: int, *, admin: bool, label: str | None) -> str:
+        key, prefix = auth.generate_key()
+        s.add(
+            ApiKey(
+                tenant_id=tenant_id,
+                prefix=prefix,
+                key_hash=auth.hash_key(key),
+                is_admin=admin,
+                label=label,
+            )
+        )
+        return key
+
+    def create_api_key(
+        self, tenant: TenantRef, *, admin: bool = False, label: str | None = None
+    ) -> str:
+        """Add an API key to a tenant; returns the plaintext key (shown once)."""
+        with self.db.session() as s:
+            return self._add_key(s, self._tenant_id(s, tenant), admin=admin, label=label)
+
+    def revoke_api_key(self, key_or_prefix: str) -> bool:
+        """Revoke a key by its plaintext or its prefix; ``False`` if no such active key."""
+        prefix = auth.key_prefix(key_or_prefix) or key_or_prefix
+        with self.db.session() as s:
+            row = s.scalar(select(ApiKey).where(ApiKey.prefix == prefix))
+            if row is None or row.revoked_at is not None:
+                return False
+            row.revoked_at = utcnow()
+            return True
+
+    def authenticate_key(self, key: str) -> ApiKey | None:
+        """The active ``ApiKey`` (with ``.tenant`` loaded) for a plaintext key, else ``None``."""
+        prefix = auth.key_prefix(key)
+        if prefix is None:
+            auth.burn_time(key or "")
+            return None
+        with self.db.session() as s:
+            row = s.scalar(
+                select(ApiKey).options(selectinload(ApiKey.tenant)).where(ApiKey.prefix == prefix)
+            )
+            if row is None:
+                auth.burn_time(key)
+                return None
+            if not auth.verify_key(key, row.key_hash) or row.revoked_at is not None:
+                return None
+            return row
+
+    def authenticate(self, key: str) -> Tenant | None:
+        """The tenant owning an active API key, else ``None`` (constant-time hash compare)."""
+        row = self.authenticate_key(key)
+        return row.tenant if row is not None else None
+
+    def get_tenant(self, tenant: TenantRef) -> Tenant:
+        with self.db.session() as s:
+            return s.get_one(Tenant, self._tenant_id(s, tenant))
+
+    def list_tenants(self) -> list[Tenant]:
+        with self.db.session() as s:
+            return list(s.scalars(select(Tenant).order_by(Tenant.name)))
+
+    def _tenant_id(self, s: Session, tenant: TenantRef) -> int:
+        if isinstance(tenant, Tenant):
+            tenant = tenant.id
+        if isinstance(tenant, int) and not isinstance(tenant, bool):
+            found = s.scalar(select(Tenant.id).where(Tenant.id == tenant))
+        elif isinstance(tenant, str):
+            found = s.scalar(select(Tenant.id).where(Tenant.name == tenant))
+        else:
+            raise TypeError(f"tenant must be a Tenant, an id or a name, not {type(tenant)!r}")
+        if found is None:
+            raise TenantNotFound(
+                f"tenant {tenant!r} not found; create it with `loramux tenants create NAME`"
+            )
+        return found
+
+    # -- adapters -------------------------------------------------------------------
+
+    def _handle(self, row: Adapter) -> AdapterHandle:
+        return AdapterHandle(
+            id=row.id,
+            tenant_id=row.tenant_id,
+            name=row.name,
+            version=row.version,
+            base_model=row.base_model,
+            rank=row.rank,
+            alpha=row.alpha,
+            target_modules=tuple(row.target_modules),
+            sha256=row.sha256,
+            size_bytes=row.size_bytes,
+            object_key=row.object_key,
+            status=row.status,
+            default_preset=row.default_preset,
+            config=dict(row.config),
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            _fetch=self._fetch,
+        )
+
+    def _fetch(self, handle: AdapterHandle) -> Path:
+        return self.cache.fetch(self.store, handle.object_key, handle.sha256, handle.config)
+
+    def _row(self, s: Session, tenant_id: int, name: str) -> Adapter:
+        row = s.scalar(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name))
+        if row is None:
+            raise AdapterNotFound(
+                f"adapter {name!r} not found; list yours with GET /v1/adapters or "
+                "`loramux adapters list`"
+            )
+        return row
+
+    def _require_base(self) -> None:
+        if self.base_config is None:
+            raise BaseModelNotConfigured(
+                "no base model is configured; pass base_model= to build_registry "
+                "(or --base-model to the CLI)"
+            )
+
+    def validate(self, source: str | os.PathLike) -> LoraWeights:
+        """Run the upload checks on an adapter folder or archive without storing anything."""
+        self._require_base()
+        return validate_adapter(
+            source,
+            self.base_config,
+            max_lora_rank=self.max_lora_rank,
+            max_bytes=self.max_adapter_bytes,
+            base_model_name=self.base_model_name,
+        )
+
+    def upload(
+        self,
+        tenant: TenantRef,
+        name: str,
+        source: str | os.PathLike,
+        *,
+        actor: str | None = None,
+        replace: bool = False,
+        default_preset: dict[str, Any] | None = None,
+    ) -> AdapterHandle:
+        """Validate an adapter folder or archive and register it as ``name``.
+
+        Raises AdapterValidationError (bad adapter), InvalidName, InvalidPreset,
+        TenantNotFound, AdapterConflict (name taken, unless ``replace=True``, which
+        bumps the version), ObjectStoreError.
+        """
+        check_name(name)
+        preset = check_preset(default_preset)
+        self._require_base()
+        with self.db.session() as s:
+            tenant_id = self._tenant_id(s, tenant)
+            taken = s.scalar(
+                select(Adapter.id).where(Adapter.tenant_id == tenant_id, Adapter.name == name)
+            )
+        if taken is not None and not replace:
+            raise self._conflict(name)
+        with adapter_folder(
+            source, max_bytes=self.max_adapter_bytes + MAX_CONFIG_BYTES, tmp_dir=self.tmp_dir
+        ) as folder:
+            weights = self.validate(folder)
+            spec = weights.spec
+            del weights
+            weights_path = folder / WEIGHTS_NAME
+            digest = sha256_file(weights_path)
+            key = object_key(digest)
+            # Always (re)write: it refreshes the object's age, so a concurrent gc() pass
+            # with its grace period cannot collect it before the row commits.
+            self.store.put_file(key, weights_path, sha256=digest)
+            fields = dict(
+                base_model=self.base_model_name or "unknown",
+                rank=spec.r,
+                alpha=spec.lora_alpha,
+                target_modules=list(spec.target_modules),
+                config=spec.to_config(),
+                sha256=digest,
+                size_bytes=weights_path.stat().st_size,
+                object_key=key,
+                status="ready",
+            )
+            if preset is not None:
+                fields["default_preset"] = preset
+            handle, kind = self._commit_upload(tenant_id, name, fields, actor, replace)
+        self._notify(kind, handle)
+        return handle
+
+    @staticmethod
+    def _conflict(name: str) -> AdapterConflict:
+        return AdapterConflict(
+            f"adapter {name!r} already exists; delete it first, pick another name, or "
+            "upload with replace"
+        )
+
+    def _commit_upload(
+        self,
+        tenant_id: int,
+        name: str,
+        fields: dict[str, Any],
+        actor: str | None,
+        replace: bool,
+    ) -> tuple[AdapterHandle, str]:
+        """The one transaction of an upload: the row and its audit event."""
+        try:
+            with self.db.session() as s:
+                row = None
+                if replace:
+                    row = s.scalar(
+                        select(Adapter)
+                        .where(Adapter.tenant_id == tenant_id, Adapter.name == name)
+                        .with_for_update()
+                    )
+                if row is not None:
+                    for k, v in fields.items():
+                        setattr(row, k, v)
+                    row.version += 1
+                    row.updated_at = utcnow()
+                    kind = "replaced"
+                else:
+                    row = Adapter(tenant_id=tenant_id, name=name, version=1, **fields)
+                    s.add(row)
+                    kind = "uploaded"
+                s.flush()
+                s.add(self._event(row, kind, actor, {"version": row.version, "sha256": row.sha256}))
+                s.flush()
+                handle = self._handle(row)
+        except IntegrityError:
+            raise self._conflict(name) from None
+        return handle, kind
+
+    @staticmethod
+    def _event(
+        row: Adapter, kind: str, actor: str | None, details: dict[str, Any] | None = None
+    ) -> AdapterEvent:
+        return AdapterEvent(
+            tenant_id=row.tenant_id,
+            adapter_id=row.id,
+            adapter_name=row.name,
+            kind=kind,
+            actor=actor,
+            details=details,
+        )
+
+    def list(self, tenant: TenantRef) -> list[AdapterHandle]:
+        """The tenant's adapters, by name."""
+        with self.db.session() as s:
+            tenant_id = self._tenant_id(s, tenant)
+            rows = s.scalars(
+                select(Adapter).where(Adapter.tenant_id == tenant_id).order_by(Adapter.name)
+            )
+            return [self._handle(r) for r in rows]
+
+    def list_all(self) -> list[AdapterHandle]:
+        """Every tenant's adapters (admin dashboard)."""
+        with self.db.session() as s:
+            rows = s.scalars(select(Adapter).order_by(Adapter.tenant_id, Adapter.name))
+            return [self._handle(r) for r in rows]
+
+    def get(self, tenant: TenantRef, name: str) -> AdapterHandle:
+        """One of the tenant's adapters; :class:`AdapterNotFound` if it has none by that name."""
+        with self.db.session() as s:
+            return self._handle(self._row(s, self._tenant_id(s, tenant), name))
+
+    def resolve(self, tenant: TenantRef, model_name: str) -> AdapterHandle:
+        """The adapter a request's ``model`` names, for the engine. Another tenant's adapter
+        and a disabled one resolve exactly like a missing one."""
+        handle = self.get(tenant, model_name)
+        if handle.status != "ready":
+            raise AdapterNotFound(
+                f"adapter {model_name!r} not found; list yours with GET /v1/adapters or "
+                "`loramux adapters list`"
+            )
+        return handle
+
+    def get_by_id(self, adapter_id: int) -> AdapterHandle:
+        """Any tenant's adapter by id (admin and engine use only)."""
+        with self.db.session() as s:
+            row = s.get(Adapter, adapter_id)
+            if row is None:
+                raise AdapterNotFound(f"adapter id {adapter_id} not found")
+            return self._handle(row)
+
+    def fetch_by_id(self, adapter_id: int) -> Path:
+        """Adapter source for engines: the local PEFT folder of an adapter id."""
+        return self.get_by_id(adapter_id).local_path()
+
+    def delete(self, tenant: TenantRef, name: str, *, actor: str | None = None) -> AdapterHandle:
+        """Remove the row (the name becomes free); the weights go at the next ``gc()``."""
+        with self.db.session() as s:
+            row = self._row(s, self._tenant_id(s, tenant), name)
+            handle = self._handle(row)
+            s.add(self._event(row, "deleted", actor, {"version": row.version}))
+            s.delete(row)
+        self._notify("deleted", handle)
+        return handle
+
+    def set_preset(
+        self,
+        tenant: TenantRef,
+        name: str,
+        preset: dict[str, Any] | None,
+        *,
+        actor: str | None = None,
+    ) -> AdapterHandle:
+        """Store (or with ``None`` clear) the adapter's default sampling preset."""
+        checked = check_preset(preset)
+        with self.db.session() as s:
+            row = self._row(s, self._tenant_id(s, tenant), name)
+            row.default_preset = checked
+            row.updated_at = utcnow()
+            s.add(self._event(row, "preset_changed", actor, {"preset": checked}))
+            s.flush()
+            handle = self._handle(row)
+        self._notify("preset_changed", handle)
+        return handle
+
+    def record_event(
+        self,
+        adapter_id: int,
+        kind: str,
+        *,
+        actor: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        """Log an event done elsewhere (``evicted`` by the admin API, ``exported``)."""
+        with self.db.session() as s:
+            row = s.get(Adapter, adapter_id)
+            if row is None:
+                raise AdapterNotFound(f"adapter id {adapter_id} not found")
+            s.add(self._event(row, kind, actor, details))
+            handle = self._handle(row)
+        self._notify(kind, handle)
+
+    def events(
+        self, tenant: TenantRef | None = None, *, adapter_name: str | None = None, limit: int = 100
+    ) -> list[AdapterEventInfo]:
+        """Recent audit events, newest first."""
+        with self.db.session() as s:
+            q = select(AdapterEvent).order_by(AdapterEvent.id.desc()).limit(limit)
+            if tenant is not None:
+                q = q.where(AdapterEvent.tenant_id == self._tenant_id(s, tenant))
+            if adapter_name is not None:
+                q = q.where(AdapterEvent.adapter_name == adapter_name)
+            return [
+                AdapterEventInfo(
+                    e.id,
+                    e.tenant_id,
+                    e.adapter_id,
+                    e.adapter_name,
+                    e.kind,
+                    e.actor,
+                    e.details,
+                    e.created_at,
+                )  # fmt: skip
+                for e in s.scalars(q)
+            ]
+
+    def export(
+        self,
+        tenant: TenantRef,
+        name: str,
+        out: str | os.PathLike,
+        *,
+        base_model_path: str | os.PathLike | None = None,
+        check: bool = False,
+        actor: str | None = None,
+        overwrite: bool = False,
+        progress: bool = True,
+    ) -> Path:
+        """Merge the adapter into the base model and save a Hugging Face folder at ``out``."""
+        from loramux.adapters.merge import export_merged
+
+        base = Path(base_model_path) if base_model_path else self.base_model_path
+        if base is None:
+            raise BaseModelNotConfigured(
+                "export needs the base model folder; pass base_model= to build_registry "
+                "(or --base-model to the CLI)"
+            )
+        handle = self.get(tenant, name)
+        path = export_merged(
+            base,
+            handle.local_path(),
+            out,
+            check=check,
+            max_lora_rank=max(self.max_lora_rank, handle.rank),
+            overwrite=overwrite,
+            progress=progress,
+        )
+        self.record_event(handle.id, "exported", actor=actor, details={"out": str(path)})
+        return path
+
+    # -- garbage collection ---------------------------------------------------------
+
+    def gc(self, *, min_age_seconds: float = DEFAULT_GC_MIN_AGE_S) -> GcReport:
+        """Delete stored objects no row references and older than ``min_age_seconds`` (the
+        grace period protects uploads between their object write and their commit), and
+        prune local cache entries of adapters that no longer exist."""
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=min_age_seconds)
+        with self.db.session() as s:
+            referenced = set(s.scalars(select(Adapter.object_key).distinct()))
+        deleted = []
+        for info in list(self.store.list(OBJECT_PREFIX)):
+            if info.key in referenced or info.last_modified > cutoff:
+                continue
+            with self.db.session() as s:
+                if s.scalar(select(Adapter.id).where(Adapter.object_key == info.key).limit(1)):
+                    continue
+            self.store.delete(info.key)
+            deleted.append(info.key)
+        keep = {h.cache_key for h in self.list_all()}
+        pruned = self.cache.prune(keep)
+        if deleted or pruned:
+            logger.info(
+                "gc: deleted %d objects, pruned %d cache entries", len(deleted), len(pruned)
+            )
+        return GcReport(deleted, pruned)
+
+    # -- test / admin helpers -------------------------------------------------------
+
+    def purge_tenant(self, tenant: TenantRef) -> None:
+        """Delete a tenant with its keys and adapters (objects go at the next ``gc()``)."""
+        with self.db.session() as s:
+            tenant_id = self._tenant_id(s, tenant)
+            s.execute(delete(Adapter).where(Adapter.tenant_id == tenant_id))
+            s.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))
+            s.execute(delete(Tenant).where(Tenant.id == tenant_id))
+
+
+__all__ = [
+    "CONFIG_NAME",
+    "OBJECT_PREFIX",
+    "AdapterEventInfo",
+    "AdapterHandle",
+    "GcReport",
+    "RegistryService",
+    "object_key",
+]
