@@ -311,3 +311,59 @@ def test_triton_add_lora_and_paths_chosen_by_max_seg_len():
     ops.add_lora(y, x, a, b, meta, scale, offs, backend="triton")
     want = y0.double() + dense_delta(x, a, b, slots, ranks, scale, offs)
     torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-4)
+
+
+_COMPILE_SCRIPT = r"""
+import sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.ops import triton_ops
+
+def compile_(fn, ptrs, consts):
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    cx = {(names.index(n),): v for n, v in consts.items()}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx),
+                          target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+idx = {p: "*i64" for p in ("tok_ptr", "seg_start_ptr", "seg_len_ptr", "seg_slot_ptr", "rank_ptr")}
+for seg_len in (64, 1, 3):  # tl.dot path, decode path with BLOCK_M 1 and 4
+    meta = LoRABatchMeta.build([0] * seg_len, torch.tensor([16]))
+    cfg = triton_ops.shrink_config(meta, 4096, 16, 3, torch.device("cpu"), deterministic=False)
+    cfg.update(SPLIT_K=4, DOT_PRECISION=None)
+    ptrs = dict(idx, x_ptr="*bf16", a_ptr="*bf16", v_ptr="*fp32", scale_ptr="*fp32")
+    assert compile_(triton_ops._shrink_kernel, ptrs, cfg)
+    cfg = dict(triton_ops.expand_config(meta, 16, 4096), DOT_PRECISION=None)
+    ptrs = dict(idx, v_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16")
+    assert compile_(triton_ops._expand_kernel, ptrs, cfg)
+    print("compiled", seg_len, cfg["USE_DOT"])
+"""
+
+
+def test_triton_kernels_compile_for_hopper_bf16():
+    """Compile (no launch) both kernels for sm_90 in bf16 -- the GPU serving dtype the
+    interpreter cannot check -- in a subprocess without TRITON_INTERPRET (the interpreter
+    patches triton.language). Catches lowering errors on machines without a GPU."""
+    require_triton()
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton build has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("compiled") == 3

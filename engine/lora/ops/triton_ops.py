@@ -36,7 +36,7 @@ __all__ = ["DECODE_MAX_SEG_LEN", "HAS_TRITON", "lora_expand", "lora_shrink"]
 
 DECODE_MAX_SEG_LEN = 4
 _MAX_SLICES = 3
-_DECODE_TILE_ELEMS = 8192  # BLOCK_M * BLOCK_K * BLOCK_N of the broadcast product
+_DECODE_TILE_ELEMS = 4096  # BLOCK_M * BLOCK_K * BLOCK_N of the broadcast product
 
 
 def _next_pow2(n: int) -> int:
