@@ -91,6 +91,11 @@ class Scheduler:
                 f"prompt of {seq.num_tokens} tokens does not fit in the KV cache "
                 f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
             )
+        if seq.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt is {seq.num_tokens} tokens, more than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): it could never be scheduled"
+            )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -157,7 +162,8 @@ class Scheduler:
             if len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
             need = seq.num_tokens - seq.num_computed_tokens
-            if need > budget:
+            # a preempted sequence that grew past the token budget is recomputed alone
+            if need > budget and (out.scheduled or need <= self.max_num_batched_tokens):
                 break
             if not self._adapter_ok(seq, in_use, holding_for):
                 seq.skipped_steps += 1
@@ -180,11 +186,13 @@ class Scheduler:
 
     def _adapter_ok(self, seq: Sequence, in_use: set[str], holding_for: Sequence | None) -> bool:
         key = seq.lora_key
-        if key is None or key in in_use:
+        if key is None:
+            return True
+        if holding_for is not None and holding_for.lora_key != key:
+            return False  # aging: other adapters' requests wait so theirs can drain
+        if key in in_use:
             return True
         if self.adapters is None:
-            return False
-        if holding_for is not None and holding_for.lora_key != key:
             return False
         if len(in_use) >= self.adapters.max_loras:
             return False
