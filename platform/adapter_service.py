@@ -1,0 +1,232 @@
+"""The tenant adapter API's logic: upload (multipart or ``s3://``), list, get, patch,
+delete (which evicts the adapter from the engine), export (merged model to the store).
+
+Every registry call runs in a worker thread; every registry error becomes the HTTP
+error a client can act on. Another tenant's adapter is reported exactly like a
+missing one (the registry scopes every query to the caller's tenant).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from loramux.platform.errors import (
+    AdapterNotFoundError,
+    APIError,
+    BadRequest,
+    Conflict,
+    ServiceUnavailable,
+    Unauthorized,
+    Unprocessable,
+)
+from loramux.platform.models import Caller, ModelResolver
+from loramux.platform.sampling import validate_preset
+from loramux.platform.uploads import (
+    Received,
+    fetch_s3,
+    parse_bool,
+    parse_preset_field,
+    receive_multipart,
+)
+
+logger = logging.getLogger(__name__)
+
+_PUBLIC = ("name", "version", "base_model", "rank", "alpha", "target_modules", "sha256",
+           "size_bytes", "status", "default_preset", "created_at", "updated_at")
+
+
+def adapter_json(handle: Any) -> dict[str, Any]:
+    d = handle.to_dict()
+    out = {"id": d["name"], "object": "adapter"}
+    out.update({k: d[k] for k in _PUBLIC if k in d})
+    if "description" in d:
+        out["description"] = d["description"]
+    return out
+
+
+def registry_error(exc: BaseException) -> APIError:
+    """The HTTP error for a registry (or adapter validation) exception."""
+    from loramux.adapters.errors import AdapterValidationError
+    from loramux.registry import errors as r
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, r.AdapterNotFound):
+        return AdapterNotFoundError(str(exc), param="name")
+    if isinstance(exc, r.AdapterConflict):
+        return Conflict(str(exc), param="name")
+    if isinstance(exc, r.InvalidName):
+        return BadRequest(str(exc), param="name", code="invalid_name")
+    if isinstance(exc, r.InvalidPreset):
+        return BadRequest(str(exc), param="preset", code="invalid_preset")
+    if isinstance(exc, AdapterValidationError):
+        return Unprocessable(str(exc), param=exc.field)
+    if isinstance(exc, r.TenantNotFound):
+        return Unauthorized("the key's tenant no longer exists")
+    if isinstance(exc, (r.BaseModelNotConfigured, r.ObjectStoreError, r.SchemaOutOfDate)):
+        return ServiceUnavailable(str(exc))
+    if isinstance(exc, FileExistsError):
+        return Conflict(str(exc))
+    logger.error("registry call failed", exc_info=exc)
+    return APIError(f"registry error: {type(exc).__name__}: {exc}")
+
+
+class AdapterService:
+    """Tenant adapter operations over the registry."""
+
+    def __init__(
+        self,
+        registry: Any,
+        resolver: ModelResolver,
+        *,
+        scratch_dir: Path,
+        max_upload_bytes: int,
+        s3_endpoint_url: str | None = None,
+    ) -> None:
+        self.registry = registry
+        self.resolver = resolver
+        self.scratch = scratch_dir
+        self.max_upload_bytes = max_upload_bytes
+        self.s3_endpoint_url = s3_endpoint_url
+        self._export_lock = asyncio.Lock()
+
+    async def _call(self, fn, *args, **kwargs):
+        try:
+            return await run_in_threadpool(fn, *args, **kwargs)
+        except BaseException as exc:
+            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise registry_error(exc) from None
+
+    @staticmethod
+    def _actor(caller: Caller) -> str:
+        return f"tenant:{caller.tenant.name}" if caller.tenant is not None else "admin"
+
+    # --- upload -------------------------------------------------------------------------
+    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> dict:
+        received = await receive_multipart(request, self.scratch, self.max_upload_bytes)
+        try:
+            name = received.fields.get("name") or ""
+            if not name:
+                raise BadRequest("the form field `name` is required", param="name")
+            preset = parse_preset_field(received.fields.get("preset"))
+            replace = replace_q or parse_bool(received.fields.get("replace"), "replace")
+            return await self._upload(caller, name, received, preset, replace)
+        finally:
+            await run_in_threadpool(received.cleanup)
+
+    async def upload_s3(self, caller: Caller, body: Any, replace_q: bool) -> dict:
+        received: Received = await run_in_threadpool(
+            fetch_s3, body.source, self.scratch, self.max_upload_bytes,
+            endpoint_url=self.s3_endpoint_url,
+        )
+        try:
+            return await self._upload(caller, body.name, received, body.preset,
+                                      replace_q or bool(body.replace))
+        finally:
+            await run_in_threadpool(received.cleanup)
+
+    async def _upload(self, caller: Caller, name: str, received: Received, preset, replace: bool) -> dict:
+        if preset is not None:
+            validate_preset(preset)
+        handle = await self._call(
+            self.registry.upload, caller.tenant.id, name, received.source(),
+            actor=self._actor(caller), replace=replace, default_preset=preset,
+        )
+        logger.info("adapter uploaded", extra={"adapter": name, "tenant": caller.tenant.name,
+                                               "version": handle.version, "bytes": received.size})
+        return adapter_json(handle)
+
+    # --- read / change ------------------------------------------------------------------
+    async def list(self, caller: Caller) -> dict:
+        handles = await self._call(self.registry.list, caller.tenant.id)
+        return {"object": "list", "data": [adapter_json(h) for h in handles]}
+
+    async def get(self, caller: Caller, name: str) -> dict:
+        return adapter_json(await self._call(self.registry.get, caller.tenant.id, name))
+
+    async def patch(self, caller: Caller, name: str, body: Any) -> dict:
+        fields = body.model_fields_set
+        handle = None
+        if "preset" in fields:
+            if body.preset is not None:
+                validate_preset(body.preset)
+            handle = await self._call(
+                self.registry.set_preset, caller.tenant.id, name, body.preset or None,
+                actor=self._actor(caller),
+            )
+        if "description" in fields:
+            setter = getattr(self.registry, "set_description", None)
+            if setter is None:
+                raise BadRequest("this registry cannot store descriptions yet", param="description")
+            handle = await self._call(
+                setter, caller.tenant.id, name, body.description, actor=self._actor(caller)
+            )
+        if handle is None:
+            handle = await self._call(self.registry.get, caller.tenant.id, name)
+        return adapter_json(handle)
+
+    async def delete(self, caller: Caller, name: str) -> dict:
+        handle = await self._call(
+            self.registry.delete, caller.tenant.id, name, actor=self._actor(caller)
+        )
+        return {"id": handle.name, "object": "adapter", "deleted": True}
+
+    # --- export -------------------------------------------------------------------------
+    async def export(self, caller: Caller, name: str, check: bool) -> dict:
+        handle = await self._call(self.registry.get, caller.tenant.id, name)
+        async with self._export_lock:
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix="export-", dir=self.scratch))
+            try:
+                out = tmp / "merged"
+                await self._call(
+                    self.registry.export, caller.tenant.id, name, out, check=check,
+                    actor=self._actor(caller), progress=False,
+                )
+                prefix = (
+                    f"exports/tenant-{handle.tenant_id}/{handle.name}/"
+                    f"v{handle.version}-{handle.sha256[:12]}"
+                )
+                files = await self._call(_put_folder, self.registry.store, out, prefix)
+            finally:
+                await run_in_threadpool(shutil.rmtree, tmp, True)
+        return {
+            "object": "adapter.export",
+            "id": handle.name,
+            "version": handle.version,
+            "base_model": handle.base_model,
+            "location": store_uri(self.registry.store, prefix),
+            "files": files,
+        }
+
+
+def _put_folder(store: Any, folder: Path, prefix: str) -> list[str]:
+    from loramux.registry.store import sha256_file
+
+    keys = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        key = f"{prefix}/{path.relative_to(folder).as_posix()}"
+        store.put_file(key, path, sha256=sha256_file(path))
+        keys.append(key)
+    return keys
+
+
+def store_uri(store: Any, key: str) -> str:
+    """Where an object-store key lives, as a URI a person can use."""
+    bucket = getattr(store, "bucket", None)
+    if bucket:
+        prefix = getattr(store, "prefix", "")
+        return f"s3://{bucket}/{prefix + '/' if prefix else ''}{key}/"
+    root = getattr(store, "root", None)
+    if root is not None:
+        return Path(root).joinpath(*key.split("/")).resolve().as_uri() + "/"
+    return key

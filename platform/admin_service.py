@@ -1,0 +1,130 @@
+"""Operator view of adapter residency and the evict / pin / unpin / warm actions.
+
+Rows are keyed by the engine key (``"<tenant id>/<name>@<digest>"``). Registry
+adapters this engine has not loaded yet show up with tier ``store``; acting on one
+registers it with the engine first. Every ``LoRAManager`` call runs on the engine
+thread through ``AsyncEngine.call``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from loramux.engine.async_engine import AsyncEngine
+from loramux.platform.errors import BadRequest, NotFound, Unprocessable
+from loramux.platform.metrics import Metrics
+from loramux.platform.models import ModelResolver, engine_key
+
+logger = logging.getLogger(__name__)
+
+ACTIONS = ("evict", "pin", "unpin", "warm")
+
+
+class AdminService:
+    def __init__(self, engine: AsyncEngine, registry: Any, resolver: ModelResolver,
+                 metrics: Metrics) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.resolver = resolver
+        self.metrics = metrics
+
+    @property
+    def manager(self):
+        return self.engine.engine.lora_manager
+
+    async def residency(self) -> list[dict]:
+        mgr = self.manager
+        if mgr is None:
+            return []
+        return await self.engine.call(mgr.residency)
+
+    def _registry_rows(self) -> list[tuple[str, Any, str]]:
+        if self.registry is None:
+            return []
+        tenants = {t.id: t.name for t in self.registry.list_tenants()}
+        return [
+            (engine_key(h.tenant_id, h.name, h.cache_key), h, tenants.get(h.tenant_id, "?"))
+            for h in self.registry.list_all()
+        ]
+
+    async def adapters(self) -> dict:
+        """Every adapter the engine knows or the registry holds, with its residency."""
+        rows = {r["name"]: dict(r) for r in await self.residency()}
+        for row in rows.values():
+            row.update(key=row["name"], source="engine")
+        for name, served in self.resolver.static.items():
+            key = served.lora.lora_name
+            rows.setdefault(key, _store_row(key))
+            rows[key].update(tenant=None, adapter=name, source="static")
+        for key, handle, tenant in await run_in_threadpool(self._registry_rows):
+            rows.setdefault(key, _store_row(key))
+            rows[key].update(tenant=tenant, adapter=handle.name, version=handle.version,
+                             source="registry", size_bytes=handle.size_bytes)
+        stats = self.engine.stats()
+        mgr = self.manager
+        return {
+            "object": "list",
+            "data": sorted(rows.values(), key=lambda r: (r.get("tier") == "store", r["key"])),
+            "engine": {
+                "running": stats.num_running, "waiting": stats.num_waiting,
+                "kv_cache_usage": stats.kv_cache_usage, "num_preemptions": stats.num_preemptions,
+                "max_loras": mgr.max_loras if mgr is not None else 0,
+                "evictions": mgr.num_evictions if mgr is not None else 0,
+                "lora_enabled": mgr is not None,
+            },
+        }
+
+    async def act(self, key: str, action: str) -> dict:
+        if action not in ACTIONS:
+            raise NotFound(f"unknown action {action!r}; use one of {', '.join(ACTIONS)}")
+        mgr = self.manager
+        if mgr is None:
+            raise BadRequest("this server was started without LoRA")
+        handle = None
+        if key not in mgr.adapters:
+            request, handle = await self._lora_request(key)
+            if action in ("evict", "unpin"):
+                return {"key": key, "action": action, "done": False, "detail": "not loaded"}
+            await self.engine.call(lambda: mgr.register(request))
+        fn = {"evict": mgr.evict, "pin": mgr.pin, "unpin": mgr.unpin, "warm": mgr.warm}[action]
+        try:
+            result = await self.engine.call(lambda: fn(key))
+        except ValueError as e:  # LoRAError, AdapterValidationError
+            raise Unprocessable(str(e), param="name") from None
+        if action == "evict" and self.registry is not None:
+            await self._record_evict(key, handle)
+        logger.info("admin %s %s", action, key, extra={"adapter": key, "action": action})
+        return {"key": key, "action": action, "done": result is not False}
+
+    async def _lora_request(self, key: str):
+        for served in self.resolver.static.values():
+            if served.lora.lora_name == key:
+                return served.lora, None
+        for k, handle, _ in await run_in_threadpool(self._registry_rows):
+            if k == key:
+                path = await run_in_threadpool(handle.local_path)
+                served = self.resolver.served_from_handle(handle, path)
+                return served.lora, handle
+        raise NotFound(f"adapter {key!r} not found", code="adapter_not_found")
+
+    async def _record_evict(self, key: str, handle: Any) -> None:
+        try:
+            if handle is None:
+                for k, h, _ in await run_in_threadpool(self._registry_rows):
+                    if k == key:
+                        handle = h
+                        break
+            if handle is not None:
+                await run_in_threadpool(
+                    self.registry.record_event, handle.id, "evicted", actor="admin"
+                )
+        except Exception:
+            logger.exception("could not record the eviction of %s", key)
+
+
+def _store_row(key: str) -> dict:
+    return {"name": key, "key": key, "tier": "store", "slot": None, "pinned": False,
+            "rank": None, "in_use": False, "loading": False, "load_seconds": None, "error": None}

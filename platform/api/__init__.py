@@ -1,0 +1,1 @@
+"""HTTP routes: thin handlers that call the services in ``loramux.platform``."""

@@ -1,0 +1,47 @@
+"""Admin dashboard (``GET /admin``, a static page) and its JSON API (admin key)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse
+
+from loramux.platform.admin_page import ADMIN_PAGE
+from loramux.platform.deps import AdminDep, AdminServiceDep
+from loramux.platform.protocol import ERROR_RESPONSES
+
+router = APIRouter(prefix="/admin", tags=["admin"], responses=ERROR_RESPONSES)
+
+
+@router.get("", response_class=HTMLResponse, include_in_schema=False)
+async def dashboard():
+    """The dashboard page; it asks for the admin key and sends it as a Bearer token."""
+    return HTMLResponse(ADMIN_PAGE, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/adapters")
+async def residency(_: AdminDep, service: AdminServiceDep):
+    """Every adapter: tier (gpu | device | cpu | disk | store), slot, pinned, in use, load time."""
+    return await service.adapters()
+
+
+@router.post("/adapters/{key:path}/evict")
+async def evict(key: str, _: AdminDep, service: AdminServiceDep):
+    """Free the adapter's device slot (now, or once no running request uses it)."""
+    return await service.act(key, "evict")
+
+
+@router.post("/adapters/{key:path}/pin")
+async def pin(key: str, _: AdminDep, service: AdminServiceDep):
+    """Keep the adapter resident; loads it if needed."""
+    return await service.act(key, "pin")
+
+
+@router.post("/adapters/{key:path}/unpin")
+async def unpin(key: str, _: AdminDep, service: AdminServiceDep):
+    return await service.act(key, "unpin")
+
+
+@router.post("/adapters/{key:path}/warm")
+async def warm(key: str, _: AdminDep, service: AdminServiceDep):
+    """Load the adapter into CPU memory and, when a slot is free or evictable, a device slot."""
+    return await service.act(key, "warm")

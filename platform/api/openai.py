@@ -1,0 +1,56 @@
+"""OpenAI-compatible routes: completions, chat completions, models."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from loramux.platform.deps import CallerDep, OpenAIDep, StateDep
+from loramux.platform.errors import ModelNotFound
+from loramux.platform.protocol import (
+    ERROR_RESPONSES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+router = APIRouter(prefix="/v1", tags=["openai"], responses=ERROR_RESPONSES)
+
+_STREAM_DOC = {
+    "200": {
+        "description": "A JSON body, or with `stream: true` server-sent events ending in "
+        "`data: [DONE]`. Headers: `X-LoRAMux-Params` (parameters in effect), "
+        "`X-LoRAMux-Preset` (fields taken from the adapter's preset), `X-LoRAMux-Warnings`.",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
+
+
+@router.post("/completions", responses=_STREAM_DOC)
+async def create_completion(body: CompletionRequest, caller: CallerDep, service: OpenAIDep,
+                            request: Request):
+    """Text completion of the base model or an adapter (``model``)."""
+    return await service.completions(body, caller, request)
+
+
+@router.post("/chat/completions", responses=_STREAM_DOC)
+async def create_chat_completion(body: ChatCompletionRequest, caller: CallerDep,
+                                 service: OpenAIDep, request: Request):
+    """Chat completion: ``messages`` rendered with the model's chat template."""
+    return await service.chat(body, caller, request)
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(caller: CallerDep, state: StateDep):
+    """The base model and every adapter the caller may use."""
+    return {"object": "list", "data": await state.resolver.list_models(caller)}
+
+
+@router.get("/models/{model:path}", response_model=ModelCard)
+async def retrieve_model(model: str, caller: CallerDep, state: StateDep):
+    for card in await state.resolver.list_models(caller):
+        if card["id"] == model:
+            return card
+    if model in state.resolver.base_names:
+        return (await state.resolver.list_models(caller))[0] | {"id": model}
+    raise ModelNotFound(f"The model `{model}` does not exist.", param="model")

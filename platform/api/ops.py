@@ -1,0 +1,51 @@
+"""Operations: liveness, readiness, Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from loramux.platform.deps import StateDep
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/health")
+async def health(state: StateDep):
+    """200 while the engine loop runs."""
+    if not state.engine.is_running:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(state: StateDep):
+    """200 when requests can be served: the engine runs and the registry answers."""
+    checks = {"engine": state.engine.is_running}
+    if state.registry is not None:
+        try:
+            await run_in_threadpool(state.registry.list_tenants)
+            checks["registry"] = True
+        except Exception:
+            checks["registry"] = False
+    ok = all(checks.values())
+    return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks},
+                        status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(state: StateDep):
+    """Prometheus text format."""
+    residency = None
+    total = None
+    mgr = state.engine.engine.lora_manager
+    if state.engine.is_running:
+        try:
+            residency = await state.engine.call(mgr.residency) if mgr is not None else []
+            total = mgr.num_evictions if mgr is not None else 0
+        except Exception:
+            residency = None
+    state.metrics.update_engine(state.engine.stats(), residency, total)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

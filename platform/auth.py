@@ -1,0 +1,101 @@
+"""``Authorization: Bearer <key>`` → caller. Tenant keys live hashed in the registry;
+the admin key is either ``settings.admin_key`` or a registry key marked admin.
+
+Successful lookups are cached for ``ttl`` seconds under the key's sha256 (the
+registry's PBKDF2 check costs milliseconds, too much for every request).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import threading
+import time
+from typing import Any
+
+from loramux.platform.errors import Unauthorized
+from loramux.platform.models import Caller
+
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header, else None."""
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+class Authenticator:
+    """Maps API keys to callers."""
+
+    def __init__(self, registry: Any, *, admin_key: str | None, allow_anonymous: bool,
+                 ttl: float = 10.0) -> None:
+        self.registry = registry
+        self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
+        self.allow_anonymous = allow_anonymous
+        self.ttl = ttl
+        self._cache: dict[bytes, tuple[float, Caller]] = {}
+        self._lock = threading.Lock()
+
+    def _lookup(self, key: str) -> Caller | None:
+        digest = hashlib.sha256(key.encode()).digest()
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(digest)
+        if hit is not None and now - hit[0] < self.ttl:
+            return hit[1]
+        caller = None
+        if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
+            caller = Caller(None, is_admin=True)
+        elif self.registry is not None:
+            row = self.registry.authenticate_key(key)
+            if row is not None:
+                caller = Caller(row.tenant, is_admin=bool(row.is_admin))
+        if caller is not None:
+            with self._lock:
+                if len(self._cache) > 10_000:
+                    self._cache.clear()
+                self._cache[digest] = (now, caller)
+        return caller
+
+    def forget(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def caller(self, authorization: str | None) -> Caller:
+        """The caller of an inference request (anonymous when allowed)."""
+        key = bearer_key(authorization)
+        if key is not None:
+            caller = self._lookup(key)
+            if caller is not None:
+                return caller
+            if self.allow_anonymous:
+                return Caller(None)
+            raise Unauthorized("Incorrect API key provided.", headers=_CHALLENGE)
+        if self.allow_anonymous:
+            return Caller(None)
+        raise Unauthorized(
+            "Missing API key: send the header `Authorization: Bearer <key>`.", headers=_CHALLENGE
+        )
+
+    def tenant(self, authorization: str | None) -> Caller:
+        """A caller that is a tenant (the adapter API needs one)."""
+        key = bearer_key(authorization)
+        caller = self._lookup(key) if key is not None else None
+        if caller is None or caller.tenant is None:
+            raise Unauthorized(
+                "a tenant API key is required: send `Authorization: Bearer <key>`",
+                headers=_CHALLENGE,
+            )
+        return caller
+
+    def admin(self, authorization: str | None) -> Caller:
+        key = bearer_key(authorization)
+        caller = self._lookup(key) if key is not None else None
+        if caller is None or not caller.is_admin:
+            raise Unauthorized("the admin key is required", headers=_CHALLENGE)
+        return caller

@@ -1,0 +1,72 @@
+"""FastAPI dependencies as ``Annotated`` aliases (the full-stack template's style).
+
+``CallerDep`` is whoever sent an inference request (a tenant, or anonymous where
+allowed); ``TenantDep`` requires a tenant key; ``AdminDep`` the admin key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from loramux.platform.adapter_service import AdapterService
+from loramux.platform.admin_service import AdminService
+from loramux.platform.errors import ServiceUnavailable
+from loramux.platform.models import Caller
+from loramux.platform.serving import OpenAIServing
+from loramux.platform.state import AppState
+
+_bearer = HTTPBearer(auto_error=False, description="A tenant API key (`lmx_...`) or the admin key.")
+
+
+def get_state(request: Request) -> AppState:
+    state = getattr(request.app.state, "loramux", None)
+    if state is None:
+        raise ServiceUnavailable("the server is starting", code="not_ready")
+    return state
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _header(creds: HTTPAuthorizationCredentials | None) -> str | None:
+    return f"Bearer {creds.credentials}" if creds is not None else None
+
+
+def get_caller(state: StateDep, creds: Credentials) -> Caller:
+    return state.auth.caller(_header(creds))
+
+
+def get_tenant(state: StateDep, creds: Credentials) -> Caller:
+    return state.auth.tenant(_header(creds))
+
+
+def get_admin(state: StateDep, creds: Credentials) -> Caller:
+    return state.auth.admin(_header(creds))
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]
+TenantDep = Annotated[Caller, Depends(get_tenant)]
+AdminDep = Annotated[Caller, Depends(get_admin)]
+
+
+def get_openai(state: StateDep) -> OpenAIServing:
+    return state.openai
+
+
+def get_adapter_service(state: StateDep) -> AdapterService:
+    if state.adapters is None:
+        raise ServiceUnavailable("this server runs without an adapter registry", code="no_registry")
+    return state.adapters
+
+
+def get_admin_service(state: StateDep) -> AdminService:
+    return state.admin
+
+
+OpenAIDep = Annotated[OpenAIServing, Depends(get_openai)]
+AdaptersDep = Annotated[AdapterService, Depends(get_adapter_service)]
+AdminServiceDep = Annotated[AdminService, Depends(get_admin_service)]

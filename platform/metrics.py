@@ -1,0 +1,153 @@
+"""Prometheus metrics, one ``CollectorRegistry`` per app (tests build many apps).
+
+Per-adapter series carry an ``adapter`` label: the engine key of a tenant adapter
+(``"<tenant id>/<name>@<digest>"``), the static adapter's key, or ``base``.
+Engine gauges (queue depth, KV cache usage, adapter residency) are refreshed from
+the engine on every scrape.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as _Counter
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+_TIERS = ("gpu", "device", "cpu", "disk")
+
+
+class Metrics:
+    """All series of one server."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "loramux_requests", "Finished HTTP inference requests.",
+            ["adapter", "endpoint", "status"], registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "loramux_prompt_tokens", "Prompt tokens processed.", ["adapter"], registry=r
+        )
+        self.generated_tokens = Counter(
+            "loramux_generated_tokens", "Tokens generated.", ["adapter"], registry=r
+        )
+        self.ttft = Histogram(
+            "loramux_time_to_first_token_seconds", "Time from arrival to the first token.",
+            ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tpot = Histogram(
+            "loramux_time_per_output_token_seconds", "Mean time between output tokens per request.",
+            ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "loramux_e2e_request_latency_seconds", "Time from arrival to the last token.",
+            ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.residency = Gauge(
+            "loramux_adapter_residency", "1 for the tier an adapter sits in (gpu|device|cpu|disk).",
+            ["adapter", "tier"], registry=r,
+        )
+        self.adapter_pinned = Gauge(
+            "loramux_adapter_pinned", "1 when the adapter is pinned.", ["adapter"], registry=r
+        )
+        self.load_seconds = Gauge(
+            "loramux_adapter_load_seconds", "Seconds the adapter's last load from disk took.",
+            ["adapter"], registry=r,
+        )
+        self.evictions = Counter(
+            "loramux_adapter_evictions", "Adapter slot evictions.", ["adapter"], registry=r
+        )
+        self.engine_evictions = Gauge(
+            "loramux_engine_evictions", "Adapter slot evictions of the engine, all adapters.",
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "loramux_num_requests_waiting", "Requests in the engine's waiting queue.", registry=r
+        )
+        self.running = Gauge(
+            "loramux_num_requests_running", "Requests the engine is running.", registry=r
+        )
+        self.kv_usage = Gauge(
+            "loramux_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", registry=r
+        )
+        self.preemptions = Gauge(
+            "loramux_num_preemptions", "Preemptions since start.", registry=r
+        )
+        self.rejected = Counter(
+            "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
+        )
+        self._lock = threading.Lock()
+        self._pending_evictions: _Counter[str] = _Counter()
+        self._known_residency: set[tuple[str, str]] = set()
+
+    # --- recording --------------------------------------------------------------------
+    def observe_request(
+        self,
+        adapter: str,
+        endpoint: str,
+        status: str,
+        *,
+        prompt_tokens: int = 0,
+        generated_tokens: int = 0,
+        ttft: float | None = None,
+        tpot: float | None = None,
+        e2e: float | None = None,
+    ) -> None:
+        self.requests.labels(adapter, endpoint, status).inc()
+        if prompt_tokens:
+            self.prompt_tokens.labels(adapter).inc(prompt_tokens)
+        if generated_tokens:
+            self.generated_tokens.labels(adapter).inc(generated_tokens)
+        if ttft is not None:
+            self.ttft.labels(adapter).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(adapter).observe(tpot)
+        if e2e is not None:
+            self.e2e.labels(adapter).observe(e2e)
+
+    def count_eviction(self, adapter: str) -> None:
+        """Called on the engine thread whenever a slot is freed; safe from any thread."""
+        with self._lock:
+            self._pending_evictions[adapter] += 1
+
+    # --- scrape -------------------------------------------------------------------------
+    def update_engine(self, stats, residency: list[dict] | None, total_evictions: int | None) -> None:
+        """Refresh the engine gauges from one snapshot (called by ``GET /metrics``)."""
+        if stats is not None:
+            self.waiting.set(stats.num_waiting)
+            self.running.set(stats.num_running)
+            self.kv_usage.set(stats.kv_cache_usage)
+            self.preemptions.set(stats.num_preemptions)
+        with self._lock:
+            pending, self._pending_evictions = self._pending_evictions, _Counter()
+        for adapter, n in pending.items():
+            self.evictions.labels(adapter).inc(n)
+        if total_evictions is not None:
+            self.engine_evictions.set(total_evictions)
+        if residency is None:
+            return
+        seen: set[tuple[str, str]] = set()
+        for row in residency:
+            name = row["name"]
+            for tier in _TIERS:
+                self.residency.labels(name, tier).set(1.0 if row["tier"] == tier else 0.0)
+                seen.add((name, tier))
+            self.adapter_pinned.labels(name).set(1.0 if row.get("pinned") else 0.0)
+            if row.get("load_seconds") is not None:
+                self.load_seconds.labels(name).set(row["load_seconds"])
+        for name, tier in self._known_residency - seen:
+            try:
+                self.residency.remove(name, tier)
+                if tier == _TIERS[0]:
+                    self.adapter_pinned.remove(name)
+                    self.load_seconds.remove(name)
+            except KeyError:
+                pass
+        self._known_residency = seen
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

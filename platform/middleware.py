@@ -1,0 +1,115 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it breaks disconnect detection).
+
+* :class:`RequestContextMiddleware` gives each request an id (``X-Request-Id`` in and
+  out), logs one access line with status and duration, and refuses JSON bodies larger
+  than ``max_request_bytes`` with 413 (adapter uploads have their own, larger cap).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loramux.platform.errors import PayloadTooLarge
+from loramux.platform.logs import request_id_var
+
+logger = logging.getLogger("loramux.access")
+
+_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: ASGIApp, max_request_bytes: int, unlimited_paths: tuple[str, ...] = ()):
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+        self.unlimited = set(unlimited_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _ID_RE.match(given) else uuid.uuid4().hex
+        token = request_id_var.set(rid)
+        start = time.perf_counter()
+        status = {"code": 500}
+        path = scope.get("path", "")
+        limited = path.rstrip("/") not in self.unlimited
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                raw = list(message.get("headers") or [])
+                raw.append((b"x-request-id", rid.encode()))
+                message = {**message, "headers": raw}
+            await send(message)
+
+        try:
+            if limited and scope.get("method") in ("POST", "PUT", "PATCH"):
+                length = headers.get(b"content-length")
+                if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+                    await self._reject(send_wrapper)
+                    return
+                buffered = await self._read_body(receive)
+                if buffered is None:
+                    await self._reject(send_wrapper)
+                    return
+                receive = self._replay(buffered, receive)
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            logger.info(
+                "%s %s %s",
+                scope.get("method"), path, status["code"],
+                extra={
+                    "method": scope.get("method"),
+                    "path": path,
+                    "status": status["code"],
+                    "duration_ms": round((time.perf_counter() - start) * 1000, 2),
+                    "client": (scope.get("client") or ("-",))[0],
+                },
+            )
+            request_id_var.reset(token)
+
+    async def _read_body(self, receive: Receive) -> list[Message] | None:
+        """The request's body messages, or None once they exceed the limit."""
+        messages: list[Message] = []
+        seen = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            seen += len(message.get("body", b""))
+            if seen > self.max_request_bytes:
+                return None
+            if not message.get("more_body", False):
+                return messages
+
+    @staticmethod
+    def _replay(messages: list[Message], receive: Receive) -> Receive:
+        pending = list(messages)
+
+        async def replay() -> Message:
+            if pending:
+                return pending.pop(0)
+            return await receive()
+
+        return replay
+
+    async def _reject(self, send: Send) -> None:
+        err = PayloadTooLarge(
+            f"the request body is larger than {self.max_request_bytes} bytes"
+        )
+        body = json.dumps(err.body()).encode()
+        await send({
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        })
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,128 @@
+"""OpenAI request bodies, with vLLM's extension fields, as pydantic models.
+
+Every sampling field defaults to ``None`` so the service knows which ones the
+caller set (an adapter's preset fills the others). Unknown fields are kept
+(``extra="allow"``) and reported back as having had no effect.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+
+Int32 = Annotated[int, Field(ge=-INT32, le=INT32)]
+TokenId = Annotated[int, Field(ge=0, le=INT32)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(BaseModel):
+    """Sampling parameters accepted under their OpenAI or vLLM names."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    n: Int32 | None = None
+    best_of: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int32 | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: Annotated[int, Field(ge=-INT64 - 1, le=INT64)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    max_tokens: Int32 | None = None
+    min_tokens: Int32 | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    model: str
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    max_completion_tokens: Int32 | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Int32 | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None = None
+    parent: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": desc}
+    for code, desc in (
+        (400, "Invalid parameter (the message and `param` name it)"),
+        (401, "Missing or invalid API key"),
+        (404, "Unknown model or adapter"),
+        (413, "Request body too large"),
+        (429, "The waiting queue is full; retry after `Retry-After` seconds"),
+        (503, "The engine is not running"),
+    )
+}

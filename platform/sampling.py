@@ -1,0 +1,189 @@
+"""Request body + adapter preset → :class:`SamplingParams`, and what to tell the caller.
+
+Precedence: the engine's defaults < the adapter's stored preset < the fields the
+request sets. The result names the parameters in effect (sent back in the
+``X-LoRAMux-Params`` header), which of them came from the preset, and a warning
+for every parameter that had no effect.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from loramux.engine.sampling_params import SamplingParams
+from loramux.platform.errors import BadRequest, param_of
+from loramux.platform.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+# Fields a request may set that map 1:1 onto SamplingParams.
+DIRECT_FIELDS = (
+    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens",
+)
+# What an adapter preset may hold.
+PRESET_FIELDS = frozenset(DIRECT_FIELDS) | {"logprobs"}
+ENGINE_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
+KNOWN_PARAMS = ENGINE_FIELDS | {"max_completion_tokens", "top_logprobs", "messages", "prompt", "model"}
+
+_SHOWN = (
+    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "max_tokens", "min_tokens", "logprobs", "logit_bias", "allowed_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens",
+)
+_MAX_HEADER = 4000
+_IGNORED_OK = {"user", "stream", "stream_options", "model", "prompt", "messages", "echo",
+               "add_generation_prompt", "chat_template", "chat_template_kwargs", "logprobs",
+               "top_logprobs", "max_completion_tokens", "suffix", "response_format", "tools",
+               "tool_choice"}
+
+
+@dataclass
+class BuiltParams:
+    """The SamplingParams of a request and what the response reports about them."""
+
+    params: SamplingParams
+    preset_fields: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def effective(self) -> dict[str, Any]:
+        p = self.params
+        out: dict[str, Any] = {}
+        for name in _SHOWN:
+            value = getattr(p, name)
+            if name == "stop":
+                value = list(p.stop_strings)
+            if name in ("logit_bias", "allowed_token_ids") and not value:
+                continue
+            if name == "logit_bias":
+                value = {str(k): v for k, v in value.items()}
+            out[name] = value
+        return out
+
+    def headers(self) -> dict[str, str]:
+        """``X-LoRAMux-Params`` (JSON of the parameters in effect), ``X-LoRAMux-Preset``
+        (the fields the adapter's preset supplied) and ``X-LoRAMux-Warnings`` (JSON list)."""
+        eff = self.effective()
+        text = _compact(eff)
+        if len(text) > _MAX_HEADER:
+            for key in ("logit_bias", "allowed_token_ids", "stop_token_ids", "stop"):
+                if key in eff and isinstance(eff[key], (list, dict)):
+                    eff[key] = f"<{len(eff[key])} items>"
+            text = _compact(eff)
+        headers = {"X-LoRAMux-Params": text[:_MAX_HEADER]}
+        if self.preset_fields:
+            headers["X-LoRAMux-Preset"] = ",".join(self.preset_fields)
+        if self.warnings:
+            headers["X-LoRAMux-Warnings"] = _compact(self.warnings)[: _MAX_HEADER]
+        return headers
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True)
+
+
+def validate_preset(preset: Any) -> dict[str, Any]:
+    """Check an adapter's default sampling parameters; raises BadRequest naming the field."""
+    if preset is None:
+        return {}
+    if not isinstance(preset, dict):
+        raise BadRequest("preset must be a JSON object of sampling parameters", param="preset")
+    unknown = sorted(set(preset) - PRESET_FIELDS)
+    if unknown:
+        raise BadRequest(
+            f"preset: unknown sampling parameter {unknown[0]!r}; allowed: {sorted(PRESET_FIELDS)}",
+            param=f"preset.{unknown[0]}",
+        )
+    try:
+        SamplingFields.model_validate({k: v for k, v in preset.items() if k != "logprobs"})
+        values = _engine_values(dict(preset))
+        SamplingParams(**values)
+    except ValueError as e:
+        name = param_of(str(e), PRESET_FIELDS)
+        raise BadRequest(f"preset: {e}", param=f"preset.{name}" if name else "preset") from None
+    return dict(preset)
+
+
+def _engine_values(values: dict[str, Any]) -> dict[str, Any]:
+    bias = values.get("logit_bias")
+    if bias:
+        try:
+            values["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError(
+                f"logit_bias must map integer token ids to numbers, got {bias!r}."
+            ) from None
+    seed = values.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed < 0:
+        values["seed"] = seed + 2**63  # a per-request generator needs a non-negative seed
+    return values
+
+
+def build_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    preset: dict[str, Any] | None,
+    *,
+    default_max_tokens: int | None,
+) -> BuiltParams:
+    """Merge engine defaults, the adapter preset and the request's own fields."""
+    is_chat = isinstance(req, ChatCompletionRequest)
+    given = {
+        name: getattr(req, name)
+        for name in req.model_fields_set
+        if name in DIRECT_FIELDS and getattr(req, name) is not None
+    }
+    warnings: list[str] = []
+    if req.max_completion_tokens is not None:
+        if "max_tokens" in given and given["max_tokens"] != req.max_completion_tokens:
+            warnings.append("max_tokens had no effect: max_completion_tokens was also set and wins")
+        given["max_tokens"] = req.max_completion_tokens
+    if is_chat:
+        if req.logprobs:
+            given["logprobs"] = req.top_logprobs or 0
+        elif req.top_logprobs is not None:
+            warnings.append("top_logprobs had no effect: set logprobs to true to get logprobs")
+    elif req.logprobs is not None:
+        given["logprobs"] = req.logprobs
+
+    values: dict[str, Any] = {"max_tokens": default_max_tokens}
+    preset = dict(preset or {})
+    preset_fields = sorted(k for k in preset if k not in given)
+    values.update(preset)
+    values.update(given)
+    try:
+        params = SamplingParams(**_engine_values(values))
+    except ValueError as e:
+        raise BadRequest(str(e), param=param_of(str(e), KNOWN_PARAMS), code="invalid_parameter") from None
+    except TypeError as e:  # a preset holding something SamplingParams cannot take
+        raise BadRequest(f"invalid sampling parameters: {e}") from None
+
+    warnings += _no_effect(req, params, given, is_chat)
+    return BuiltParams(params, preset_fields, warnings)
+
+
+def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool) -> list[str]:
+    out: list[str] = []
+    if params.is_greedy:
+        for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
+            if name in given and given[name] != neutral and not (name == "top_k" and given[name] == -1):
+                out.append(f"{name} had no effect: temperature is 0 (greedy decoding)")
+        if "seed" in given:
+            out.append("seed had no effect: temperature is 0 (greedy decoding)")
+    if given.get("include_stop_str_in_output") and not params.stop_strings:
+        out.append("include_stop_str_in_output had no effect: no stop strings are set")
+    if req.stream_options is not None and not req.stream:
+        out.append("stream_options had no effect: stream is false")
+    if getattr(req, "suffix", None):
+        out.append("suffix had no effect: insertion is not supported")
+    if is_chat:
+        fmt = (req.response_format or {}).get("type")
+        if fmt not in (None, "text"):
+            out.append(f"response_format had no effect: {fmt!r} (guided decoding) is not supported")
+        if req.tools:
+            out.append("tools had no effect: tool calling is not supported")
+    for name in sorted(req.model_extra or {}):
+        out.append(f"{name} had no effect: it is not a recognized parameter")
+    return out
