@@ -14,7 +14,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.async_engine import AsyncEngine
-from loramux.platform.errors import BadRequest, NotFound, Unprocessable
+from loramux.platform.errors import BadRequest, NotFound, ServiceUnavailable, Unprocessable
 from loramux.platform.metrics import Metrics
 from loramux.platform.models import ModelResolver, engine_key
 
@@ -33,6 +33,8 @@ class AdminService:
 
     @property
     def manager(self):
+        if not self.engine.is_running:
+            raise ServiceUnavailable("the engine is not running", code="engine_dead")
         return self.engine.engine.lora_manager
 
     async def residency(self) -> list[dict]:

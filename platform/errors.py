@@ -131,10 +131,17 @@ def param_of(message: str, known: set[str] | frozenset[str]) -> str | None:
     return None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set"}
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    loc = []
+    for part in first.get("loc", ())[1:] if first.get("loc", ())[:1] in (("body",), ("query",), ("path",), ("header",)) else first.get("loc", ()):
+        if isinstance(part, str) and (part in _TYPE_TAGS or any(c in part for c in "[]-")):
+            break  # a union member's tag, not a field
+        loc.append(str(part))
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":

@@ -283,6 +283,8 @@ class OpenAIServing:
         return await self._respond(ctx, req, request)
 
     async def _respond(self, ctx: _Ctx, req, request: Request) -> Response:
+        if not self.engine.is_running:
+            raise ServiceUnavailable("the engine is not running", code="engine_dead")
         headers = ctx.built.headers()
         pump = _Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served)
         try:
