@@ -28,7 +28,13 @@ def make_engine(
     device: str = "cpu",
     num_gpu_blocks: int | None = None,
 ) -> AsyncEngine:
-    from loramux.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+    from loramux.engine.config import (
+        CacheConfig,
+        EngineConfig,
+        LoRAConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
     from loramux.engine.engine import LLMEngine
 
     config = EngineConfig(
