@@ -72,7 +72,7 @@ def _expand_padded(
     vp = vp.to(cdtype)
     b = _chunk_weights(b_stack, meta, cdtype)  # [NC, N_total, R]
     if len(offs) == 2:
-        delta = torch.bmm(vp.view(NC, C, R), b.transpose(1, 2))  # [NC, C, N_total]
+        delta = torch.bmm(vp.reshape(NC, C, R), b.transpose(1, 2))  # [NC, C, N_total]
     else:
         delta = torch.empty(NC, C, n_total, dtype=cdtype, device=y.device)
         for s in range(len(offs) - 1):
