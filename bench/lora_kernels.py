@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -128,7 +129,7 @@ def bench_projection(K, widths, T, rank, n_adapters, num_slots, dtype, device, b
         lora_expand(v, b, meta, y, offs, backend=backend)
 
     res = time_pair(base, lora, device, reps, mt)
-    res["lora_unfused_s"] = time_fn(lora_split, device, reps, mt)
+    res["lora_unfused_s"] = time_fn(lora_split, device, max(3, reps // 2), mt)
     return res
 
 
@@ -158,7 +159,8 @@ def run(args) -> dict:
     if args.quick:
         adapters = tuple(a for a in adapters if a in (1, 8, 32, 64))
     num_slots = max(adapters)
-    reps, mt = (5, 0.02) if args.quick else (7, 0.05)
+    reps, mt = (5, 0.01) if args.quick else (9, 0.025)
+    load_before = os.getloadavg()[0]
 
     rows = []
     header = f"{'mode':8} {'T':>5} {'rank':>4} {'adapters':>8} " + " ".join(
@@ -197,6 +199,9 @@ def run(args) -> dict:
         for mode, T in modes.items()
     }
     print("meta build per step (s): " + ", ".join(f"{m}={t:.2e}" for m, t in build_s.items()))
+    load = max(load_before, os.getloadavg()[0])
+    if device.type == "cpu" and load > os.cpu_count() - 0.5:
+        print(f"WARNING: load average {load:.1f} on {os.cpu_count()} CPUs: timings are noisy")
     return dict(
         device=str(device),
         device_name=(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
@@ -205,6 +210,8 @@ def run(args) -> dict:
         threads=torch.get_num_threads(),
         torch=torch.__version__,
         meta_build_s=build_s,
+        load_avg=[load_before, os.getloadavg()[0]],
+        cpu_count=os.cpu_count(),
         results=rows,
     )
 
