@@ -1,0 +1,66 @@
+"""Helpers to make PEFT LoRA adapters for tests (random, non-zero B)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    r: int,
+    target_modules: list[str],
+    alpha: float | None = None,
+    use_rslora: bool = False,
+    seed: int = 0,
+    std: float = 0.05,
+) -> Path:
+    """Save a PEFT LoRA adapter of ``base_dir`` with random A and B to ``out_dir``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha if alpha is not None else 2 * r,
+        target_modules=target_modules,
+        use_rslora=use_rslora,
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def peft_reference(base_dir: Path, adapter_dir: Path | None):
+    """The transformers base model, wrapped in PEFT with the adapter when given."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter_dir is None:
+        return base
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def teacher_forcing_gaps(model, prompt_ids: list[int], output_ids: list[int]) -> tuple[list[float], torch.Tensor]:
+    """For each generated token: max logit - its logit under ``model`` (0 = it was the argmax).
+    Also returns the log-softmax rows at the generated positions."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    n = len(prompt_ids)
+    rows = logits[n - 1 : n - 1 + len(output_ids)]
+    chosen = rows.gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1)
+    return (rows.max(dim=1).values - chosen).tolist(), torch.log_softmax(rows, dim=-1)
