@@ -44,11 +44,19 @@ _PUBLIC = ("name", "version", "base_model", "rank", "alpha", "target_modules", "
 
 
 def adapter_json(handle: Any) -> dict[str, Any]:
-    d = handle.to_dict()
-    out = {"id": d["name"], "object": "adapter"}
-    out.update({k: d[k] for k in _PUBLIC if k in d})
-    if "description" in d:
-        out["description"] = d["description"]
+    """The API's view of an adapter (no storage internals)."""
+    out: dict[str, Any] = {"id": handle.name, "object": "adapter"}
+    for key in (*_PUBLIC, "description"):
+        if not hasattr(handle, key):
+            continue
+        value = getattr(handle, key)
+        if hasattr(value, "isoformat"):
+            value = value.isoformat()
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, dict):
+            value = dict(value)
+        out[key] = value
     return out
 
 

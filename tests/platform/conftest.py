@@ -50,7 +50,7 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def env(engine, tiny_model_dir, adapter_dirs, tmp_path_factory) -> Env:
-    registry = make_registry(tmp_path_factory.mktemp("registry"), tiny_model_dir)
+    registry = make_registry(tmp_path_factory.mktemp("registry"), tiny_model_dir, max_lora_rank=16)
     tenant_a, key_a = registry.create_tenant("alpha")
     tenant_b, key_b = registry.create_tenant("beta")
     registry.upload(tenant_a.id, "sql-lora", adapter_dirs[0],

@@ -1,0 +1,188 @@
+"""Tenant adapter API: uploads (multipart files, archive, s3://), caps, preset PATCH,
+delete (evicts from the engine), replace (new engine key), export to the store."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ADMIN_KEY, settings
+
+from loramux.platform.app import close_state, create_app
+from loramux.platform.testing import free_port, write_adapter
+
+
+def _files(folder: Path) -> list:
+    return [
+        ("file", ("adapter_config.json", (folder / "adapter_config.json").read_bytes())),
+        ("file", ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes())),
+    ]
+
+
+def _tar(folder: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            tf.add(folder / name, arcname=f"my-adapter/{name}")
+    return buf.getvalue()
+
+
+async def _engine_keys(client) -> set[str]:
+    r = await client.get("/admin/adapters", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    return {row["key"] for row in r.json()["data"] if row["tier"] != "store"}
+
+
+async def test_upload_use_patch_delete(client, env, adapter_dirs):
+    h = env.headers(env.key_a)
+    r = await client.post("/v1/adapters", files=_files(adapter_dirs[1]), headers=h,
+                          data={"name": "up1", "preset": json.dumps({"temperature": 0, "stop": ["."]})})
+    assert r.status_code == 201, r.text
+    created = r.json()
+    assert created["id"] == "up1" and created["object"] == "adapter" and created["version"] == 1
+    assert created["rank"] == 8 and created["default_preset"] == {"temperature": 0.0, "stop": ["."]}
+    assert "object_key" not in created and "tenant_id" not in created
+    assert (await client.get("/v1/adapters/up1", headers=h)).json()["sha256"] == created["sha256"]
+    assert "up1" in [a["id"] for a in (await client.get("/v1/adapters", headers=h)).json()["data"]]
+
+    r = await client.post("/v1/completions", headers=h,
+                          json={"model": "up1", "prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.headers["x-loramux-preset"] == "stop,temperature"
+    keys = await _engine_keys(client)
+    (key,) = [k for k in keys if "/up1@" in k]
+    assert key.startswith(f"{env.tenant_a.id}/up1@")
+
+    r = await client.patch("/v1/adapters/up1", headers=h, json={"preset": {"top_k": 3, "temperature": 0.5}})
+    assert r.status_code == 200 and r.json()["default_preset"] == {"top_k": 3, "temperature": 0.5}
+    r = await client.post("/v1/completions", headers=h, json={"model": "up1", "prompt": "hi", "max_tokens": 2})
+    assert json.loads(r.headers["x-loramux-params"])["top_k"] == 3
+    r = await client.patch("/v1/adapters/up1", headers=h, json={"preset": {"top_k": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("preset")
+    r = await client.patch("/v1/adapters/up1", headers=h, json={"preset": None})
+    assert r.status_code == 200 and r.json()["default_preset"] is None
+
+    r = await client.delete("/v1/adapters/up1", headers=h)
+    assert r.status_code == 200 and r.json() == {"id": "up1", "object": "adapter", "deleted": True}
+    assert key not in await _engine_keys(client)  # evicted from the engine
+    r = await client.post("/v1/completions", headers=h, json={"model": "up1", "prompt": "hi"})
+    assert r.status_code == 404
+    assert (await client.get("/v1/adapters/up1", headers=h)).status_code == 404
+
+
+async def test_archive_upload_replace_and_conflict(client, env, adapter_dirs):
+    h = env.headers(env.key_a)
+    r = await client.post("/v1/adapters", headers=h, data={"name": "arch"},
+                          files={"file": ("adapter.tar.gz", _tar(adapter_dirs[0]))})
+    assert r.status_code == 201, r.text
+    await client.post("/v1/completions", headers=h, json={"model": "arch", "prompt": "x", "max_tokens": 1})
+    old = {k for k in await _engine_keys(client) if "/arch@" in k}
+    r = await client.post("/v1/adapters", headers=h, data={"name": "arch"},
+                          files={"file": ("adapter.tar.gz", _tar(adapter_dirs[2]))})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+    r = await client.post("/v1/adapters?replace=true", headers=h, data={"name": "arch"},
+                          files=_files(adapter_dirs[2]))
+    assert r.status_code == 201 and r.json()["version"] == 2
+    out = await client.post("/v1/completions", headers=h,
+                            json={"model": "arch", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0})
+    ref = await client.post("/v1/completions", headers=env.headers(env.key_b),
+                            json={"model": "b-only", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0})
+    assert out.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]  # new weights
+    new = {k for k in await _engine_keys(client) if "/arch@" in k}
+    assert old and new and not (old & new)  # the stale version left the engine
+    assert (await client.delete("/v1/adapters/arch", headers=h)).status_code == 200
+
+
+async def test_bad_uploads(client, env, adapter_dirs, tiny_model_dir, tmp_path):
+    h = env.headers(env.key_a)
+    r = await client.post("/v1/adapters", headers=h, files=_files(adapter_dirs[0]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    r = await client.post("/v1/adapters", headers=h, data={"name": "bad name!"}, files=_files(adapter_dirs[0]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    big_rank = write_adapter(tiny_model_dir, tmp_path / "r64", r=64)
+    r = await client.post("/v1/adapters", headers=h, data={"name": "r64"}, files=_files(big_rank))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "r"
+    r = await client.post("/v1/adapters", headers=h, data={"name": "pkl"},
+                          files={"file": ("adapter_model.bin", b"\x80\x04garbage")})
+    assert r.status_code == 422 and "pickle" in r.json()["error"]["message"]
+    r = await client.post("/v1/adapters", headers={**h, "content-type": "text/plain"}, content=b"raw")
+    assert r.status_code == 415
+    r = await client.post("/v1/adapters", headers={**h, "content-type": "multipart/form-data; boundary=zz"},
+                          content=b"--zz\r\nnot a real part")
+    assert r.status_code in (400, 422)
+    r = await client.post("/v1/adapters", data={"name": "x"}, files=_files(adapter_dirs[0]))
+    assert r.status_code == 401
+    names = [a["id"] for a in (await client.get("/v1/adapters", headers=h)).json()["data"]]
+    assert names == ["a-only", "sql-lora"]  # failed uploads left nothing behind
+
+
+async def test_upload_size_cap_is_413(env, adapter_dirs):
+    app = create_app(settings(max_upload_bytes=4096), engine=env.engine, registry=env.registry)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/adapters", headers=env.headers(env.key_a), data={"name": "huge"},
+                             files=_files(adapter_dirs[0]))
+            assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+            scratch = app.state.loramux.scratch_dir
+            assert not any(scratch.glob("upload-*"))  # the partial upload was removed
+    finally:
+        close_state(app.state.loramux)
+
+
+async def test_export_writes_merged_model_to_store(client, env):
+    h = env.headers(env.key_a)
+    r = await client.post("/v1/adapters/a-only/export", headers=h)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["location"].startswith("file://") and body["version"] == 1
+    from urllib.parse import urlparse
+
+    folder = Path(urlparse(body["location"]).path)
+    assert (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+    assert any(f.endswith("config.json") for f in body["files"])
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    moto_server = pytest.importorskip("moto.server")
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+async def test_upload_from_s3(env, adapter_dirs, moto_s3, monkeypatch):
+    import boto3
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
+    s3.create_bucket(Bucket="tenant-bucket")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        s3.upload_file(str(adapter_dirs[1] / name), "tenant-bucket", f"adapters/one/{name}")
+    s3.put_object(Bucket="tenant-bucket", Key="archives/one.tar.gz", Body=_tar(adapter_dirs[1]))
+    app = create_app(settings(s3_endpoint_url=moto_s3), engine=env.engine, registry=env.registry)
+    h = env.headers(env.key_a)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/adapters", headers=h, json={
+                "name": "from-s3", "source": "s3://tenant-bucket/adapters/one/",
+                "preset": {"temperature": 0}})
+            assert r.status_code == 201, r.text
+            assert r.json()["default_preset"] == {"temperature": 0.0}
+            r = await c.post("/v1/adapters", headers=h, json={
+                "name": "from-s3-tar", "source": "s3://tenant-bucket/archives/one.tar.gz"})
+            assert r.status_code == 201, r.text
+            r = await c.post("/v1/adapters", headers=h, json={
+                "name": "nope", "source": "s3://tenant-bucket/missing/"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "source"
+            r = await c.post("/v1/adapters", headers=h, json={"name": "nope", "source": "/etc/passwd"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "source"
+            for name in ("from-s3", "from-s3-tar"):
+                assert (await c.delete(f"/v1/adapters/{name}", headers=h)).status_code == 200
+    finally:
+        close_state(app.state.loramux)
