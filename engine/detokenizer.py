@@ -27,7 +27,7 @@ class Detokenizer:
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs)."""
-        return self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @staticmethod
     def apply_stop_strings(seq: Sequence, new_text: str) -> bool:

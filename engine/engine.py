@@ -170,8 +170,6 @@ class LLMEngine:
                 f"{params.max_tokens} for the completion). Please reduce the length of the "
                 f"prompt or max_tokens."
             )
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine; leave it unset")
         lora_key = None
         if lora_request is not None:
             if self.lora_manager is None:
@@ -184,6 +182,8 @@ class LLMEngine:
         seqs = []
         for i in range(params.best_of):
             seq = Sequence(request_id, i, ids, params, lora_key)
+            if params.prompt_logprobs is not None and len(ids) == 1:
+                seq.prompt_logprobs = [None]
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + i * 1_000_003)
             seqs.append(seq)
@@ -230,11 +230,13 @@ class LLMEngine:
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(batch.token_lora_keys)
         try:
-            logits = self.runner.execute(batch)
+            logits, prompt_logits = self.runner.execute(batch)
         finally:
             if self.lora_manager is not None:
                 self.lora_manager.finish_step()
         sampled = self.sampler(logits, batch.seqs)
+        for row, rows in prompt_logits.items():
+            self._record_prompt_logprobs(batch.seqs[row], rows)
         touched: dict[str, Request] = {r.request_id: r for r in failed}
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             seq.num_computed_tokens += n
@@ -250,6 +252,23 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 self.requests.pop(req.request_id, None)
         return list(touched.values())
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """vLLM's prompt_logprobs: None for the first token, then each prompt token's
+        logprob (with rank) and the top-N at its position."""
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [P - 1, V]
+        actual = torch.tensor(seq.prompt_token_ids[1:])
+        chosen = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
+        ranks = ((lp > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
+        n = seq.params.prompt_logprobs
+        top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+        out: list = [None]
+        for j, (tid, val) in enumerate(zip(actual.tolist(), chosen.tolist(), strict=True)):
+            entry = {tid: self.logprob_entry(tid, val, ranks[j])}
+            for rank, (t, v) in enumerate(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True), 1):
+                entry.setdefault(t, self.logprob_entry(t, v, rank))
+            out.append(entry)
+        seq.prompt_logprobs = out
 
     def _fail_broken_adapters(self) -> list[Request]:
         """Finish the requests whose adapter failed to load, with the load error attached."""

@@ -6,7 +6,13 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from loramux.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loramux.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from loramux.engine.engine import AdapterSource, LLMEngine, PromptType
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.outputs import RequestOutput

@@ -59,7 +59,7 @@ class Request:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=self.seqs[0].prompt_logprobs if self.seqs else None,
             outputs=outs,
             finished=finished,
             metrics=self.metrics,

@@ -86,8 +86,10 @@ class ModelRunner:
         return StepBatch([s.seq for s in items], [s.num_new_tokens for s in items], keys)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step; returns logits [B, V] fp32 for the last token of each sequence."""
+    def execute(self, batch: StepBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one step. Returns logits [B, V] fp32 for the last token of each sequence, and
+        for sequences that asked for prompt logprobs (row -> logits [P - 1, V] of their
+        prompt positions 0..P-2)."""
         dev = self.model.device
         ids: list[int] = []
         pos: list[int] = []
@@ -131,14 +133,27 @@ class ModelRunner:
             self._decode_meta(attn, tables[:num_decode], positions[:num_decode] + 1, window)
         if prefill_lens:
             self._prefill_meta(attn, prefill_lens, num_decode, window)
-        logits_rows = torch.cumsum(torch.tensor(batch.num_new_tokens), 0) - 1
-        return self.model.forward(
+        ends = torch.cumsum(torch.tensor(batch.num_new_tokens), 0)
+        rows = [ends - 1]
+        prompt_rows: dict[int, tuple[int, int]] = {}  # row -> (offset in logits, count)
+        offset = len(batch.seqs)
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None and n > 1:
+                count = seq.num_prompt_tokens - 1
+                start = int(ends[row]) - n
+                rows.append(torch.arange(start, start + count))
+                prompt_rows[row] = (offset, count)
+                offset += count
+        logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             positions.to(dev),
             attn,
             self.kv_caches,
-            logits_rows.to(dev),
+            torch.cat(rows).to(dev),
         )
+        b = len(batch.seqs)
+        extra = {row: logits[o : o + c] for row, (o, c) in prompt_rows.items()}
+        return logits[:b], extra
 
     def _decode_meta(self, attn: AttentionMetadata, tables, ctx_lens, window) -> None:
         bs = self.block_size

@@ -268,6 +268,7 @@ class LoRAManager:
         if not keys:
             self._meta = None
             return
+        self.slots.wait_ready()
         slots = [self.slot_of[k] if k is not None else -1 for k in token_lora_keys]
         self._meta = LoRABatchMeta.build(slots, self.slots.ranks, self.model.device)
 

@@ -47,12 +47,33 @@ class SlotBuffers:
             self.b.append(b_layer)
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
+        # CUDA: slot writes run on a side stream; the forward pass waits on ``ready``.
+        dev = torch.device(device)
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.ready = None
 
     def write(self, slot: int, weights: LoraWeights) -> None:
-        """Copy an adapter into ``slot`` (zeroing whatever was there)."""
+        """Copy an adapter into ``slot`` (zeroing whatever was there); on CUDA the copy
+        runs on a side stream and :meth:`wait_ready` orders it before the next forward."""
         r = weights.spec.r
         if r > self.max_rank:
             raise ValueError(f"adapter rank {r} exceeds max_lora_rank {self.max_rank}")
+        if self.stream is None:
+            self._write(slot, weights, r)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            self._write(slot, weights, r)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.stream)
+
+    def wait_ready(self) -> None:
+        """Make the compute stream wait for pending slot writes (called once per step)."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.ready)
+            self.ready = None
+
+    def _write(self, slot: int, weights: LoraWeights, r: int) -> None:
         for layer in range(self.dims.num_layers):
             modules = weights.layers.get(layer, {})
             for group, names in PROJECTION_GROUPS.items():
