@@ -64,7 +64,7 @@ def test_no_server_errors(fuzz_env):
             @hsettings(max_examples=40 if inference else 8, deadline=None, derandomize=True, database=None,
                        phases=[Phase.explicit, Phase.generate],
                        suppress_health_check=list(HealthCheck))
-            def run(case):
+            def run(case, token=token):
                 nonlocal calls
                 calls += 1
                 response = case.call(headers={"Authorization": f"Bearer {token}"})
