@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,8 +94,13 @@ class LoraSpec:
     """What ``adapter_config.json`` says, normalized.
 
     ``target_modules`` holds canonical module names (``"q_proj"`` …) in the order of
-    :data:`~loramux.adapters.arch.SUPPORTED_MODULES`. ``layers_to_transform`` is ``None``
-    for every layer. ``fan_in_fan_out`` is kept as written, but the tensors in
+    :data:`~loramux.adapters.arch.SUPPORTED_MODULES`: every module that has LoRA in some
+    layer. ``layers_to_transform`` is ``None`` for every layer. ``module_layers`` lists
+    ``(layer, module)`` pairs for modules that PEFT targeted by full path in single layers
+    (``model.layers.0.self_attn.q_proj``, as it writes for ``all-linear`` on some
+    models); a module without pairs there is targeted in every layer (of
+    ``layers_to_transform``). Use :meth:`targets` rather than reading these directly.
+    ``fan_in_fan_out`` is kept as written, but the tensors in
     :class:`LoraWeights` are always in PEFT's ``nn.Linear`` orientation (PEFT itself
     ignores the flag for ``nn.Linear`` layers, which is all a Llama-family model has).
     """
@@ -106,6 +112,16 @@ class LoraSpec:
     fan_in_fan_out: bool = False
     base_model_name_or_path: str | None = None
     layers_to_transform: tuple[int, ...] | None = None
+    module_layers: tuple[tuple[int, str], ...] = ()
+
+    def targets(self, layer: int, module: str) -> bool:
+        """Whether ``module`` of decoder layer ``layer`` carries this LoRA."""
+        if module not in self.target_modules:
+            return False
+        pairs = [p for p in self.module_layers if p[1] == module]
+        if pairs:
+            return (layer, module) in pairs
+        return self.layers_to_transform is None or layer in self.layers_to_transform
 
     @property
     def scale(self) -> float:
@@ -119,7 +135,10 @@ class LoraSpec:
             "task_type": "CAUSAL_LM",
             "r": self.r,
             "lora_alpha": self.lora_alpha,
-            "target_modules": list(self.target_modules),
+            "target_modules": [
+                *(m for m in self.target_modules if all(p[1] != m for p in self.module_layers)),
+                *(f"model.layers.{i}.{MODULE_PARENT[m]}.{m}" for i, m in self.module_layers),
+            ],
             "use_rslora": self.use_rslora,
             "fan_in_fan_out": self.fan_in_fan_out,
             "bias": "none",
@@ -182,32 +201,52 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def _normalize_target(entry: Any) -> str:
+_TARGET_RE = re.compile(
+    r"^(?:(?P<full>model\.)?layers\.(?P<layer>\d{1,6})\.)?(?:(?P<parent>self_attn|mlp)\.)?"
+    r"(?P<module>[A-Za-z0-9_]+)$"
+)
+
+
+def _parse_target(entry: Any) -> tuple[str, int | None, bool]:
+    """``(module, layer or None, exact)`` for one ``target_modules`` entry."""
     supported = ", ".join(SUPPORTED_MODULES)
     if not isinstance(entry, str) or not entry:
         raise _refuse("target_modules", f"entries must be module names, got {entry!r}")
-    *prefix, module = entry.split(".")
+    m = _TARGET_RE.match(entry)
+    module = m["module"] if m else entry.rsplit(".", 1)[-1]
     if module not in SUPPORTED_MODULES:
         raise _refuse(
             "target_modules", f"{entry!r} is not a supported target module; supported: {supported}"
         )
-    if prefix and prefix != [MODULE_PARENT[module]]:
+    if m is None or (m["parent"] and m["parent"] != MODULE_PARENT[module]):
         raise _refuse(
             "target_modules",
-            f"{entry!r}: expected a plain module name such as {module!r}; use "
-            "layers_to_transform to pick layers",
+            f"{entry!r}: expected a module name such as {module!r} or a path such as "
+            f"'model.layers.0.{MODULE_PARENT[module]}.{module}'",
         )
-    return module
+    if m["layer"] is not None and not m["parent"]:
+        raise _refuse(
+            "target_modules",
+            f"{entry!r} names no module of the model; expected "
+            f"'model.layers.{m['layer']}.{MODULE_PARENT[module]}.{module}'",
+        )
+    layer = int(m["layer"]) if m["layer"] is not None else None
+    if layer is not None and layer >= MAX_LAYER_INDEX:
+        raise _refuse("target_modules", f"{entry!r}: layer index out of range")
+    return module, layer, bool(m["full"])
 
 
-def _parse_targets(value: Any) -> tuple[str, ...]:
+def _parse_targets(
+    value: Any, layers: tuple[int, ...] | None
+) -> tuple[tuple[str, ...], tuple[tuple[int, str], ...]]:
+    """``(target_modules, module_layers)`` from the config's ``target_modules``."""
     if value is None:
         raise _refuse("target_modules", "missing; expected a list of module names")
     if isinstance(value, str):
         if value == "all-linear":
-            return SUPPORTED_MODULES
+            return SUPPORTED_MODULES, ()
         if value in SUPPORTED_MODULES:
-            return (value,)
+            return (value,), ()
         raise _refuse(
             "target_modules",
             f"regular expressions ({value!r}) are not accepted; list the module names "
@@ -215,8 +254,18 @@ def _parse_targets(value: Any) -> tuple[str, ...]:
         )
     if not isinstance(value, list | tuple) or not value:
         raise _refuse("target_modules", f"expected a non-empty list of module names, got {value!r}")
-    names = {_normalize_target(entry) for entry in value}
-    return tuple(m for m in SUPPORTED_MODULES if m in names)
+    everywhere: set[str] = set()
+    pairs: set[tuple[int, str]] = set()
+    for entry in value:
+        module, layer, exact = _parse_target(entry)
+        if layer is None:
+            everywhere.add(module)
+        elif exact or layers is None or layer in layers:
+            # PEFT applies layers_to_transform to suffix matches, not to exact module paths.
+            pairs.add((layer, module))
+    pairs = {p for p in pairs if p[1] not in everywhere}
+    modules = everywhere | {m for _, m in pairs}
+    return tuple(m for m in SUPPORTED_MODULES if m in modules), tuple(sorted(pairs))
 
 
 def _parse_layers(config: Mapping[str, Any]) -> tuple[int, ...] | None:
@@ -274,14 +323,17 @@ def parse_config(config: Mapping[str, Any]) -> LoraSpec:
     base = config.get("base_model_name_or_path")
     if base is not None and not isinstance(base, str):
         raise _refuse("base_model_name_or_path", f"expected a string, got {base!r}")
+    layers = _parse_layers(config)
+    targets, module_layers = _parse_targets(config.get("target_modules"), layers)
     return LoraSpec(
         r=r,
         lora_alpha=float(alpha),
-        target_modules=_parse_targets(config.get("target_modules")),
+        target_modules=targets,
         use_rslora=_bool(config, "use_rslora"),
         fan_in_fan_out=_bool(config, "fan_in_fan_out"),
         base_model_name_or_path=base or None,
-        layers_to_transform=_parse_layers(config),
+        layers_to_transform=layers,
+        module_layers=module_layers,
     )
 
 
@@ -308,7 +360,6 @@ def _collect(
 ) -> dict[tuple[int, str], _Pair]:
     """Group tensors by (layer, module); refuse stray names and non-float dtypes."""
     found: dict[tuple[int, str], _Pair] = {}
-    layers = set(spec.layers_to_transform) if spec.layers_to_transform is not None else None
     for key in sorted(infos):
         info = infos[key]
         m = TENSOR_KEY_RE.match(key)
@@ -331,9 +382,11 @@ def _collect(
                 f"{list(spec.target_modules)}",
                 field=key,
             )
-        if layers is not None and layer not in layers:
+        if not spec.targets(layer, module):
             raise AdapterValidationError(
-                f"{key}: unexpected tensor; layer {layer} is not in layers_to_transform", field=key
+                f"{key}: unexpected tensor; target_modules / layers_to_transform put no "
+                f"{module} LoRA in layer {layer}",
+                field=key,
             )
         if dims is not None and layer >= dims.num_layers:
             raise AdapterValidationError(
@@ -358,23 +411,36 @@ def _shape_error(
     )
 
 
+def _check_layers(spec: LoraSpec, dims: BaseModelDims) -> None:
+    """Refuse layer indices the base model does not have."""
+    layers = spec.layers_to_transform
+    if layers and layers[-1] >= dims.num_layers:
+        raise _refuse(
+            "layers_to_transform",
+            f"layer {layers[-1]} does not exist; the base model has {dims.num_layers} layers",
+        )
+    beyond = [i for i, _ in spec.module_layers if i >= dims.num_layers]
+    if beyond:
+        raise _refuse(
+            "target_modules",
+            f"layer {beyond[0]} does not exist; the base model has {dims.num_layers} layers",
+        )
+
+
 def _check_layout(
     found: dict[tuple[int, str], _Pair], spec: LoraSpec, dims: BaseModelDims | None, hint: str = ""
 ) -> None:
     """Refuse missing tensors and wrong shapes."""
     r = spec.r
     if dims is not None:
-        layers = spec.layers_to_transform
-        if layers is not None and layers and layers[-1] >= dims.num_layers:
-            raise _refuse(
-                "layers_to_transform",
-                f"layer {layers[-1]} does not exist; the base model has {dims.num_layers} layers",
-            )
         expected = [
             (layer, module)
-            for layer in (layers if layers is not None else range(dims.num_layers))
+            for layer in range(dims.num_layers)
             for module in spec.target_modules
+            if spec.targets(layer, module)
         ]
+        if not expected:
+            raise _refuse("target_modules", "selects no module of the base model")
     else:
         expected = sorted(found)
         if not expected:
@@ -469,6 +535,7 @@ def validate_adapter(
         spec = parse_config(read_config(folder / CONFIG_NAME))
         if spec.r > max_lora_rank:
             raise _refuse("r", f"rank {spec.r} is above max_lora_rank={max_lora_rank}")
+        _check_layers(spec, dims)
         weights_path = _weights_file(folder)
         warnings: list[str] = []
         hint = ""

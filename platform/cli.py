@@ -9,6 +9,7 @@
     loramux adapters delete NAME --tenant T
     loramux export NAME --tenant T --out DIR [--check]   merge into the base model
     loramux gc                                           collect unreferenced objects
+    loramux serve [MODEL] [--port N] ...                 the HTTP server (see loramux.platform.serve)
 
 Registry options (``--data-dir``, ``--database-url``, ``--s3-*``) default to the
 ``LORAMUX_*`` environment variables, then to the embedded layout in the data dir.
@@ -40,7 +41,9 @@ def registry_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("registry")
     env = os.environ.get
-    g.add_argument("--data-dir", default=env("LORAMUX_DATA_DIR"), help="data dir (LORAMUX_DATA_DIR)")
+    g.add_argument(
+        "--data-dir", default=env("LORAMUX_DATA_DIR"), help="data dir (LORAMUX_DATA_DIR)"
+    )
     g.add_argument(
         "--database-url",
         default=env("LORAMUX_DATABASE_URL"),
@@ -373,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_adapter_commands(sub)
     add_export_command(sub)
     add_gc_command(sub)
+    from loramux.platform.serve import add_serve_command
+
+    add_serve_command(sub)
     return parser
 
 

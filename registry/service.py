@@ -9,10 +9,11 @@ exactly like a missing one.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,9 @@ class AdapterHandle:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly fields for the API and the CLI."""
-        d = asdict(self)
-        d.pop("_fetch")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        d["config"] = copy.deepcopy(self.config)
+        d["default_preset"] = copy.deepcopy(self.default_preset)
         d["target_modules"] = list(self.target_modules)
         d["created_at"] = self.created_at.isoformat()
         d["updated_at"] = self.updated_at.isoformat()
