@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from loramux.engine.model.linear import Linear
 from loramux.engine.model.weights import (
     ModelDims,
     ModelLoadError,
@@ -45,12 +46,11 @@ class LoRAHook(Protocol):
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, H]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, q]
+    qkv: Linear  # [q + 2 kv, H]
+    o: Linear  # [H, q]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Linear  # [2 I, H]
+    down: Linear  # [H, I]
 
 
 class LlamaModel:
@@ -88,22 +88,21 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([q, k, v]).contiguous(),
-                    qkv_bias=bias,
-                    o=take(p + "self_attn.o_proj.weight"),
+                    qkv=Linear(torch.cat([q, k, v]), bias),
+                    o=Linear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                    ).contiguous(),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=Linear(
+                        torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                    ),
+                    down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
         self.norm = take("model.norm.weight")
         if "lm_head.weight" in sd and not d.tie_word_embeddings:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = Linear(take("lm_head.weight"))
         else:
             sd.pop("lm_head.weight", None)
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ModelLoadError(f"{self.path}: unexpected tensors {leftover[:5]}")
@@ -139,7 +138,7 @@ class LlamaModel:
         qs, kvs = d.q_size, d.kv_size
         for i, w in enumerate(self.layers):
             x = _rms_norm(residual, w.input_norm, d.rms_norm_eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, q + 2 kv]
+            qkv = w.qkv(x)  # [T, q + 2 kv]
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
             q = qkv[:, :qs].view(-1, d.num_heads, d.head_dim)
@@ -151,33 +150,35 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, attn)
             a = paged_attention(q, k, v, k_cache, v_cache, attn)  # [T, q]
-            o = F.linear(a, w.o)
+            o = w.o(a)
             if lora is not None:
                 lora.add(i, "o", a, o)
             residual = residual + o
             x = _rms_norm(residual, w.post_norm, d.rms_norm_eps)
-            gu = F.linear(x, w.gate_up)  # [T, 2 I]
+            gu = w.gate_up(x)  # [T, 2 I]
             if lora is not None:
                 lora.add(i, "gate_up", x, gu)
             gate, up = gu.chunk(2, dim=-1)
             m = F.silu(gate) * up
-            dn = F.linear(m, w.down)
+            dn = w.down(m)
             if lora is not None:
                 lora.add(i, "down", m, dn)
             residual = residual + dn
         last = residual.index_select(0, logits_rows)
         last = _rms_norm(last, self.norm, d.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
 
     def kv_bytes_per_token(self) -> int:
         d = self.dims
         return 2 * d.num_layers * d.kv_size * torch.finfo(self.dtype).bits // 8
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors = [self.embed, self.norm]
+        linears = [self.lm_head]
         for w in self.layers:
-            tensors += [w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            tensors += [w.input_norm, w.post_norm]
+            linears += [w.qkv, w.o, w.gate_up, w.down]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(x.nbytes for x in linears)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
