@@ -40,13 +40,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def resolve_dtype(name: str, device: torch.device, model_path: Path) -> torch.dtype:
+    """``auto``: the checkpoint's dtype, except bfloat16 where it is much faster (CUDA, and
+    CPUs with native bf16 matmuls, as vLLM's CPU backend does) and never float16 on a CPU."""
     if name == "auto":
         from transformers import AutoConfig
 
         cfg_dtype = getattr(AutoConfig.from_pretrained(model_path), "dtype", None)
         name = str(cfg_dtype).replace("torch.", "") if cfg_dtype is not None else "float32"
-        if device.type == "cpu" and name == "float16":
+        if device.type == "cpu" and (
+            name == "float16" or (name == "float32" and _cpu_has_fast_bf16())
+        ):
             name = "bfloat16"
         if device.type == "cuda" and name == "float32":
             name = "bfloat16"

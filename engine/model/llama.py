@@ -141,12 +141,11 @@ class LlamaModel:
             qkv = w.qkv(x)  # [T, q + 2 kv]
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
-            q = qkv[:, :qs].view(-1, d.num_heads, d.head_dim)
-            k = qkv[:, qs : qs + kvs].view(-1, d.num_kv_heads, d.head_dim)
-            v = qkv[:, qs + kvs :].view(-1, d.num_kv_heads, d.head_dim)
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
-            v = v.contiguous()
+            # RoPE on q and k together: [T, H + Hkv, D]
+            qk = _rope(qkv[:, : qs + kvs].view(-1, d.num_heads + d.num_kv_heads, d.head_dim), cos, sin)
+            q = qk[:, : d.num_heads]
+            k = qk[:, d.num_heads :]
+            v = qkv[:, qs + kvs :].reshape(-1, d.num_kv_heads, d.head_dim)
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, attn)
             a = paged_attention(q, k, v, k_cache, v_cache, attn)  # [T, q]
