@@ -1,6 +1,7 @@
 """loramux.engine: the base model runner, paged KV cache, continuous-batching
 scheduler, LoRA layers and SGMV kernels, adapter slots, sampler, offline API."""
 
+from loramux.engine.beam_search import BeamSearchParams
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
@@ -25,5 +26,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "LLM", "AsyncEngine", "LLMEngine", "SamplingParams", "LoRARequest",
-    "RequestOutput", "CompletionOutput", "Logprob",
+    "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchParams",
 ]

@@ -111,6 +111,15 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def beam_search(self, prompts, params, lora_request=None, use_tqdm: bool = False):
+        """vLLM's beam search: ``BeamSearchParams(beam_width, max_tokens, ...)`` →
+        one :class:`BeamSearchOutput` per prompt (best beams first)."""
+        from loramux.engine.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self, list(prompts), params, lora_request)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         wanted = set(ids)
