@@ -23,6 +23,7 @@ from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
+from loramux.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.detokenizer = Detokenizer(self.tokenizer)
         self.sampler = Sampler(dims.vocab_size, self.eos_token_ids, self.generator)
+        self.structured = StructuredOutputManager(self.tokenizer, dims.vocab_size)
         self.postprocessor = Postprocessor(self.detokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         logger.info(
@@ -195,6 +197,8 @@ class LLMEngine:
             seq = Sequence(request_id, i, ids, params, lora_key)
             if params.prompt_logprobs is not None and len(ids) == 1:
                 seq.prompt_logprobs = [None]
+            if params.structured_outputs is not None:
+                seq.grammar = self.structured.matcher(params.structured_outputs)
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + i * 1_000_003)
             seqs.append(seq)
@@ -245,7 +249,13 @@ class LLMEngine:
         finally:
             if self.lora_manager is not None:
                 self.lora_manager.finish_step()
+        grammars = [s.grammar for s in batch.seqs]
+        if any(g is not None for g in grammars):
+            logits = self.structured.apply(logits, grammars)
         sampled = self.sampler(logits, batch.seqs)
+        for seq, token in zip(batch.seqs, sampled.token_ids, strict=True):
+            if seq.grammar is not None and not seq.grammar.is_terminated():
+                seq.grammar.accept_token(token)
         for row, rows in prompt_logits.items():
             self._record_prompt_logprobs(batch.seqs[row], rows)
         touched: dict[str, Request] = {r.request_id: r for r in failed}

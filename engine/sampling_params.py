@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 
+from loramux.engine.structured_output import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5
@@ -62,11 +64,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    """Constrain the output to a JSON schema, JSON object, regex, choice or EBNF grammar."""
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if self.best_of is None:
             self.best_of = self.n
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:

@@ -52,6 +52,8 @@ class Sequence:
     """Steps this sequence waited while others were admitted (aging)."""
     num_preemptions: int = 0
     detok_state: object | None = None
+    grammar: object | None = None
+    """xgrammar matcher when the request has structured_outputs."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
