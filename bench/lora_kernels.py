@@ -2,14 +2,15 @@
 
 CPU (default): torch backend, SmolLM2-135M projections (hidden 576, intermediate 1536,
 q 576 / kv 192), ranks 8 and 16, decode (T=32) and prefill (T=1024), 2 threads.
-``--device cuda``: Triton backend in bf16 on Llama-7B projections (hidden 4096,
+``--clock cpu`` times one thread by its own CPU time instead (a stable figure when other
+jobs share the machine). ``--device cuda``: Triton backend in bf16 on Llama-7B projections (hidden 4096,
 intermediate 11008, rank 16), 1-64 adapters.
 
 For every (mode, rank, adapters) it prints ``time(shrink + expand) / time(x @ W.T)`` per
 projection and for the whole layer (sum over projections), and writes
 ``bench/results/lora_kernels.json`` (one entry per device) and ``lora_kernels.png``.
 
-    python bench/lora_kernels.py [--device cpu|cuda] [--dtype bf16|fp32] [--quick]
+    python bench/lora_kernels.py [--device cpu|cuda] [--dtype bf16|fp32] [--clock wall|cpu] [--quick]
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ LLAMA7B = {
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
+_clock = time.perf_counter  # replaced by time.thread_time under --clock cpu
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -52,22 +56,22 @@ def _batch_size(fn, device: torch.device, min_time: float) -> int:
     """Calls per timed batch so that one batch takes about ``min_time`` seconds."""
     fn()
     _sync(device)
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < min_time / 4 and n < 1000:
+    t0, n = _clock(), 0
+    while _clock() - t0 < min_time / 4 and n < 1000:
         fn()
         n += 1
         _sync(device)
-    per_call = max((time.perf_counter() - t0) / max(n, 1), 1e-9)
+    per_call = max((_clock() - t0) / max(n, 1), 1e-9)
     return max(1, int(min_time / per_call))
 
 
 def _time_batch(fn, device: torch.device, inner: int) -> float:
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = _clock()
     for _ in range(inner):
         fn()
     _sync(device)
-    return (time.perf_counter() - t0) / inner
+    return (_clock() - t0) / inner
 
 
 def time_pair(base, lora, device: torch.device, repeats: int, min_time: float) -> dict:
@@ -83,6 +87,7 @@ def time_pair(base, lora, device: torch.device, repeats: int, min_time: float) -
         "base_s": statistics.median(tb),
         "lora_s": statistics.median(tl_),
         "ratio": statistics.median(ratios),
+        "ratio_of_mins": min(tl_) / min(tb),  # least disturbed by other load on the machine
     }
 
 
@@ -166,9 +171,12 @@ def run(args) -> dict:
     header = f"{'mode':8} {'T':>5} {'rank':>4} {'adapters':>8} " + " ".join(
         f"{p:>8}" for p in shapes
     )
-    print(f"device={device} backend={backend} dtype={dtype} threads={torch.get_num_threads()}")
+    print(
+        f"device={device} backend={backend} dtype={dtype} threads={torch.get_num_threads()}"
+        f" clock={_clock.__name__}"
+    )
     print("ratio = time(shrink+expand) / time(base x @ W.T)")
-    print(header + f" {'layer':>8}")
+    print(header + f" {'layer':>8} {'layer*':>8}   (* = ratio of fastest repeats)")
     for mode, T in modes.items():
         for rank in ranks:
             for n in adapters:
@@ -182,9 +190,15 @@ def run(args) -> dict:
                 # layer = sum over projections, each base time weighted by its measured ratio
                 base_sum = sum(p["base_s"] for p in per.values())
                 row["layer_ratio"] = sum(p["ratio"] * p["base_s"] for p in per.values()) / base_sum
+                row["layer_ratio_of_mins"] = (
+                    sum(p["ratio_of_mins"] * p["base_s"] for p in per.values()) / base_sum
+                )
                 rows.append(row)
                 cells = " ".join(f"{per[p]['ratio']:8.3f}" for p in shapes)
-                print(f"{mode:8} {T:5d} {rank:4d} {n:8d} {cells} {row['layer_ratio']:8.3f}")
+                print(
+                    f"{mode:8} {T:5d} {rank:4d} {n:8d} {cells} {row['layer_ratio']:8.3f}"
+                    f" {row['layer_ratio_of_mins']:8.3f}"
+                )
 
     from loramux.engine.lora.meta import LoRABatchMeta
 
@@ -225,7 +239,7 @@ def plot(all_results: dict, path: Path) -> None:
     fig, axes = plt.subplots(
         1, len(all_results), figsize=(6 * len(all_results), 4.5), squeeze=False
     )
-    for ax, (dev, res) in zip(axes[0], sorted(all_results.items()), strict=True):
+    for ax, (_dev, res) in zip(axes[0], sorted(all_results.items()), strict=True):
         series: dict[tuple, list] = {}
         for r in res["results"]:
             series.setdefault((r["mode"], r["T"], r["rank"]), []).append(
@@ -239,7 +253,10 @@ def plot(all_results: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("distinct adapters in the batch")
         ax.set_ylabel("LoRA (shrink+expand) time / base matmul time")
-        ax.set_title(f"{dev}: {res['backend']} {res['dtype']} ({res['device_name']})")
+        ax.set_title(
+            f"{res['device_name']}: {res['backend']} {res['dtype']}, "
+            f"{res['threads']} thread(s), {res.get('clock', 'wall')} clock"
+        )
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -253,14 +270,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bf16")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     p.add_argument("--quick", action="store_true", help="fewer adapter counts and repeats")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: one thread timed by its own CPU time (stable on a busy machine)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "lora_kernels")
     args = p.parse_args(argv)
+    key = args.device
+    if args.clock == "cpu":
+        if args.device != "cpu":
+            p.error("--clock cpu is for the CPU bench")
+        global _clock
+        _clock = time.thread_time
+        args.threads = 1
+        key = "cpu_thread_time"
 
     res = run(args)
     out_json = args.out.with_suffix(".json")
     out_json.parent.mkdir(parents=True, exist_ok=True)
     all_results = json.loads(out_json.read_text()) if out_json.exists() else {}
-    all_results[res["device"].split(":")[0]] = res
+    res["clock"] = args.clock
+    all_results[key] = res
     out_json.write_text(json.dumps(all_results, indent=2) + "\n")
     plot(all_results, args.out.with_suffix(".png"))
     print(f"wrote {out_json} and {args.out.with_suffix('.png')}")

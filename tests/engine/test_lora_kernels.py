@@ -66,6 +66,7 @@ def dense_delta(x, a, b, slots, ranks, scale, offs) -> torch.Tensor:
 LAYOUTS = {
     "decode_32_adapters": ([(i, 1) for i in range(32)], 3, [1 + (i * 7) % 64 for i in range(32)]),
     "prefill_one_adapter": ([(0, 40)], 0, [16]),
+    "prefill_80_tokens_gathered": ([(1, 80)], 5, [4, 16]),  # 1 chunk, > 64 rows: 16-bit mm
     "mixed_long_short": ([(2, 100), (0, 1), (5, 1), (3, 7), (1, 2)], 6, [8, 4, 16, 1, 0, 64]),
     "rank0_and_none": ([(0, 3), (1, 5)], 4, [0, 8]),
     "all_none": ([], 5, [4, 8]),

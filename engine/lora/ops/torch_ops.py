@@ -4,7 +4,9 @@ The fast path runs a constant number of torch ops per layer, whatever the number
 adapters: one gather of x rows into the padded chunk layout of ``LoRABatchMeta``, one
 gather of the chunks' A matrices (a view when the chunks use consecutive slots), one ``bmm``
 for all slices, then per slice (<= 3) one ``bmm`` with the chunks' B rows into one delta
-buffer, and one ``index_add_`` of the delta rows into y.
+buffer, and one ``index_add_`` of the delta rows into y. With a single chunk the GEMMs are
+plain ``mm``; decode-sized steps run the expand in fp32 (16-bit GEMMs have a large fixed
+cost on CPU, and v is fp32 already).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import torch
 from loramux.engine.lora.meta import LoRABatchMeta
 
 __all__ = ["add_lora", "lora_expand", "lora_shrink"]
+
+# Expand in fp32 when the step has at most this many padded rows (decode-sized batches).
+_FP32_EXPAND_MAX_ROWS = 64
 
 
 def _check_offsets(slice_offsets: Sequence[int], num_slices: int, n_total: int) -> list[int]:
@@ -48,15 +53,26 @@ def _shrink_padded(
     NC, C = meta.num_chunks, meta.chunk_len
     cdtype = torch.promote_types(x.dtype, a_stack.dtype)
     xg = x if meta.identity_tokens else x.index_select(0, meta.chunk_tokens)  # [NC*C, K]
-    xg = xg.to(cdtype).reshape(NC, C, K)
+    xg = xg.to(cdtype)
     a = _chunk_weights(a_stack, meta, cdtype).reshape(NC, num_slices * R, K)
-    out = torch.bmm(xg, a.transpose(1, 2))  # [NC, C, slices*R]
+    if NC == 1:  # mm has less fixed cost than a batch-1 bmm
+        out = torch.mm(xg, a[0].t()).view(1, C, num_slices * R)
+    else:
+        out = torch.bmm(xg.reshape(NC, C, K), a.transpose(1, 2))  # [NC, C, slices*R]
     if meta.chunk_slot_start is not None:
         sc = scale.narrow(0, meta.chunk_slot_start, NC)
     else:
         sc = scale.index_select(0, meta.chunk_slots)
     out = out * sc.to(torch.float32).view(NC, 1, 1)  # fp32
     return out.view(NC * C, num_slices, R)
+
+
+def _expand_dtype(meta: LoRABatchMeta, y: torch.Tensor, b_stack: torch.Tensor) -> torch.dtype:
+    """fp32 for few rows (a 16-bit GEMM's fixed cost dominates there; v is fp32 already),
+    else the weights' / output's dtype."""
+    if meta.num_chunks * meta.chunk_len <= _FP32_EXPAND_MAX_ROWS:
+        return torch.float32
+    return torch.promote_types(y.dtype, b_stack.dtype)
 
 
 def _expand_padded(
@@ -68,19 +84,19 @@ def _expand_padded(
         raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
     R = vp.shape[2]
-    cdtype = torch.promote_types(y.dtype, b_stack.dtype)
+    cdtype = _expand_dtype(meta, y, b_stack)
     vp = vp.to(cdtype)
     b = _chunk_weights(b_stack, meta, cdtype)  # [NC, N_total, R]
-    if len(offs) == 2:
-        delta = torch.bmm(vp.reshape(NC, C, R), b.transpose(1, 2))  # [NC, C, N_total]
-    else:
-        delta = torch.empty(NC, C, n_total, dtype=cdtype, device=y.device)
-        for s in range(len(offs) - 1):
-            lo, hi = offs[s], offs[s + 1]
-            if hi > lo:
-                vs = vp[:, s].reshape(NC, C, R)
-                torch.bmm(vs, b[:, lo:hi].transpose(1, 2), out=delta[:, :, lo:hi])
-    delta = delta.view(NC * C, n_total)
+    delta = torch.empty(NC * C, n_total, dtype=cdtype, device=y.device)
+    for s in range(len(offs) - 1):
+        lo, hi = offs[s], offs[s + 1]
+        if hi == lo:
+            continue
+        if NC == 1:
+            torch.mm(vp[:, s], b[0, lo:hi].t(), out=delta[:, lo:hi])  # [C, n]
+        else:
+            vs = vp[:, s].reshape(NC, C, R)
+            torch.bmm(vs, b[:, lo:hi].transpose(1, 2), out=delta.view(NC, C, n_total)[:, :, lo:hi])
     if meta.identity_tokens:
         y.add_(delta)
     else:
