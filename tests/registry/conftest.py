@@ -147,7 +147,7 @@ def registry(database_url, object_store, tmp_path):
         base_model=dict(TINY_CONFIG),
         base_model_name="tiny-llama",
         max_lora_rank=16,
-        max_adapter_bytes=256 * 1024,
+        max_adapter_bytes=64 * 1024,
         auto_upgrade=True,
     )
     yield service
