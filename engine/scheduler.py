@@ -86,10 +86,14 @@ class Scheduler:
                 f"prompt is {seq.num_tokens} tokens, longer than max_model_len "
                 f"({self.max_model_len})"
             )
-        if self.kv.blocks_for(seq.num_tokens + 1) > self.kv.pool.num_blocks:
+        max_tokens = seq.params.max_tokens or self.max_model_len
+        longest = min(seq.num_tokens + max_tokens, self.max_model_len)
+        # the last token is sampled, never computed; alone, the sequence must always fit
+        if self.kv.blocks_for(max(longest - 1, seq.num_tokens)) > self.kv.pool.num_blocks:
             raise ValueError(
-                f"prompt of {seq.num_tokens} tokens does not fit in the KV cache "
-                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size})"
+                f"a sequence of up to {longest} tokens (prompt of {seq.num_tokens}) does not fit "
+                f"in the KV cache ({self.kv.pool.num_blocks} blocks of {self.kv.block_size}); "
+                f"lower max_tokens or give the KV cache more memory"
             )
         if seq.num_tokens > self.max_num_batched_tokens:
             raise ValueError(

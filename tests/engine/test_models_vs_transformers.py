@@ -66,7 +66,7 @@ def hf_model(path):
 
 @torch.no_grad()
 def hf_greedy(model, prompt_ids, n):
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n)
     return out[0, len(prompt_ids) :].tolist()
 
 

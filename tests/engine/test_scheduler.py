@@ -116,7 +116,24 @@ def test_prompt_longer_than_max_model_len_is_refused():
 def test_prompt_larger_than_the_kv_cache_is_refused():
     sched = make_scheduler(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="KV cache"):
-        sched.add(make_seq("big", prompt_len=8))  # 8 tokens + 1 need 3 blocks
+        sched.add(make_seq("big", prompt_len=9, max_tokens=1))  # 9 tokens need 3 blocks
+    sched.add(make_seq("fits", prompt_len=8, max_tokens=1))  # only the prompt is computed
+    assert names(run_step(sched)) == {"fits": 8}
+
+
+def test_sequence_that_would_outgrow_the_kv_cache_is_refused():
+    # alone it would need 4 blocks at the end: preempting itself forever is no way out
+    sched = make_scheduler(num_blocks=3, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add(make_seq("grows", prompt_len=4, max_tokens=10))  # 13 computed tokens
+    sched.add(make_seq("fits", prompt_len=4, max_tokens=9))  # 12 computed tokens: 3 blocks
+    while sched.num_unfinished:
+        run_step(sched)
+    # without max_tokens a sequence may grow to max_model_len
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add(Sequence("open", 0, [1, 2], SamplingParams(max_tokens=None)))
+    small = make_scheduler(num_blocks=3, block_size=4, max_model_len=13)
+    small.add(Sequence("open", 0, [1, 2], SamplingParams(max_tokens=None)))
 
 
 def test_prompt_larger_than_the_token_budget_is_refused():
