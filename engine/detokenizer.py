@@ -10,6 +10,8 @@ from tokenizers.decoders import DecodeStream
 
 from loramux.engine.sequence import Sequence
 
+_PROMPT_CONTEXT = 5  # prompt tokens decoded before the first output token (as vLLM)
+
 
 class Detokenizer:
     """Turns each new token of a sequence into text and applies stop strings."""
@@ -21,7 +23,11 @@ class Detokenizer:
     def decode_token(self, seq: Sequence, token_id: int) -> str:
         """Text that ``token_id`` adds to ``seq`` (may be '' while a character is incomplete)."""
         if seq.detok_state is None:
-            seq.detok_state = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+            # Prompt context: SentencePiece decoders drop the leading space of a first token.
+            seq.detok_state = DecodeStream(
+                ids=seq.prompt_token_ids[-_PROMPT_CONTEXT:],
+                skip_special_tokens=seq.params.skip_special_tokens,
+            )
         piece = seq.detok_state.step(self._backend, token_id)
         return piece or ""
 

@@ -74,6 +74,30 @@ def test_special_tokens_skipped_or_kept(tokenizer, detok):
     assert "".join(detok.decode_token(keep, t) for t in ids) == "Hi there<|im_end|> again"
 
 
+def metaspace_tokenizer():
+    """A SentencePiece-style (Llama-2 / Mistral) tokenizer: '▁' marks a leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁Hello": 3, "▁world": 4, "▁the": 5, "▁end": 6, "!": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_first_output_token_keeps_its_leading_space_with_sentencepiece_tokenizers():
+    tokenizer = metaspace_tokenizer()
+    detok = Detokenizer(tokenizer)
+    prompt, out = [1, 3, 4], [5, 6, 7]  # "<s> Hello world" -> " the end!"
+    seq = Sequence("r", 0, prompt, SamplingParams())
+    text = "".join(detok.decode_token(seq, t) for t in out)
+    full = tokenizer.decode(prompt + out, skip_special_tokens=True)
+    assert full == "Hello world the end!"
+    # the text the output adds to the prompt, as vLLM reports it
+    assert text == full[len(tokenizer.decode(prompt, skip_special_tokens=True)) :] == " the end!"
+
+
 # ------------------------------------------------------------------------ stop strings
 
 
