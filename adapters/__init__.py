@@ -1,1 +1,17 @@
-"""loramux.adapters."""
+"""loramux.adapters – the PEFT LoRA adapter format.
+
+- :mod:`~loramux.adapters.format` ``load_adapter`` (read, no base-model checks; the engine's
+  loader), ``validate_adapter`` (every upload check against a base model config),
+  ``LoraSpec``, ``LoraWeights``, ``save_adapter``, ``AdapterValidationError``
+- :mod:`~loramux.adapters.archive` folders and ``.tar.gz`` / ``.zip`` uploads, extracted
+  safely (no absolute paths, ``..``, links or devices; member count and size caps)
+- :mod:`~loramux.adapters.safetensors_io` safetensors header checks before any tensor is
+  read; nothing in this package unpickles or calls ``torch.load``
+- :mod:`~loramux.adapters.arch` supported architectures (llama, mistral, qwen2), target
+  modules and the tensor shapes they imply
+- :mod:`~loramux.adapters.merge` ``export_merged`` (PEFT ``merge_and_unload`` to a Hugging
+  Face folder) and ``check_merged`` (logits of the merged model vs base + adapter)
+- :mod:`~loramux.adapters.testing` random adapters for tests and benchmarks
+
+Imports stay light: ``import loramux.adapters`` loads nothing heavy; import the modules.
+"""

@@ -13,8 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loramux.registry.errors import ObjectNotFound, ObjectStoreError
-from loramux.registry.store import ObjectInfo, ObjectStore, _verify, check_key, sha256_file
+from loramux.registry.errors import ObjectIntegrityError, ObjectNotFound, ObjectStoreError
+from loramux.registry.store import (
+    ObjectInfo,
+    ObjectStore,
+    _verify,
+    check_key,
+    discard,
+    sha256_file,
+)
 
 _CHUNK = 1024 * 1024
 
@@ -95,7 +102,10 @@ class S3Store(ObjectStore):
         from botocore.exceptions import BotoCoreError, ClientError
 
         digest = sha256_file(path)
-        _verify(key, digest, sha256, Path(os.devnull))
+        if sha256 is not None and digest != sha256:
+            raise ObjectIntegrityError(
+                f"{path}: sha256 {digest} instead of {sha256}; the file changed while uploading"
+            )
         try:
             self.client.upload_file(
                 str(path),
@@ -120,14 +130,14 @@ class S3Store(ObjectStore):
                     h.update(chunk)
                     out.write(chunk)
         except ClientError as e:
-            dest.unlink(missing_ok=True)
+            discard(dest)
             if self._is_missing(e):
                 raise ObjectNotFound(
                     f"object {key!r} is missing from bucket {self.bucket!r}"
                 ) from None
             raise self._error("download", key, e) from e
         except (BotoCoreError, OSError) as e:
-            dest.unlink(missing_ok=True)
+            discard(dest)
             raise self._error("download", key, e) from e
         _verify(key, h.hexdigest(), sha256 or recorded, dest)
 

@@ -74,9 +74,16 @@ class ObjectStore(ABC):
         """A one-line description for logs and the CLI (no secrets)."""
 
 
+def discard(path: Path) -> None:
+    """Remove a partial download (only ever a regular file)."""
+    if path.is_file() and not path.is_symlink():
+        path.unlink()
+
+
 def _verify(key: str, got: str, want: str | None, dest: Path) -> None:
+    """Raise ObjectIntegrityError on a mismatch, removing ``dest`` (the partial download)."""
     if want is not None and got != want:
-        dest.unlink(missing_ok=True)
+        discard(dest)
         raise ObjectIntegrityError(
             f"object {key!r} is corrupt: sha256 {got} instead of {want}; re-upload the adapter"
         )
@@ -122,10 +129,10 @@ class FileStore(ObjectStore):
                     h.update(chunk)
                     out.write(chunk)
         except FileNotFoundError:
-            dest.unlink(missing_ok=True)
+            discard(dest)
             raise ObjectNotFound(f"object {key!r} is missing from {self.root}") from None
         except OSError as e:
-            dest.unlink(missing_ok=True)
+            discard(dest)
             raise ObjectStoreError(f"cannot read {key!r} under {self.root}: {e}") from e
         _verify(key, h.hexdigest(), sha256, dest)
 
