@@ -10,7 +10,8 @@ segment (one adapter) and one slice, so each adapter's A/B tile is read once per
 * decode path: when ``meta.max_seg_len <= DECODE_MAX_SEG_LEN`` tiles have 1-4 rows and the
   product is a broadcast multiply + ``tl.sum`` instead of a 16-row ``tl.dot``.
 
-Triton is imported lazily: this module imports (with ``HAS_TRITON = False``) without it.
+The triton import is guarded (``HAS_TRITON``), and ``loramux.engine.lora.ops`` imports this
+module only when the Triton backend is asked for, so the package imports without triton.
 """
 
 from __future__ import annotations
