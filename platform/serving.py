@@ -139,6 +139,19 @@ class _Pump:
             self.remaining -= 1
         return i, item
 
+    async def next_batch(self) -> list[tuple[int, RequestOutput | None]]:
+        """Wait for one item, then take every item already queued (streaming sends the
+        latest snapshot of each prompt, so a slow client gets fewer, larger chunks)."""
+        items = [await self.next()]
+        while not self.queue.empty():
+            i, item = self.queue.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                self.remaining -= 1
+            items.append((i, item))
+        return items
+
     def cancel(self) -> None:
         for t in self.tasks:
             if not t.done():
@@ -385,18 +398,23 @@ class OpenAIServing:
         try:
             pending = list(first)
             while True:
-                if pending:
-                    i, out = pending.pop(0)
-                elif pump.remaining:
-                    i, out = await pump.next()
-                else:
-                    break
-                if out is None:
-                    continue
-                for chunk in self._chunks(ctx, state, i, out):
-                    if include_usage:
-                        chunk["usage"] = state.usage() if continuous else None
-                    yield sse(chunk)
+                if not pending:
+                    if not pump.remaining:
+                        break
+                    pending = await pump.next_batch()
+                latest: dict[int, RequestOutput] = {}
+                for i, out in pending:  # cumulative snapshots: the last one says it all
+                    if out is not None:
+                        latest[i] = out
+                pending = []
+                parts = []
+                for i, out in latest.items():
+                    for chunk in self._chunks(ctx, state, i, out):
+                        if include_usage:
+                            chunk["usage"] = state.usage() if continuous else None
+                        parts.append(sse(chunk))
+                if parts:
+                    yield "".join(parts)
             if include_usage:
                 yield sse({**self._head(ctx, stream=True), "choices": [], "usage": state.usage()})
             yield sse("[DONE]")
