@@ -281,7 +281,7 @@ class OpenAIServing:
         built = build_params(req, served.preset, default_max_tokens=16)
         prompts = await self._completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
-            raise BadRequest("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+            built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
         ctx = _Ctx("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions")
         return await self._respond(ctx, req, request)
 
@@ -470,7 +470,11 @@ class OpenAIServing:
                 if first_chunk and ctx.echo:
                     prompt_text = self._prompt_text(ctx.prompts[i])
                     text = prompt_text + text
-                    offset += len(prompt_text)
+                    if lp is not None and out.prompt_logprobs is not None:
+                        new_ids = list(out.prompt_token_ids) + new_ids
+                        lp = list(out.prompt_logprobs) + lp
+                    else:
+                        offset += len(prompt_text)
                 choice = {
                     "index": index, "text": text,
                     "logprobs": self._completion_logprobs(new_ids, lp, offset) if lp is not None else None,
@@ -505,11 +509,18 @@ class OpenAIServing:
         for i, final in enumerate(finals):
             prefix = self._prompt_text(ctx.prompts[i]) if ctx.echo else ""
             for o in final.outputs:
+                logprobs = None
+                if o.logprobs is not None:
+                    if ctx.echo and final.prompt_logprobs is not None:
+                        logprobs = self._completion_logprobs(
+                            list(final.prompt_token_ids) + o.token_ids,
+                            list(final.prompt_logprobs) + o.logprobs, 0)
+                    else:
+                        logprobs = self._completion_logprobs(o.token_ids, o.logprobs, len(prefix))
                 choices.append({
                     "index": i * n + o.index,
                     "text": prefix + o.text,
-                    "logprobs": self._completion_logprobs(o.token_ids, o.logprobs, len(prefix))
-                    if o.logprobs is not None else None,
+                    "logprobs": logprobs,
                     "finish_reason": _finish(o),
                     "stop_reason": o.stop_reason,
                 })
@@ -541,8 +552,12 @@ class OpenAIServing:
         for tid, entry in zip(token_ids, logprobs, strict=False):
             text = self.token_text(tid)
             tokens.append(text)
-            token_lps.append(_finite(entry[tid].logprob) if tid in entry else None)
-            tops.append({self.token_text(t): _finite(lp.logprob) for t, lp in entry.items()})
+            if entry is None:  # the first prompt token has no logprob
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(_finite(entry[tid].logprob) if tid in entry else None)
+                tops.append({self.token_text(t): _finite(lp.logprob) for t, lp in entry.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,

@@ -254,3 +254,20 @@ async def test_chat_rejects_non_text_parts(client, env):
         "model": BASE, "max_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "hi"}]}]})
     assert r.status_code == 200
+
+
+async def test_echo_with_logprobs_includes_the_prompt(client, env):
+    body = {"model": BASE, "prompt": "one two three", "max_tokens": 3, "temperature": 0,
+            "echo": True, "logprobs": 1}
+    r = await post(client, env, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n_prompt + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x is not None for x in lp["token_logprobs"][1:])
+    assert choice["text"].startswith("one two three")
+    events = parse_sse((await post(client, env, "/v1/completions", {**body, "stream": True})).text)
+    streamed = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
