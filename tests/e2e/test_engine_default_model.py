@@ -94,7 +94,7 @@ def hf_greedy(hf, tokenizer, prompt_ids):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     config = copy.deepcopy(hf.generation_config)
-    config.eos_token_id = None  # like ignore_eos
+    config.eos_token_id = None  # transformers may still stop at EOS: compared up to it
     config.pad_token_id = pad
     with torch.no_grad():
         out = hf.generate(
