@@ -35,6 +35,8 @@ _SHOWN = (
     "include_stop_str_in_output", "skip_special_tokens",
 )
 _MAX_HEADER = 4000
+MAX_N = 128
+"""Most completions (``n``, ``best_of``) one request may ask for."""
 _IGNORED_OK = {"user", "stream", "stream_options", "model", "prompt", "messages", "echo",
                "add_generation_prompt", "chat_template", "chat_template_kwargs", "logprobs",
                "top_logprobs", "max_completion_tokens", "suffix", "response_format", "tools",
@@ -153,6 +155,11 @@ def build_params(
     preset_fields = sorted(k for k in preset if k not in given)
     values.update(preset)
     values.update(given)
+    for name in ("n", "best_of"):
+        value = values.get(name)
+        if isinstance(value, int) and value > MAX_N:
+            raise BadRequest(f"{name} must be at most {MAX_N}, got {value}.", param=name,
+                             code="invalid_parameter")
     try:
         params = SamplingParams(**_engine_values(values))
     except ValueError as e:

@@ -295,9 +295,24 @@ class OpenAIServing:
         ctx = _Ctx("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat")
         return await self._respond(ctx, req, request)
 
+    def _check_lengths(self, ctx: _Ctx) -> None:
+        """min_tokens must fit in the context (the engine would not stop at max_model_len)."""
+        min_tokens = ctx.built.params.min_tokens
+        if ctx.built.params.max_tokens is not None:
+            return  # min_tokens <= max_tokens, which the engine checks against the context
+        for p in ctx.prompts:
+            if len(p["prompt_token_ids"]) + min_tokens > self.max_model_len:
+                raise BadRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                    f"you requested at least {len(p['prompt_token_ids']) + min_tokens} tokens "
+                    f"({len(p['prompt_token_ids'])} in the prompt, min_tokens={min_tokens}).",
+                    param="min_tokens", code="context_length_exceeded",
+                )
+
     async def _respond(self, ctx: _Ctx, req, request: Request) -> Response:
         if not self.engine.is_running:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
+        self._check_lengths(ctx)
         headers = ctx.built.headers()
         pump = _Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served)
         try:

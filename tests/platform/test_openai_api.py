@@ -180,6 +180,8 @@ async def test_errors_use_openai_shape(client, env):
         ({"model": BASE, "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
         ({"model": BASE, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
         ({"model": BASE, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+        ({"model": BASE, "prompt": "x", "n": 10**6}, 400, "n"),
+        ({"model": BASE, "prompt": "x", "max_tokens": 300, "min_tokens": 300}, 400, "max_tokens"),
         ({"model": BASE, "prompt": "x", "top_k": "many"}, 400, "top_k"),
         ({"model": BASE}, 400, "prompt"),
         ({"model": BASE, "prompt": []}, 400, "prompt"),
@@ -194,6 +196,9 @@ async def test_errors_use_openai_shape(client, env):
         assert err["param"] == param, (body, err)
     r = await post(client, env, "/v1/completions", {"model": BASE, "prompt": "x " * 300})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = await post(client, env, "/v1/chat/completions", {
+        "model": BASE, "messages": [{"role": "user", "content": "x"}], "min_tokens": 10**6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     r = await client.post("/v1/completions", content=b"{not json",
                           headers={**env.headers(env.key_a), "content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
