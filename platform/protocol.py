@@ -48,6 +48,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     user: str | None = None

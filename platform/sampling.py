@@ -21,10 +21,10 @@ DIRECT_FIELDS = (
     "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs",
 )
 # What an adapter preset may hold.
-PRESET_FIELDS = frozenset(DIRECT_FIELDS) | {"logprobs"}
+PRESET_FIELDS = (frozenset(DIRECT_FIELDS) | {"logprobs"}) - {"prompt_logprobs"}
 ENGINE_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
 KNOWN_PARAMS = ENGINE_FIELDS | {"max_completion_tokens", "top_logprobs", "messages", "prompt", "model"}
 
@@ -32,7 +32,7 @@ _SHOWN = (
     "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "max_tokens", "min_tokens", "logprobs", "logit_bias", "allowed_token_ids",
-    "include_stop_str_in_output", "skip_special_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs",
 )
 _MAX_HEADER = 4000
 MAX_N = 128

@@ -536,6 +536,8 @@ class OpenAIServing:
                     "index": i * n + o.index,
                     "text": prefix + o.text,
                     "logprobs": logprobs,
+                    **({"prompt_logprobs": self._prompt_logprobs(final)}
+                       if ctx.built.params.prompt_logprobs is not None and not ctx.echo else {}),
                     "finish_reason": _finish(o),
                     "stop_reason": o.stop_reason,
                 })
@@ -554,7 +556,23 @@ class OpenAIServing:
                 "finish_reason": _finish(o),
                 "stop_reason": o.stop_reason,
             })
-        return {**self._head(ctx, stream=False), "choices": choices, "usage": self._usage(finals)}
+        body = {**self._head(ctx, stream=False), "choices": choices, "usage": self._usage(finals)}
+        if ctx.built.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(final)
+        return body
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """vLLM's shape: None for the first prompt token, then token id -> logprob, rank, text."""
+        if out.prompt_logprobs is None:
+            return None
+        return [
+            None if entry is None else {
+                str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                         "decoded_token": self.token_text(t)}
+                for t, lp in entry.items()
+            }
+            for entry in out.prompt_logprobs
+        ]
 
     def _prompt_text(self, prompt: dict) -> str:
         if prompt.get("prompt") is not None:

@@ -276,3 +276,16 @@ async def test_echo_with_logprobs_includes_the_prompt(client, env):
     events = parse_sse((await post(client, env, "/v1/completions", {**body, "stream": True})).text)
     streamed = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["tokens"]]
     assert streamed == lp["tokens"]
+
+
+async def test_prompt_logprobs_extension(client, env):
+    r = await post(client, env, "/v1/completions", {"model": BASE, "prompt": "a b c d",
+                                                   "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == r.json()["usage"]["prompt_tokens"] and plp[0] is None
+    assert all(2 <= len(e) <= 3 for e in plp[1:])
+    r = await post(client, env, "/v1/chat/completions", {
+        "model": BASE, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+        "prompt_logprobs": 0})
+    assert len(r.json()["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]
