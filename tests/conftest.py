@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+# Everything the tests load is local; never wait on the Hugging Face Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 # Triton kernels run under the interpreter on machines without a GPU. Must be set
 # before anything imports triton.
 try:

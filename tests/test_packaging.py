@@ -8,7 +8,10 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPONENTS = {"engine": "engine", "adapters": "adapters", "registry": "registry", "platform": "platform"}
+COMPONENTS = {
+    "engine": "engine", "adapters": "adapters", "registry": "registry", "platform": "platform",
+    "migrations": "migrations",
+}
 
 
 def test_wheel_contains_every_module(tmp_path):
