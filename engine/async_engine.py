@@ -149,11 +149,19 @@ class AsyncEngine:
                     continue
                 for req in engine.step_requests():
                     target = self._streams.get(req.request_id)
-                    if target is not None:
-                        loop, stream = target
+                    if target is None:
+                        continue
+                    loop, stream = target
+                    try:
                         loop.call_soon_threadsafe(stream.put_nowait, req.to_output(streaming=True))
+                    except RuntimeError:  # the caller's event loop is gone: nobody listens
+                        self._streams.pop(req.request_id, None)
+                        engine.abort_request(req.request_id)
         except BaseException as exc:
             logger.exception("engine loop failed")
             self._dead = exc
             for loop, stream in list(self._streams.values()):
-                loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(f"the engine stopped: {exc!r}"))
+                try:
+                    loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(f"the engine stopped: {exc!r}"))
+                except RuntimeError:
+                    pass

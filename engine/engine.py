@@ -236,7 +236,7 @@ class LLMEngine:
             if self.lora_manager is not None:
                 self.lora_manager.poll(wait=0.005)
             return failed
-        batch = self.runner.order(plan)
+        batch = self.runner.order(plan, self.lora_manager.slot_of.get if self.lora_manager else None)
         now = time.monotonic()
         for seq in batch.seqs:
             req = self.requests[seq.request_id]

@@ -41,6 +41,8 @@ class Postprocessor:
         if is_eos:
             self._finish(seq, "stop", None)
         elif token in p.stop_token_ids:
+            if p.include_stop_str_in_output:
+                seq.text += new_text
             self._finish(seq, "stop", token)
         elif self.detok.apply_stop_strings(seq, new_text):
             self._finish(seq, "stop", seq.stop_reason)

@@ -7,6 +7,7 @@ each), then prefilling sequences (all their uncomputed tokens, contiguous).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,9 +77,18 @@ class ModelRunner:
         ]
         self._arange_block = torch.arange(block_size)
 
-    def order(self, out: SchedulerOutput) -> StepBatch:
+    def order(self, out: SchedulerOutput, slot_of: Callable[[str], int] | None = None) -> StepBatch:
+        """Decode rows first, then prefills; within each, grouped by adapter slot (base-model
+        rows last) so the LoRA tokens lead the batch in slot order and the LoRA kernels read
+        them in place."""
         decode = [s for s in out.scheduled if not s.is_prefill]
         prefill = [s for s in out.scheduled if s.is_prefill]
+        if slot_of is not None:
+            def key(s):
+                return slot_of(s.seq.lora_key) if s.seq.lora_key is not None else 1 << 30
+
+            decode.sort(key=key)
+            prefill.sort(key=key)
         items = decode + prefill
         keys: list[str | None] = []
         for s in items:

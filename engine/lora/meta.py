@@ -64,7 +64,7 @@ class LoRABatchMeta:
     chunk_keep: torch.Tensor | None  # [T_act] int64 padded rows that are real; None when no pads
     active_pos: torch.Tensor | None  # [T_act] int64 sorted positions in segments; None = all
     identity_layout: bool  # padded rows == sorted rows (no pads, no rank-0 rows)
-    identity_tokens: bool  # additionally sorted_token_idx == arange(T)
+    identity_tokens: bool  # additionally sorted_token_idx == arange(T_lora): LoRA tokens lead the batch
     chunk_slot_start: int | None  # chunk_slots == arange(start, start + NC): weights as a view
     _has_lora: bool = False
 
@@ -121,7 +121,7 @@ class LoRABatchMeta:
         chunk_tokens = sorted_idx[pos] if pos.size else np.zeros(0, dtype=np.int64)
         identity_layout = not padded and covered
         identity_tokens = (
-            identity_layout and t_lora == T and bool((sorted_idx == np.arange(T)).all())
+            identity_layout and bool((sorted_idx == np.arange(t_lora)).all())
         )
         keep_rows = np.nonzero(valid)[0] if padded else None
         slot_start = None

@@ -82,23 +82,32 @@ class LlamaModel:
         for i in range(d.num_layers):
             p = f"model.layers.{i}."
             q, k, v = (take(p + f"self_attn.{m}_proj.weight") for m in "qkv")
-            bias = None
-            if d.qkv_bias:
-                bias = torch.cat([take(p + f"self_attn.{m}_proj.bias") for m in "qkv"])
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(torch.cat([q, k, v]), bias),
-                    o=Linear(take(p + "self_attn.o_proj.weight")),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                    qkv=Linear(
+                        torch.cat([q, k, v]),
+                        self._fused_bias(
+                            sd,
+                            p,
+                            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                            (q, k, v),
+                            required=d.qkv_bias,
+                        ),
                     ),
-                    down=Linear(take(p + "mlp.down_proj.weight")),
+                    o=Linear(
+                        take(p + "self_attn.o_proj.weight"),
+                        sd.pop(p + "self_attn.o_proj.bias", None),
+                    ),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=self._gate_up(sd, p, take),
+                    down=Linear(
+                        take(p + "mlp.down_proj.weight"), sd.pop(p + "mlp.down_proj.bias", None)
+                    ),
                 )
             )
         self.norm = take("model.norm.weight")
-        if "lm_head.weight" in sd and not d.tie_word_embeddings:
+        if not d.tie_word_embeddings:
             self.lm_head = Linear(take("lm_head.weight"))
         else:
             sd.pop("lm_head.weight", None)
@@ -106,6 +115,29 @@ class LlamaModel:
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ModelLoadError(f"{self.path}: unexpected tensors {leftover[:5]}")
+
+    def _gate_up(self, sd: dict, prefix: str, take) -> Linear:
+        gate, up = take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")
+        bias = self._fused_bias(
+            sd, prefix, ("mlp.gate_proj", "mlp.up_proj"), (gate, up), required=False
+        )
+        return Linear(torch.cat([gate, up]), bias)
+
+    def _fused_bias(
+        self, sd: dict, prefix: str, names, weights, *, required: bool
+    ) -> torch.Tensor | None:
+        """The biases of fused projections, concatenated (zeros where one has none)."""
+        biases = [sd.pop(f"{prefix}{n}.bias", None) for n in names]
+        if all(b is None for b in biases):
+            if required:
+                raise ModelLoadError(f"{self.path}: tensor {prefix}{names[0]}.bias is missing")
+            return None
+        return torch.cat(
+            [
+                b if b is not None else w.new_zeros(w.shape[0])
+                for b, w in zip(biases, weights, strict=True)
+            ]
+        )
 
     def _build_rope(self) -> None:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -142,7 +174,9 @@ class LlamaModel:
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
             # RoPE on q and k together: [T, H + Hkv, D]
-            qk = _rope(qkv[:, : qs + kvs].view(-1, d.num_heads + d.num_kv_heads, d.head_dim), cos, sin)
+            qk = _rope(
+                qkv[:, : qs + kvs].view(-1, d.num_heads + d.num_kv_heads, d.head_dim), cos, sin
+            )
             q = qk[:, : d.num_heads]
             k = qk[:, d.num_heads :]
             v = qkv[:, qs + kvs :].reshape(-1, d.num_kv_heads, d.head_dim)

@@ -127,6 +127,9 @@ def test_meta_identity_flags_and_slot_range():
     assert meta.chunk_slot_start == 3
     meta = LoRABatchMeta.build([1, 0, 1], torch.tensor([4, 4]))
     assert not meta.identity_tokens and meta.chunk_slot_start == 0
+    # LoRA tokens leading the batch in slot order, base-model tokens after them: in place.
+    meta = LoRABatchMeta.build([0, 0, 1, 1, -1], torch.tensor([4, 4]))
+    assert meta.identity_tokens and meta.num_lora_tokens == 4
     meta = LoRABatchMeta.build([2, 0, 2], torch.tensor([4, 4, 4]))
     assert meta.chunk_slot_start is None  # slots 0 and 2: weights are gathered
 

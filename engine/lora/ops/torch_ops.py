@@ -52,7 +52,10 @@ def _shrink_padded(
         raise ValueError(f"x must be [{meta.num_tokens}, {K}]; got {list(x.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
     cdtype = torch.promote_types(x.dtype, a_stack.dtype)
-    xg = x if meta.identity_tokens else x.index_select(0, meta.chunk_tokens)  # [NC*C, K]
+    if meta.identity_tokens:  # the LoRA tokens are rows 0..T_lora-1 already in slot order
+        xg = x.narrow(0, 0, meta.num_lora_tokens)
+    else:
+        xg = x.index_select(0, meta.chunk_tokens)  # [NC*C, K]
     xg = xg.to(cdtype)
     a = _chunk_weights(a_stack, meta, cdtype).reshape(NC, num_slices * R, K)
     if NC == 1:  # mm has less fixed cost than a batch-1 bmm
@@ -98,7 +101,7 @@ def _expand_padded(
             vs = vp[:, s].reshape(NC, C, R)
             torch.bmm(vs, b[:, lo:hi].transpose(1, 2), out=delta.view(NC, C, n_total)[:, :, lo:hi])
     if meta.identity_tokens:
-        y.add_(delta)
+        y.narrow(0, 0, meta.num_lora_tokens).add_(delta)
     else:
         y.index_add_(0, meta.chunk_tokens, delta.to(y.dtype))  # pad rows add exact zeros
 
