@@ -37,6 +37,7 @@ from loramux.adapters.format import (
 from loramux.engine.config import LoRAConfig
 from loramux.engine.lora import ops
 from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.ops import torch_ops
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.llama import LlamaModel
@@ -75,10 +76,11 @@ class LoRAManager:
         self.source = adapter_source
         self.running_keys = running_keys or (lambda: set())
         dtype = model.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
-        self.slots = SlotBuffers(
-            model.dims, config.max_loras, config.max_lora_rank, dtype, model.device
-        )
         self.backend = ops.resolve_backend(config.lora_backend, model.device)
+        self.slots = SlotBuffers(
+            model.dims, config.max_loras, config.max_lora_rank, dtype, model.device,
+            blockdiag=self.backend == "torch",
+        )
         self.adapters: dict[str, AdapterState] = {}
         self.slot_of: dict[str, int] = {}
         self.slot_lru: OrderedDict[str, None] = OrderedDict()  # device residency, oldest first
@@ -287,6 +289,12 @@ class LoRAManager:
         return self._meta is not None and self._meta.has_lora
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.slots.blockdiag:
+            torch_ops.add_lora_blockdiag(
+                y, x, self.slots.a[layer][group], self.slots.b[layer][group], self._meta,
+                self.slots.scale,
+            )
+            return
         ops.add_lora(
             y,
             x,

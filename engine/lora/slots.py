@@ -2,7 +2,9 @@
 
 For layer ``l`` and group ``g`` (qkv, o, gate_up, down):
 ``a[l][g]``: [max_loras, num_slices, max_lora_rank, K] and
-``b[l][g]``: [max_loras, N_total, max_lora_rank] (slices' rows concatenated), plus a
+``b[l][g]``: [max_loras, N_total, max_lora_rank] (slices' rows concatenated; the layout of
+the Triton kernels) or, with ``blockdiag`` (the torch backend), [max_loras, num_slices *
+max_lora_rank, N_total] holding each slice's B.T on the block diagonal; plus a
 per-slot ``scale`` [max_loras] fp32 and ``ranks`` [max_loras] int64 (0 = empty).
 Rows/columns beyond an adapter's rank, and modules it does not target, are zero.
 """
@@ -20,7 +22,8 @@ class SlotBuffers:
     """The stacked weights that the LoRA kernels read."""
 
     def __init__(
-        self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device
+        self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device,
+        *, blockdiag: bool = False,
     ) -> None:
         self.dims = dims
         self.max_loras = max_loras
@@ -29,6 +32,7 @@ class SlotBuffers:
         self.slice_offsets: dict[str, list[int]] = {}
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
+        self.blockdiag = blockdiag
         for group, modules in PROJECTION_GROUPS.items():
             offs = [0]
             for m in modules:
@@ -42,7 +46,12 @@ class SlotBuffers:
                 a_layer[group] = torch.zeros(
                     max_loras, len(modules), max_rank, k, dtype=dtype, device=device
                 )
-                b_layer[group] = torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
+                if blockdiag:
+                    b_layer[group] = torch.zeros(
+                        max_loras, len(modules) * max_rank, n, dtype=dtype, device=device
+                    )
+                else:
+                    b_layer[group] = torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
@@ -88,7 +97,11 @@ class SlotBuffers:
                         continue
                     wa, wb = pair
                     a[s, :r].copy_(wa, non_blocking=True)
-                    b[offs[s] : offs[s + 1], :r].copy_(wb, non_blocking=True)
+                    if self.blockdiag:
+                        rows = slice(s * self.max_rank, s * self.max_rank + r)
+                        b[rows, offs[s] : offs[s + 1]].copy_(wb.t(), non_blocking=True)
+                    else:
+                        b[offs[s] : offs[s + 1], :r].copy_(wb, non_blocking=True)
         self.scale[slot] = weights.spec.scale
         self.ranks[slot] = r
 
