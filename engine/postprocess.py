@@ -37,6 +37,8 @@ class Postprocessor:
         n_out = seq.num_output_tokens
         if n_out < p.min_tokens:  # no stop condition applies before min_tokens
             seq.text += new_text
+            if seq.num_tokens >= self.max_model_len:  # the context is full all the same
+                self._finish(seq, "length", None)
             return
         if is_eos:
             self._finish(seq, "stop", None)
