@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from loramux.platform.errors import Unauthorized
 from loramux.platform.models import Caller
 
@@ -41,13 +43,15 @@ class Authenticator:
         self._cache: dict[bytes, tuple[float, Caller]] = {}
         self._lock = threading.Lock()
 
-    def _lookup(self, key: str) -> Caller | None:
-        digest = hashlib.sha256(key.encode()).digest()
-        now = time.monotonic()
+    def _cached(self, digest: bytes) -> Caller | None:
         with self._lock:
             hit = self._cache.get(digest)
-        if hit is not None and now - hit[0] < self.ttl:
+        if hit is not None and time.monotonic() - hit[0] < self.ttl:
             return hit[1]
+        return None
+
+    def _lookup(self, key: str, digest: bytes) -> Caller | None:
+        """Blocking: the admin key, else the registry (PBKDF2 + SQL)."""
         caller = None
         if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
             caller = Caller(None, is_admin=True)
@@ -59,18 +63,28 @@ class Authenticator:
             with self._lock:
                 if len(self._cache) > 10_000:
                     self._cache.clear()
-                self._cache[digest] = (now, caller)
+                self._cache[digest] = (time.monotonic(), caller)
         return caller
+
+    async def lookup(self, key: str | None) -> Caller | None:
+        """The caller a key belongs to (cache first, else a worker thread), or None."""
+        if key is None:
+            return None
+        digest = hashlib.sha256(key.encode()).digest()
+        hit = self._cached(digest)
+        if hit is not None:
+            return hit
+        return await run_in_threadpool(self._lookup, key, digest)
 
     def forget(self) -> None:
         with self._lock:
             self._cache.clear()
 
-    def caller(self, authorization: str | None) -> Caller:
+    async def caller(self, authorization: str | None) -> Caller:
         """The caller of an inference request (anonymous when allowed)."""
         key = bearer_key(authorization)
         if key is not None:
-            caller = self._lookup(key)
+            caller = await self.lookup(key)
             if caller is not None:
                 return caller
             if self.allow_anonymous:
@@ -82,10 +96,9 @@ class Authenticator:
             "Missing API key: send the header `Authorization: Bearer <key>`.", headers=_CHALLENGE
         )
 
-    def tenant(self, authorization: str | None) -> Caller:
+    async def tenant(self, authorization: str | None) -> Caller:
         """A caller that is a tenant (the adapter API needs one)."""
-        key = bearer_key(authorization)
-        caller = self._lookup(key) if key is not None else None
+        caller = await self.lookup(bearer_key(authorization))
         if caller is None or caller.tenant is None:
             raise Unauthorized(
                 "a tenant API key is required: send `Authorization: Bearer <key>`",
@@ -93,9 +106,8 @@ class Authenticator:
             )
         return caller
 
-    def admin(self, authorization: str | None) -> Caller:
-        key = bearer_key(authorization)
-        caller = self._lookup(key) if key is not None else None
+    async def admin(self, authorization: str | None) -> Caller:
+        caller = await self.lookup(bearer_key(authorization))
         if caller is None or not caller.is_admin:
             raise Unauthorized("the admin key is required", headers=_CHALLENGE)
         return caller

@@ -21,7 +21,7 @@ from loramux.platform.state import AppState
 _bearer = HTTPBearer(auto_error=False, description="A tenant API key (`lmx_...`) or the admin key.")
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
     state = getattr(request.app.state, "loramux", None)
     if state is None:
         raise ServiceUnavailable("the server is starting", code="not_ready")
@@ -36,16 +36,16 @@ def _header(creds: HTTPAuthorizationCredentials | None) -> str | None:
     return f"Bearer {creds.credentials}" if creds is not None else None
 
 
-def get_caller(state: StateDep, creds: Credentials) -> Caller:
-    return state.auth.caller(_header(creds))
+async def get_caller(state: StateDep, creds: Credentials) -> Caller:
+    return await state.auth.caller(_header(creds))
 
 
-def get_tenant(state: StateDep, creds: Credentials) -> Caller:
-    return state.auth.tenant(_header(creds))
+async def get_tenant(state: StateDep, creds: Credentials) -> Caller:
+    return await state.auth.tenant(_header(creds))
 
 
-def get_admin(state: StateDep, creds: Credentials) -> Caller:
-    return state.auth.admin(_header(creds))
+async def get_admin(state: StateDep, creds: Credentials) -> Caller:
+    return await state.auth.admin(_header(creds))
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
@@ -53,17 +53,17 @@ TenantDep = Annotated[Caller, Depends(get_tenant)]
 AdminDep = Annotated[Caller, Depends(get_admin)]
 
 
-def get_openai(state: StateDep) -> OpenAIServing:
+async def get_openai(state: StateDep) -> OpenAIServing:
     return state.openai
 
 
-def get_adapter_service(state: StateDep) -> AdapterService:
+async def get_adapter_service(state: StateDep) -> AdapterService:
     if state.adapters is None:
         raise ServiceUnavailable("this server runs without an adapter registry", code="no_registry")
     return state.adapters
 
 
-def get_admin_service(state: StateDep) -> AdminService:
+async def get_admin_service(state: StateDep) -> AdminService:
     return state.admin
 
 

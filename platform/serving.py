@@ -76,9 +76,12 @@ class SSEResponse(StreamingResponse):
                 raise exc
 
 
+def _dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n"
+    return f"data: {data if isinstance(data, str) else _dumps(data)}\n\n"
 
 
 def _finite(x: float) -> float:
@@ -410,6 +413,8 @@ class OpenAIServing:
                       continuous: bool) -> AsyncIterator[str]:
         state = _StreamState(ctx)
         status = "ok"
+        # every chunk shares its head: render it once
+        prefix = _dumps(self._head(ctx, stream=True))[:-1] + ',"choices":['
         try:
             pending = list(first)
             while True:
@@ -424,10 +429,11 @@ class OpenAIServing:
                 pending = []
                 parts = []
                 for i, out in latest.items():
-                    for chunk in self._chunks(ctx, state, i, out):
+                    for choice in self._chunks(ctx, state, i, out):
+                        tail = ""
                         if include_usage:
-                            chunk["usage"] = state.usage() if continuous else None
-                        parts.append(sse(chunk))
+                            tail = ',"usage":' + (_dumps(state.usage()) if continuous else "null")
+                        parts.append(f"data: {prefix}{_dumps(choice)}]{tail}}}\n\n")
                 if parts:
                     yield "".join(parts)
             if include_usage:
@@ -459,6 +465,7 @@ class OpenAIServing:
         }
 
     def _chunks(self, ctx: _Ctx, state: _StreamState, i: int, out: RequestOutput) -> list[dict]:
+        """The ``choices`` entries to send for a new snapshot of prompt ``i``."""
         state.prompt_tokens[i] = len(out.prompt_token_ids)
         chunks = []
         n = ctx.built.params.n
@@ -509,7 +516,7 @@ class OpenAIServing:
                     "finish_reason": finish,
                     "stop_reason": o.stop_reason if finish is not None else None,
                 }
-            chunks.append({**self._head(ctx, stream=True), "choices": [choice]})
+            chunks.append(choice)
         return chunks
 
     # --- bodies -------------------------------------------------------------------------
