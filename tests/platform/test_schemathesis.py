@@ -42,6 +42,22 @@ def _valid_model(case):
     return case
 
 
+def _fuzz(strategy, token: str, examples: int, failures: list[str], calls: list):
+    """One hypothesis run of an operation's strategy; 5xx answers go to ``failures``."""
+
+    @given(case=strategy)
+    @hsettings(max_examples=examples, deadline=None, derandomize=True, database=None,
+               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    def run(case):
+        response = case.call(headers={"Authorization": f"Bearer {token}"})
+        calls.append((case.path, response.status_code))
+        if response.status_code >= 500:
+            failures.append(f"{case.method} {case.formatted_path} {str(case.body)[:300]!r} "
+                            f"-> {response.status_code} {response.text[:300]}")
+
+    run()
+
+
 def test_no_server_errors(fuzz_env):
     """Positive and negative data for every operation; every answer must be < 500."""
     app, key = fuzz_env
@@ -49,32 +65,97 @@ def test_no_server_errors(fuzz_env):
     operations = [r.ok() for r in schema.get_all_operations()]
     assert len(operations) >= 12
     failures: list[str] = []
-    calls = 0
-
+    calls: list[tuple[str, int]] = []
     for op in operations:
         token = ADMIN_KEY if op.path.startswith("/admin") else key
+        inference = op.path in ("/v1/completions", "/v1/chat/completions")
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            inference = op.path in ("/v1/completions", "/v1/chat/completions")
             strategy = op.as_strategy(generation_mode=mode)
             if inference:
                 strategy = strategy.map(_valid_model)
-
-            @given(case=strategy)
-            @hsettings(max_examples=40 if inference else 8, deadline=None, derandomize=True, database=None,
-                       phases=[Phase.explicit, Phase.generate],
-                       suppress_health_check=list(HealthCheck))
-            def run(case, token=token):
-                nonlocal calls
-                calls += 1
-                response = case.call(headers={"Authorization": f"Bearer {token}"})
-                if response.status_code >= 500:
-                    failures.append(f"{case.method} {case.formatted_path} {str(case.body)[:300]!r} "
-                                    f"-> {response.status_code} {response.text[:300]}")
-
             try:
-                run()
+                _fuzz(strategy, token, 40 if inference else 8, failures, calls)
             except Unsatisfiable:  # nothing to break (e.g. an operation without inputs)
                 assert mode is GenerationMode.NEGATIVE, op.label
-    assert calls > 100
+    assert len(calls) > 100
+    import collections  # noqa: E401
+    import os
+
+    seen = collections.Counter(calls)
+    if os.environ.get("FUZZ_STATS"):
+        print(sorted(seen.items()))
+    # generation itself was fuzzed, not only the validation in front of it
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert seen[(path, 200)] >= 5, sorted(seen.items())
     assert not failures, "\n".join(failures)
+
+
+def _sampling_bodies(vocab: int):
+    """Request bodies whose fields are mostly in range, so the engine itself gets fuzzed."""
+    from hypothesis import strategies as st
+
+    token = st.integers(0, vocab - 1)
+    fields = {
+        "temperature": st.floats(0, 3), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 200),
+        "min_p": st.floats(0, 1), "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.1, 3),
+        "seed": st.integers(-(2**63), 2**63 - 1), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+        "stop_token_ids": st.lists(token, max_size=3), "ignore_eos": st.booleans(),
+        "max_tokens": st.integers(1, 24), "min_tokens": st.integers(0, 8),
+        "logit_bias": st.dictionaries(token.map(str), st.floats(-100, 100), max_size=4),
+        "allowed_token_ids": st.lists(token, min_size=1, max_size=5), "n": st.integers(1, 3),
+        "best_of": st.integers(1, 4), "include_stop_str_in_output": st.booleans(),
+        "skip_special_tokens": st.booleans(), "stream": st.booleans(),
+        "prompt_logprobs": st.integers(0, 3),
+    }
+    common = st.fixed_dictionaries({}, optional=fields)
+    completion = st.tuples(common, st.fixed_dictionaries({}, optional={
+        "logprobs": st.integers(0, 5), "echo": st.booleans(),
+        "prompt": st.one_of(st.text(min_size=1, max_size=40), st.lists(token, min_size=1, max_size=20),
+                            st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3))}))
+    chat = st.tuples(common, st.fixed_dictionaries({}, optional={
+        "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})}))
+    return completion, chat
+
+
+def test_no_server_errors_with_valid_sampling(fuzz_env):
+    """In-range sampling parameters in every combination: the engine never answers 5xx."""
+    from hypothesis import strategies as st
+    from starlette.testclient import TestClient
+
+    app, key = fuzz_env
+    vocab = app.state.loramux.engine.engine.model.dims.vocab_size
+    completion, chat = _sampling_bodies(vocab)
+    headers = {"Authorization": f"Bearer {key}"}
+    failures: list[str] = []
+    ok = []
+    with TestClient(app, raise_server_exceptions=False) as client:
+
+        @given(body=completion, model=st.sampled_from([BASE, "sql-lora"]))
+        @hsettings(max_examples=60, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        def completions(body, model):
+            payload = {**body[0], **body[1], "model": model}
+            payload.setdefault("prompt", "hello")
+            r = client.post("/v1/completions", json=payload, headers=headers)
+            ok.append(r.status_code == 200)
+            if r.status_code >= 500 or 'data: {"error"' in r.text:
+                failures.append(f"{payload} -> {r.status_code} {r.text[:300]}")
+
+        @given(body=chat, model=st.sampled_from([BASE, "sql-lora"]))
+        @hsettings(max_examples=60, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        def chats(body, model):
+            payload = {**body[0], **body[1], "model": model,
+                       "messages": [{"role": "user", "content": "hi"}]}
+            r = client.post("/v1/chat/completions", json=payload, headers=headers)
+            ok.append(r.status_code == 200)
+            if r.status_code >= 500 or 'data: {"error"' in r.text:
+                failures.append(f"{payload} -> {r.status_code} {r.text[:300]}")
+
+        completions()
+        chats()
+    assert not failures, "\n".join(failures[:10])
+    assert sum(ok) >= 40, sum(ok)  # most bodies were served, so generation was exercised
+    assert app.state.loramux.engine.is_running
