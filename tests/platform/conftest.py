@@ -8,13 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lmx_platform_support import settings
 
 from loramux.platform.app import create_app
-from loramux.platform.settings import Settings
 from loramux.platform.testing import make_engine, make_registry, write_adapter
-
-BASE = "tiny"
-ADMIN_KEY = "admin-secret-for-tests"
 
 
 @dataclass
@@ -59,12 +56,6 @@ def env(engine, tiny_model_dir, adapter_dirs, tmp_path_factory) -> Env:
     registry.upload(tenant_b.id, "b-only", adapter_dirs[2])
     yield Env(engine, registry, key_a, key_b, tenant_a, tenant_b, tiny_model_dir, adapter_dirs)
     registry.db.dispose()
-
-
-def settings(**kw) -> Settings:
-    base = dict(served_model_name=[BASE], admin_key=ADMIN_KEY, model_cache_ttl=0.0)
-    base.update(kw)
-    return Settings(**base)
 
 
 @pytest.fixture

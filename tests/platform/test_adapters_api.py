@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ADMIN_KEY, settings
+from lmx_platform_support import ADMIN_KEY, settings
 
 from loramux.platform.app import close_state, create_app
 from loramux.platform.testing import free_port, write_adapter

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import ADMIN_KEY, BASE
+from lmx_platform_support import ADMIN_KEY, BASE
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import BASE
+from lmx_platform_support import BASE
 
 from loramux.platform.testing import parse_sse
 
@@ -217,7 +217,7 @@ async def test_auth(client, env):
 
 async def test_anonymous_access_when_allowed(env):
     import httpx
-    from conftest import settings
+    from lmx_platform_support import settings
 
     from loramux.platform.app import close_state, create_app
 

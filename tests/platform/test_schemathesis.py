@@ -6,10 +6,10 @@ import zlib
 
 import pytest
 import schemathesis
-from conftest import ADMIN_KEY, BASE, settings
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hsettings
 from hypothesis.errors import Unsatisfiable
+from lmx_platform_support import ADMIN_KEY, BASE, settings
 from schemathesis import GenerationMode
 
 from loramux.platform.app import close_state, create_app
