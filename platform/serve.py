@@ -143,9 +143,9 @@ def bootstrap(state, out=None) -> dict[str, str]:
         if "demo" in created:
             lines.append(f"  demo tenant key:             {created['demo']}")
             lines.append(
-                f"  try: curl {url}/v1/completions -H 'Authorization: Bearer {created['demo']}' "
-                f"-H 'Content-Type: application/json' "
-                f"""-d '{{"model": "{DEMO_ADAPTER}", "prompt": "How many employees are there?"}}'"""
+                f"  try: curl {url}/v1/chat/completions -H 'Authorization: Bearer {created['demo']}' "
+                f"-H 'Content-Type: application/json' -d '{{\"model\": \"{DEMO_ADAPTER}\", "
+                f"\"messages\": [{{\"role\": \"user\", \"content\": \"How many employees are there?\"}}]}}'"
             )
         lines += ["=" * 72, ""]
         print("\n".join(lines), file=out, flush=True)
