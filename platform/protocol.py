@@ -51,6 +51,14 @@ class SamplingFields(BaseModel):
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    response_format: dict[str, Any] | None = None
+    """OpenAI: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM: exactly one of json, json_object, regex, choice, grammar."""
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -83,7 +91,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Int32 | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool | None = True

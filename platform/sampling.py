@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.structured_output import StructuredOutputsParams
 from loramux.platform.errors import BadRequest, param_of
 from loramux.platform.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -40,6 +41,7 @@ MAX_N = 128
 _IGNORED_OK = {"user", "stream", "stream_options", "model", "prompt", "messages", "echo",
                "add_generation_prompt", "chat_template", "chat_template_kwargs", "logprobs",
                "top_logprobs", "max_completion_tokens", "suffix", "response_format", "tools",
+               "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "tool_choice"}
 
 
@@ -150,6 +152,10 @@ def build_params(
     elif req.logprobs is not None:
         given["logprobs"] = req.logprobs
 
+    structured = _structured_outputs(req)
+    if structured is not None:
+        given["structured_outputs"] = structured
+
     values: dict[str, Any] = {"max_tokens": default_max_tokens}
     preset = dict(preset or {})
     preset_fields = sorted(k for k in preset if k not in given)
@@ -171,6 +177,48 @@ def build_params(
     return BuiltParams(params, preset_fields, warnings)
 
 
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _structured_outputs(req) -> StructuredOutputsParams | None:
+    """The request's output constraint from ``response_format`` (OpenAI), ``structured_outputs``
+    or the ``guided_*`` fields (vLLM); at most one may be given."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise BadRequest("response_format.json_schema.schema must be a JSON schema object",
+                                 param="response_format")
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise BadRequest(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                param="response_format",
+            )
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, key in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise BadRequest(f"give one output constraint, not several ({names})", param=found[1][0])
+    name, spec = found[0]
+    try:
+        return StructuredOutputsParams(**spec)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"{name}: {e}", param=name) from None
+
+
 def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool) -> list[str]:
     out: list[str] = []
     if params.is_greedy:
@@ -186,9 +234,6 @@ def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool
     if getattr(req, "suffix", None):
         out.append("suffix had no effect: insertion is not supported")
     if is_chat:
-        fmt = (req.response_format or {}).get("type")
-        if fmt not in (None, "text"):
-            out.append(f"response_format had no effect: {fmt!r} (guided decoding) is not supported")
         if req.tools:
             out.append("tools had no effect: tool calling is not supported")
     for name in sorted(req.model_extra or {}):

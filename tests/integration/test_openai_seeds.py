@@ -136,8 +136,8 @@ def test_curl_lora_modules(server):
     assert out["usage"]["completion_tokens"] == 7
 
 
-def test_structured_output_example_runs_with_a_warning(server):
-    # 6.1 结构化输出: guided decoding is not supported; the request runs and says so.
+def test_structured_output_example(server):
+    # 6.1 结构化输出: the reply is JSON that the seed's pydantic model accepts.
     from openai import OpenAI
     from pydantic import BaseModel
 
@@ -149,15 +149,29 @@ def test_structured_output_example_runs_with_a_warning(server):
         name: str
         age: int
 
-    raw = client.chat.completions.with_raw_response.create(
+    completion = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Generate a JSON with the name and age of one random person."}],
         response_format={"type": "json_schema",
                          "json_schema": {"name": "people", "schema": People.model_json_schema()}},
-        max_tokens=48,
     )
-    assert raw.parse().choices[0].message.content
-    assert "response_format had no effect" in raw.headers["x-loramux-warnings"]
+    person = People.model_validate_json(completion.choices[0].message.content)
+    assert person.name and completion.choices[0].finish_reason == "stop"
+
+
+def test_guided_fields_and_bad_constraints(server):
+    import requests
+
+    url = f"{server}/v1/completions"
+    base = {"model": MODEL, "prompt": "Is water wet? Answer:", "max_tokens": 10, "temperature": 0}
+    out = requests.post(url, json={**base, "guided_choice": ["yes", "no"]}, timeout=300).json()
+    assert out["choices"][0]["text"] in ("yes", "no")
+    out = requests.post(url, json={**base, "structured_outputs": {"regex": "[0-9]{2}"}}, timeout=300).json()
+    assert len(out["choices"][0]["text"]) == 2 and out["choices"][0]["text"].isdigit()
+    bad = requests.post(url, json={**base, "guided_regex": "(unclosed"}, timeout=300)
+    assert bad.status_code == 400 and "structured_outputs" in bad.json()["error"]["message"]
+    two = requests.post(url, json={**base, "guided_regex": "a", "guided_choice": ["b"]}, timeout=300)
+    assert two.status_code == 400 and two.json()["error"]["param"] == "guided_choice"
 
 
 def test_models_list_names_the_default_model(server):

@@ -147,8 +147,16 @@ async def test_no_effect_warnings(client, env):
     warnings = json.loads(r.headers["x-loramux-warnings"])
     text = " ".join(warnings)
     assert "top_p had no effect" in text and "top_logprobs had no effect" in text
-    assert "frobnicate had no effect" in text and "response_format had no effect" in text
+    assert "frobnicate had no effect" in text and "response_format" not in text
     assert r.json()["choices"][0]["logprobs"] is None
+    assert r.json()["choices"][0]["message"]["content"].lstrip()[:1] in ("", "{")
+
+
+async def test_bad_response_format_is_a_400(client, env):
+    r = await post(client, env, "/v1/chat/completions", {
+        "model": BASE, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "response_format": {"type": "xml"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
 async def test_preset_fills_and_request_overrides(client, env):
