@@ -291,8 +291,7 @@ class LoRAManager:
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.slots.blockdiag:
             torch_ops.add_lora_blockdiag(
-                y, x, self.slots.a[layer][group], self.slots.b[layer][group], self._meta,
-                self.slots.scale,
+                y, x, self.slots.a[layer][group], self.slots.b[layer][group], self._meta, None
             )
             return
         ops.add_lora(

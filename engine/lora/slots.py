@@ -4,7 +4,8 @@ For layer ``l`` and group ``g`` (qkv, o, gate_up, down):
 ``a[l][g]``: [max_loras, num_slices, max_lora_rank, K] and
 ``b[l][g]``: [max_loras, N_total, max_lora_rank] (slices' rows concatenated; the layout of
 the Triton kernels) or, with ``blockdiag`` (the torch backend), [max_loras, num_slices *
-max_lora_rank, N_total] holding each slice's B.T on the block diagonal; plus a
+max_lora_rank, N_total] holding each slice's B.T on the block diagonal, with A already
+multiplied by the adapter's scale; plus a
 per-slot ``scale`` [max_loras] fp32 and ``ranks`` [max_loras] int64 (0 = empty).
 Rows/columns beyond an adapter's rank, and modules it does not target, are zero.
 """
@@ -96,6 +97,8 @@ class SlotBuffers:
                     if pair is None:
                         continue
                     wa, wb = pair
+                    if self.blockdiag:  # the torch backend reads A pre-scaled
+                        wa = wa * weights.spec.scale
                     a[s, :r].copy_(wa, non_blocking=True)
                     if self.blockdiag:
                         rows = slice(s * self.max_rank, s * self.max_rank + r)

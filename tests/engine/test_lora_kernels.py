@@ -404,3 +404,12 @@ def test_blockdiag_add_matches_reference():
         add_lora_blockdiag(y, x, a, bd, meta, scale)
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     assert sum(widths) == offs[-1]
+    # Pre-scaled A, LoRA tokens leading the batch in consecutive slots: the in-place path.
+    meta = LoRABatchMeta.build([0, 0, 1, 1, -1], ranks)
+    assert meta.identity_tokens and meta.chunk_slot_start == 0
+    x = torch.randn(5, K, generator=g)
+    y = torch.randn(5, offs[-1], generator=g)
+    expected = y.clone()
+    _reference_expand(_reference_shrink(x, a, meta, scale), b, meta, expected, offs)
+    add_lora_blockdiag(y, x, a * scale.view(-1, 1, 1, 1), bd, meta, None)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)

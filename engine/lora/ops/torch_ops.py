@@ -171,22 +171,29 @@ def add_lora_blockdiag(
     a_stack: torch.Tensor,
     b_blockdiag: torch.Tensor,
     meta: LoRABatchMeta,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
 ) -> None:
     """Fused shrink + expand with every slice's expand in one GEMM.
 
     ``b_blockdiag``: ``[num_slots, num_slices * R, N_total]``, slice ``s``'s ``B.T`` in rows
     ``s*R:(s+1)*R`` and its own columns, zeros elsewhere (see ``SlotBuffers``). The zero
     blocks cost FLOPs the size of a rank-R GEMM, far less than the fixed cost of one more
-    small GEMM per slice on the CPU.
+    small GEMM per slice on the CPU. ``scale`` None: ``a_stack`` is already scaled.
+    When the LoRA tokens lead the batch in slot order, the expand accumulates straight
+    into ``y`` (``baddbmm_``), so a decode step costs two GEMMs per projection group.
     """
     if not meta.has_lora:
         return
-    _, num_slices, R, _ = a_stack.shape
+    _, num_slices, R, K = a_stack.shape
     n_total = b_blockdiag.shape[2]
     if y.shape != (meta.num_tokens, n_total):
         raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
+    if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
+        _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)
+        return
+    if scale is None:
+        scale = torch.ones(a_stack.shape[0], dtype=torch.float32, device=x.device)
     vp = _mask_pads(_shrink_padded(x, a_stack, meta, scale), meta)  # [NC*C, slices, R] fp32
     cdtype = _expand_dtype(meta, y, b_blockdiag)
     v = vp.reshape(NC, C, num_slices * R).to(cdtype)
@@ -199,6 +206,20 @@ def add_lora_blockdiag(
         y.narrow(0, 0, meta.num_lora_tokens).add_(delta)
     else:
         y.index_add_(0, meta.chunk_tokens, delta.to(y.dtype))  # pad rows add exact zeros
+
+
+def _add_in_place(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> None:
+    """Pre-scaled A, LoRA tokens at rows 0..T_lora-1 in consecutive slots: two GEMMs,
+    the second accumulating into y (in y's dtype)."""
+    NC, C = meta.num_chunks, meta.chunk_len
+    K = x.shape[1]
+    start = meta.chunk_slot_start
+    a = a_stack.narrow(0, start, NC).reshape(NC, sr, K)  # [NC, S*R, K]
+    b = b_blockdiag.narrow(0, start, NC)  # [NC, S*R, N]
+    xs = x.narrow(0, 0, meta.num_lora_tokens).view(NC, C, K)
+    v = torch.bmm(xs.to(a.dtype), a.transpose(1, 2))  # [NC, C, S*R]
+    ys = y.narrow(0, 0, meta.num_lora_tokens).view(NC, C, -1)
+    ys.baddbmm_(v.to(ys.dtype), b.to(ys.dtype))
 
 
 def _reference_shrink(
