@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import resource
@@ -11,6 +12,28 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def workload_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The shared workload flags: 32 prompts of 32 tokens, 64 new tokens, 2 threads."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def default_workload(args) -> tuple[Path, object, list[list[int]]]:
+    """Set the thread count; return (default model folder, its tokenizer, the prompts)."""
+    from transformers import AutoTokenizer
+
+    from loramux.engine.default_model import default_model_path
+
+    torch.set_num_threads(args.threads)
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    return path, tok, make_prompts(tok, args.num_prompts, args.prompt_len)
 
 
 def make_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[list[int]]:

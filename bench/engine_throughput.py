@@ -10,7 +10,6 @@ bench/results/engine_throughput.json.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import make_prompts, peak_rss_mb, timed, write_json  # noqa: E402
+from common import default_workload, peak_rss_mb, timed, workload_parser, write_json  # noqa: E402
 
 
 def run_loramux(model_path, dtype, prompts, new_tokens) -> float:
@@ -49,20 +48,10 @@ def run_transformers(model_path, dtype, prompts, new_tokens) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = workload_parser(__doc__)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from loramux.engine.default_model import default_model_path
-
-    path = default_model_path()
-    prompts = make_prompts(AutoTokenizer.from_pretrained(path), args.num_prompts, args.prompt_len)
+    path, _, prompts = default_workload(args)
     results = {}
     for dtype in args.dtypes.split(","):
         # Alternate the order so neither side always runs on a warmer machine.

@@ -17,7 +17,6 @@ Writes bench/results/lora_throughput.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import make_prompts, peak_rss_mb, timed, write_json  # noqa: E402
+from common import (  # noqa: E402
+    default_workload,
+    make_prompts,
+    peak_rss_mb,
+    timed,
+    workload_parser,
+    write_json,
+)
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -116,22 +122,12 @@ def cold_start_ratio(model, adapter_paths, prompt) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = workload_parser(__doc__)
     ap.add_argument("--skip-scaling", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
     from loramux.engine import LoRARequest
-    from loramux.engine.default_model import default_model_path
 
-    model = default_model_path()
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = make_prompts(tok, args.num_prompts, args.prompt_len)
+    model, tok, prompts = default_workload(args)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     n_adapters = 4 if args.skip_scaling else 128
     paths = make_adapters(model, tmp, n_adapters)
