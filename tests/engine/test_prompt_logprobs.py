@@ -40,3 +40,4 @@ def test_no_prompt_logprobs_by_default(llm):
 
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=2))[0]
     assert out.prompt_logprobs is None
+
