@@ -91,6 +91,7 @@ class LoRAManager:
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self._meta: LoRABatchMeta | None = None
+        self._groups: frozenset[str] = frozenset()
         self._step_keys: set[str] = set()
 
     # --- registration ---------------------------------------------------------------
@@ -273,6 +274,8 @@ class LoRAManager:
         self.slots.wait_ready()
         slots = [self.slot_of[k] if k is not None else -1 for k in token_lora_keys]
         self._meta = LoRABatchMeta.build(slots, self.slots.ranks, self.model.device)
+        # Groups no adapter of this step targets are skipped (e.g. q/v-only adapters).
+        self._groups = frozenset().union(*(self.slots.groups[self.slot_of[k]] for k in keys))
 
     def finish_step(self) -> None:
         """Release step-scoped state; run evictions that waited for the batch to drain."""
@@ -289,6 +292,8 @@ class LoRAManager:
         return self._meta is not None and self._meta.has_lora
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if group not in self._groups:
+            return
         if self.slots.blockdiag:
             torch_ops.add_lora_blockdiag(
                 y, x, self.slots.a[layer][group], self.slots.b[layer][group], self._meta, None

@@ -57,6 +57,8 @@ class SlotBuffers:
             self.b.append(b_layer)
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
+        self.groups: list[frozenset[str]] = [frozenset()] * max_loras
+        """Projection groups each slot's adapter targets (others are all zero)."""
         # CUDA: slot writes run on a side stream; the forward pass waits on ``ready``.
         dev = torch.device(device)
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -84,6 +86,10 @@ class SlotBuffers:
             self.ready = None
 
     def _write(self, slot: int, weights: LoraWeights, r: int) -> None:
+        self.groups[slot] = frozenset(
+            g for g, names in PROJECTION_GROUPS.items()
+            if any(n in modules for modules in weights.layers.values() for n in names)
+        )
         for layer in range(self.dims.num_layers):
             modules = weights.layers.get(layer, {})
             for group, names in PROJECTION_GROUPS.items():
@@ -112,6 +118,7 @@ class SlotBuffers:
         """Mark ``slot`` empty (its weights are overwritten by the next write)."""
         self.ranks[slot] = 0
         self.scale[slot] = 0.0
+        self.groups[slot] = frozenset()
 
     def num_bytes(self) -> int:
         return sum(
