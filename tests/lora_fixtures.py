@@ -13,33 +13,41 @@ def make_peft_adapter(
     base_dir: Path,
     out_dir: Path,
     *,
-    r: int,
-    target_modules: list[str],
+    r: int = 4,
+    target_modules: str | list[str] | tuple[str, ...] = ("q_proj", "v_proj"),
     alpha: float | None = None,
-    use_rslora: bool = False,
     seed: int = 0,
-    std: float = 0.05,
+    std: float | None = 0.05,
+    **lora_kwargs,
 ) -> Path:
-    """Save a PEFT LoRA adapter of ``base_dir`` with random A and B to ``out_dir``."""
+    """Save a PEFT LoRA adapter of ``base_dir`` to ``out_dir``, made by PEFT itself.
+
+    A and B are random and non-zero: drawn with ``std`` (None keeps PEFT's own
+    ``init_lora_weights=False`` values, seeded). Extra ``LoraConfig`` fields
+    (``use_rslora``, ``use_dora``, ``layers_to_transform``, ...) pass through.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     cfg = LoraConfig(
+        task_type="CAUSAL_LM",
         r=r,
         lora_alpha=alpha if alpha is not None else 2 * r,
-        target_modules=target_modules,
-        use_rslora=use_rslora,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
         init_lora_weights=False,
         lora_dropout=0.0,
+        **lora_kwargs,
     )
+    torch.manual_seed(seed)
     model = get_peft_model(base, cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    model.save_pretrained(out_dir)
+    if std is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
 
 

@@ -6,21 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from lora_fixtures import make_peft_adapter as _make_peft_adapter
+from tiny_models import make_tiny_llama
 
 
 def make_peft_adapter(base_dir: Path, out: Path, *, seed: int = 0, **lora_kwargs) -> Path:
-    """Save a PEFT LoRA (random, non-zero B) for the model in ``base_dir`` to ``out``."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    kwargs = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    """A PEFT LoRA (PEFT's own random, non-zero init) for the model in ``base_dir``."""
+    kwargs = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
     kwargs.update(lora_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **kwargs))
-    peft_model.save_pretrained(out, safe_serialization=True)
-    return out
+    if "lora_alpha" in kwargs:
+        kwargs["alpha"] = kwargs.pop("lora_alpha")
+    return _make_peft_adapter(base_dir, out, seed=seed, std=None, **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -29,42 +25,13 @@ def make_adapter():
     return make_peft_adapter
 
 
-def _tiny_family_model(path: Path, tokenizer_dir: Path, arch: str) -> Path:
-    from transformers import (
-        AutoTokenizer,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = dict(
-        vocab_size=len(tok),
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(1)
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**cfg))
-    else:
-        model = MistralForCausalLM(MistralConfig(**cfg))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session", params=["qwen2", "mistral"])
 def family_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     """Tiny Qwen2 and Mistral models (head_dim * heads != hidden, GQA)."""
-    return _tiny_family_model(
-        tmp_path_factory.mktemp(request.param), default_model_dir, request.param
+    return make_tiny_llama(
+        tmp_path_factory.mktemp(request.param), default_model_dir, seed=1,
+        architecture=request.param, hidden_size=48, intermediate_size=96, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
     )
 
 
