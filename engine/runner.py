@@ -30,6 +30,7 @@ class StepBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     token_lora_keys: list[str | None]  # per token, in row order
+    num_decode: int = 0  # rows 0..num_decode-1 decode one token; the rest prefill
 
 
 def plan_num_blocks(model: LlamaModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
@@ -93,7 +94,7 @@ class ModelRunner:
         keys: list[str | None] = []
         for s in items:
             keys.extend([s.seq.lora_key] * s.num_new_tokens)
-        return StepBatch([s.seq for s in items], [s.num_new_tokens for s in items], keys)
+        return StepBatch([s.seq for s in items], [s.num_new_tokens for s in items], keys, len(decode))
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -103,18 +104,14 @@ class ModelRunner:
         dev = self.model.device
         ids: list[int] = []
         pos: list[int] = []
-        num_decode = 0
-        prefill_lens: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        num_decode = batch.num_decode
+        prefill_lens = batch.num_new_tokens[num_decode:]
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
+            if row >= num_decode and start != 0:
+                raise RuntimeError("prefill with computed context is not supported")
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
-            if n == 1 and start == seq.num_tokens - 1 and not prefill_lens:
-                num_decode += 1
-            else:
-                if start != 0:
-                    raise RuntimeError("prefill with computed context is not supported")
-                prefill_lens.append(n)
         positions = torch.tensor(pos, dtype=torch.long)
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = torch.tensor(
