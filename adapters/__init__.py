@@ -11,7 +11,6 @@
   modules and the tensor shapes they imply
 - :mod:`~loramux.adapters.merge` ``export_merged`` (PEFT ``merge_and_unload`` to a Hugging
   Face folder) and ``check_merged`` (logits of the merged model vs base + adapter)
-- :mod:`~loramux.adapters.testing` random adapters for tests and benchmarks
 
 Imports stay light: ``import loramux.adapters`` loads nothing heavy; import the modules.
 """

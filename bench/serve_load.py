@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the test helpers (tests/support: engine, registry and server makers) are not in the wheel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import RESULTS, make_prompts, write_json  # noqa: E402
 
 BASE = "base"
@@ -63,14 +65,13 @@ def percentile(values: list[float], q: float) -> float:
 # --- setup ---------------------------------------------------------------------------------
 def prepare(args, work: Path) -> dict:
     """Model folder, adapter folders and prompts shared by both runs."""
+    from support.server import write_adapter
     from transformers import AutoTokenizer
 
     from loramux.engine.default_model import default_model_path
-    from loramux.platform.testing import write_adapter
 
     if args.quick:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from conftest import make_tiny_llama
+        from support.tiny_models import make_tiny_llama
 
         model = make_tiny_llama(work / "tiny", default_model_path())
     else:
@@ -118,11 +119,11 @@ class Offline:
 # --- server child ------------------------------------------------------------------------------
 def child(config_path: str) -> None:
     import uvicorn
+    from support.server import make_engine
 
     from loramux.platform.app import create_app
     from loramux.platform.logs import configure_logging
     from loramux.platform.settings import Settings
-    from loramux.platform.testing import make_engine
 
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(cfg["threads"])
@@ -140,7 +141,7 @@ def child(config_path: str) -> None:
 
 
 def start_server(args, setup: dict, work: Path, max_num_seqs: int):
-    from loramux.platform.testing import free_port
+    from support.server import free_port
 
     port = free_port()
     kw = engine_kwargs(args, max_num_seqs)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from loramux.engine.engine import LLMEngine, PromptType
+from loramux.engine.lora.manager import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
@@ -99,6 +100,21 @@ class AsyncEngine:
     def call_sync(self, fn: Callable, timeout: float | None = None):
         """Blocking variant of :meth:`call` for non-async callers."""
         return self._submit(fn).result(timeout)
+
+    async def lora_snapshot(self) -> ResidencySnapshot:
+        """The adapters' residency, taken on the engine thread (empty without LoRA)."""
+        mgr = self.engine.lora_manager
+        if mgr is None:
+            return ResidencySnapshot()
+        return await self.call(mgr.snapshot)
+
+    def add_adapter_listener(self, listener: AdapterListener) -> Callable[[], None]:
+        """Hear ``(event, key)`` for adapter loads, evictions and drops (on the engine
+        thread); returns the remover. Without LoRA nothing is ever heard."""
+        mgr = self.engine.lora_manager
+        if mgr is None:
+            return lambda: None
+        return mgr.add_listener(listener)
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler

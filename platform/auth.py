@@ -2,7 +2,8 @@
 the admin key is either ``settings.admin_key`` or a registry key marked admin.
 
 Successful lookups are cached for ``ttl`` seconds under the key's sha256 (the
-registry's PBKDF2 check costs milliseconds, too much for every request).
+registry's PBKDF2 check costs milliseconds, too much for every request); the
+registry's ``key_revoked`` event empties the cache, so a revocation is immediate.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import hashlib
 import hmac
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.errors import Unauthorized
-from loramux.platform.models import Caller
+from loramux.platform.openai.resolver import Caller
+
+if TYPE_CHECKING:
+    from loramux.registry.service import RegistryService
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
@@ -34,7 +38,7 @@ def bearer_key(authorization: str | None) -> str | None:
 class Authenticator:
     """Maps API keys to callers."""
 
-    def __init__(self, registry: Any, *, admin_key: str | None, allow_anonymous: bool,
+    def __init__(self, registry: RegistryService | None, *, admin_key: str | None, allow_anonymous: bool,
                  ttl: float = 10.0) -> None:
         self.registry = registry
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
@@ -77,8 +81,14 @@ class Authenticator:
         return await run_in_threadpool(self._lookup, key, digest)
 
     def forget(self) -> None:
+        """Drop every cached key (a revoked key is refused from the next request on)."""
         with self._lock:
             self._cache.clear()
+
+    def on_registry_event(self, kind: str, handle: object) -> None:
+        """Registry listener: a revoked key takes effect at once."""
+        if kind == "key_revoked":
+            self.forget()
 
     async def caller(self, authorization: str | None) -> Caller:
         """The caller of an inference request (anonymous when allowed)."""

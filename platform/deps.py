@@ -11,11 +11,11 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from loramux.platform.adapter_service import AdapterService
-from loramux.platform.admin_service import AdminService
+from loramux.platform.adapter_api.service import AdapterService
+from loramux.platform.admin.service import AdminService
 from loramux.platform.errors import ServiceUnavailable
-from loramux.platform.models import Caller
-from loramux.platform.serving import OpenAIServing
+from loramux.platform.openai.resolver import Caller
+from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.state import AppState
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant API key (`lmx_...`) or the admin key.")

@@ -1,15 +1,18 @@
 """HTTP errors in the OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Services raise :class:`APIError` subclasses; the handlers installed by
-:func:`install_error_handlers` turn them (and FastAPI's validation errors, and
-engine and registry exceptions that escape a service) into JSON responses with
-the right status, so OpenAI clients raise their matching exception class.
+Services raise :class:`APIError` subclasses; :func:`to_api_error` maps engine,
+adapter and registry exceptions to them by class through one table (:data:`ERROR_TABLE`);
+the handlers installed by :func:`install_error_handlers` render them (and FastAPI's
+validation errors) as JSON with the right status, so OpenAI clients raise their
+matching exception class. Anything unexpected is a generic 500: no SQL, file paths or
+bucket names reach a client; the details go to the log.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -111,6 +114,47 @@ class ServiceUnavailable(APIError):
     status_code = 503
     type = "server_error"
     code = "service_unavailable"
+
+
+def _table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseException], APIError]]]:
+    from loramux.adapters.errors import AdapterValidationError
+    from loramux.engine.async_engine import EngineDeadError
+    from loramux.engine.engine import QueueFullError
+    from loramux.engine.lora.manager import LoRAError
+    from loramux.registry import errors as r
+
+    def unavailable(what: str) -> Callable[[BaseException], APIError]:
+        def make(exc: BaseException) -> APIError:
+            logger.error("%s: %s", what, exc)
+            return ServiceUnavailable(f"{what}; try again later")
+        return make
+
+    return [
+        ((APIError,), lambda e: e),
+        ((QueueFullError,), lambda e: TooManyRequests(str(e))),
+        ((EngineDeadError,), lambda e: ServiceUnavailable(str(e), code="engine_dead")),
+        ((LoRAError,), lambda e: Unprocessable(f"the adapter cannot be served: {e}", param="model")),
+        ((AdapterValidationError,), lambda e: Unprocessable(str(e), param=e.field)),
+        ((r.AdapterNotFound,), lambda e: AdapterNotFoundError(str(e), param="name")),
+        ((r.AdapterConflict, r.TenantConflict), lambda e: Conflict(str(e), param="name")),
+        ((r.InvalidName,), lambda e: BadRequest(str(e), param="name", code="invalid_name")),
+        ((r.InvalidPreset,), lambda e: BadRequest(str(e), param="preset", code="invalid_preset")),
+        ((r.InvalidDescription,), lambda e: BadRequest(str(e), param="description")),
+        ((r.TenantNotFound,), lambda e: Unauthorized("the key's tenant no longer exists")),
+        ((r.ObjectStoreError,), unavailable("the object store cannot be reached")),
+        ((r.SchemaOutOfDate,), unavailable("the registry database needs `loramux db upgrade`")),
+        ((r.BaseModelNotConfigured,), unavailable("this server cannot validate adapters")),
+    ]
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The HTTP error for an exception, by its class (first match in the table); an
+    unexpected one is a generic 500 whose details only go to the log."""
+    for classes, make in _table():
+        if isinstance(exc, classes):
+            return make(exc)
+    logger.error("unexpected error", exc_info=exc)
+    return APIError("internal server error")
 
 
 def error_response(exc: APIError) -> JSONResponse:

@@ -13,6 +13,8 @@ from collections import Counter as _Counter
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from loramux.engine.lora.manager import ResidencySnapshot
+
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -109,14 +111,20 @@ class Metrics:
         if e2e is not None:
             self.e2e.labels(adapter).observe(e2e)
 
-    def count_eviction(self, adapter: str) -> None:
-        """Called on the engine thread whenever a slot is freed; safe from any thread."""
+    def on_adapter_event(self, event: str, adapter: str) -> None:
+        """The engine's adapter listener (engine thread): counts evictions; safe from any
+        thread."""
+        if event != "evicted":
+            return
         with self._lock:
             self._pending_evictions[adapter] += 1
 
     # --- scrape -------------------------------------------------------------------------
-    def update_engine(self, stats, residency: list[dict] | None, total_evictions: int | None) -> None:
-        """Refresh the engine gauges from one snapshot (called by ``GET /metrics``)."""
+    def update_engine(self, stats, snapshot: ResidencySnapshot | None) -> None:
+        """Refresh the engine gauges from one snapshot (called by ``GET /metrics``);
+        ``snapshot`` None = the engine could not be asked."""
+        residency = snapshot.rows if snapshot is not None else None
+        total_evictions = snapshot.num_evictions if snapshot is not None else None
         if stats is not None:
             self.waiting.set(stats.num_waiting)
             self.running.set(stats.num_running)

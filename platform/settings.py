@@ -1,17 +1,30 @@
-"""HTTP service settings: pydantic-settings with the ``LORAMUX_`` env prefix.
+"""Service settings: the one place the service reads flags and ``LORAMUX_*`` variables.
 
-``loramux serve`` maps its flags (named like ``vllm serve``'s where the meaning is
-the same) onto these fields; every field can also come from the environment, e.g.
-``LORAMUX_MAX_LORAS=8`` or ``LORAMUX_DATABASE_URL=postgresql+psycopg://...``.
+Every field is a ``loramux serve`` flag (``--max-loras``; its docstring is the help
+text) and a ``LORAMUX_*`` environment variable (``LORAMUX_MAX_LORAS=8``); a flag wins
+over the variable, the variable over the default. The registry commands take the
+registry and model fields the same way. A new option is one field here.
+
+From the settings, :func:`engine_config` builds the engine's configuration and
+:func:`open_registry` the registry: the same limits (``max_lora_rank``,
+``max_adapter_bytes``) hold for ``serve`` and for ``loramux adapters upload``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import types
+import typing
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from loramux.engine.config import EngineConfig
+    from loramux.registry.service import RegistryService
 
 DEFAULT_MODEL_ALIASES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
@@ -19,40 +32,60 @@ DEFAULT_MODEL_ALIASES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-In
 class Settings(BaseSettings):
     """Everything ``loramux serve`` needs; engine options keep vLLM's names."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAMUX_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="LORAMUX_", extra="ignore", use_attribute_docstrings=True
+    )
 
     # --- engine (names as in vLLM) -------------------------------------------------------
     model: str | None = None
-    """Local Hugging Face folder of the base model; None = SmolLM2-135M-Instruct."""
+    """Base model: a local Hugging Face folder; None = SmolLM2-135M-Instruct."""
     served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Names the base model answers to in ``model``; empty = the folder's name
-    (for the default model also ``HuggingFaceTB/SmolLM2-135M-Instruct``). The first is listed."""
+    """Names the base model answers to in `model`; empty = the folder's name (for the
+    default model also HuggingFaceTB/SmolLM2-135M-Instruct). The first is listed."""
     dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16 (CUDA only)."""
     device: str = "auto"
+    """auto | cpu | cuda[:N]."""
     seed: int = 0
+    """Seed of the engine's random generators."""
     max_model_len: int | None = None
+    """Longest prompt + output in tokens; None = the model's own limit."""
     max_num_seqs: int = 256
+    """Most sequences in one engine step."""
     max_num_batched_tokens: int | None = None
+    """Token budget of one engine step; None = the engine's default."""
     max_waiting: int = 1024
     """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
     block_size: int = 16
+    """Tokens per KV-cache block."""
     gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory the engine may use."""
     kv_cache_memory: int | None = None
     """CPU only: bytes for the KV cache (None = the engine's default)."""
     num_gpu_blocks_override: int | None = None
+    """Exact number of KV-cache blocks (tests, benchmarks)."""
     enable_lora: bool = True
+    """Serve LoRA adapters."""
     max_loras: int = 4
+    """Adapters resident on the device at once (slots)."""
     max_lora_rank: int = 16
+    """Largest adapter rank served; uploads of a larger rank are refused."""
     max_cpu_loras: int | None = None
+    """Adapters kept in CPU memory (LRU); None = the engine's default."""
     lora_backend: str = "auto"
+    """auto | torch | triton."""
     lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Static adapters every caller may use: ``name=path`` or ``{"name": .., "path": ..}``."""
+    """Static adapters every caller may use: name=path or {"name": .., "path": ..}."""
 
     # --- HTTP --------------------------------------------------------------------------
     host: str = "127.0.0.1"
+    """Bind address."""
     port: int = 8000
+    """Bind port."""
     root_path: str = ""
+    """ASGI root path behind a proxy."""
     log_level: str = "info"
+    """debug | info | warning | error."""
     log_format: str = "json"
     """json (one object per line, with request ids) | text."""
     max_request_bytes: int = 8 * 1024 * 1024
@@ -60,11 +93,12 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 1024 * 1024 * 1024
     """Largest adapter upload (all files together); larger ones get 413."""
     max_prompts_per_request: int = 64
+    """Most prompts in one /v1/completions request."""
     retry_after_seconds: int = 1
-    """The ``Retry-After`` of a 429 when the waiting queue is full."""
+    """The Retry-After of a 429 when the waiting queue is full."""
     allow_anonymous: bool = False
-    """Requests without a valid key may use the base model and ``--lora-modules``
-    (like ``vllm serve`` without ``--api-key``). Tenant adapters always need a key."""
+    """Requests without a valid key may use the base model and --lora-modules
+    (like `vllm serve` without --api-key). Tenant adapters always need a key."""
     model_cache_ttl: float = 5.0
     """Seconds a resolved (tenant, model) pair is cached."""
 
@@ -74,16 +108,22 @@ class Settings(BaseSettings):
     s3_bucket: str | None = None
     """Object store bucket; None = a folder in the data dir."""
     s3_endpoint_url: str | None = None
+    """S3 endpoint (MinIO, R2, Ceph); None = AWS."""
     s3_prefix: str = ""
+    """Key prefix inside the bucket."""
+    s3_region: str | None = None
+    """S3 region; None = boto3's default."""
     data_dir: Path | None = None
-    """Where SQLite, the local object store and caches live; None = the registry's default."""
+    """Where SQLite, the local object store and caches live; None = ~/.local/share/loramux."""
+    max_adapter_bytes: int = 1024**3
+    """Largest adapter (weights) the registry accepts."""
     admin_key: SecretStr | None = None
-    """Bearer key of ``/admin``; None = generated on first start (printed once, stored hashed)."""
+    """Bearer key of /admin; None = generated on first start (printed once, stored hashed)."""
     demo: bool = True
-    """On a registry without tenants: create a ``demo`` tenant with the shipped ``sql-lora``
+    """On a registry without tenants: create a demo tenant with the shipped sql-lora
     adapter and print its key once."""
     demo_adapter_dir: Path | None = None
-    """The adapter registered for the demo tenant; None = ``examples/adapters/sql-lora``."""
+    """The adapter registered for the demo tenant; None = examples/adapters/sql-lora."""
 
     @field_validator("served_model_name", "lora_modules", mode="before")
     @classmethod
@@ -91,8 +131,6 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = value.strip()
             if value.startswith("["):
-                import json
-
                 return json.loads(value)
             return [v for v in value.replace(",", " ").split() if v] if "{" not in value else [value]
         return value
@@ -103,3 +141,98 @@ class Settings(BaseSettings):
         if value not in ("json", "text"):
             raise ValueError(f"log_format must be json or text, got {value!r}")
         return value
+
+
+GROUPS = {"model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry"}
+"""The flag group that starts at each of these fields (in declaration order)."""
+REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
+                   "s3_region")
+MODEL_FIELDS = ("model", "max_lora_rank", "max_adapter_bytes")
+
+
+def _flag_type(annotation: Any) -> tuple[Any, bool]:
+    """(argparse type, is a list) of a field's annotation."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        return str, True
+    if annotation in (int, float):
+        return annotation, False
+    return str, False
+
+
+def add_settings_arguments(parser: Any, names: typing.Iterable[str] | None = None, *,
+                           aliases: dict[str, list[str]] | None = None) -> None:
+    """One ``--flag`` per :class:`Settings` field (all, or ``names``), with the field's
+    docstring as help; a flag left out stays None, so the variable or default applies."""
+    wanted = set(names) if names is not None else None
+    group: Any = parser
+    for name, info in Settings.model_fields.items():
+        if name in GROUPS and wanted is None:
+            group = parser.add_argument_group(GROUPS[name])
+        if wanted is not None and name not in wanted:
+            continue
+        default = info.get_default(call_default_factory=True)
+        shown = default.get_secret_value() if isinstance(default, SecretStr) else default
+        help_text = (info.description or "").replace("%", "%%")
+        help_text += f" [env LORAMUX_{name.upper()}; default {shown!r}]"
+        flags = ["--" + name.replace("_", "-"), *(aliases or {}).get(name, ())]
+        if info.annotation is bool:
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+            continue
+        kind, many = _flag_type(info.annotation)
+        group.add_argument(*flags, dest=name, type=kind, nargs="+" if many else None, default=None,
+                           help=help_text)
+
+
+def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
+    """Settings from the flags given (the rest from ``LORAMUX_*`` and the defaults)."""
+    values = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    values.update({k: v for k, v in extra.items() if v is not None})
+    return Settings(**values)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's configuration for these settings."""
+    from loramux.engine.config import (
+        CacheConfig,
+        EngineConfig,
+        LoRAConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
+
+    s = settings
+    return EngineConfig(
+        model=ModelConfig(model=s.model, dtype=s.dtype, device=s.device,
+                          max_model_len=s.max_model_len, seed=s.seed),
+        cache=CacheConfig(block_size=s.block_size, gpu_memory_utilization=s.gpu_memory_utilization,
+                          kv_cache_memory=s.kv_cache_memory,
+                          num_gpu_blocks_override=s.num_gpu_blocks_override),
+        scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
+                                  max_num_batched_tokens=s.max_num_batched_tokens,
+                                  max_waiting=s.max_waiting),
+        lora=LoRAConfig(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
+                        max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend)
+        if s.enable_lora else None,
+    )
+
+
+def open_registry(settings: Settings, base_model: Any = None, *,
+                  auto_upgrade: bool | None = None) -> RegistryService:
+    """The registry for these settings. With ``base_model`` (a folder, or a config)
+    uploads are validated against it under the serving limits (``max_lora_rank``,
+    ``max_adapter_bytes``), so an adapter the registry accepts is one ``serve`` serves."""
+    from loramux.registry import build_registry
+
+    s = settings
+    return build_registry(
+        database_url=s.database_url, s3_bucket=s.s3_bucket, s3_endpoint_url=s.s3_endpoint_url,
+        s3_prefix=s.s3_prefix, s3_region=s.s3_region, data_dir=s.data_dir,
+        base_model=str(base_model) if isinstance(base_model, Path) else base_model,
+        max_lora_rank=s.max_lora_rank, max_adapter_bytes=s.max_adapter_bytes,
+        auto_upgrade=auto_upgrade,
+    )

@@ -1,19 +1,30 @@
-"""The per-app state every route reaches through ``StateDep``."""
+"""The application state every route reaches through ``StateDep``: what it holds,
+how :func:`build_state` wires it around one engine (and optionally a registry), and
+how :func:`close_state` takes it down."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from loramux.engine.async_engine import AsyncEngine
-from loramux.platform.adapter_service import AdapterService
-from loramux.platform.admin_service import AdminService
+from loramux.platform.adapter_api.service import AdapterService
+from loramux.platform.admin.service import AdminService
 from loramux.platform.auth import Authenticator
 from loramux.platform.metrics import Metrics
-from loramux.platform.models import ModelResolver
-from loramux.platform.serving import OpenAIServing
-from loramux.platform.settings import Settings
+from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
+from loramux.platform.openai.serving import OpenAIServing
+from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
+
+if TYPE_CHECKING:
+    from loramux.registry.service import RegistryService
+
+VERSION = "0.1.0"
 
 
 @dataclass
@@ -22,7 +33,7 @@ class AppState:
 
     settings: Settings
     engine: AsyncEngine
-    registry: Any | None
+    registry: RegistryService | None
     metrics: Metrics
     resolver: ModelResolver
     auth: Authenticator
@@ -32,4 +43,81 @@ class AppState:
     scratch_dir: Path
     owns_engine: bool = False
     owns_registry: bool = False
-    cleanups: list = field(default_factory=list)
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
+
+
+def base_model_names(settings: Settings, model_path: Path) -> list[str]:
+    """The names the base model answers to (the first is listed)."""
+    if settings.served_model_name:
+        return list(settings.served_model_name)
+    names = [model_path.name]
+    if settings.model is None:
+        names = list(dict.fromkeys([*DEFAULT_MODEL_ALIASES, *names]))
+    elif settings.model not in names:
+        names.append(settings.model)
+    return names
+
+
+def build_state(settings: Settings, engine: AsyncEngine,
+                registry: RegistryService | None) -> AppState:
+    """Wire the services around one engine (and optionally a registry); subscribes to
+    the engine's adapter events and the registry's changes (undone by close_state)."""
+    llm = engine.engine
+    metrics = Metrics()
+    lora_enabled = llm.lora_manager is not None
+
+    def drop_engine_key(key: str) -> None:
+        if lora_enabled and engine.is_running:
+            engine.call_sync(lambda: llm.lora_manager.drop(key), timeout=30)
+
+    resolver = ModelResolver(
+        base_model_names(settings, Path(llm.model_path)),
+        static_modules=parse_lora_modules(settings.lora_modules),
+        registry=registry,
+        lora_enabled=lora_enabled,
+        ttl=settings.model_cache_ttl,
+        drop_engine_key=drop_engine_key,
+    )
+    fingerprint = "fp_" + hashlib.sha256(
+        f"loramux-{VERSION}-{llm.model_path}-{llm.model.dtype}".encode()
+    ).hexdigest()[:10]
+    data_dir = registry.tmp_dir if registry is not None else settings.data_dir
+    scratch = Path(data_dir) / "uploads" if data_dir else Path(tempfile.gettempdir()) / "loramux-uploads"
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    auth = Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous)
+    state = AppState(
+        settings=settings,
+        engine=engine,
+        registry=registry,
+        metrics=metrics,
+        resolver=resolver,
+        auth=auth,
+        openai=OpenAIServing(
+            engine, resolver, metrics, fingerprint=fingerprint,
+            retry_after=settings.retry_after_seconds, max_prompts=settings.max_prompts_per_request,
+        ),
+        admin=AdminService(engine, registry, resolver),
+        adapters=AdapterService(
+            registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
+            s3_endpoint_url=settings.s3_endpoint_url,
+        ) if registry is not None else None,
+        scratch_dir=scratch,
+    )
+    if registry is not None:
+        state.cleanups.append(registry.subscribe(resolver.on_registry_event))
+        state.cleanups.append(registry.subscribe(auth.on_registry_event))
+    state.cleanups.append(engine.add_adapter_listener(metrics.on_adapter_event))
+    return state
+
+
+def close_state(state: AppState) -> None:
+    """Undo the subscriptions; stop the engine and the registry's pool when owned."""
+    for fn in reversed(state.cleanups):
+        with contextlib.suppress(Exception):
+            fn()
+    state.cleanups.clear()
+    if state.owns_engine:
+        state.engine.shutdown()
+    if state.owns_registry and state.registry is not None:
+        with contextlib.suppress(Exception):
+            state.registry.db.dispose()

@@ -15,6 +15,10 @@ class InvalidPreset(RegistryError, ValueError):
     """A default sampling preset is not a valid set of sampling parameters."""
 
 
+class InvalidDescription(RegistryError, ValueError):
+    """An adapter description is too long."""
+
+
 class TenantNotFound(RegistryError, LookupError):
     """No tenant with that name or id."""
 

@@ -2,7 +2,7 @@
 
 Embedded default (``loramux serve`` on a laptop), everything in the data dir::
 
-    $LORAMUX_DATA_DIR               default: $XDG_DATA_HOME/loramux or ~/.local/share/loramux
+    <data dir>                      default: $XDG_DATA_HOME/loramux or ~/.local/share/loramux
     ├── loramux.db                  SQLite (WAL), schema upgraded automatically
     ├── objects/                    FileStore of adapter weights
     ├── cache/adapters/             fetched adapter folders
@@ -28,10 +28,7 @@ from loramux.registry.store import FileStore, ObjectStore
 
 
 def default_data_dir() -> Path:
-    """``LORAMUX_DATA_DIR``, else ``$XDG_DATA_HOME/loramux``, else ``~/.local/share/loramux``."""
-    env = os.environ.get("LORAMUX_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
+    """``$XDG_DATA_HOME/loramux``, else ``~/.local/share/loramux``."""
     xdg = os.environ.get("XDG_DATA_HOME")
     return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "loramux"
 
@@ -88,20 +85,17 @@ def build_registry(
     auto_upgrade: bool | None = None,
     store: ObjectStore | None = None,
 ) -> RegistryService:
-    """The registry for these settings; ``None`` arguments fall back to ``LORAMUX_*``
-    environment variables (``LORAMUX_DATABASE_URL``, ``LORAMUX_S3_BUCKET``,
-    ``LORAMUX_S3_ENDPOINT_URL``, ``LORAMUX_S3_PREFIX``, ``LORAMUX_S3_REGION``,
-    ``LORAMUX_DATA_DIR``) and then to the embedded layout.
+    """The registry for these arguments; ``None`` ones fall back to the embedded layout
+    (the service reads flags and environment in ``loramux.platform.settings``).
 
     ``base_model`` is the served model (a folder path, a config dict or a
     ``PretrainedConfig``); uploads are validated against it and export merges into it.
     ``auto_upgrade`` (default: only for SQLite) runs the migrations; otherwise the schema
     must already be at head (``loramux db upgrade``) or :class:`SchemaOutOfDate` is raised.
     """
-    env = os.environ.get
     data_dir = Path(data_dir or default_data_dir()).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
-    database_url = database_url or env("LORAMUX_DATABASE_URL") or default_database_url(data_dir)
+    database_url = database_url or default_database_url(data_dir)
     db = Database(database_url)
     if auto_upgrade is None:
         auto_upgrade = db.is_sqlite
@@ -111,10 +105,10 @@ def build_registry(
         db.check_schema()
     if store is None:
         store = build_store(
-            s3_bucket=s3_bucket or env("LORAMUX_S3_BUCKET"),
-            s3_endpoint_url=s3_endpoint_url or env("LORAMUX_S3_ENDPOINT_URL"),
-            s3_prefix=s3_prefix or env("LORAMUX_S3_PREFIX", ""),
-            s3_region=s3_region or env("LORAMUX_S3_REGION"),
+            s3_bucket=s3_bucket,
+            s3_endpoint_url=s3_endpoint_url,
+            s3_prefix=s3_prefix,
+            s3_region=s3_region,
             data_dir=data_dir,
         )
     config, name, folder = read_base_model(base_model)

@@ -97,6 +97,9 @@ class ApiKey(Base):
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
 
 
+MAX_DESCRIPTION_CHARS = 2000
+
+
 class Adapter(Base):
     """One tenant's LoRA adapter. The weights live in the object store under ``object_key``
     (content-addressed by ``sha256``); the normalized ``adapter_config.json`` lives in ``config``."""
@@ -118,6 +121,8 @@ class Adapter(Base):
     object_key: Mapped[str] = mapped_column(String(512), index=True)
     status: Mapped[str] = mapped_column(String(16), default="ready")
     default_preset: Mapped[dict[str, Any] | None]
+    description: Mapped[str | None] = mapped_column(String(MAX_DESCRIPTION_CHARS), default=None)
+    """The tenant's free-text note on the adapter."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
@@ -28,7 +28,6 @@ from loramux.adapters.format import (
     DEFAULT_MAX_LORA_RANK,
     MAX_CONFIG_BYTES,
     LoraWeights,
-    load_adapter,
     validate_adapter,
 )
 from loramux.registry import auth
@@ -38,10 +37,18 @@ from loramux.registry.errors import (
     AdapterConflict,
     AdapterNotFound,
     BaseModelNotConfigured,
+    InvalidDescription,
     TenantConflict,
     TenantNotFound,
 )
-from loramux.registry.models import Adapter, AdapterEvent, ApiKey, Tenant, utcnow
+from loramux.registry.models import (
+    MAX_DESCRIPTION_CHARS,
+    Adapter,
+    AdapterEvent,
+    ApiKey,
+    Tenant,
+    utcnow,
+)
 from loramux.registry.names import check_name
 from loramux.registry.presets import check_preset
 from loramux.registry.store import ObjectStore, sha256_file
@@ -52,7 +59,8 @@ OBJECT_PREFIX = "adapters/sha256/"
 DEFAULT_GC_MIN_AGE_S = 3600.0
 
 TenantRef = Tenant | int | str
-Listener = Callable[[str, "AdapterHandle"], None]
+Listener = Callable[[str, "AdapterHandle | None"], None]
+"""``listener(kind, handle)``: an adapter change (handle set) or ``key_revoked`` (None)."""
 
 
 def object_key(sha256: str) -> str:
@@ -65,7 +73,7 @@ class AdapterHandle:
     """A snapshot of one adapter row, with its weights one call away.
 
     ``local_path()`` fetches the weights into the local disk cache on first use and
-    returns a PEFT folder; ``load()`` reads it as :class:`LoraWeights`. Engines use the
+    returns a PEFT folder. Engines use the
     handle (or ``RegistryService.fetch_by_id``) as their adapter source.
     """
 
@@ -83,6 +91,7 @@ class AdapterHandle:
     status: str
     default_preset: dict[str, Any] | None
     config: dict[str, Any]
+    description: str | None
     created_at: datetime
     updated_at: datetime
     _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
@@ -97,11 +106,6 @@ class AdapterHandle:
         if self._fetch is None:
             raise RuntimeError("this handle is not attached to a registry")
         return self._fetch(self)
-
-    def load(self, *, dtype=None) -> LoraWeights:
-        import torch
-
-        return load_adapter(self.local_path(), dtype=dtype or torch.float32)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly fields for the API and the CLI."""
@@ -168,17 +172,25 @@ class RegistryService:
 
     # -- events ---------------------------------------------------------------------
 
-    def subscribe(self, listener: Listener) -> None:
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener(kind, handle)`` after each committed change (uploaded, replaced,
-        deleted, preset_changed, evicted, exported); the platform relays it to engines."""
+        deleted, preset_changed, described, evicted, exported; ``key_revoked``
+        with handle None); the platform relays it to engines and caches. Returns the
+        function that unsubscribes it."""
         self._listeners.append(listener)
+        return lambda: self.unsubscribe(listener)
 
-    def _notify(self, kind: str, handle: AdapterHandle) -> None:
+    def unsubscribe(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (no error when it was not subscribed)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _notify(self, kind: str, handle: AdapterHandle | None) -> None:
         for listener in list(self._listeners):
             try:
                 listener(kind, handle)
             except Exception:  # a listener must not undo a committed change
-                logger.exception("adapter event listener failed for %s %s", kind, handle.name)
+                logger.exception("registry event listener failed for %s", kind)
 
     # -- tenants and keys -----------------------------------------------------------
 
@@ -223,7 +235,8 @@ class RegistryService:
             if row is None or row.revoked_at is not None:
                 return False
             row.revoked_at = utcnow()
-            return True
+        self._notify("key_revoked", None)
+        return True
 
     def authenticate_key(self, key: str) -> ApiKey | None:
         """The active ``ApiKey`` (with ``.tenant`` loaded) for a plaintext key, else ``None``."""
@@ -288,6 +301,7 @@ class RegistryService:
             status=row.status,
             default_preset=row.default_preset,
             config=dict(row.config),
+            description=row.description,
             created_at=row.created_at,
             updated_at=row.updated_at,
             _fetch=self._fetch,
@@ -507,6 +521,25 @@ class RegistryService:
         self._notify("preset_changed", handle)
         return handle
 
+    def set_description(
+        self, tenant: TenantRef, name: str, description: str | None, *, actor: str | None = None
+    ) -> AdapterHandle:
+        """Store (or with ``None`` clear) the adapter's description."""
+        if description is not None and len(description) > MAX_DESCRIPTION_CHARS:
+            raise InvalidDescription(
+                f"a description may hold at most {MAX_DESCRIPTION_CHARS} characters, "
+                f"got {len(description)}"
+            )
+        with self.db.session() as s:
+            row = self._row(s, self._tenant_id(s, tenant), name)
+            row.description = description or None
+            row.updated_at = utcnow()
+            s.add(self._event(row, "described", actor, None))
+            s.flush()
+            handle = self._handle(row)
+        self._notify("described", handle)
+        return handle
+
     def record_event(
         self,
         adapter_id: int,
@@ -607,16 +640,6 @@ class RegistryService:
                 "gc: deleted %d objects, pruned %d cache entries", len(deleted), len(pruned)
             )
         return GcReport(deleted, pruned)
-
-    # -- test / admin helpers -------------------------------------------------------
-
-    def purge_tenant(self, tenant: TenantRef) -> None:
-        """Delete a tenant with its keys and adapters (objects go at the next ``gc()``)."""
-        with self.db.session() as s:
-            tenant_id = self._tenant_id(s, tenant)
-            s.execute(delete(Adapter).where(Adapter.tenant_id == tenant_id))
-            s.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))
-            s.execute(delete(Tenant).where(Tenant.id == tenant_id))
 
 
 __all__ = [

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tiny_llama
+from support.tiny_models import make_tiny_llama
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 

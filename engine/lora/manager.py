@@ -9,18 +9,22 @@
 A slot used by the running batch is never evicted, nor a pinned adapter. The
 engine calls :meth:`acquire` (through the scheduler) before admitting a
 request, :meth:`prepare_step` once per step, and every layer calls :meth:`add`.
+
+Others watch through public seams only: :meth:`add_listener` hears ``loaded`` (into
+CPU memory), ``evicted`` (out of a device slot) and ``dropped`` (forgotten), on the
+engine thread; :meth:`snapshot` is the residency the admin API shows, taken on the
+engine thread (``AsyncEngine.lora_snapshot``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,6 +64,24 @@ class AdapterState:
     error: Exception | None = None
 
 
+AdapterListener = Callable[[str, str], None]
+"""``listener(event, key)``; event is ``loaded`` | ``evicted`` | ``dropped``."""
+
+
+@dataclass(frozen=True)
+class ResidencySnapshot:
+    """The adapters one engine knows, as of one moment (plain data, safe to share)."""
+
+    rows: list[dict] = field(default_factory=list)
+    """One per adapter, as :meth:`LoRAManager.residency`."""
+    max_loras: int = 0
+    num_evictions: int = 0
+    lora_enabled: bool = False
+
+    def knows(self, key: str) -> bool:
+        return any(r["name"] == key for r in self.rows)
+
+
 class LoRAManager:
     """Places adapters in tiers and adds their deltas during the forward pass."""
 
@@ -88,11 +110,25 @@ class LoRAManager:
         self.loading: dict[str, Future] = {}
         self.evict_pending: set[str] = set()
         self.num_evictions = 0
-        self._lock = threading.Lock()
+        self._listeners: list[AdapterListener] = []
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self._meta: LoRABatchMeta | None = None
         self._groups: frozenset[str] = frozenset()
         self._step_keys: set[str] = set()
+
+    # --- events -----------------------------------------------------------------------
+    def add_listener(self, listener: AdapterListener) -> Callable[[], None]:
+        """Call ``listener(event, key)`` on every load, eviction and drop (on the engine
+        thread: keep it quick). Returns the function that removes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _emit(self, event: str, key: str) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event, key)
+            except Exception:
+                logger.exception("adapter listener failed on %s %s", event, key)
 
     # --- registration ---------------------------------------------------------------
     def register(self, request: LoRARequest) -> None:
@@ -137,7 +173,8 @@ class LoRAManager:
         else:
             self._free_slot(key)
         self.cpu.pop(key, None)
-        self.adapters.pop(key, None)
+        if self.adapters.pop(key, None) is not None:
+            self._emit("dropped", key)
 
     # --- scheduler gate --------------------------------------------------------------
     def acquire(self, key: str, in_use: set[str]) -> bool:
@@ -187,6 +224,7 @@ class LoRAManager:
         if slot is not None:
             self.slots.clear(slot)
             self.num_evictions += 1
+            self._emit("evicted", key)
 
     # --- loading ---------------------------------------------------------------------
     def _start_load(self, key: str) -> None:
@@ -248,6 +286,7 @@ class LoRAManager:
             state.load_seconds = seconds
             self.cpu[key] = weights
             self._trim_cpu()
+            self._emit("loaded", key)
 
     def _trim_cpu(self) -> None:
         while len(self.cpu) > self.config.max_cpu_loras:
@@ -258,10 +297,6 @@ class LoRAManager:
                     break
             else:
                 return
-
-    @property
-    def is_loading(self) -> bool:
-        return bool(self.loading)
 
     # --- per-step hook (LoRAHook) -----------------------------------------------------
     def prepare_step(self, token_lora_keys: list[str | None]) -> None:
@@ -333,15 +368,16 @@ class LoRAManager:
         self._state(key).pinned = False
 
     def warm(self, key: str) -> bool:
-        """Load the adapter into CPU memory and, if a slot is free or evictable, a device slot.
-        Returns True once it sits in a device slot."""
+        """Start loading the adapter into CPU memory (in the background: the engine loop
+        never waits on the disk) and, once it is there, place it in a free or evictable
+        device slot. Returns True once it sits in a device slot; call again until then."""
         self._state(key)
         if key in self.slot_of:
             return True
+        self.poll()
         if key not in self.cpu:
             self._start_load(key)
-            self.loading[key].result()
-            self.poll()
+            return False
         state = self.adapters[key]
         if state.error is not None:
             raise state.error
@@ -352,6 +388,10 @@ class LoRAManager:
         if state is None:
             raise LoRAError(f"adapter {key!r} is not known to this engine")
         return state
+
+    def snapshot(self) -> ResidencySnapshot:
+        """The residency as plain data (call on the engine thread)."""
+        return ResidencySnapshot(self.residency(), self.max_loras, self.num_evictions, True)
 
     def residency(self) -> list[dict]:
         """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, in use."""

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from lora_fixtures import make_peft_adapter as _make_peft_adapter
-from tiny_models import make_tiny_llama
+from support.lora_fixtures import make_peft_adapter as _make_peft_adapter
+from support.tiny_models import make_tiny_llama
 
 
 def make_peft_adapter(base_dir: Path, out: Path, *, seed: int = 0, **lora_kwargs) -> Path:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from support.adapters import random_lora
 
 from loramux.adapters.arch import base_dims
 from loramux.adapters.format import (
@@ -16,7 +17,6 @@ from loramux.adapters.format import (
     save_adapter,
     validate_adapter,
 )
-from loramux.adapters.testing import random_lora
 
 
 def test_scale():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from greedy_reference import check_greedy, teacher_forced_logits_batch
+from support.greedy_reference import check_greedy, teacher_forced_logits_batch
 
 from loramux.engine import LLM, SamplingParams
 from loramux.engine.async_engine import AsyncEngine

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_fixtures import ALL_MODULES, make_peft_adapter, peft_reference, teacher_forcing_gaps
+from support.lora_fixtures import (
+    ALL_MODULES,
+    make_peft_adapter,
+    peft_reference,
+    teacher_forcing_gaps,
+)
 
 pytestmark = pytest.mark.e2e
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from lora_fixtures import ALL_MODULES, make_peft_adapter, peft_reference, teacher_forcing_gaps
+from support.lora_fixtures import (
+    ALL_MODULES,
+    make_peft_adapter,
+    peft_reference,
+    teacher_forcing_gaps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,12 @@ def test_pin_protects_and_warm_loads(tiny_model_dir, eight_adapters):
     reqs = [LoRARequest(f"t{i}", i + 1, str(eight_adapters[i])) for i in range(4)]
     for r in reqs:
         manager.register(r)
-    assert manager.warm("t0")
+    assert not manager.warm("t0")  # the load runs in the background; warm never waits on it
+    for _ in range(200):
+        manager.poll(wait=0.05)
+        if manager.warm("t0"):
+            break
+    assert "t0" in manager.slot_of
     manager.pin("t0")
     params = SamplingParams(temperature=0, max_tokens=3)
     llm.generate(["a", "b", "c"], params, lora_request=reqs[1:])

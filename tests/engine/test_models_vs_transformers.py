@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from greedy_reference import check_greedy, teacher_forced_logits
-from tiny_models import make_tiny_llama
+from support.greedy_reference import check_greedy, teacher_forced_logits
+from support.tiny_models import make_tiny_llama
 
 from loramux.engine import LLM, SamplingParams
 

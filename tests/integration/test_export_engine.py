@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_reference import check_greedy
+from support.greedy_reference import check_greedy
 
 from loramux.adapters.merge import export_merged
 from loramux.engine import LLM, LoRARequest, SamplingParams

@@ -7,10 +7,11 @@ import json
 import httpx
 import openai
 import pytest
+from support.server import make_engine, make_registry, serve_in_thread, write_adapter
 
-from loramux.platform.app import close_state, create_app
+from loramux.platform.app import create_app
 from loramux.platform.settings import Settings
-from loramux.platform.testing import make_engine, make_registry, serve_in_thread, write_adapter
+from loramux.platform.state import close_state
 
 BASE = "tiny-base"
 

@@ -7,10 +7,11 @@ import time
 
 import httpx
 import pytest
+from support.server import make_engine, serve_in_thread
 
-from loramux.platform.app import close_state, create_app
+from loramux.platform.app import create_app
 from loramux.platform.settings import Settings
-from loramux.platform.testing import make_engine, serve_in_thread
+from loramux.platform.state import close_state
 
 BASE = "tiny-base"
 MAX_TOKENS = 480

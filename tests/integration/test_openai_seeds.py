@@ -12,11 +12,11 @@ import shutil
 import subprocess
 
 import pytest
+from support.server import serve_in_thread, write_adapter
 
 from loramux.platform.app import create_app
-from loramux.platform.serve import default_demo_adapter
+from loramux.platform.cli.serve import default_demo_adapter
 from loramux.platform.settings import Settings
-from loramux.platform.testing import serve_in_thread, write_adapter
 
 pytestmark = pytest.mark.e2e
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lmx_platform_support import settings
+from support.platform_settings import settings
+from support.server import make_engine, make_registry, write_adapter
 
 from loramux.platform.app import create_app
-from loramux.platform.testing import make_engine, make_registry, write_adapter
 
 
 @dataclass
@@ -62,7 +62,7 @@ def env(engine, tiny_model_dir, adapter_dirs, tmp_path_factory) -> Env:
 def app(env):
     app = create_app(settings(), engine=env.engine, registry=env.registry)
     yield app
-    from loramux.platform.app import close_state
+    from loramux.platform.state import close_state
 
     close_state(app.state.loramux)
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lmx_platform_support import ADMIN_KEY, settings
+from support.platform_settings import ADMIN_KEY, settings
+from support.server import free_port, write_adapter
 
-from loramux.platform.app import close_state, create_app
-from loramux.platform.testing import free_port, write_adapter
+from loramux.platform.app import create_app
+from loramux.platform.state import close_state
 
 
 def _files(folder: Path) -> list:

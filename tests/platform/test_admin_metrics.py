@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from lmx_platform_support import ADMIN_KEY, BASE
+from support.platform_settings import ADMIN_KEY, BASE
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from lmx_platform_support import BASE
-
-from loramux.platform.testing import parse_sse
+from support.platform_settings import BASE
+from support.server import parse_sse
 
 
 async def post(client, env, path, body, key="a"):
@@ -225,9 +224,10 @@ async def test_auth(client, env):
 
 async def test_anonymous_access_when_allowed(env):
     import httpx
-    from lmx_platform_support import settings
+    from support.platform_settings import settings
 
-    from loramux.platform.app import close_state, create_app
+    from loramux.platform.app import create_app
+    from loramux.platform.state import close_state
 
     app = create_app(settings(allow_anonymous=True), engine=env.engine, registry=env.registry)
     try:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from loramux.platform.errors import BadRequest
-from loramux.platform.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.sampling import build_params, validate_preset
+from loramux.platform.openai.params import build_params, validate_preset
+from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def cmpl(**kw) -> CompletionRequest:

@@ -9,11 +9,12 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hsettings
 from hypothesis.errors import Unsatisfiable
-from lmx_platform_support import ADMIN_KEY, BASE, settings
 from schemathesis import GenerationMode
+from support.platform_settings import ADMIN_KEY, BASE, settings
+from support.server import make_engine, make_registry, write_adapter
 
-from loramux.platform.app import close_state, create_app
-from loramux.platform.testing import make_engine, make_registry, write_adapter
+from loramux.platform.app import create_app
+from loramux.platform.state import close_state
 
 
 @pytest.fixture(scope="module")

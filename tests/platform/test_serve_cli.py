@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from loramux.platform.cli import build_parser
-from loramux.platform.serve import DEMO_ADAPTER, bootstrap, settings_from_args
+from loramux.platform.cli.serve import DEMO_ADAPTER, bootstrap, settings_from_args
 from loramux.platform.settings import Settings
 
 
@@ -44,7 +44,7 @@ class _State:
 
 
 def test_bootstrap_creates_keys_once(env, tmp_path, tiny_model_dir):
-    from loramux.platform.testing import make_registry
+    from support.server import make_registry
 
     registry = make_registry(tmp_path / "reg", tiny_model_dir, max_lora_rank=16)
     settings = Settings(demo_adapter_dir=env.adapter_dirs[0])

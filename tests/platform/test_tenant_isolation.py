@@ -3,7 +3,7 @@ attempt looks exactly like asking for an adapter that does not exist."""
 
 from __future__ import annotations
 
-from lmx_platform_support import BASE
+from support.platform_settings import BASE
 
 THEIRS = "sql-lora"  # tenant alpha's
 MISSING = "zz-nothing"  # nobody's

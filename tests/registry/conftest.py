@@ -157,7 +157,7 @@ def registry(database_url, object_store, tmp_path):
 @pytest.fixture
 def make_adapter(tmp_path):
     """``make_adapter(name="a", **random_lora kwargs)`` → a PEFT folder for the tiny config."""
-    from loramux.adapters.testing import write_random_adapter
+    from support.adapters import write_random_adapter
 
     def make(name: str = "adapter", **kwargs) -> Path:
         kwargs.setdefault("r", 4)

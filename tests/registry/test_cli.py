@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.adapters import write_random_adapter
 
-from loramux.adapters.testing import write_random_adapter
 from loramux.platform.cli import main
 
 

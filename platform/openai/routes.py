@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from loramux.platform.deps import CallerDep, OpenAIDep, StateDep
 from loramux.platform.errors import ModelNotFound
-from loramux.platform.protocol import (
+from loramux.platform.openai.protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loramux.platform.deps import AdaptersDep, TenantDep
 from loramux.platform.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
-from loramux.platform.protocol import ERROR_RESPONSES
+from loramux.platform.openai.protocol import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=ERROR_RESPONSES)
 

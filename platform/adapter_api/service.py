@@ -13,29 +13,24 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from loramux.platform.errors import (
-    AdapterNotFoundError,
-    APIError,
-    BadRequest,
-    Conflict,
-    ServiceUnavailable,
-    Unauthorized,
-    Unprocessable,
-)
-from loramux.platform.models import Caller, ModelResolver
-from loramux.platform.sampling import validate_preset
-from loramux.platform.uploads import (
+from loramux.platform.adapter_api.uploads import (
     Received,
     fetch_s3,
     parse_bool,
     parse_preset_field,
     receive_multipart,
 )
+from loramux.platform.errors import BadRequest, to_api_error
+from loramux.platform.openai.params import validate_preset
+from loramux.platform.openai.resolver import Caller, ModelResolver
+
+if TYPE_CHECKING:
+    from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
 
@@ -60,39 +55,12 @@ def adapter_json(handle: Any) -> dict[str, Any]:
     return out
 
 
-def registry_error(exc: BaseException) -> APIError:
-    """The HTTP error for a registry (or adapter validation) exception."""
-    from loramux.adapters.errors import AdapterValidationError
-    from loramux.registry import errors as r
-
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, r.AdapterNotFound):
-        return AdapterNotFoundError(str(exc), param="name")
-    if isinstance(exc, r.AdapterConflict):
-        return Conflict(str(exc), param="name")
-    if isinstance(exc, r.InvalidName):
-        return BadRequest(str(exc), param="name", code="invalid_name")
-    if isinstance(exc, r.InvalidPreset):
-        return BadRequest(str(exc), param="preset", code="invalid_preset")
-    if isinstance(exc, AdapterValidationError):
-        return Unprocessable(str(exc), param=exc.field)
-    if isinstance(exc, r.TenantNotFound):
-        return Unauthorized("the key's tenant no longer exists")
-    if isinstance(exc, (r.BaseModelNotConfigured, r.ObjectStoreError, r.SchemaOutOfDate)):
-        return ServiceUnavailable(str(exc))
-    if isinstance(exc, FileExistsError):
-        return Conflict(str(exc))
-    logger.error("registry call failed", exc_info=exc)
-    return APIError(f"registry error: {type(exc).__name__}: {exc}")
-
-
 class AdapterService:
     """Tenant adapter operations over the registry."""
 
     def __init__(
         self,
-        registry: Any,
+        registry: RegistryService,
         resolver: ModelResolver,
         *,
         scratch_dir: Path,
@@ -112,7 +80,7 @@ class AdapterService:
         except BaseException as exc:
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
                 raise
-            raise registry_error(exc) from None
+            raise to_api_error(exc) from None
 
     @staticmethod
     def _actor(caller: Caller) -> str:
@@ -172,11 +140,9 @@ class AdapterService:
                 actor=self._actor(caller),
             )
         if "description" in fields:
-            setter = getattr(self.registry, "set_description", None)
-            if setter is None:
-                raise BadRequest("this registry cannot store descriptions yet", param="description")
             handle = await self._call(
-                setter, caller.tenant.id, name, body.description, actor=self._actor(caller)
+                self.registry.set_description, caller.tenant.id, name, body.description,
+                actor=self._actor(caller),
             )
         if handle is None:
             handle = await self._call(self.registry.get, caller.tenant.id, name)

@@ -1,8 +1,8 @@
 """``loramux serve``: the all-in-one server (engine + registry + HTTP) under uvicorn.
 
-Flags mirror ``vllm serve`` where the meaning is the same; every flag left out falls
-back to its ``LORAMUX_*`` environment variable, then to the default in
-:class:`~loramux.platform.settings.Settings`.
+Its flags are generated from :class:`~loramux.platform.settings.Settings` (named like
+``vllm serve``'s where the meaning is the same, help text from the field docstrings);
+every flag left out falls back to its ``LORAMUX_*`` variable, then to the default.
 
 On first start (a registry without tenants) it creates the admin key and, with
 ``--demo`` (the default), a ``demo`` tenant holding the shipped ``sql-lora`` adapter,
@@ -15,7 +15,9 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+
+from loramux.platform.settings import Settings, add_settings_arguments
+from loramux.platform.settings import settings_from_args as settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,62 +36,15 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
                    help="base model folder (like `vllm serve MODEL`); same as --model")
-    e = p.add_argument_group("engine (vLLM names)")
-    e.add_argument("--model", help="base model folder (default: SmolLM2-135M-Instruct)")
-    e.add_argument("--served-model-name", nargs="+", help="names the base model answers to")
-    e.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (CUDA)")
-    e.add_argument("--device", help="auto | cpu | cuda[:N]")
-    e.add_argument("--seed", type=int)
-    e.add_argument("--max-model-len", type=int)
-    e.add_argument("--max-num-seqs", type=int)
-    e.add_argument("--max-num-batched-tokens", type=int)
-    e.add_argument("--max-waiting", type=int, help="waiting-queue bound; past it 429")
-    e.add_argument("--block-size", type=int)
-    e.add_argument("--gpu-memory-utilization", type=float)
-    e.add_argument("--kv-cache-memory", type=int, help="CPU: bytes for the KV cache")
-    e.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
-                   help="serve LoRA adapters (default: on)")
-    e.add_argument("--max-loras", type=int)
-    e.add_argument("--max-lora-rank", type=int)
-    e.add_argument("--max-cpu-loras", type=int)
-    e.add_argument("--lora-backend", help="auto | torch | triton")
-    e.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
-                   help='static adapters every caller may use (also {"name":..,"path":..})')
-    h = p.add_argument_group("HTTP")
-    h.add_argument("--host", help="bind address (default 127.0.0.1)")
-    h.add_argument("--port", type=int, help="default 8000")
-    h.add_argument("--root-path")
-    h.add_argument("--allow-anonymous", action=argparse.BooleanOptionalAction, default=None,
-                   help="requests without a key may use the base model and --lora-modules")
-    h.add_argument("--admin-key", help="the /admin key (default: generated once, stored hashed)")
-    h.add_argument("--max-request-bytes", type=int)
-    h.add_argument("--max-upload-bytes", type=int)
-    h.add_argument("--log-level")
-    h.add_argument("--log-format", choices=("json", "text"))
-    r = p.add_argument_group("registry")
-    r.add_argument("--database-url")
-    r.add_argument("--s3-bucket")
-    r.add_argument("--s3-endpoint-url")
-    r.add_argument("--s3-prefix")
-    r.add_argument("--data-dir")
-    r.add_argument("--demo", action=argparse.BooleanOptionalAction, default=None,
-                   help="first start: create a demo tenant with the sql-lora adapter (default on)")
-    r.add_argument("--demo-adapter-dir")
+    add_settings_arguments(p)
     p.set_defaults(func=cmd_serve)
 
 
-def settings_from_args(args: argparse.Namespace):
-    """Settings from the flags given; the rest from ``LORAMUX_*`` and defaults."""
-    from loramux.platform.settings import Settings
-
-    values: dict[str, Any] = {}
-    for key, value in vars(args).items():
-        if key in ("func", "command", "verbose", "model_arg") or value is None:
-            continue
-        values[key] = value
-    if args.model_arg and "model" not in values:
-        values["model"] = args.model_arg
-    return Settings(**values)
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the flags given (the positional MODEL too); the rest from
+    ``LORAMUX_*`` and the defaults."""
+    model = args.model_arg if getattr(args, "model", None) is None else None
+    return settings_of(args, model=model)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

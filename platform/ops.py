@@ -1,6 +1,9 @@
-"""Operations: liveness, readiness, Prometheus metrics."""
+"""Operations routes: liveness (``/health``), readiness (``/ready``), Prometheus
+(``/metrics``)."""
 
 from __future__ import annotations
+
+import contextlib
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -38,14 +41,9 @@ async def ready(state: StateDep):
 @router.get("/metrics")
 async def metrics(state: StateDep):
     """Prometheus text format."""
-    residency = None
-    total = None
-    mgr = state.engine.engine.lora_manager
+    snapshot = None
     if state.engine.is_running:
-        try:
-            residency = await state.engine.call(mgr.residency) if mgr is not None else []
-            total = mgr.num_evictions if mgr is not None else 0
-        except Exception:
-            residency = None
-    state.metrics.update_engine(state.engine.stats(), residency, total)
+        with contextlib.suppress(Exception):
+            snapshot = await state.engine.lora_snapshot()
+    state.metrics.update_engine(state.engine.stats(), snapshot)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

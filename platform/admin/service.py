@@ -2,46 +2,49 @@
 
 Rows are keyed by the engine key (``"<tenant id>/<name>@<digest>"``). Registry
 adapters this engine has not loaded yet show up with tier ``store``; acting on one
-registers it with the engine first. Every ``LoRAManager`` call runs on the engine
-thread through ``AsyncEngine.call``.
+registers it with the engine first. Slot state is read from the snapshot the engine
+publishes (``AsyncEngine.lora_snapshot``), and every ``LoRAManager`` call runs on the
+engine thread through ``AsyncEngine.call``; ``warm`` and ``pin`` wait for the
+background load here, on the event loop, never on the engine thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.platform.errors import BadRequest, NotFound, ServiceUnavailable, Unprocessable
-from loramux.platform.metrics import Metrics
-from loramux.platform.models import ModelResolver, engine_key
+from loramux.platform.openai.resolver import ModelResolver, engine_key
+
+if TYPE_CHECKING:
+    from loramux.engine.lora.manager import ResidencySnapshot
+    from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
 
 ACTIONS = ("evict", "pin", "unpin", "warm")
+WARM_TIMEOUT_S = 120.0
+"""How long ``warm`` / ``pin`` wait for an adapter's background load."""
 
 
 class AdminService:
-    def __init__(self, engine: AsyncEngine, registry: Any, resolver: ModelResolver,
-                 metrics: Metrics) -> None:
+    """The admin API's logic over one engine and (optionally) the registry."""
+
+    def __init__(self, engine: AsyncEngine, registry: RegistryService | None,
+                 resolver: ModelResolver) -> None:
         self.engine = engine
         self.registry = registry
         self.resolver = resolver
-        self.metrics = metrics
 
-    @property
-    def manager(self):
+    async def snapshot(self) -> ResidencySnapshot:
         if not self.engine.is_running:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
-        return self.engine.engine.lora_manager
-
-    async def residency(self) -> list[dict]:
-        mgr = self.manager
-        if mgr is None:
-            return []
-        return await self.engine.call(mgr.residency)
+        return await self.engine.lora_snapshot()
 
     def _registry_rows(self) -> list[tuple[str, Any, str]]:
         if self.registry is None:
@@ -54,7 +57,8 @@ class AdminService:
 
     async def adapters(self) -> dict:
         """Every adapter the engine knows or the registry holds, with its residency."""
-        rows = {r["name"]: dict(r) for r in await self.residency()}
+        snap = await self.snapshot()
+        rows = {r["name"]: dict(r) for r in snap.rows}
         for row in rows.values():
             row.update(key=row["name"], source="engine")
         for name, served in self.resolver.static.items():
@@ -66,27 +70,27 @@ class AdminService:
             rows[key].update(tenant=tenant, adapter=handle.name, version=handle.version,
                              source="registry", size_bytes=handle.size_bytes)
         stats = self.engine.stats()
-        mgr = self.manager
         return {
             "object": "list",
             "data": sorted(rows.values(), key=lambda r: (r.get("tier") == "store", r["key"])),
             "engine": {
                 "running": stats.num_running, "waiting": stats.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage, "num_preemptions": stats.num_preemptions,
-                "max_loras": mgr.max_loras if mgr is not None else 0,
-                "evictions": mgr.num_evictions if mgr is not None else 0,
-                "lora_enabled": mgr is not None,
+                "max_loras": snap.max_loras,
+                "evictions": snap.num_evictions,
+                "lora_enabled": snap.lora_enabled,
             },
         }
 
     async def act(self, key: str, action: str) -> dict:
         if action not in ACTIONS:
             raise NotFound(f"unknown action {action!r}; use one of {', '.join(ACTIONS)}")
-        mgr = self.manager
-        if mgr is None:
+        snap = await self.snapshot()
+        if not snap.lora_enabled:
             raise BadRequest("this server was started without LoRA")
+        mgr = self.engine.engine.lora_manager
         handle = None
-        if key not in mgr.adapters:
+        if not snap.knows(key):
             request, handle = await self._lora_request(key)
             if action in ("evict", "unpin"):
                 return {"key": key, "action": action, "done": False, "detail": "not loaded"}
@@ -94,12 +98,29 @@ class AdminService:
         fn = {"evict": mgr.evict, "pin": mgr.pin, "unpin": mgr.unpin, "warm": mgr.warm}[action]
         try:
             result = await self.engine.call(lambda: fn(key))
+            if action in ("pin", "warm"):
+                resident = await self._until_resident(key)
+                result = resident if action == "warm" else result
         except ValueError as e:  # LoRAError, AdapterValidationError
             raise Unprocessable(str(e), param="name") from None
         if action == "evict" and self.registry is not None:
             await self._record_evict(key, handle)
         logger.info("admin %s %s", action, key, extra={"adapter": key, "action": action})
         return {"key": key, "action": action, "done": result is not False}
+
+    async def _until_resident(self, key: str) -> bool:
+        """Ask the engine (one short call each) until the adapter's background load landed
+        and it sits in a device slot; False when no slot came free in time."""
+        mgr = self.engine.engine.lora_manager
+        deadline = time.monotonic() + WARM_TIMEOUT_S
+        while True:
+            if await self.engine.call(lambda: mgr.warm(key)):
+                return True
+            if not await self.engine.call(lambda: key in mgr.loading):
+                return False  # in CPU memory, but every slot is busy or pinned
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
 
     async def _lora_request(self, key: str):
         for served in self.resolver.static.values():

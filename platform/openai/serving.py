@@ -29,23 +29,25 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loramux.engine.async_engine import AsyncEngine, EngineDeadError
+from loramux.adapters.errors import AdapterValidationError
+from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.engine import QueueFullError
 from loramux.engine.llm import render_chat
+from loramux.engine.lora.manager import LoRAError
 from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.platform.errors import (
     APIError,
     BadRequest,
     ServiceUnavailable,
-    TooManyRequests,
     Unprocessable,
     param_of,
+    to_api_error,
 )
 from loramux.platform.metrics import Metrics
-from loramux.platform.models import Caller, ModelResolver, ServedModel
-from loramux.platform.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.sampling import KNOWN_PARAMS, BuiltParams, build_params
+from loramux.platform.openai.params import KNOWN_PARAMS, BuiltParams, build_params
+from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loramux.platform.openai.resolver import Caller, ModelResolver, ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -162,28 +164,21 @@ class _Pump:
 
 
 def engine_error(exc: BaseException, retry_after: int, prompt_param: str) -> APIError:
-    """The HTTP error for an exception raised by the engine while adding or running."""
-    from loramux.adapters.errors import AdapterValidationError
-    from loramux.engine.lora.manager import LoRAError
-
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFullError):
-        return TooManyRequests(
-            f"{exc}; retry after {retry_after} s", headers={"Retry-After": str(retry_after)}
-        )
+    """The HTTP error for an exception raised by the engine while adding or running: the
+    error table, plus the 429's ``Retry-After`` and the parameter a ValueError names."""
     if isinstance(exc, (LoRAError, AdapterValidationError)):
         return Unprocessable(f"the adapter cannot be served: {exc}", param="model")
-    if isinstance(exc, EngineDeadError):
-        return ServiceUnavailable(str(exc), code="engine_dead")
     if isinstance(exc, ValueError):
         msg = str(exc)
         if "maximum context length" in msg:
             param = "max_tokens" if "max_tokens" in msg else prompt_param
             return BadRequest(msg, param=param, code="context_length_exceeded")
         return BadRequest(msg, param=param_of(msg, KNOWN_PARAMS), code="invalid_parameter")
-    logger.error("engine request failed", exc_info=exc)
-    return APIError(f"the engine failed: {type(exc).__name__}: {exc}")
+    err = to_api_error(exc)
+    if isinstance(exc, QueueFullError):
+        err.message = f"{exc}; retry after {retry_after} s"
+        err.headers = {"Retry-After": str(retry_after)}
+    return err
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
-from loramux.platform.admin_page import ADMIN_PAGE
+from loramux.platform.admin.page import ADMIN_PAGE
 from loramux.platform.deps import AdminDep, AdminServiceDep
-from loramux.platform.protocol import ERROR_RESPONSES
+from loramux.platform.openai.protocol import ERROR_RESPONSES
 
 router = APIRouter(prefix="/admin", tags=["admin"], responses=ERROR_RESPONSES)
 

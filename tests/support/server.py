@@ -64,7 +64,7 @@ def write_adapter(model_dir: str | Path, path: str | Path, *, seed: int = 0, r: 
     """A random PEFT LoRA folder for the model in ``model_dir``."""
     import json
 
-    from loramux.adapters.testing import write_random_adapter
+    from support.adapters import write_random_adapter
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return write_random_adapter(config, path, seed=seed, r=r, std=std,

@@ -16,12 +16,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.lora_request import LoRARequest
-from loramux.platform.errors import BadRequest, ModelNotFound, ServiceUnavailable
+from loramux.platform.errors import ModelNotFound, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from loramux.registry.service import AdapterHandle, RegistryService
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ class ModelResolver:
         base_names: list[str],
         *,
         static_modules: dict[str, Path] | None = None,
-        registry: Any = None,
+        registry: RegistryService | None = None,
         lora_enabled: bool = True,
         ttl: float = 5.0,
         drop_engine_key: Callable[[str], None] | None = None,
@@ -171,7 +174,7 @@ class ModelResolver:
             raise ServiceUnavailable(f"adapter {name!r} cannot be fetched: {e}") from None
         return self.served_from_handle(handle, path)
 
-    def served_from_handle(self, handle: Any, path: Path | None) -> ServedModel:
+    def served_from_handle(self, handle: AdapterHandle, path: Path | None) -> ServedModel:
         key = engine_key(handle.tenant_id, handle.name, handle.cache_key)
         with self._lock:
             old = self._keys.get(handle.id)
@@ -219,9 +222,12 @@ class ModelResolver:
             if key[0] == tenant_id and (name is None or key[1] == name):
                 self._cache.pop(key, None)
 
-    def on_registry_event(self, kind: str, handle: Any) -> None:
+    def on_registry_event(self, kind: str, handle: AdapterHandle | None) -> None:
         """Registry listener: forget cached resolutions; drop deleted or replaced weights
-        from the engine (a deleted adapter is evicted)."""
+        from the engine (a deleted adapter is evicted). Events without an adapter
+        (``key_revoked``) are not this cache's business."""
+        if handle is None:
+            return
         self.invalidate(handle.tenant_id, handle.name)
         if kind == "deleted":
             with self._lock:
@@ -238,7 +244,3 @@ class ModelResolver:
                 self.drop_engine_key(old)
                 with self._lock:
                     self._keys.pop(handle.id, None)
-
-    def check_lora_allowed(self, served: ServedModel) -> None:
-        if served.lora is not None and not self.lora_enabled:
-            raise BadRequest("this server was started without LoRA (--enable-lora)", param="model")

@@ -15,7 +15,11 @@ from typing import Any
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.structured_output import StructuredOutputsParams
 from loramux.platform.errors import BadRequest, param_of
-from loramux.platform.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from loramux.platform.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 
 # Fields a request may set that map 1:1 onto SamplingParams.
 DIRECT_FIELDS = (

@@ -1,0 +1,1 @@
+"""loramux.platform.admin"""

@@ -1,1 +1,0 @@
-"""HTTP routes: thin handlers that call the services in ``loramux.platform``."""

@@ -1,0 +1,135 @@
+"""``loramux adapters``: validate, upload, list, delete, set-preset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from loramux.platform.cli.common import (
+    EXIT_OK,
+    actor,
+    model_options,
+    open_registry,
+    registry_options,
+    resolve_base_model,
+    settings_of,
+)
+
+
+def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
+    adapters = sub.add_parser("adapters", help="tenants' LoRA adapters")
+    asub = adapters.add_subparsers(dest="adapters_command", required=True)
+    validate = asub.add_parser(
+        "validate", parents=[model_options()], help="check an adapter folder or archive"
+    )
+    validate.add_argument("path")
+    validate.set_defaults(func=cmd_adapters_validate)
+    upload = asub.add_parser(
+        "upload", parents=[registry_options(), model_options()], help="validate and register"
+    )
+    upload.add_argument("path", help="adapter folder, .tar.gz or .zip")
+    upload.add_argument("--tenant", required=True)
+    upload.add_argument("--name", required=True)
+    upload.add_argument("--replace", action="store_true", help="replace an existing adapter")
+    upload.add_argument("--preset", help="default sampling preset as JSON")
+    upload.set_defaults(func=cmd_adapters_upload)
+    lst = asub.add_parser("list", parents=[registry_options()], help="a tenant's adapters")
+    lst.add_argument("--tenant", required=True)
+    lst.add_argument("--json", action="store_true", help="one JSON object per line")
+    lst.set_defaults(func=cmd_adapters_list)
+    delete = asub.add_parser("delete", parents=[registry_options()], help="remove an adapter")
+    delete.add_argument("name")
+    delete.add_argument("--tenant", required=True)
+    delete.set_defaults(func=cmd_adapters_delete)
+    preset = asub.add_parser(
+        "set-preset", parents=[registry_options()], help="default sampling preset"
+    )
+    preset.add_argument("name")
+    preset.add_argument("preset", help="JSON object, or 'null' to clear")
+    preset.add_argument("--tenant", required=True)
+    preset.set_defaults(func=cmd_adapters_set_preset)
+
+
+def cmd_adapters_validate(args: argparse.Namespace) -> int:
+    from loramux.adapters.format import validate_adapter
+
+    settings = settings_of(args)
+    base = resolve_base_model(settings.model)
+    config = json.loads((base / "config.json").read_text())
+    weights = validate_adapter(
+        args.path,
+        config,
+        max_lora_rank=settings.max_lora_rank,
+        max_bytes=settings.max_adapter_bytes,
+        base_model_name=config.get("_name_or_path") or base.name,
+    )
+    spec = weights.spec
+    for warning in weights.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(
+        f"ok: rank {spec.r}, alpha {spec.lora_alpha:g}, scale {spec.scale:g}, "
+        f"modules {','.join(spec.target_modules)}, {len(weights.layers)} layers, "
+        f"{weights.num_bytes()} bytes (base {base.name})"
+    )
+    return EXIT_OK
+
+
+def _preset_arg(text: str | None) -> Any:
+    """The ``--preset`` JSON, checked by the validator the HTTP API uses."""
+    from loramux.platform.openai.params import validate_preset
+
+    if text is None:
+        return None
+    try:
+        preset = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: the preset is not valid JSON: {e}") from None
+    return validate_preset(preset) if preset is not None else None
+
+
+def cmd_adapters_upload(args: argparse.Namespace) -> int:
+    registry = open_registry(args, with_model=True)
+    handle = registry.upload(
+        args.tenant,
+        args.name,
+        args.path,
+        actor=actor(),
+        replace=args.replace,
+        default_preset=_preset_arg(args.preset),
+    )
+    print(
+        f"uploaded {handle.name!r} v{handle.version} for tenant {args.tenant!r}: rank "
+        f"{handle.rank}, {handle.size_bytes} bytes, sha256 {handle.sha256[:12]}"
+    )
+    return EXIT_OK
+
+
+def cmd_adapters_list(args: argparse.Namespace) -> int:
+    handles = open_registry(args).list(args.tenant)
+    for h in handles:
+        if args.json:
+            print(json.dumps(h.to_dict(), sort_keys=True))
+        else:
+            print(
+                f"{h.name}\tv{h.version}\trank {h.rank}\t{','.join(h.target_modules)}\t"
+                f"{h.size_bytes} B\t{h.status}\t{h.updated_at:%Y-%m-%d %H:%M}"
+            )
+    if not handles and not args.json:
+        print(f"tenant {args.tenant!r} has no adapters", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_adapters_delete(args: argparse.Namespace) -> int:
+    open_registry(args).delete(args.tenant, args.name, actor=actor())
+    print(f"deleted {args.name!r}")
+    return EXIT_OK
+
+
+def cmd_adapters_set_preset(args: argparse.Namespace) -> int:
+    handle = open_registry(args).set_preset(
+        args.tenant, args.name, _preset_arg(args.preset), actor=actor()
+    )
+    print(json.dumps(handle.default_preset))
+    return EXIT_OK

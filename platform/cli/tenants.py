@@ -1,0 +1,57 @@
+"""``loramux tenants``: tenants and their API keys."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loramux.platform.cli.common import EXIT_ERROR, EXIT_OK, open_registry, registry_options
+
+
+def add_tenant_commands(sub: argparse._SubParsersAction) -> None:
+    tenants = sub.add_parser("tenants", help="tenants and API keys")
+    tsub = tenants.add_subparsers(dest="tenants_command", required=True)
+    create = tsub.add_parser("create", parents=[registry_options()], help="create a tenant")
+    create.add_argument("name")
+    create.add_argument("--admin", action="store_true", help="its key may use the admin API")
+    create.set_defaults(func=cmd_tenants_create)
+    lst = tsub.add_parser("list", parents=[registry_options()], help="list tenants")
+    lst.set_defaults(func=cmd_tenants_list)
+    key = tsub.add_parser("add-key", parents=[registry_options()], help="new API key for a tenant")
+    key.add_argument("name")
+    key.add_argument("--admin", action="store_true")
+    key.add_argument("--label")
+    key.set_defaults(func=cmd_tenants_add_key)
+    revoke = tsub.add_parser("revoke-key", parents=[registry_options()], help="revoke an API key")
+    revoke.add_argument("key", help="the key or its 12-character prefix")
+    revoke.set_defaults(func=cmd_tenants_revoke_key)
+
+
+def cmd_tenants_create(args: argparse.Namespace) -> int:
+    registry = open_registry(args)
+    tenant, key = registry.create_tenant(args.name, admin=args.admin)
+    print(f"created tenant {tenant.name!r} (id {tenant.id})", file=sys.stderr)
+    print("API key (shown only once, store it now):", file=sys.stderr)
+    print(key)
+    return EXIT_OK
+
+
+def cmd_tenants_list(args: argparse.Namespace) -> int:
+    for tenant in open_registry(args).list_tenants():
+        print(f"{tenant.id}\t{tenant.name}\t{tenant.created_at:%Y-%m-%d %H:%M}")
+    return EXIT_OK
+
+
+def cmd_tenants_add_key(args: argparse.Namespace) -> int:
+    key = open_registry(args).create_api_key(args.name, admin=args.admin, label=args.label)
+    print("API key (shown only once, store it now):", file=sys.stderr)
+    print(key)
+    return EXIT_OK
+
+
+def cmd_tenants_revoke_key(args: argparse.Namespace) -> int:
+    if not open_registry(args).revoke_api_key(args.key):
+        print("error: no such active key", file=sys.stderr)
+        return EXIT_ERROR
+    print("revoked")
+    return EXIT_OK
