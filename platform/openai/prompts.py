@@ -1,0 +1,75 @@
+"""Prompts of a request as token ids: completions' ``prompt`` (text, ids, or lists of
+either) and chat ``messages`` rendered with the chat template. Long texts are
+tokenized off the event loop."""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+
+from loramux.engine.llm import render_chat
+from loramux.platform.errors import BadRequest
+from loramux.platform.openai.protocol import ChatCompletionRequest
+
+LONG_PROMPT_CHARS = 4096
+"""Texts longer than this are tokenized in a worker thread."""
+
+
+class PromptBuilder:
+    """Token ids for the prompts of one request."""
+
+    def __init__(self, tokenizer, max_prompts: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_prompts = max_prompts
+
+    async def encode(self, text: str) -> list[int]:
+        if len(text) > LONG_PROMPT_CHARS:
+            return await run_in_threadpool(lambda: self.tokenizer(text).input_ids)
+        return self.tokenizer(text).input_ids
+
+    async def completion_prompts(self, prompt) -> list[dict]:
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [list(prompt)]
+        else:
+            items = list(prompt)
+        if not items:
+            raise BadRequest("prompt must not be empty", param="prompt")
+        if len(items) > self.max_prompts:
+            raise BadRequest(
+                f"prompt holds {len(items)} prompts; at most {self.max_prompts} per request",
+                param="prompt",
+            )
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append({"prompt": item, "prompt_token_ids": await self.encode(item)})
+            else:
+                out.append({"prompt_token_ids": list(item)})
+        return out
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> dict:
+        conversation = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise BadRequest(
+                            f"messages[{i}].content: only text parts are supported, got "
+                            f"{str(part.get('type'))[:40]!r}",
+                            param=f"messages.{i}.content",
+                        )
+                    parts.append(part["text"])
+                content = "".join(parts)
+            conversation.append({"role": m.role, "content": content or ""})
+        try:
+            ids = render_chat(
+                self.tokenizer, conversation, bool(req.add_generation_prompt), req.chat_template,
+                req.chat_template_kwargs,
+            )
+        except Exception as e:  # template errors (e.g. roles that must alternate)
+            raise BadRequest(f"messages cannot be rendered with the chat template: {e}",
+                             param="messages") from None
+        return {"prompt_token_ids": ids}

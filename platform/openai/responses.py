@@ -1,0 +1,175 @@
+"""Response bodies and stream chunks of completions and chat completions, built from
+the engine's cumulative :class:`RequestOutput` snapshots."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from loramux.engine.outputs import CompletionOutput, RequestOutput
+from loramux.platform.openai.logprobs import TokenRenderer
+from loramux.platform.openai.params import BuiltParams
+from loramux.platform.openai.resolver import ServedModel
+
+
+class ResponseRenderer(TokenRenderer):
+    """Bodies and chunks for one model (tokenizer) and one ``system_fingerprint``."""
+
+    def __init__(self, tokenizer, fingerprint: str) -> None:
+        super().__init__(tokenizer)
+        self.fingerprint = fingerprint
+
+    def head(self, ctx: RequestContext, stream: bool) -> dict[str, Any]:
+        obj = {
+            ("cmpl", False): "text_completion", ("cmpl", True): "text_completion",
+            ("chatcmpl", False): "chat.completion", ("chatcmpl", True): "chat.completion.chunk",
+        }[(ctx.kind, stream)]
+        return {
+            "id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
+            "system_fingerprint": self.fingerprint,
+        }
+
+    def chunks(self, ctx: RequestContext, state: StreamState, i: int, out: RequestOutput) -> list[dict]:
+        """The ``choices`` entries to send for a new snapshot of prompt ``i``."""
+        state.prompt_tokens[i] = len(out.prompt_token_ids)
+        chunks = []
+        n = ctx.built.params.n
+        for o in out.outputs:
+            index = i * n + o.index if ctx.kind == "cmpl" else o.index
+            sent_text, sent_tok = state.sent.get(index, (0, 0))
+            first_chunk = index not in state.sent
+            delta = o.text[sent_text:]
+            new_tokens = o.token_ids[sent_tok:]
+            state.completion_tokens[index] = len(o.token_ids)
+            finish = o.finish_reason if out.finished or o.finish_reason else None
+            if finish == "abort":
+                finish = None
+            if not delta and not new_tokens and finish is None and not first_chunk:
+                continue
+            state.sent[index] = (len(o.text), len(o.token_ids))
+            if finish is not None:
+                state.sent[index] = (len(o.text), len(o.token_ids))
+            lp = o.logprobs[sent_tok:] if o.logprobs is not None else None
+            new_ids = o.token_ids[sent_tok:]
+            if ctx.kind == "cmpl":
+                text = delta
+                offset = sent_text
+                if first_chunk and ctx.echo:
+                    prompt_text = self.prompt_text(ctx.prompts[i])
+                    text = prompt_text + text
+                    if lp is not None and out.prompt_logprobs is not None:
+                        new_ids = list(out.prompt_token_ids) + new_ids
+                        lp = list(out.prompt_logprobs) + lp
+                    else:
+                        offset += len(prompt_text)
+                choice = {
+                    "index": index, "text": text,
+                    "logprobs": self.completion_logprobs(new_ids, lp, offset) if lp is not None else None,
+                    "finish_reason": finish,
+                    "stop_reason": o.stop_reason if finish is not None else None,
+                }
+            else:
+                d: dict[str, Any] = {}
+                if first_chunk:
+                    d["role"] = "assistant"
+                if delta or first_chunk:
+                    d["content"] = delta
+                choice = {
+                    "index": index, "delta": d,
+                    "logprobs": self.chat_logprobs(new_ids, lp, ctx.built.params.logprobs or 0)
+                    if lp is not None else None,
+                    "finish_reason": finish,
+                    "stop_reason": o.stop_reason if finish is not None else None,
+                }
+            chunks.append(choice)
+        return chunks
+
+    def usage(self, finals: list[RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(f.prompt_token_ids) for f in finals)
+        completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def completion_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> dict:
+        choices = []
+        n = ctx.built.params.n
+        for i, final in enumerate(finals):
+            prefix = self.prompt_text(ctx.prompts[i]) if ctx.echo else ""
+            for o in final.outputs:
+                logprobs = None
+                if o.logprobs is not None:
+                    if ctx.echo and final.prompt_logprobs is not None:
+                        logprobs = self.completion_logprobs(
+                            list(final.prompt_token_ids) + o.token_ids,
+                            list(final.prompt_logprobs) + o.logprobs, 0)
+                    else:
+                        logprobs = self.completion_logprobs(o.token_ids, o.logprobs, len(prefix))
+                choices.append({
+                    "index": i * n + o.index,
+                    "text": prefix + o.text,
+                    "logprobs": logprobs,
+                    **({"prompt_logprobs": self.prompt_logprobs(final)}
+                       if ctx.built.params.prompt_logprobs is not None and not ctx.echo else {}),
+                    "finish_reason": finish_reason(o),
+                    "stop_reason": o.stop_reason,
+                })
+        choices.sort(key=lambda c: c["index"])
+        return {**self.head(ctx, stream=False), "choices": choices, "usage": self.usage(finals)}
+
+    def chat_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> dict:
+        final = finals[0]
+        choices = []
+        for o in sorted(final.outputs, key=lambda o: o.index):
+            choices.append({
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, ctx.built.params.logprobs or 0)
+                if o.logprobs is not None else None,
+                "finish_reason": finish_reason(o),
+                "stop_reason": o.stop_reason,
+            })
+        body = {**self.head(ctx, stream=False), "choices": choices, "usage": self.usage(finals)}
+        if ctx.built.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(final)
+        return body
+
+    def prompt_text(self, prompt: dict) -> str:
+        if prompt.get("prompt") is not None:
+            return prompt["prompt"]
+        return self.tokenizer.decode(prompt["prompt_token_ids"])
+
+
+def finish_reason(o: CompletionOutput) -> str | None:
+    return o.finish_reason if o.finish_reason != "abort" else None
+
+
+@dataclass
+class RequestContext:
+    kind: str  # cmpl | chatcmpl
+    model: str
+    served: ServedModel
+    built: BuiltParams
+    prompts: list[dict]
+    echo: bool
+    prompt_param: str
+    endpoint: str
+    rid: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    recorded: bool = False
+
+    def __post_init__(self) -> None:
+        self.rid = f"{self.kind}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class StreamState:
+    ctx: RequestContext
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+
+    def usage(self) -> dict[str, int]:
+        p = sum(self.prompt_tokens.values())
+        c = sum(self.completion_tokens.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
