@@ -534,7 +534,7 @@ def validate_adapter(
             )
         spec = parse_config(read_config(folder / CONFIG_NAME))
         if spec.r > max_lora_rank:
-            raise _refuse("r", f"rank {spec.r} is above max_lora_rank={max_lora_rank}")
+            raise _refuse("r", f"rank {spec.r} is above max_lora_rank={max_lora_rank} (the serving limit, --max-lora-rank)")
         _check_layers(spec, dims)
         weights_path = _weights_file(folder)
         warnings: list[str] = []

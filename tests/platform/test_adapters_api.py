@@ -187,3 +187,22 @@ async def test_upload_from_s3(env, adapter_dirs, moto_s3, monkeypatch):
                 assert (await c.delete(f"/v1/adapters/{name}", headers=h)).status_code == 200
     finally:
         close_state(app.state.loramux)
+
+
+async def test_patch_description_round_trips(client, env):
+    h = env.headers(env.key_a)
+    r = await client.patch("/v1/adapters/a-only", headers=h, json={"description": "SQL, v1 data"})
+    assert r.status_code == 200, r.text
+    assert r.json()["description"] == "SQL, v1 data"
+    assert (await client.get("/v1/adapters/a-only", headers=h)).json()["description"] == "SQL, v1 data"
+    listed = {a["id"]: a for a in (await client.get("/v1/adapters", headers=h)).json()["data"]}
+    assert listed["a-only"]["description"] == "SQL, v1 data"
+    r = await client.patch("/v1/adapters/a-only", headers=h,
+                           json={"description": "both", "preset": {"temperature": 0.2}})
+    assert r.json()["description"] == "both" and r.json()["default_preset"] == {"temperature": 0.2}
+    r = await client.patch("/v1/adapters/a-only", headers=h, json={"description": "x" * 2001})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "description"
+    r = await client.patch("/v1/adapters/b-only", headers=h, json={"description": "not mine"})
+    assert r.status_code == 404  # another tenant's adapter looks missing
+    r = await client.patch("/v1/adapters/a-only", headers=h, json={"description": None, "preset": None})
+    assert r.json()["description"] is None
