@@ -103,18 +103,12 @@ class AsyncEngine:
 
     async def lora_snapshot(self) -> ResidencySnapshot:
         """The adapters' residency, taken on the engine thread (empty without LoRA)."""
-        mgr = self.engine.lora_manager
-        if mgr is None:
-            return ResidencySnapshot()
-        return await self.call(mgr.snapshot)
+        return await self.call(self.engine.lora_manager.snapshot)
 
     def add_adapter_listener(self, listener: AdapterListener) -> Callable[[], None]:
         """Hear ``(event, key)`` for adapter loads, evictions and drops (on the engine
         thread); returns the remover. Without LoRA nothing is ever heard."""
-        mgr = self.engine.lora_manager
-        if mgr is None:
-            return lambda: None
-        return mgr.add_listener(listener)
+        return self.engine.lora_manager.add_listener(listener)
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
@@ -170,8 +164,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands(block=not engine.has_unfinished_requests())
                 if not engine.has_unfinished_requests():
-                    if engine.lora_manager is not None:
-                        engine.lora_manager.poll()
+                    engine.lora_manager.poll()
                     continue
                 for req in engine.step_requests():
                     target = self._streams.get(req.request_id)

@@ -13,6 +13,8 @@ import torch
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
+from loramux.engine.lora.manager import LoRAManager
+from loramux.engine.lora.null import NoLoRA
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.outputs import Logprob, RequestOutput
@@ -100,15 +102,14 @@ class LLMEngine:
         num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, cc.block_size)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size)
-        self.lora_manager = None
+        self.lora_manager: LoRAManager | NoLoRA = NoLoRA()
         if config.lora is not None:
-            from loramux.engine.lora.manager import LoRAManager
-
             self.lora_manager = LoRAManager(
                 config.lora, self.model, adapter_source, running_keys=self._running_lora_keys
             )
             self.model.lora = self.lora_manager
-        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, self.lora_manager)
+        adapters = self.lora_manager if self.lora_manager.enabled else None
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, adapters)
         self.generator = torch.Generator().manual_seed(mc.seed)
         self.eos_token_ids = self._eos_ids()
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -185,8 +186,6 @@ class LLMEngine:
             )
         lora_key = None
         if lora_request is not None:
-            if self.lora_manager is None:
-                raise ValueError("this engine was started without LoRA (enable_lora=False)")
             self.lora_manager.register(lora_request)
             lora_key = lora_request.key
         sc = self.config.scheduler
@@ -233,22 +232,21 @@ class LLMEngine:
         failed = self._fail_broken_adapters()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            if self.lora_manager is not None:
-                self.lora_manager.poll(wait=0.005)
+            self.lora_manager.poll(wait=0.005)
             return failed
-        batch = self.runner.order(plan, self.lora_manager.slot_of.get if self.lora_manager else None)
+        batch = self.runner.order(
+            plan, self.lora_manager.slot_of.get if self.lora_manager.enabled else None
+        )
         now = time.monotonic()
         for seq in batch.seqs:
             req = self.requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        if self.lora_manager is not None:
-            self.lora_manager.prepare_step(batch.token_lora_keys)
+        self.lora_manager.prepare_step(batch.token_lora_keys)
         try:
             logits, prompt_logits = self.runner.execute(batch)
         finally:
-            if self.lora_manager is not None:
-                self.lora_manager.finish_step()
+            self.lora_manager.finish_step()
         grammars = [s.grammar for s in batch.seqs]
         if any(g is not None for g in grammars):
             logits = self.structured.apply(logits, grammars)
@@ -293,8 +291,6 @@ class LLMEngine:
 
     def _fail_broken_adapters(self) -> list[Request]:
         """Finish the requests whose adapter failed to load, with the load error attached."""
-        if self.lora_manager is None:
-            return []
         broken = self.lora_manager.failed()
         if not broken:
             return []

@@ -64,10 +64,10 @@ def build_state(settings: Settings, engine: AsyncEngine,
     the engine's adapter events and the registry's changes (undone by close_state)."""
     llm = engine.engine
     metrics = Metrics()
-    lora_enabled = llm.lora_manager is not None
+    lora_enabled = llm.lora_manager.enabled
 
     def drop_engine_key(key: str) -> None:
-        if lora_enabled and engine.is_running:
+        if engine.is_running:
             engine.call_sync(lambda: llm.lora_manager.drop(key), timeout=30)
 
     resolver = ModelResolver(

@@ -41,7 +41,6 @@ from loramux.adapters.format import (
 from loramux.engine.config import LoRAConfig
 from loramux.engine.lora import ops
 from loramux.engine.lora.meta import LoRABatchMeta
-from loramux.engine.lora.ops import torch_ops
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.llama import LlamaModel
@@ -84,6 +83,8 @@ class ResidencySnapshot:
 
 class LoRAManager:
     """Places adapters in tiers and adds their deltas during the forward pass."""
+
+    enabled = True
 
     def __init__(
         self,
@@ -329,20 +330,17 @@ class LoRAManager:
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if group not in self._groups:
             return
-        if self.slots.blockdiag:
-            torch_ops.add_lora_blockdiag(
-                y, x, self.slots.a[layer][group], self.slots.b[layer][group], self._meta, None
-            )
-            return
+        blockdiag = self.slots.blockdiag  # A pre-scaled: no per-slot scale
         ops.add_lora(
             y,
             x,
             self.slots.a[layer][group],
             self.slots.b[layer][group],
             self._meta,
-            self.slots.scale,
+            None if blockdiag else self.slots.scale,
             self.slots.slice_offsets[group],
             backend=self.backend,
+            blockdiag=blockdiag,
         )
 
     # --- operator actions (admin API) --------------------------------------------------

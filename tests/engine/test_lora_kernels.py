@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from support.lora_reference import reference_expand, reference_shrink
 
 from loramux.engine.lora import ops
 from loramux.engine.lora.meta import LoRABatchMeta
@@ -152,7 +153,7 @@ def test_torch_fast_matches_reference_and_dense(layout, widths, dtype):
     y0 = torch.randn(len(slots), offs[-1], generator=g).to(dtype)
 
     v_fast = torch_ops.lora_shrink(x, a, meta, scale)
-    v_ref = torch_ops._reference_shrink(x, a, meta, scale)
+    v_ref = reference_shrink(x, a, meta, scale)
     assert v_fast.dtype == torch.float32
     assert v_fast.shape == (len(widths), meta.num_lora_tokens, a.shape[2])
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -160,7 +161,7 @@ def test_torch_fast_matches_reference_and_dense(layout, widths, dtype):
 
     y_fast, y_ref = y0.clone(), y0.clone()
     torch_ops.lora_expand(v_fast, b, meta, y_fast, offs)
-    torch_ops._reference_expand(v_ref, b, meta, y_ref, offs)
+    reference_expand(v_ref, b, meta, y_ref, offs)
     want = y0.double() + dense_delta(x, a, b, slots, ranks, scale, offs)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
     torch.testing.assert_close(y_ref.double(), want, **tol)
@@ -276,13 +277,13 @@ def _tol(dtype):
 def test_triton_matches_torch_reference(name, dtype, deterministic):
     require_triton()
     slots, ranks, a, b, scale, x, y0, meta, offs = _triton_case(name, dtype)
-    v_ref = torch_ops._reference_shrink(x, a, meta, scale)
+    v_ref = reference_shrink(x, a, meta, scale)
     v = ops.lora_shrink(x, a, meta, scale, backend="triton", deterministic=deterministic)
     assert v.dtype == torch.float32 and v.shape == v_ref.shape
     torch.testing.assert_close(v, v_ref, **_tol(dtype))
 
     y_ref, y = y0.clone(), y0.clone()
-    torch_ops._reference_expand(v_ref, b, meta, y_ref, offs)
+    reference_expand(v_ref, b, meta, y_ref, offs)
     ops.lora_expand(v, b, meta, y, offs, backend="triton")
     torch.testing.assert_close(y.float(), y_ref.float(), **_tol(dtype))
     want = y0.double() + dense_delta(x, a, b, slots, ranks, scale, offs)
@@ -374,13 +375,8 @@ def test_triton_kernels_compile_for_hopper_bf16():
 
 
 def test_blockdiag_add_matches_reference():
-    """The torch engine path: one expand GEMM over a block-diagonal B equals the reference."""
-    from loramux.engine.lora.ops.torch_ops import (
-        _reference_expand,
-        _reference_shrink,
-        add_lora_blockdiag,
-    )
-
+    """The torch engine path (``ops.add_lora`` with the block-diagonal layout): one expand
+    GEMM over a block-diagonal B equals the reference."""
     g = torch.Generator().manual_seed(7)
     num_slots, R, K = 4, 8, 40
     widths = [24, 8, 8]
@@ -400,8 +396,8 @@ def test_blockdiag_add_matches_reference():
         x = torch.randn(len(slots), K, generator=g)
         y = torch.randn(len(slots), offs[-1], generator=g)
         expected = y.clone()
-        _reference_expand(_reference_shrink(x, a, meta, scale), b, meta, expected, offs)
-        add_lora_blockdiag(y, x, a, bd, meta, scale)
+        reference_expand(reference_shrink(x, a, meta, scale), b, meta, expected, offs)
+        ops.add_lora(y, x, a, bd, meta, scale, offs, backend="torch", blockdiag=True)
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     assert sum(widths) == offs[-1]
     # Pre-scaled A, LoRA tokens leading the batch in consecutive slots: the in-place path.
@@ -410,6 +406,7 @@ def test_blockdiag_add_matches_reference():
     x = torch.randn(5, K, generator=g)
     y = torch.randn(5, offs[-1], generator=g)
     expected = y.clone()
-    _reference_expand(_reference_shrink(x, a, meta, scale), b, meta, expected, offs)
-    add_lora_blockdiag(y, x, a * scale.view(-1, 1, 1, 1), bd, meta, None)
+    reference_expand(reference_shrink(x, a, meta, scale), b, meta, expected, offs)
+    ops.add_lora(y, x, a * scale.view(-1, 1, 1, 1), bd, meta, None, offs, backend="torch",
+                 blockdiag=True)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)

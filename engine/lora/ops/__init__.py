@@ -103,16 +103,27 @@ def add_lora(
     a_stack: torch.Tensor,
     b_stack: torch.Tensor,
     meta: LoRABatchMeta,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     slice_offsets: Sequence[int],
     *,
     backend: str = "auto",
     deterministic: bool = False,
+    blockdiag: bool = False,
 ) -> None:
-    """``y += expand(shrink(x))`` for every token with an adapter; no-op without LoRA tokens."""
+    """``y += expand(shrink(x))`` for every token with an adapter; no-op without LoRA tokens.
+
+    The one entry point of every LoRA layer, for both backends. ``blockdiag``: ``b_stack``
+    is the torch backend's block-diagonal layout (see ``SlotBuffers``) and ``scale`` None
+    means A is already scaled; the Triton kernels read the stacked layout.
+    """
     if not meta.has_lora:
         return
     name = resolve_backend(backend, x.device)
+    if blockdiag:
+        if name != "torch":
+            raise ValueError("the block-diagonal slot layout is the torch backend's")
+        torch_ops.add_lora_blockdiag(y, x, a_stack, b_stack, meta, scale)
+        return
     if name == "torch":
         torch_ops.add_lora(y, x, a_stack, b_stack, meta, scale, slice_offsets)
         return
