@@ -226,6 +226,7 @@ def open_registry(settings: Settings, base_model: Any = None, *,
     """The registry for these settings. With ``base_model`` (a folder, or a config)
     uploads are validated against it under the serving limits (``max_lora_rank``,
     ``max_adapter_bytes``), so an adapter the registry accepts is one ``serve`` serves."""
+    from loramux.platform.openai.params import registry_preset_check
     from loramux.registry import build_registry
 
     s = settings
@@ -234,5 +235,5 @@ def open_registry(settings: Settings, base_model: Any = None, *,
         s3_prefix=s.s3_prefix, s3_region=s.s3_region, data_dir=s.data_dir,
         base_model=str(base_model) if isinstance(base_model, Path) else base_model,
         max_lora_rank=s.max_lora_rank, max_adapter_bytes=s.max_adapter_bytes,
-        auto_upgrade=auto_upgrade,
+        auto_upgrade=auto_upgrade, preset_check=registry_preset_check,
     )

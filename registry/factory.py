@@ -23,6 +23,7 @@ from typing import Any
 from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_LORA_RANK
 from loramux.registry.cache import AdapterCache
 from loramux.registry.db import Database
+from loramux.registry.presets import PresetCheck
 from loramux.registry.service import RegistryService
 from loramux.registry.store import FileStore, ObjectStore
 
@@ -84,12 +85,14 @@ def build_registry(
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES,
     auto_upgrade: bool | None = None,
     store: ObjectStore | None = None,
+    preset_check: PresetCheck | None = None,
 ) -> RegistryService:
     """The registry for these arguments; ``None`` ones fall back to the embedded layout
     (the service reads flags and environment in ``loramux.platform.settings``).
 
     ``base_model`` is the served model (a folder path, a config dict or a
     ``PretrainedConfig``); uploads are validated against it and export merges into it.
+    ``preset_check`` is the serving side's preset validator (see ``registry.presets``).
     ``auto_upgrade`` (default: only for SQLite) runs the migrations; otherwise the schema
     must already be at head (``loramux db upgrade``) or :class:`SchemaOutOfDate` is raised.
     """
@@ -122,4 +125,5 @@ def build_registry(
         max_lora_rank=max_lora_rank,
         max_adapter_bytes=max_adapter_bytes,
         tmp_dir=data_dir / "tmp",
+        preset_check=preset_check,
     )

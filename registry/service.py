@@ -50,7 +50,7 @@ from loramux.registry.models import (
     utcnow,
 )
 from loramux.registry.names import check_name
-from loramux.registry.presets import check_preset
+from loramux.registry.presets import PresetCheck, check_preset
 from loramux.registry.store import ObjectStore, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class RegistryService:
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES,
         tmp_dir: str | os.PathLike | None = None,
+        preset_check: PresetCheck | None = None,
     ) -> None:
         self.db = db
         self.store = store
@@ -165,6 +166,8 @@ class RegistryService:
         self.base_model_path = Path(base_model_path) if base_model_path else None
         self.max_lora_rank = max_lora_rank
         self.max_adapter_bytes = max_adapter_bytes
+        self.preset_check = preset_check
+        """The serving side's preset validator (None: only the stored shape is checked)."""
         self.tmp_dir = Path(tmp_dir) if tmp_dir else None
         if self.tmp_dir:
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -354,7 +357,7 @@ class RegistryService:
         bumps the version), ObjectStoreError.
         """
         check_name(name)
-        preset = check_preset(default_preset)
+        preset = check_preset(default_preset, self.preset_check)
         self._require_base()
         with self.db.session() as s:
             tenant_id = self._tenant_id(s, tenant)
@@ -510,7 +513,7 @@ class RegistryService:
         actor: str | None = None,
     ) -> AdapterHandle:
         """Store (or with ``None`` clear) the adapter's default sampling preset."""
-        checked = check_preset(preset)
+        checked = check_preset(preset, self.preset_check)
         with self.db.session() as s:
             row = self._row(s, self._tenant_id(s, tenant), name)
             row.default_preset = checked

@@ -21,32 +21,26 @@ from loramux.platform.openai.protocol import (
     SamplingFields,
 )
 
-# Fields a request may set that map 1:1 onto SamplingParams.
-DIRECT_FIELDS = (
-    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs",
-)
-# What an adapter preset may hold.
+# The one sampling schema is the engine's SamplingParams; everything below derives from it.
+_ENGINE_ONLY = frozenset({"detokenize", "structured_outputs", "logprobs"})
+"""SamplingParams fields a request does not set by name (``logprobs`` has a shape of its
+own per endpoint; ``structured_outputs`` comes from several request fields)."""
+ENGINE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
+DIRECT_FIELDS = tuple(n for n in ENGINE_FIELDS if n not in _ENGINE_ONLY)
+"""Request fields that map 1:1 onto SamplingParams."""
 PRESET_FIELDS = (frozenset(DIRECT_FIELDS) | {"logprobs"}) - {"prompt_logprobs"}
-ENGINE_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
-KNOWN_PARAMS = ENGINE_FIELDS | {"max_completion_tokens", "top_logprobs", "messages", "prompt", "model"}
-
-_SHOWN = (
-    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "max_tokens", "min_tokens", "logprobs", "logit_bias", "allowed_token_ids",
-    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs",
-)
+"""What an adapter preset may hold."""
+KNOWN_PARAMS = frozenset(ENGINE_FIELDS) | {
+    "max_completion_tokens", "top_logprobs", "messages", "prompt", "model"}
+_NOT_SHOWN = frozenset({"spaces_between_special_tokens"})  # no effect: reported as a warning
+_SHOWN = tuple(n for n in ENGINE_FIELDS if n not in _NOT_SHOWN and n not in _ENGINE_ONLY - {"logprobs"})
+"""The parameters the ``X-LoRAMux-Params`` header reports."""
+_undeclared = set(DIRECT_FIELDS) - set(SamplingFields.model_fields)
+if _undeclared:  # a new SamplingParams field needs its request type in protocol.py
+    raise ImportError(f"SamplingFields lacks SamplingParams fields {sorted(_undeclared)}")
 _MAX_HEADER = 4000
 MAX_N = 128
 """Most completions (``n``, ``best_of``) one request may ask for."""
-_IGNORED_OK = {"user", "stream", "stream_options", "model", "prompt", "messages", "echo",
-               "add_generation_prompt", "chat_template", "chat_template_kwargs", "logprobs",
-               "top_logprobs", "max_completion_tokens", "suffix", "response_format", "tools",
-               "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "tool_choice"}
 
 
 @dataclass
@@ -94,7 +88,9 @@ def _compact(value: Any) -> str:
 
 
 def validate_preset(preset: Any) -> dict[str, Any]:
-    """Check an adapter's default sampling parameters; raises BadRequest naming the field."""
+    """The one preset validator (HTTP API, CLI, and the registry through
+    :func:`registry_preset_check`): the request schema plus SamplingParams' own checks;
+    raises BadRequest naming the field."""
     if preset is None:
         return {}
     if not isinstance(preset, dict):
@@ -231,6 +227,9 @@ def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool
                 out.append(f"{name} had no effect: temperature is 0 (greedy decoding)")
         if "seed" in given:
             out.append("seed had no effect: temperature is 0 (greedy decoding)")
+    if given.get("spaces_between_special_tokens") is False:
+        out.append("spaces_between_special_tokens had no effect: special tokens are decoded "
+                   "as the tokenizer joins them")
     if given.get("include_stop_str_in_output") and not params.stop_strings:
         out.append("include_stop_str_in_output had no effect: no stop strings are set")
     if req.stream_options is not None and not req.stream:
@@ -243,3 +242,13 @@ def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool
     for name in sorted(req.model_extra or {}):
         out.append(f"{name} had no effect: it is not a recognized parameter")
     return out
+
+
+def registry_preset_check(preset: dict[str, Any]) -> None:
+    """:func:`validate_preset` as the registry's ``preset_check`` (raises InvalidPreset)."""
+    from loramux.registry.errors import InvalidPreset
+
+    try:
+        validate_preset(preset)
+    except BadRequest as e:
+        raise InvalidPreset(e.message) from None

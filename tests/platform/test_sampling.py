@@ -103,3 +103,25 @@ def test_validate_preset():
     assert e.value.param == "preset.top_p"
     with pytest.raises(BadRequest):
         validate_preset(["temperature"])
+
+
+def test_request_and_preset_schema_derive_from_sampling_params():
+    from dataclasses import fields
+
+    from loramux.engine.sampling_params import SamplingParams
+    from loramux.platform.openai import params
+    from loramux.platform.openai.protocol import SamplingFields
+
+    engine = {f.name for f in fields(SamplingParams) if f.init}
+    assert set(params.DIRECT_FIELDS) == engine - {"detokenize", "structured_outputs", "logprobs"}
+    assert set(params.DIRECT_FIELDS) <= set(SamplingFields.model_fields)
+    assert params.PRESET_FIELDS <= engine
+    for name in params.PRESET_FIELDS:  # every preset field is one a request may also set
+        assert name in SamplingFields.model_fields or name == "logprobs"
+
+
+def test_spaces_between_special_tokens_is_reported_as_no_effect():
+    built = build_params(cmpl(spaces_between_special_tokens=False), None, default_max_tokens=16)
+    assert any(w.startswith("spaces_between_special_tokens had no effect") for w in built.warnings)
+    built = build_params(cmpl(spaces_between_special_tokens=True), None, default_max_tokens=16)
+    assert not built.warnings

@@ -138,6 +138,7 @@ def object_store(request, tmp_path):
 @pytest.fixture
 def registry(database_url, object_store, tmp_path):
     """A RegistryService over each database × store, validating against a tiny Llama config."""
+    from loramux.platform.openai.params import registry_preset_check
     from loramux.registry import build_registry
 
     service = build_registry(
@@ -149,6 +150,7 @@ def registry(database_url, object_store, tmp_path):
         max_lora_rank=16,
         max_adapter_bytes=64 * 1024,
         auto_upgrade=True,
+        preset_check=registry_preset_check,
     )
     yield service
     service.db.dispose()

@@ -49,13 +49,15 @@ def make_engine(
 
 
 def make_registry(data_dir: str | Path, model_dir: str | Path, **kwargs: Any):
-    """A registry with SQLite and a file store under ``data_dir``."""
+    """A registry with SQLite and a file store under ``data_dir``, checking presets as
+    the server does."""
+    from loramux.platform.openai.params import registry_preset_check
     from loramux.registry import build_registry
 
     data_dir = Path(data_dir)
     return build_registry(
         database_url=f"sqlite:///{data_dir / 'loramux.db'}", data_dir=data_dir,
-        base_model=str(model_dir), **kwargs,
+        base_model=str(model_dir), preset_check=registry_preset_check, **kwargs,
     )
 
 
