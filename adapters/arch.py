@@ -1,4 +1,7 @@
-"""Base-model architectures an adapter may target, and the shapes LoRA tensors must have."""
+"""The one description of a base model's architecture: which models are supported, the
+projections LoRA may target, and their shapes. The adapter validator checks LoRA
+tensors against it and the engine (``engine.model.weights.ModelDims``) extends it with
+what the forward pass needs."""
 
 from __future__ import annotations
 
@@ -9,7 +12,13 @@ from typing import Any
 
 from loramux.adapters.errors import AdapterValidationError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+"""Hugging Face ``architectures`` entries → ``model_type``."""
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
@@ -40,19 +49,30 @@ class BaseModelDims:
     head_dim: int
     name_or_path: str | None = None
 
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of every LoRA-targetable projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
     def module_shape(self, module: str) -> tuple[int, int]:
         """``(in_features, out_features)`` of one projection."""
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        return {
-            "q_proj": (self.hidden_size, q),
-            "k_proj": (self.hidden_size, kv),
-            "v_proj": (self.hidden_size, kv),
-            "o_proj": (q, self.hidden_size),
-            "gate_proj": (self.hidden_size, self.intermediate_size),
-            "up_proj": (self.hidden_size, self.intermediate_size),
-            "down_proj": (self.intermediate_size, self.hidden_size),
-        }[module]
+        return self.module_shapes()[module]
 
 
 def _positive_int(cfg: Mapping[str, Any], key: str) -> int:

@@ -1,7 +1,7 @@
 """HTTP errors in the OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Services raise :class:`APIError` subclasses; :func:`to_api_error` maps engine,
-adapter and registry exceptions to them by class through one table (:data:`ERROR_TABLE`);
+adapter and registry exceptions to them by class through one table (:func:`error_table`);
 the handlers installed by :func:`install_error_handlers` render them (and FastAPI's
 validation errors) as JSON with the right status, so OpenAI clients raise their
 matching exception class. Anything unexpected is a generic 500: no SQL, file paths or
@@ -10,6 +10,7 @@ bucket names reach a client; the details go to the log.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable
@@ -116,7 +117,11 @@ class ServiceUnavailable(APIError):
     code = "service_unavailable"
 
 
-def _table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseException], APIError]]]:
+@functools.cache
+def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseException], APIError]]]:
+    """The one map from exception classes (engine, adapters, registry) to HTTP errors;
+    the first row whose classes match wins. Store and schema failures name no bucket,
+    path or SQL: the client hears what to do, the log hears what happened."""
     from loramux.adapters.errors import AdapterValidationError
     from loramux.engine.async_engine import EngineDeadError
     from loramux.engine.engine import QueueFullError
@@ -150,7 +155,7 @@ def _table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseExcept
 def to_api_error(exc: BaseException) -> APIError:
     """The HTTP error for an exception, by its class (first match in the table); an
     unexpected one is a generic 500 whose details only go to the log."""
-    for classes, make in _table():
+    for classes, make in error_table():
         if isinstance(exc, classes):
             return make(exc)
     logger.error("unexpected error", exc_info=exc)

@@ -3,60 +3,30 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from loramux.adapters.arch import SUPPORTED_ARCHITECTURES, BaseModelDims, base_dims
 
 
 class ModelLoadError(ValueError):
     """The folder is not a loadable Llama-family model."""
 
 
-@dataclass
-class ModelDims:
-    """Shapes of the base model that the runner, the KV cache and LoRA slots use."""
+@dataclass(frozen=True, kw_only=True)
+class ModelDims(BaseModelDims):
+    """The base model's description (:class:`~loramux.adapters.arch.BaseModelDims`: layers,
+    heads, projection shapes) plus what the runner and the KV cache need."""
 
     vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     sliding_window: int | None
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every LoRA-targetable projection."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, self.q_size),
-            "k_proj": (h, self.kv_size),
-            "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
 
 
 def read_hf_config(path: Path):
@@ -76,18 +46,14 @@ def read_hf_config(path: Path):
 
 
 def dims_from_config(config) -> ModelDims:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """The engine's dimensions: the shared description (``base_dims``) plus the rest."""
     window = getattr(config, "sliding_window", None)
     if not getattr(config, "use_sliding_window", True):
         window = None
+    base = base_dims(config)
     return ModelDims(
+        **{f.name: getattr(base, f.name) for f in fields(BaseModelDims)},
         vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
