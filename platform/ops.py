@@ -8,6 +8,7 @@ import contextlib
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.deps import StateDep
@@ -15,15 +16,27 @@ from loramux.platform.deps import StateDep
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/health")
+class Health(BaseModel):
+    status: str
+    """``ok``, or what is wrong."""
+
+
+class Readiness(BaseModel):
+    status: str
+    """``ready`` or ``not ready``."""
+    checks: dict[str, bool]
+    """Each part asked (engine, registry) and whether it answered."""
+
+
+@router.get("/health", response_model=Health)
 async def health(state: StateDep):
     """200 while the engine loop runs."""
     if not state.engine.is_running:
-        return JSONResponse({"status": "engine stopped"}, status_code=503)
-    return {"status": "ok"}
+        return JSONResponse(Health(status="engine stopped").model_dump(), status_code=503)
+    return Health(status="ok")
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=Readiness)
 async def ready(state: StateDep):
     """200 when requests can be served: the engine runs and the registry answers."""
     checks = {"engine": state.engine.is_running}
@@ -34,8 +47,8 @@ async def ready(state: StateDep):
         except Exception:
             checks["registry"] = False
     ok = all(checks.values())
-    return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks},
-                        status_code=200 if ok else 503)
+    body = Readiness(status="ready" if ok else "not ready", checks=checks)
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 
 @router.get("/metrics")

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
+from loramux.platform.adapter_api.schemas import (
+    Adapter,
+    AdapterDeleted,
+    AdapterExport,
+    AdapterList,
+    AdapterPatch,
+    ExportRequest,
+    S3Upload,
+)
 from loramux.platform.deps import AdaptersDep, TenantDep
 from loramux.platform.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from loramux.platform.openai.protocol import ERROR_RESPONSES
@@ -14,31 +21,6 @@ from loramux.platform.openai.protocol import ERROR_RESPONSES
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=ERROR_RESPONSES)
 
 MAX_JSON_BYTES = 64 * 1024
-
-
-class S3Upload(BaseModel):
-    """Register an adapter the server reads from object storage."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(description="The adapter's name (what requests put in `model`).")
-    source: str = Field(description="`s3://bucket/key` of an archive, or `s3://bucket/prefix/` "
-                        "of a folder with adapter_config.json + adapter_model.safetensors.")
-    preset: dict[str, Any] | None = Field(None, description="Default sampling parameters.")
-    replace: bool = False
-
-
-class AdapterPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    preset: dict[str, Any] | None = Field(None, description="Default sampling parameters; null clears.")
-    description: str | None = Field(None, max_length=2000)
-
-
-class ExportRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    check: bool = Field(False, description="Compare the merged model's logits with base + adapter.")
 
 
 _UPLOAD_BODY = {
@@ -87,7 +69,7 @@ async def _json_body(request: Request, model: type[BaseModel], required: bool = 
         raise BadRequest(f"{param + ': ' if param else ''}{err.get('msg')}", param=param) from None
 
 
-@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY)
+@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=Adapter)
 async def upload_adapter(request: Request, caller: TenantDep, service: AdaptersDep,
                          replace: bool = False):
     """Upload an adapter (multipart), or register one from an ``s3://`` URI (JSON)."""
@@ -102,29 +84,29 @@ async def upload_adapter(request: Request, caller: TenantDep, service: AdaptersD
     )
 
 
-@router.get("")
+@router.get("", response_model=AdapterList)
 async def list_adapters(caller: TenantDep, service: AdaptersDep):
     return await service.list(caller)
 
 
-@router.get("/{name}")
+@router.get("/{name}", response_model=Adapter)
 async def get_adapter(name: str, caller: TenantDep, service: AdaptersDep):
     return await service.get(caller, name)
 
 
-@router.patch("/{name}")
+@router.patch("/{name}", response_model=Adapter)
 async def patch_adapter(name: str, body: AdapterPatch, caller: TenantDep, service: AdaptersDep):
     """Change the default preset (``null`` clears it) or the description."""
     return await service.patch(caller, name, body)
 
 
-@router.delete("/{name}")
+@router.delete("/{name}", response_model=AdapterDeleted)
 async def delete_adapter(name: str, caller: TenantDep, service: AdaptersDep):
     """Delete the adapter; the engine drops it from its slots and memory."""
     return await service.delete(caller, name)
 
 
-@router.post("/{name}/export", openapi_extra={"requestBody": {
+@router.post("/{name}/export", response_model=AdapterExport, openapi_extra={"requestBody": {
     "required": False, "content": {"application/json": {"schema": ExportRequest.model_json_schema()}}}})
 async def export_adapter(name: str, request: Request, caller: TenantDep, service: AdaptersDep):
     """Merge the adapter into the base model (``merge_and_unload``) and write the folder to

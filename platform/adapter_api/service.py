@@ -18,6 +18,14 @@ from typing import TYPE_CHECKING, Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from loramux.platform.adapter_api.schemas import (
+    Adapter,
+    AdapterDeleted,
+    AdapterExport,
+    AdapterList,
+    AdapterPatch,
+    S3Upload,
+)
 from loramux.platform.adapter_api.uploads import (
     Received,
     fetch_s3,
@@ -33,27 +41,6 @@ if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
-
-_PUBLIC = ("name", "version", "base_model", "rank", "alpha", "target_modules", "sha256",
-           "size_bytes", "status", "default_preset", "created_at", "updated_at")
-
-
-def adapter_json(handle: Any) -> dict[str, Any]:
-    """The API's view of an adapter (no storage internals)."""
-    out: dict[str, Any] = {"id": handle.name, "object": "adapter"}
-    for key in (*_PUBLIC, "description"):
-        if not hasattr(handle, key):
-            continue
-        value = getattr(handle, key)
-        if hasattr(value, "isoformat"):
-            value = value.isoformat()
-        elif isinstance(value, tuple):
-            value = list(value)
-        elif isinstance(value, dict):
-            value = dict(value)
-        out[key] = value
-    return out
-
 
 class AdapterService:
     """Tenant adapter operations over the registry."""
@@ -87,7 +74,7 @@ class AdapterService:
         return f"tenant:{caller.tenant.name}" if caller.tenant is not None else "admin"
 
     # --- upload -------------------------------------------------------------------------
-    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> dict:
+    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> Adapter:
         received = await receive_multipart(request, self.scratch, self.max_upload_bytes)
         try:
             name = received.fields.get("name") or ""
@@ -99,7 +86,7 @@ class AdapterService:
         finally:
             await run_in_threadpool(received.cleanup)
 
-    async def upload_s3(self, caller: Caller, body: Any, replace_q: bool) -> dict:
+    async def upload_s3(self, caller: Caller, body: S3Upload, replace_q: bool) -> Adapter:
         received: Received = await run_in_threadpool(
             fetch_s3, body.source, self.scratch, self.max_upload_bytes,
             endpoint_url=self.s3_endpoint_url,
@@ -110,7 +97,8 @@ class AdapterService:
         finally:
             await run_in_threadpool(received.cleanup)
 
-    async def _upload(self, caller: Caller, name: str, received: Received, preset, replace: bool) -> dict:
+    async def _upload(self, caller: Caller, name: str, received: Received, preset,
+                      replace: bool) -> Adapter:
         if preset is not None:
             validate_preset(preset)
         handle = await self._call(
@@ -119,17 +107,17 @@ class AdapterService:
         )
         logger.info("adapter uploaded", extra={"adapter": name, "tenant": caller.tenant.name,
                                                "version": handle.version, "bytes": received.size})
-        return adapter_json(handle)
+        return Adapter.of(handle)
 
     # --- read / change ------------------------------------------------------------------
-    async def list(self, caller: Caller) -> dict:
+    async def list(self, caller: Caller) -> AdapterList:
         handles = await self._call(self.registry.list, caller.tenant.id)
-        return {"object": "list", "data": [adapter_json(h) for h in handles]}
+        return AdapterList(data=[Adapter.of(h) for h in handles])
 
-    async def get(self, caller: Caller, name: str) -> dict:
-        return adapter_json(await self._call(self.registry.get, caller.tenant.id, name))
+    async def get(self, caller: Caller, name: str) -> Adapter:
+        return Adapter.of(await self._call(self.registry.get, caller.tenant.id, name))
 
-    async def patch(self, caller: Caller, name: str, body: Any) -> dict:
+    async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> Adapter:
         fields = body.model_fields_set
         handle = None
         if "preset" in fields:
@@ -146,16 +134,16 @@ class AdapterService:
             )
         if handle is None:
             handle = await self._call(self.registry.get, caller.tenant.id, name)
-        return adapter_json(handle)
+        return Adapter.of(handle)
 
-    async def delete(self, caller: Caller, name: str) -> dict:
+    async def delete(self, caller: Caller, name: str) -> AdapterDeleted:
         handle = await self._call(
             self.registry.delete, caller.tenant.id, name, actor=self._actor(caller)
         )
-        return {"id": handle.name, "object": "adapter", "deleted": True}
+        return AdapterDeleted(id=handle.name)
 
     # --- export -------------------------------------------------------------------------
-    async def export(self, caller: Caller, name: str, check: bool) -> dict:
+    async def export(self, caller: Caller, name: str, check: bool) -> AdapterExport:
         handle = await self._call(self.registry.get, caller.tenant.id, name)
         async with self._export_lock:
             self.scratch.mkdir(parents=True, exist_ok=True)
@@ -173,14 +161,10 @@ class AdapterService:
                 files = await self._call(_put_folder, self.registry.store, out, prefix)
             finally:
                 await run_in_threadpool(shutil.rmtree, tmp, True)
-        return {
-            "object": "adapter.export",
-            "id": handle.name,
-            "version": handle.version,
-            "base_model": handle.base_model,
-            "location": store_uri(self.registry.store, prefix),
-            "files": files,
-        }
+        return AdapterExport(
+            id=handle.name, version=handle.version, base_model=handle.base_model,
+            location=store_uri(self.registry.store, prefix), files=files,
+        )
 
 
 def _put_folder(store: Any, folder: Path, prefix: str) -> list[str]:

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
 from loramux.platform.admin.page import ADMIN_PAGE
+from loramux.platform.admin.schemas import ActionResult, Residency
 from loramux.platform.deps import AdminDep, AdminServiceDep
 from loramux.platform.openai.protocol import ERROR_RESPONSES
 
@@ -18,30 +19,30 @@ async def dashboard():
     return HTMLResponse(ADMIN_PAGE, headers={"Cache-Control": "no-store"})
 
 
-@router.get("/adapters")
+@router.get("/adapters", response_model=Residency)
 async def residency(_: AdminDep, service: AdminServiceDep):
     """Every adapter: tier (gpu | device | cpu | disk | store), slot, pinned, in use, load time."""
     return await service.adapters()
 
 
-@router.post("/adapters/{key:path}/evict")
+@router.post("/adapters/{key:path}/evict", response_model=ActionResult)
 async def evict(key: str, _: AdminDep, service: AdminServiceDep):
     """Free the adapter's device slot (now, or once no running request uses it)."""
     return await service.act(key, "evict")
 
 
-@router.post("/adapters/{key:path}/pin")
+@router.post("/adapters/{key:path}/pin", response_model=ActionResult)
 async def pin(key: str, _: AdminDep, service: AdminServiceDep):
     """Keep the adapter resident; loads it if needed."""
     return await service.act(key, "pin")
 
 
-@router.post("/adapters/{key:path}/unpin")
+@router.post("/adapters/{key:path}/unpin", response_model=ActionResult)
 async def unpin(key: str, _: AdminDep, service: AdminServiceDep):
     return await service.act(key, "unpin")
 
 
-@router.post("/adapters/{key:path}/warm")
+@router.post("/adapters/{key:path}/warm", response_model=ActionResult)
 async def warm(key: str, _: AdminDep, service: AdminServiceDep):
     """Load the adapter into CPU memory and, when a slot is free or evictable, a device slot."""
     return await service.act(key, "warm")

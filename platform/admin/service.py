@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.async_engine import AsyncEngine
+from loramux.platform.admin.schemas import ActionResult, EngineSummary, Residency, ResidencyRow
 from loramux.platform.errors import BadRequest, NotFound, ServiceUnavailable, Unprocessable
 from loramux.platform.openai.resolver import ModelResolver, engine_key
 
@@ -55,34 +56,30 @@ class AdminService:
             for h in self.registry.list_all()
         ]
 
-    async def adapters(self) -> dict:
+    async def adapters(self) -> Residency:
         """Every adapter the engine knows or the registry holds, with its residency."""
         snap = await self.snapshot()
-        rows = {r["name"]: dict(r) for r in snap.rows}
-        for row in rows.values():
-            row.update(key=row["name"], source="engine")
+        rows = {r["name"]: ResidencyRow(key=r["name"], **r) for r in snap.rows}
         for name, served in self.resolver.static.items():
             key = served.lora.lora_name
-            rows.setdefault(key, _store_row(key))
-            rows[key].update(tenant=None, adapter=name, source="static")
+            row = rows.setdefault(key, ResidencyRow(key=key, name=key, tier="store"))
+            row.tenant, row.adapter, row.source = None, name, "static"
         for key, handle, tenant in await run_in_threadpool(self._registry_rows):
-            rows.setdefault(key, _store_row(key))
-            rows[key].update(tenant=tenant, adapter=handle.name, version=handle.version,
-                             source="registry", size_bytes=handle.size_bytes)
+            row = rows.setdefault(key, ResidencyRow(key=key, name=key, tier="store"))
+            row.tenant, row.adapter, row.source = tenant, handle.name, "registry"
+            row.version, row.size_bytes = handle.version, handle.size_bytes
         stats = self.engine.stats()
-        return {
-            "object": "list",
-            "data": sorted(rows.values(), key=lambda r: (r.get("tier") == "store", r["key"])),
-            "engine": {
-                "running": stats.num_running, "waiting": stats.num_waiting,
-                "kv_cache_usage": stats.kv_cache_usage, "num_preemptions": stats.num_preemptions,
-                "max_loras": snap.max_loras,
-                "evictions": snap.num_evictions,
-                "lora_enabled": snap.lora_enabled,
-            },
-        }
+        return Residency(
+            data=sorted(rows.values(), key=lambda r: (r.tier == "store", r.key)),
+            engine=EngineSummary(
+                running=stats.num_running, waiting=stats.num_waiting,
+                kv_cache_usage=stats.kv_cache_usage, num_preemptions=stats.num_preemptions,
+                max_loras=snap.max_loras, evictions=snap.num_evictions,
+                lora_enabled=snap.lora_enabled,
+            ),
+        )
 
-    async def act(self, key: str, action: str) -> dict:
+    async def act(self, key: str, action: str) -> ActionResult:
         if action not in ACTIONS:
             raise NotFound(f"unknown action {action!r}; use one of {', '.join(ACTIONS)}")
         snap = await self.snapshot()
@@ -93,7 +90,7 @@ class AdminService:
         if not snap.knows(key):
             request, handle = await self._lora_request(key)
             if action in ("evict", "unpin"):
-                return {"key": key, "action": action, "done": False, "detail": "not loaded"}
+                return ActionResult(key=key, action=action, done=False, detail="not loaded")
             await self.engine.call(lambda: mgr.register(request))
         fn = {"evict": mgr.evict, "pin": mgr.pin, "unpin": mgr.unpin, "warm": mgr.warm}[action]
         try:
@@ -106,7 +103,7 @@ class AdminService:
         if action == "evict" and self.registry is not None:
             await self._record_evict(key, handle)
         logger.info("admin %s %s", action, key, extra={"adapter": key, "action": action})
-        return {"key": key, "action": action, "done": result is not False}
+        return ActionResult(key=key, action=action, done=result is not False)
 
     async def _until_resident(self, key: str) -> bool:
         """Ask the engine (one short call each) until the adapter's background load landed
@@ -146,8 +143,3 @@ class AdminService:
                 )
         except Exception:
             logger.exception("could not record the eviction of %s", key)
-
-
-def _store_row(key: str) -> dict:
-    return {"name": key, "key": key, "tier": "store", "slot": None, "pinned": False,
-            "rank": None, "in_use": False, "loading": False, "load_seconds": None, "error": None}
