@@ -1,4 +1,4 @@
-"""OpenAI request bodies, with vLLM's extension fields, as pydantic models.
+"""OpenAI request and response bodies, with vLLM's extension fields, as pydantic models.
 
 Every sampling field defaults to ``None`` so the service knows which ones the
 caller set (an adapter's preset fills the others). Unknown fields are kept
@@ -110,6 +110,66 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    """tokens, token_logprobs, top_logprobs, text_offset."""
+    prompt_logprobs: list[Any] | None = Field(None, exclude_if=_unset)
+    """vLLM: per prompt token, token id -> logprob, rank, decoded_token (when asked)."""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streaming ``POST /v1/completions``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = None
+    """content (token, logprob, bytes, top_logprobs per token), refusal."""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streaming ``POST /v1/chat/completions``."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: list[Any] | None = Field(None, exclude_if=_unset)
 
 
 class ErrorDetail(BaseModel):

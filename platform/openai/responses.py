@@ -11,6 +11,14 @@ from typing import Any
 from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.platform.openai.logprobs import TokenRenderer
 from loramux.platform.openai.params import BuiltParams
+from loramux.platform.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
 from loramux.platform.openai.resolver import ServedModel
 
 
@@ -86,12 +94,13 @@ class ResponseRenderer(TokenRenderer):
             chunks.append(choice)
         return chunks
 
-    def usage(self, finals: list[RequestOutput]) -> dict[str, int]:
+    def usage(self, finals: list[RequestOutput]) -> Usage:
         prompt = sum(len(f.prompt_token_ids) for f in finals)
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
 
-    def completion_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> dict:
+    def completion_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         n = ctx.built.params.n
         for i, final in enumerate(finals):
@@ -105,34 +114,36 @@ class ResponseRenderer(TokenRenderer):
                             list(final.prompt_logprobs) + o.logprobs, 0)
                     else:
                         logprobs = self.completion_logprobs(o.token_ids, o.logprobs, len(prefix))
-                choices.append({
-                    "index": i * n + o.index,
-                    "text": prefix + o.text,
-                    "logprobs": logprobs,
-                    **({"prompt_logprobs": self.prompt_logprobs(final)}
-                       if ctx.built.params.prompt_logprobs is not None and not ctx.echo else {}),
-                    "finish_reason": finish_reason(o),
-                    "stop_reason": o.stop_reason,
-                })
-        choices.sort(key=lambda c: c["index"])
-        return {**self.head(ctx, stream=False), "choices": choices, "usage": self.usage(finals)}
+                with_prompt = ctx.built.params.prompt_logprobs is not None and not ctx.echo
+                choices.append(CompletionChoice(
+                    index=i * n + o.index,
+                    text=prefix + o.text,
+                    logprobs=logprobs,
+                    prompt_logprobs=self.prompt_logprobs(final) if with_prompt else None,
+                    finish_reason=finish_reason(o),
+                    stop_reason=o.stop_reason,
+                ))
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(**self.head(ctx, stream=False), choices=choices,
+                                  usage=self.usage(finals))
 
-    def chat_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> dict:
+    def chat_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> ChatCompletionResponse:
         final = finals[0]
         choices = []
         for o in sorted(final.outputs, key=lambda o: o.index):
-            choices.append({
-                "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, ctx.built.params.logprobs or 0)
+            choices.append(ChatChoice(
+                index=o.index,
+                message=AssistantMessage(content=o.text),
+                logprobs=self.chat_logprobs(o.token_ids, o.logprobs, ctx.built.params.logprobs or 0)
                 if o.logprobs is not None else None,
-                "finish_reason": finish_reason(o),
-                "stop_reason": o.stop_reason,
-            })
-        body = {**self.head(ctx, stream=False), "choices": choices, "usage": self.usage(finals)}
-        if ctx.built.params.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.prompt_logprobs(final)
-        return body
+                finish_reason=finish_reason(o),
+                stop_reason=o.stop_reason,
+            ))
+        with_prompt = ctx.built.params.prompt_logprobs is not None
+        return ChatCompletionResponse(
+            **self.head(ctx, stream=False), choices=choices, usage=self.usage(finals),
+            prompt_logprobs=self.prompt_logprobs(final) if with_prompt else None,
+        )
 
     def prompt_text(self, prompt: dict) -> str:
         if prompt.get("prompt") is not None:

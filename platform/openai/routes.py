@@ -9,31 +9,35 @@ from loramux.platform.errors import ModelNotFound
 from loramux.platform.openai.protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ModelCard,
     ModelList,
 )
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=ERROR_RESPONSES)
 
-_STREAM_DOC = {
-    "200": {
-        "description": "A JSON body, or with `stream: true` server-sent events ending in "
-        "`data: [DONE]`. Headers: `X-LoRAMux-Params` (parameters in effect), "
-        "`X-LoRAMux-Preset` (fields taken from the adapter's preset), `X-LoRAMux-Warnings`.",
-        "content": {"application/json": {}, "text/event-stream": {}},
+def _stream_doc(body: type) -> dict:
+    return {
+        200: {
+            "model": body,
+            "description": "A JSON body, or with `stream: true` server-sent events ending in "
+            "`data: [DONE]`. Headers: `X-LoRAMux-Params` (parameters in effect), "
+            "`X-LoRAMux-Preset` (fields taken from the adapter's preset), `X-LoRAMux-Warnings`.",
+            "content": {"text/event-stream": {}},
+        }
     }
-}
 
 
-@router.post("/completions", responses=_STREAM_DOC)
+@router.post("/completions", responses=_stream_doc(CompletionResponse))
 async def create_completion(body: CompletionRequest, caller: CallerDep, service: OpenAIDep,
                             request: Request):
     """Text completion of the base model or an adapter (``model``)."""
     return await service.completions(body, caller, request)
 
 
-@router.post("/chat/completions", responses=_STREAM_DOC)
+@router.post("/chat/completions", responses=_stream_doc(ChatCompletionResponse))
 async def create_chat_completion(body: ChatCompletionRequest, caller: CallerDep,
                                  service: OpenAIDep, request: Request):
     """Chat completion: ``messages`` rendered with the model's chat template."""

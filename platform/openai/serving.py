@@ -150,7 +150,7 @@ class OpenAIServing:
             raise engine_error(exc, self.retry_after, ctx.prompt_param) from None
         self._record(ctx, pump, "ok")
         body = self.render.completion_body(ctx, finals) if ctx.kind == "cmpl" else self.render.chat_body(ctx, finals)
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(body.model_dump(), headers=headers)
 
     async def _prime(self, pump: Pump, ctx: RequestContext) -> list[tuple[int, RequestOutput | None]]:
         """Wait until every prompt's request was added and produced its first output, so
@@ -225,7 +225,8 @@ class OpenAIServing:
                 if parts:
                     yield "".join(parts)
             if include_usage:
-                yield sse({**self.render.head(ctx, stream=True), "choices": [], "usage": state.usage()})
+                yield sse({**self.render.head(ctx, stream=True), "choices": [],
+                           "usage": state.usage()})
             yield sse("[DONE]")
         except asyncio.CancelledError:
             status = "cancelled"
