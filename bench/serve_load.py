@@ -65,7 +65,7 @@ def percentile(values: list[float], q: float) -> float:
 # --- setup ---------------------------------------------------------------------------------
 def prepare(args, work: Path) -> dict:
     """Model folder, adapter folders and prompts shared by both runs."""
-    from support.server import write_adapter
+    from support.adapters import write_random_adapter
     from transformers import AutoTokenizer
 
     from loramux.engine.default_model import default_model_path
@@ -77,7 +77,7 @@ def prepare(args, work: Path) -> dict:
     else:
         model = Path(args.model) if args.model else default_model_path()
     names = adapter_names(args.adapters)
-    adapters = {n: str(write_adapter(model, work / n, seed=10 + i, std=0.02, r=args.rank))
+    adapters = {n: str(write_random_adapter(model, work / n, seed=10 + i, std=0.02, r=args.rank))
                 for i, n in enumerate(names)}
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok.decode(p) for p in make_prompts(tok, args.requests, args.prompt_len)]

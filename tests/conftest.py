@@ -23,17 +23,6 @@ from pathlib import Path
 import pytest
 from support.tiny_models import make_tiny_llama
 
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def require_service(available: bool, what: str) -> None:
-    """Skip when a service is absent, except under CI=true where absence is a failure."""
-    if available:
-        return
-    if IN_CI:
-        pytest.fail(f"{what} is required under CI=true but is not reachable")
-    pytest.skip(f"{what} is not reachable")
-
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:

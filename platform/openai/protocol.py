@@ -133,14 +133,20 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    """The body of a non-streaming ``POST /v1/completions``."""
+class _ResponseHead(BaseModel):
+    """What every completion body and stream chunk starts with."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
     system_fingerprint: str
+
+
+class CompletionResponse(_ResponseHead):
+    """The body of a non-streaming ``POST /v1/completions``."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -159,14 +165,10 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_ResponseHead):
     """The body of a non-streaming ``POST /v1/chat/completions``."""
 
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[Any] | None = Field(None, exclude_if=_unset)

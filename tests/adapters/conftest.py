@@ -9,6 +9,8 @@ import pytest
 from support.lora_fixtures import make_peft_adapter as _make_peft_adapter
 from support.tiny_models import make_tiny_llama
 
+from loramux.adapters.arch import SUPPORTED_MODULES
+
 
 def make_peft_adapter(base_dir: Path, out: Path, *, seed: int = 0, **lora_kwargs) -> Path:
     """A PEFT LoRA (PEFT's own random, non-zero init) for the model in ``base_dir``."""
@@ -46,15 +48,7 @@ def peft_adapter(tiny_model_dir, tmp_path_factory) -> Path:
     return make_peft_adapter(
         tiny_model_dir,
         tmp_path_factory.mktemp("peft-adapter"),
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=list(SUPPORTED_MODULES),
     )
 
 

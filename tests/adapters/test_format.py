@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.adapters import random_lora
 
-from loramux.adapters.arch import base_dims
+from loramux.adapters.arch import SUPPORTED_MODULES, base_dims
 from loramux.adapters.format import (
     AdapterValidationError,
     LoraSpec,
@@ -96,15 +96,7 @@ def test_qwen2_and_mistral(family_model_dir, make_adapter, tmp_path):
     assert w.layers[0]["q_proj"][1].shape == (6 * 16, 4)
     assert w.layers[0]["o_proj"][0].shape == (4, 6 * 16)
     assert w.layers[1]["k_proj"][1].shape == (2 * 16, 4)
-    assert set(w.layers[1]) == {
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    }
+    assert set(w.layers[1]) == set(SUPPORTED_MODULES)
 
 
 def test_save_adapter_roundtrip(tiny_config, tmp_path):

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 from support.lora_reference import reference_expand, reference_shrink
+from support.services import IN_CI
 
 from loramux.engine.lora import ops
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.ops import torch_ops, triton_ops
 
-IN_CI = os.environ.get("CI", "").lower() == "true"
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -7,7 +7,8 @@ import json
 import httpx
 import openai
 import pytest
-from support.server import make_engine, make_registry, serve_in_thread, write_adapter
+from support.adapters import write_random_adapter
+from support.server import make_engine, make_registry, serve_in_thread
 
 from loramux.platform.app import create_app
 from loramux.platform.settings import Settings
@@ -22,9 +23,9 @@ def server(tiny_model_dir, tmp_path_factory):
     engine = make_engine(tiny_model_dir, max_model_len=256, max_num_seqs=16, max_loras=2)
     registry = make_registry(root / "registry", tiny_model_dir)
     tenant, key = registry.create_tenant("acme")
-    registry.upload(tenant.id, "sql-lora", write_adapter(tiny_model_dir, root / "sql", seed=1, std=0.3),
+    registry.upload(tenant.id, "sql-lora", write_random_adapter(tiny_model_dir, root / "sql", seed=1, std=0.3),
                     default_preset={"temperature": 0.0, "stop": [";"]})
-    too_big = write_adapter(tiny_model_dir, root / "rank32", seed=2, r=32)
+    too_big = write_random_adapter(tiny_model_dir, root / "rank32", seed=2, r=32)
     settings = Settings(served_model_name=[BASE], max_request_bytes=64 * 1024,
                         lora_modules=[f"rank32={too_big}"], max_lora_rank=16)
     app = create_app(settings, engine=engine, registry=registry)

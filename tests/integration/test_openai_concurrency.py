@@ -7,7 +7,8 @@ import asyncio
 
 import httpx
 import pytest
-from support.server import make_engine, make_registry, serve_in_thread, write_adapter
+from support.adapters import write_random_adapter
+from support.server import make_engine, make_registry, serve_in_thread
 
 from loramux.platform.app import create_app
 from loramux.platform.settings import Settings
@@ -28,7 +29,7 @@ def server(tiny_model_dir, tmp_path_factory):
     tenant, key = registry.create_tenant("load")
     for i, name in enumerate(ADAPTERS):
         registry.upload(tenant.id, name,
-                        write_adapter(tiny_model_dir, root / name, seed=100 + i, std=0.3))
+                        write_random_adapter(tiny_model_dir, root / name, seed=100 + i, std=0.3))
     app = create_app(Settings(served_model_name=[BASE]), engine=engine, registry=registry)
     with serve_in_thread(app) as url:
         yield url, key, engine

@@ -12,7 +12,8 @@ import shutil
 import subprocess
 
 import pytest
-from support.server import serve_in_thread, write_adapter
+from support.adapters import write_random_adapter
+from support.server import serve_in_thread
 
 from loramux.platform.app import create_app
 from loramux.platform.cli.serve import default_demo_adapter
@@ -26,7 +27,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("seeds")
-    sql = default_demo_adapter() or write_adapter(default_model_dir, root / "sql", seed=5, std=0.02)
+    sql = default_demo_adapter() or write_random_adapter(default_model_dir, root / "sql", seed=5, std=0.02)
     settings = Settings(
         dtype="bfloat16", max_model_len=336, max_num_seqs=8, kv_cache_memory=64 * 1024 * 1024,
         allow_anonymous=True, data_dir=root / "data", demo=False, max_lora_rank=64,

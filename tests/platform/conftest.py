@@ -8,8 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.adapters import write_random_adapter
 from support.platform_settings import settings
-from support.server import make_engine, make_registry, write_adapter
+from support.server import make_engine, make_registry
 
 from loramux.platform.app import create_app
 
@@ -42,7 +43,7 @@ def engine(tiny_model_dir):
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model_dir, tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("adapters")
-    return [write_adapter(tiny_model_dir, root / f"a{i}", seed=i, std=0.3) for i in range(3)]
+    return [write_random_adapter(tiny_model_dir, root / f"a{i}", seed=i, std=0.3) for i in range(3)]
 
 
 @pytest.fixture(scope="module")

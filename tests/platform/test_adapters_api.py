@@ -10,8 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.adapters import write_random_adapter
 from support.platform_settings import ADMIN_KEY, settings
-from support.server import free_port, write_adapter
+from support.server import free_port
 
 from loramux.platform.app import create_app
 from loramux.platform.state import close_state
@@ -102,7 +103,7 @@ async def test_bad_uploads(client, env, adapter_dirs, tiny_model_dir, tmp_path):
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
     r = await client.post("/v1/adapters", headers=h, data={"name": "bad name!"}, files=_files(adapter_dirs[0]))
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
-    big_rank = write_adapter(tiny_model_dir, tmp_path / "r64", r=64)
+    big_rank = write_random_adapter(tiny_model_dir, tmp_path / "r64", r=64)
     r = await client.post("/v1/adapters", headers=h, data={"name": "r64"}, files=_files(big_rank))
     assert r.status_code == 422 and r.json()["error"]["param"] == "r"
     r = await client.post("/v1/adapters", headers=h, data={"name": "pkl"},

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.server import write_adapter
+from support.adapters import write_random_adapter
 
 from loramux.platform.cli import build_parser, main
 from loramux.platform.settings import Settings
@@ -39,7 +39,7 @@ async def test_preset_refused_over_http_is_refused_by_cli_with_same_message(
 
 def test_cli_upload_above_serving_rank_is_refused_naming_both(tiny_model_dir, tmp_path, capsys,
                                                               no_env, monkeypatch):
-    big = write_adapter(tiny_model_dir, tmp_path / "r32", r=32)
+    big = write_random_adapter(tiny_model_dir, tmp_path / "r32", r=32)
     data = ["--data-dir", str(tmp_path / "data"), "--base-model", str(tiny_model_dir)]
     assert main(["tenants", "create", "acme", "--data-dir", str(tmp_path / "data")]) == 0
     capsys.readouterr()
@@ -49,7 +49,7 @@ def test_cli_upload_above_serving_rank_is_refused_naming_both(tiny_model_dir, tm
     assert rc == 1 and "rank 32" in err and "max_lora_rank=16" in err, err
     # the same limit from the environment, as `serve` would read it
     monkeypatch.setenv("LORAMUX_MAX_LORA_RANK", "8")
-    small = write_adapter(tiny_model_dir, tmp_path / "r12", r=12)
+    small = write_random_adapter(tiny_model_dir, tmp_path / "r12", r=12)
     rc = main(["adapters", "upload", str(small), "--tenant", "acme", "--name", "small", *data])
     err = capsys.readouterr().err
     assert rc == 1 and "rank 12" in err and "max_lora_rank=8" in err, err

@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hsettings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from support.adapters import write_random_adapter
 from support.platform_settings import ADMIN_KEY, BASE, settings
-from support.server import make_engine, make_registry, write_adapter
+from support.server import make_engine, make_registry
 
 from loramux.platform.app import create_app
 from loramux.platform.state import close_state
@@ -25,7 +26,7 @@ def fuzz_env(tiny_model_dir, tmp_path_factory):
                          max_waiting=32)
     registry = make_registry(root / "registry", tiny_model_dir, max_lora_rank=16)
     tenant, key = registry.create_tenant("fuzz")
-    registry.upload(tenant.id, "sql-lora", write_adapter(tiny_model_dir, root / "a", seed=3),
+    registry.upload(tenant.id, "sql-lora", write_random_adapter(tiny_model_dir, root / "a", seed=3),
                     default_preset={"temperature": 0.0, "stop": [";"]})
     app = create_app(settings(max_upload_bytes=256 * 1024), engine=engine, registry=registry)
     yield app, key

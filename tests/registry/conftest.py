@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.services import require_service
 
-IN_CI = os.environ.get("CI", "").lower() == "true"
 PG_URL = os.environ.get(
     "LORAMUX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -30,15 +30,6 @@ TINY_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-
-
-def require_service(available: bool, what: str) -> None:
-    """Skip when a service is absent, except under CI=true where absence is a failure."""
-    if available:
-        return
-    if IN_CI:
-        pytest.fail(f"{what} is required under CI=true but is not reachable")
-    pytest.skip(f"{what} is not reachable")
 
 
 def _postgres_reachable() -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,10 @@ def random_lora(
     return LoraWeights(spec, out)
 
 
-def write_random_adapter(base_config: Any, path: str | os.PathLike, **kwargs: Any) -> Path:
-    """Write :func:`random_lora` as a PEFT adapter folder at ``path``."""
-    return save_adapter(random_lora(base_config, **kwargs), path)
+def write_random_adapter(base: Any, path: str | os.PathLike, **kwargs: Any) -> Path:
+    """Write :func:`random_lora` as a PEFT adapter folder at ``path``; ``base`` is a base
+    model folder or its config (a dict or a ``PretrainedConfig``). The one adapter maker
+    of the tests and benchmarks (PEFT-trained references: ``lora_fixtures``)."""
+    if isinstance(base, str | os.PathLike):
+        base = json.loads((Path(base) / "config.json").read_text())
+    return save_adapter(random_lora(base, **kwargs), path)

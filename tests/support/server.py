@@ -1,5 +1,6 @@
-"""Helpers for tests and benchmarks (never used on the request path): a small engine,
-a throwaway registry, and a live uvicorn server on a free loopback port in a thread."""
+"""Helpers for tests and benchmarks (not in the wheel): a small engine, a throwaway
+registry, and a live uvicorn server on a free loopback port in a thread. Adapters:
+``support.adapters.write_random_adapter``."""
 
 from __future__ import annotations
 
@@ -59,18 +60,6 @@ def make_registry(data_dir: str | Path, model_dir: str | Path, **kwargs: Any):
         database_url=f"sqlite:///{data_dir / 'loramux.db'}", data_dir=data_dir,
         base_model=str(model_dir), preset_check=registry_preset_check, **kwargs,
     )
-
-
-def write_adapter(model_dir: str | Path, path: str | Path, *, seed: int = 0, r: int = 8,
-                  std: float = 0.05, target_modules=("q_proj", "v_proj")) -> Path:
-    """A random PEFT LoRA folder for the model in ``model_dir``."""
-    import json
-
-    from support.adapters import write_random_adapter
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return write_random_adapter(config, path, seed=seed, r=r, std=std,
-                                target_modules=target_modules)
 
 
 def free_port() -> int:
