@@ -37,6 +37,15 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting``; retry later."""
 
 
+class ContextLengthError(ValueError):
+    """Prompt + output do not fit in ``max_model_len``; ``param`` says what to shorten
+    (``prompt`` or ``max_tokens``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -172,17 +181,17 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.verify_vocab(vocab)
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt has {len(ids)} tokens, leaving no room for output. Please reduce "
-                f"the length of the prompt."
+                f"the length of the prompt.", "prompt"
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{params.max_tokens} for the completion). Please reduce the length of the "
-                f"prompt or max_tokens."
+                f"prompt or max_tokens.", "max_tokens"
             )
         lora_key = None
         if lora_request is not None:

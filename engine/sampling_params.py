@@ -14,6 +14,14 @@ _MIN_TEMPERATURE = 1e-2
 _MAX_LOGIT_BIAS = 100.0
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter is invalid; ``param`` names it (the HTTP error's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (vLLM semantics).
@@ -82,13 +90,15 @@ class SamplingParams:
             self.allowed_token_ids = _list("allowed_token_ids", self.allowed_token_ids)
         if self.logit_bias:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(
+                raise SamplingParamError(
+                    "logit_bias",
                     f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}."
                 )
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
-                raise ValueError(
+                raise SamplingParamError(
+                    "logit_bias",
                     f"logit_bias must map integer token ids to numbers, got {self.logit_bias!r}."
                 ) from None
         if 0 < _number("temperature", self.temperature) < _MIN_TEMPERATURE:
@@ -105,45 +115,50 @@ class SamplingParams:
     def _verify(self) -> None:
         _int("n", self.n)
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise SamplingParamError("n", f"n must be at least 1, got {self.n}.")
         _int("best_of", self.best_of)
         if self.best_of < self.n:
-            raise ValueError(
+            raise SamplingParamError(
+                "best_of",
                 f"best_of must be greater than or equal to n, got n={self.n} and "
                 f"best_of={self.best_of}."
             )
         if self.is_greedy and self.best_of > 1 and self.best_of != self.n:
-            raise ValueError(
+            raise SamplingParamError(
+                "best_of",
                 f"best_of must be 1 (or equal to n) when using greedy sampling, got {self.best_of}."
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = _number(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+                raise SamplingParamError(name, f"{name} must be in [-2, 2], got {value}.")
         if _number("repetition_penalty", self.repetition_penalty) <= 0.0:
-            raise ValueError(
+            raise SamplingParamError(
+                "repetition_penalty",
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
             )
         if _number("temperature", self.temperature) < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise SamplingParamError("temperature", f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < _number("top_p", self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise SamplingParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         _int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+            raise SamplingParamError("top_k", f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+                raise SamplingParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
         _int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(
+            raise SamplingParamError(
+                "min_tokens",
                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
             )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise SamplingParamError(
+                "min_tokens",
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
@@ -152,32 +167,33 @@ class SamplingParams:
             if value is not None:
                 _int(name, value)
                 if value < 0:
-                    raise ValueError(f"{name} must be non-negative, got {value}.")
+                    raise SamplingParamError(name, f"{name} must be non-negative, got {value}.")
         if self.seed is not None:
             _int("seed", self.seed)
         for s in self.stop_strings:
             if not isinstance(s, str):
-                raise ValueError(f"stop must be a string or a list of strings, got {s!r}.")
+                raise SamplingParamError("stop", f"stop must be a string or a list of strings, got {s!r}.")
             if s == "":
-                raise ValueError("stop cannot contain an empty string.")
+                raise SamplingParamError("stop", "stop cannot contain an empty string.")
         for t in self.stop_token_ids:
             _int("stop_token_ids", t)
             if t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative token ids, got {t}.")
+                raise SamplingParamError("stop_token_ids", f"stop_token_ids must be non-negative token ids, got {t}.")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
-                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token}.")
+                raise SamplingParamError("logit_bias", f"logit_bias keys must be non-negative token ids, got {token}.")
             if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
-                raise ValueError(
+                raise SamplingParamError(
+                    "logit_bias",
                     f"logit_bias values must be in [-100, 100], got {bias} for token {token}."
                 )
         if self.allowed_token_ids is not None:
             if len(self.allowed_token_ids) == 0:
-                raise ValueError("allowed_token_ids must not be empty.")
+                raise SamplingParamError("allowed_token_ids", "allowed_token_ids must not be empty.")
             for t in self.allowed_token_ids:
                 _int("allowed_token_ids", t)
                 if t < 0:
-                    raise ValueError(f"allowed_token_ids must be non-negative, got {t}.")
+                    raise SamplingParamError("allowed_token_ids", f"allowed_token_ids must be non-negative, got {t}.")
 
     @property
     def is_greedy(self) -> bool:
@@ -193,7 +209,8 @@ class SamplingParams:
         ):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
-                raise ValueError(
+                raise SamplingParamError(
+                    name,
                     f"{name} contains token id {bad[0]} outside the vocabulary "
                     f"(size {vocab_size})."
                 )
@@ -207,7 +224,7 @@ class SamplingParams:
 
 def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}.")
+        raise SamplingParamError(name, f"{name} must be an integer, got {value!r}.")
     return value
 
 
@@ -215,13 +232,13 @@ def _list(name: str, value) -> list:
     if value is None:
         return []
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"{name} must be a list, got {value!r}.")
+        raise SamplingParamError(name, f"{name} must be a list, got {value!r}.")
     return list(value)
 
 
 def _number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}.")
+        raise SamplingParamError(name, f"{name} must be a number, got {value!r}.")
     if value != value:
-        raise ValueError(f"{name} must be a number, got NaN.")
+        raise SamplingParamError(name, f"{name} must be a number, got NaN.")
     return float(value)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -164,20 +163,6 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-_PARAM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\b")
-
-
-def param_of(message: str, known: set[str] | frozenset[str]) -> str | None:
-    """The parameter a ValueError message names first (engine messages start with it)."""
-    m = _PARAM_RE.match(message)
-    if m and m.group(1) in known:
-        return m.group(1)
-    for name in sorted(known, key=len, reverse=True):
-        if re.search(rf"\b{re.escape(name)}\b", message):
-            return name
-    return None
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set"}

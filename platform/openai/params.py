@@ -12,9 +12,11 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from loramux.engine.sampling_params import SamplingParams
+from pydantic import ValidationError
+
+from loramux.engine.sampling_params import SamplingParamError, SamplingParams
 from loramux.engine.structured_output import StructuredOutputsParams
-from loramux.platform.errors import BadRequest, param_of
+from loramux.platform.errors import BadRequest
 from loramux.platform.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,8 +32,6 @@ DIRECT_FIELDS = tuple(n for n in ENGINE_FIELDS if n not in _ENGINE_ONLY)
 """Request fields that map 1:1 onto SamplingParams."""
 PRESET_FIELDS = (frozenset(DIRECT_FIELDS) | {"logprobs"}) - {"prompt_logprobs"}
 """What an adapter preset may hold."""
-KNOWN_PARAMS = frozenset(ENGINE_FIELDS) | {
-    "max_completion_tokens", "top_logprobs", "messages", "prompt", "model"}
 _NOT_SHOWN = frozenset({"spaces_between_special_tokens"})  # no effect: reported as a warning
 _SHOWN = tuple(n for n in ENGINE_FIELDS if n not in _NOT_SHOWN and n not in _ENGINE_ONLY - {"logprobs"})
 """The parameters the ``X-LoRAMux-Params`` header reports."""
@@ -105,9 +105,12 @@ def validate_preset(preset: Any) -> dict[str, Any]:
         SamplingFields.model_validate({k: v for k, v in preset.items() if k != "logprobs"})
         values = _engine_values(dict(preset))
         SamplingParams(**values)
-    except ValueError as e:
-        name = param_of(str(e), PRESET_FIELDS)
+    except ValidationError as e:
+        loc = e.errors()[0].get("loc", ())
+        name = str(loc[0]) if loc else None
         raise BadRequest(f"preset: {e}", param=f"preset.{name}" if name else "preset") from None
+    except SamplingParamError as e:
+        raise BadRequest(f"preset: {e}", param=f"preset.{e.param}") from None
     return dict(preset)
 
 
@@ -117,8 +120,8 @@ def _engine_values(values: dict[str, Any]) -> dict[str, Any]:
         try:
             values["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         except (TypeError, ValueError, AttributeError):
-            raise ValueError(
-                f"logit_bias must map integer token ids to numbers, got {bias!r}."
+            raise SamplingParamError(
+                "logit_bias", f"logit_bias must map integer token ids to numbers, got {bias!r}."
             ) from None
     seed = values.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool) and seed < 0:
@@ -168,8 +171,10 @@ def build_params(
                              code="invalid_parameter")
     try:
         params = SamplingParams(**_engine_values(values))
-    except ValueError as e:
-        raise BadRequest(str(e), param=param_of(str(e), KNOWN_PARAMS), code="invalid_parameter") from None
+    except SamplingParamError as e:
+        raise BadRequest(str(e), param=e.param, code="invalid_parameter") from None
+    except ValueError as e:  # a nested value SamplingParams could not take
+        raise BadRequest(str(e), code="invalid_parameter") from None
     except TypeError as e:  # a preset holding something SamplingParams cannot take
         raise BadRequest(f"invalid sampling parameters: {e}") from None
 

@@ -24,19 +24,19 @@ from starlette.concurrency import run_in_threadpool
 
 from loramux.adapters.errors import AdapterValidationError
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.engine import QueueFullError
+from loramux.engine.engine import ContextLengthError, QueueFullError
 from loramux.engine.lora.manager import LoRAError
 from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampling_params import SamplingParamError
 from loramux.platform.errors import (
     APIError,
     BadRequest,
     ServiceUnavailable,
     Unprocessable,
-    param_of,
     to_api_error,
 )
 from loramux.platform.metrics import Metrics
-from loramux.platform.openai.params import KNOWN_PARAMS, build_params
+from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
 from loramux.platform.openai.resolver import Caller, ModelResolver
@@ -48,15 +48,17 @@ logger = logging.getLogger(__name__)
 
 def engine_error(exc: BaseException, retry_after: int, prompt_param: str) -> APIError:
     """The HTTP error for an exception raised by the engine while adding or running: the
-    error table, plus the 429's ``Retry-After`` and the parameter a ValueError names."""
+    error table, plus what only this request knows (the 429's ``Retry-After``, whether the
+    prompt is ``prompt`` or ``messages``), by the exception's class."""
     if isinstance(exc, (LoRAError, AdapterValidationError)):
         return Unprocessable(f"the adapter cannot be served: {exc}", param="model")
-    if isinstance(exc, ValueError):
-        msg = str(exc)
-        if "maximum context length" in msg:
-            param = "max_tokens" if "max_tokens" in msg else prompt_param
-            return BadRequest(msg, param=param, code="context_length_exceeded")
-        return BadRequest(msg, param=param_of(msg, KNOWN_PARAMS), code="invalid_parameter")
+    if isinstance(exc, ContextLengthError):
+        param = prompt_param if exc.param == "prompt" else exc.param
+        return BadRequest(str(exc), param=param, code="context_length_exceeded")
+    if isinstance(exc, SamplingParamError):
+        return BadRequest(str(exc), param=exc.param, code="invalid_parameter")
+    if isinstance(exc, ValueError):  # the prompt itself (empty, token ids out of range)
+        return BadRequest(str(exc), param=prompt_param, code="invalid_parameter")
     err = to_api_error(exc)
     if isinstance(exc, QueueFullError):
         err.message = f"{exc}; retry after {retry_after} s"
