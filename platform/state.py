@@ -85,24 +85,17 @@ def build_state(settings: Settings, engine: AsyncEngine,
     scratch = Path(data_dir) / "uploads" if data_dir else Path(tempfile.gettempdir()) / "loramux-uploads"
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
     auth = Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous)
-    state = AppState(
-        settings=settings,
-        engine=engine,
-        registry=registry,
-        metrics=metrics,
-        resolver=resolver,
-        auth=auth,
-        openai=OpenAIServing(
-            engine, resolver, metrics, fingerprint=fingerprint,
-            retry_after=settings.retry_after_seconds, max_prompts=settings.max_prompts_per_request,
-        ),
-        admin=AdminService(engine, registry, resolver),
-        adapters=AdapterService(
-            registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
-            s3_endpoint_url=settings.s3_endpoint_url,
-        ) if registry is not None else None,
-        scratch_dir=scratch,
+    openai = OpenAIServing(
+        engine, resolver, metrics, fingerprint=fingerprint,
+        retry_after=settings.retry_after_seconds, max_prompts=settings.max_prompts_per_request,
     )
+    adapters = AdapterService(
+        registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
+        s3_endpoint_url=settings.s3_endpoint_url,
+    ) if registry is not None else None
+    admin = AdminService(engine, registry, resolver)
+    state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
+                     adapters, scratch)
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
         state.cleanups.append(registry.subscribe(auth.on_registry_event))

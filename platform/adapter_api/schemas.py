@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from loramux.registry.models import MAX_DESCRIPTION_CHARS
+
+if TYPE_CHECKING:
+    from loramux.registry.service import AdapterHandle
 
 
 class S3Upload(BaseModel):
@@ -55,7 +58,7 @@ class Adapter(BaseModel):
     updated_at: str
 
     @classmethod
-    def of(cls, handle: Any) -> Adapter:
+    def of(cls, handle: AdapterHandle) -> Adapter:
         """From a registry ``AdapterHandle``."""
         return cls(
             id=handle.name, name=handle.name, version=handle.version,

@@ -13,7 +13,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -39,6 +39,7 @@ from loramux.platform.openai.resolver import Caller, ModelResolver
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
+    from loramux.registry.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class AdapterService:
         )
 
 
-def _put_folder(store: Any, folder: Path, prefix: str) -> list[str]:
+def _put_folder(store: ObjectStore, folder: Path, prefix: str) -> list[str]:
     from loramux.registry.store import sha256_file
 
     keys = []
@@ -178,7 +179,7 @@ def _put_folder(store: Any, folder: Path, prefix: str) -> list[str]:
     return keys
 
 
-def store_uri(store: Any, key: str) -> str:
+def store_uri(store: ObjectStore, key: str) -> str:
     """Where an object-store key lives, as a URI a person can use."""
     bucket = getattr(store, "bucket", None)
     if bucket:

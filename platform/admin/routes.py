@@ -25,24 +25,9 @@ async def residency(_: AdminDep, service: AdminServiceDep):
     return await service.adapters()
 
 
-@router.post("/adapters/{key:path}/evict", response_model=ActionResult)
-async def evict(key: str, _: AdminDep, service: AdminServiceDep):
-    """Free the adapter's device slot (now, or once no running request uses it)."""
-    return await service.act(key, "evict")
-
-
-@router.post("/adapters/{key:path}/pin", response_model=ActionResult)
-async def pin(key: str, _: AdminDep, service: AdminServiceDep):
-    """Keep the adapter resident; loads it if needed."""
-    return await service.act(key, "pin")
-
-
-@router.post("/adapters/{key:path}/unpin", response_model=ActionResult)
-async def unpin(key: str, _: AdminDep, service: AdminServiceDep):
-    return await service.act(key, "unpin")
-
-
-@router.post("/adapters/{key:path}/warm", response_model=ActionResult)
-async def warm(key: str, _: AdminDep, service: AdminServiceDep):
-    """Load the adapter into CPU memory and, when a slot is free or evictable, a device slot."""
-    return await service.act(key, "warm")
+@router.post("/adapters/{key:path}/{action}", response_model=ActionResult)
+async def act(key: str, action: str, _: AdminDep, service: AdminServiceDep):
+    """``evict``: free the adapter's device slot (now, or once no running request uses it).
+    ``pin``: keep it resident (loads it if needed); ``unpin`` undoes that. ``warm``: load it
+    into CPU memory and, when a slot is free or evictable, a device slot."""
+    return await service.act(key, action)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
@@ -24,7 +24,7 @@ from loramux.platform.openai.resolver import ModelResolver, engine_key
 
 if TYPE_CHECKING:
     from loramux.engine.lora.manager import ResidencySnapshot
-    from loramux.registry.service import RegistryService
+    from loramux.registry.service import AdapterHandle, RegistryService
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class AdminService:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
         return await self.engine.lora_snapshot()
 
-    def _registry_rows(self) -> list[tuple[str, Any, str]]:
+    def _registry_rows(self) -> list[tuple[str, AdapterHandle, str]]:
         if self.registry is None:
             return []
         tenants = {t.id: t.name for t in self.registry.list_tenants()}
@@ -130,7 +130,7 @@ class AdminService:
                 return served.lora, handle
         raise NotFound(f"adapter {key!r} not found", code="adapter_not_found")
 
-    async def _record_evict(self, key: str, handle: Any) -> None:
+    async def _record_evict(self, key: str, handle: AdapterHandle | None) -> None:
         try:
             if handle is None:
                 for k, h, _ in await run_in_threadpool(self._registry_rows):
