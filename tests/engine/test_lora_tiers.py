@@ -121,3 +121,26 @@ def test_lora_disabled_is_a_clear_error(tiny_model_dir, eight_adapters):
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="without LoRA"):
         llm.generate(["x"], SamplingParams(max_tokens=2), lora_request=LoRARequest("t0", 1, str(eight_adapters[0])))
+    snap = llm.llm_engine.lora_manager.snapshot()
+    assert not snap.lora_enabled and snap.rows == [] and snap.max_loras == 0
+
+
+def test_adapter_events_and_snapshot(tiny_model_dir, eight_adapters):
+    from loramux.engine import LoRARequest, SamplingParams
+
+    llm = _llm(tiny_model_dir, max_loras=1, max_cpu_loras=4)
+    manager = llm.llm_engine.lora_manager
+    heard: list[tuple[str, str]] = []
+    remove = manager.add_listener(lambda event, key: heard.append((event, key)))
+    reqs = [LoRARequest(f"t{i}", i + 1, str(eight_adapters[i])) for i in range(2)]
+    llm.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=2), lora_request=reqs)
+    assert ("loaded", "t0") in heard and ("loaded", "t1") in heard
+    assert ("evicted", "t0") in heard or ("evicted", "t1") in heard  # one slot, two adapters
+    snap = manager.snapshot()
+    assert snap.lora_enabled and snap.max_loras == 1 and snap.num_evictions >= 1
+    assert {r["name"] for r in snap.rows} == {"t0", "t1"} and snap.knows("t1")
+    manager.drop("t0")
+    assert heard[-1] == ("dropped", "t0") and not manager.snapshot().knows("t0")
+    remove()
+    manager.drop("t1")
+    assert ("dropped", "t1") not in heard
