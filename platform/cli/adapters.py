@@ -14,8 +14,8 @@ from loramux.platform.cli.common import (
     open_registry,
     registry_options,
     resolve_base_model,
-    settings_of,
 )
+from loramux.platform.settings import settings_from_args
 
 
 def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_adapters_validate(args: argparse.Namespace) -> int:
     from loramux.adapters.format import validate_adapter
 
-    settings = settings_of(args)
+    settings = settings_from_args(args)
     base = resolve_base_model(settings.model)
     config = json.loads((base / "config.json").read_text())
     weights = validate_adapter(

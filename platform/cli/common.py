@@ -10,7 +10,6 @@ from pathlib import Path
 from loramux.platform.settings import (
     MODEL_FIELDS,
     REGISTRY_FIELDS,
-    Settings,
     add_settings_arguments,
     settings_from_args,
 )
@@ -33,10 +32,6 @@ def model_options() -> argparse.ArgumentParser:
     return p
 
 
-def settings_of(args: argparse.Namespace) -> Settings:
-    return settings_from_args(args)
-
-
 def resolve_base_model(model: str | None) -> Path:
     """The base model folder: the setting, else the engine's default model."""
     if model:
@@ -51,7 +46,7 @@ def open_registry(args: argparse.Namespace, *, with_model: bool = False):
     uploads against the base model under the serving limits."""
     from loramux.platform.settings import open_registry as _open
 
-    settings = settings_of(args)
+    settings = settings_from_args(args)
     return _open(settings, resolve_base_model(settings.model) if with_model else None)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from loramux.platform.cli.common import EXIT_OK, registry_options, settings_of
+from loramux.platform.cli.common import EXIT_OK, registry_options
+from loramux.platform.settings import settings_from_args
 
 
 def add_db_commands(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +25,7 @@ def _database(args: argparse.Namespace):
     from loramux.registry.db import Database
     from loramux.registry.factory import default_data_dir, default_database_url
 
-    settings = settings_of(args)
+    settings = settings_from_args(args)
     data_dir = settings.data_dir.expanduser() if settings.data_dir else default_data_dir()
     return Database(settings.database_url or default_database_url(data_dir))
 

@@ -16,8 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
+from loramux.platform import settings as _settings
 from loramux.platform.settings import Settings, add_settings_arguments
-from loramux.platform.settings import settings_from_args as settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings from the flags given (the positional MODEL too); the rest from
     ``LORAMUX_*`` and the defaults."""
     model = args.model_arg if getattr(args, "model", None) is None else None
-    return settings_of(args, model=model)
+    return _settings.settings_from_args(args, model=model)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
