@@ -23,6 +23,7 @@ from typing import Any
 from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_LORA_RANK
 from loramux.registry.cache import AdapterCache
 from loramux.registry.db import Database
+from loramux.registry.quotas import Quotas
 from loramux.registry.service import RegistryService
 from loramux.registry.store import FileStore, ObjectStore
 
@@ -87,6 +88,7 @@ def build_registry(
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES,
     auto_upgrade: bool | None = None,
     store: ObjectStore | None = None,
+    default_quotas: Quotas | None = None,
 ) -> RegistryService:
     """The registry for these settings; ``None`` arguments fall back to ``LORAMUX_*``
     environment variables (``LORAMUX_DATABASE_URL``, ``LORAMUX_S3_BUCKET``,
@@ -128,4 +130,5 @@ def build_registry(
         max_lora_rank=max_lora_rank,
         max_adapter_bytes=max_adapter_bytes,
         tmp_dir=data_dir / "tmp",
+        default_quotas=default_quotas,
     )
