@@ -70,6 +70,10 @@ class RequestTooLarge(LimitError):
         )
 
 
+class LimiterUnavailable(Exception):
+    """The limits backend (Redis) could not be asked; the caller answers 503."""
+
+
 @dataclass(frozen=True)
 class RequestCost:
     """What one request charges: ``tokens`` against ``tokens_per_minute`` (an estimate,
@@ -127,7 +131,7 @@ class TenantLimiter:
         self, tenant: int | str, quotas: Quotas, cost: RequestCost
     ) -> AsyncIterator[Admission]:
         """Admit one request of ``tenant`` under ``quotas`` or raise :class:`RateLimited`
-        / :class:`RequestTooLarge`; backend failures propagate (the caller answers 503)."""
+        / :class:`RequestTooLarge`, or :class:`LimiterUnavailable` when the backend fails."""
         admission = Admission(uuid.uuid4().hex, cost)
         if all(getattr(quotas, name) is None for name in RATE_LIMITS):
             yield admission
@@ -147,7 +151,11 @@ class TenantLimiter:
             sequences=cost.sequences,
             busy_retry_after_s=self.busy_retry_after_s,
         )
-        decision = await self.backend.acquire(key, ask)
+        try:
+            decision = await self.backend.acquire(key, ask)
+        except Exception as e:
+            logger.exception("rate-limit backend failed for tenant %s", key)
+            raise LimiterUnavailable("the rate limiter is unavailable; retry shortly") from e
         if not decision.allowed:
             raise RateLimited(decision.limit or "rate limit", decision.retry_after)
         renewer = asyncio.create_task(self._renew(key, admission.lease)) if ask.holds_lease else None
@@ -183,3 +191,16 @@ class TenantLimiter:
     async def aclose(self) -> None:
         """Close the backend. Called at shutdown."""
         await self.backend.aclose()
+
+
+def build_limiter(redis_url: str | None = None, **kwargs) -> TenantLimiter:
+    """The limiter for ``--redis-url``: a :class:`RedisBackend` shared by every gateway
+    when a URL is given, else the in-process backend. ``kwargs`` go to
+    :class:`TenantLimiter`."""
+    if redis_url:
+        from loramux.platform.limits.redis_backend import RedisBackend
+
+        return TenantLimiter(RedisBackend.from_url(redis_url), **kwargs)
+    from loramux.platform.limits.memory import InProcessBackend
+
+    return TenantLimiter(InProcessBackend(), **kwargs)

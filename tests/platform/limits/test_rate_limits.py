@@ -13,10 +13,12 @@ from loramux.platform.limits.backend import Ask
 from loramux.platform.limits.memory import InProcessBackend
 from loramux.platform.limits.redis_backend import RedisBackend
 from loramux.platform.limits.tenant import (
+    LimiterUnavailable,
     RateLimited,
     RequestCost,
     RequestTooLarge,
     TenantLimiter,
+    build_limiter,
 )
 from loramux.registry.quotas import Quotas
 
@@ -232,3 +234,14 @@ async def test_redis_keys_expire(redis_url):
     for key in backend.keys("t1"):
         await client.delete(key)
     await backend.aclose()
+
+
+async def test_build_limiter_and_an_unreachable_redis(redis_url):
+    assert isinstance(build_limiter(None).backend, InProcessBackend)
+    limiter = build_limiter(redis_url, lease_ttl_s=5.0)
+    assert isinstance(limiter.backend, RedisBackend) and limiter.lease_ttl_s == 5.0
+    await limiter.aclose()
+    down = build_limiter("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    with pytest.raises(LimiterUnavailable, match="unavailable"):
+        await admit_once(down, Quotas(requests_per_minute=1))
+    await down.aclose()
