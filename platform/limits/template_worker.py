@@ -25,8 +25,11 @@ MAX_ERROR_CHARS = 300
 def _cap_memory(extra_bytes: int) -> None:
     if extra_bytes <= 0:
         return
-    with open("/proc/self/statm") as f:
-        current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no procfs (macOS): the time limit still holds
+        return
     limit = current + extra_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
