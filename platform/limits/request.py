@@ -40,6 +40,8 @@ class RequestLimits:
     """Most ``allowed_token_ids``."""
     max_logit_bias: int = 300
     """Most ``logit_bias`` entries (OpenAI's own cap)."""
+    max_logprobs: int = 20
+    """Largest ``logprobs`` and ``prompt_logprobs`` (vLLM's ``max_logprobs``)."""
     max_request_work: int = 1024
     """Most ``n × best_of × max(1, prompt_logprobs)``: sequences times per-token logprobs."""
     trust_request_chat_template: bool = False
@@ -92,6 +94,13 @@ def check_request(params: SamplingParams, limits: RequestLimits) -> None:
          "ids", "max_allowed_token_ids")
     _cap("logit_bias", len(params.logit_bias or {}), limits.max_logit_bias, "entries",
          "max_logit_bias")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limits.max_logprobs:
+            raise RequestLimitError(
+                name, f"{name} is {value}, more than this server allows "
+                f"({limits.max_logprobs}, max_logprobs)",
+            )  # fmt: skip
     work = params.n * params.best_of * max(1, params.prompt_logprobs or 0)
     if work > limits.max_request_work:
         raise RequestLimitError(

@@ -55,7 +55,9 @@ def test_within_limits(params):
         (SamplingParams(allowed_token_ids=list(range(4097))), "allowed_token_ids", "4097"),
         (SamplingParams(logit_bias={i: 0.5 for i in range(301)}), "logit_bias", "301 entries"),
         (SamplingParams(n=64, best_of=64), "n", "4096"),
-        (SamplingParams(n=4, best_of=8, prompt_logprobs=64), "n", "2048"),
+        (SamplingParams(n=8, best_of=16, prompt_logprobs=20), "n", "2560"),
+        (SamplingParams(logprobs=21), "logprobs", "max_logprobs"),
+        (SamplingParams(prompt_logprobs=1000), "prompt_logprobs", "1000"),
     ],
 )
 def test_over_a_limit_names_the_field(params, param, match):
