@@ -52,6 +52,8 @@ class RequestLimits:
     """A template render is killed after this long (it runs in a worker process)."""
     max_rendered_prompt_chars: int = 2_000_000
     """Longest text a chat template may render."""
+    max_grammar_chars: int = 65536
+    """Longest structured-output spec (JSON schema, regex, choices or EBNF, serialized)."""
     grammar_compile_timeout_s: float = 10.0
     """A structured-output grammar compile is abandoned after this long."""
     grammar_cache_size: int = 256
@@ -101,6 +103,13 @@ def check_request(params: SamplingParams, limits: RequestLimits) -> None:
                 name, f"{name} is {value}, more than this server allows "
                 f"({limits.max_logprobs}, max_logprobs)",
             )  # fmt: skip
+    spec = params.structured_outputs
+    if spec is not None and len(spec.cache_key()) > limits.max_grammar_chars:
+        raise RequestLimitError(
+            "structured_outputs",
+            f"structured_outputs is {len(spec.cache_key())} characters serialized, more than "
+            f"this server allows ({limits.max_grammar_chars}, max_grammar_chars)",
+        )
     work = params.n * params.best_of * max(1, params.prompt_logprobs or 0)
     if work > limits.max_request_work:
         raise RequestLimitError(

@@ -40,6 +40,7 @@ def test_settings_validation():
         SamplingParams(n=32, best_of=32),
         SamplingParams(n=2, best_of=4, prompt_logprobs=20, temperature=1.0),
         SamplingParams(stop="one string"),
+        SamplingParams(structured_outputs={"regex": "[a-z]{1,64}"}),
     ],
 )
 def test_within_limits(params):
@@ -58,6 +59,8 @@ def test_within_limits(params):
         (SamplingParams(n=8, best_of=16, prompt_logprobs=20), "n", "2560"),
         (SamplingParams(logprobs=21), "logprobs", "max_logprobs"),
         (SamplingParams(prompt_logprobs=1000), "prompt_logprobs", "1000"),
+        (SamplingParams(structured_outputs={"choice": ["y" * 70000]}), "structured_outputs",
+         "max_grammar_chars"),
     ],
 )
 def test_over_a_limit_names_the_field(params, param, match):
