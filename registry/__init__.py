@@ -6,6 +6,7 @@
 - :mod:`~loramux.registry.service` ``RegistryService``: upload → validate → store → commit,
   list/get/resolve/delete/set_preset, API keys, audit events, ``gc()``, export
 - :mod:`~loramux.registry.factory` ``build_registry``: the embedded default layout and settings
+- :mod:`~loramux.registry.quotas` ``Quotas`` per tenant (``get_quotas``/``set_quotas``/``get_usage``)
 - :mod:`~loramux.registry.errors` the ``RegistryError`` family
 """
 
@@ -16,15 +17,18 @@ from loramux.registry.errors import (
     InvalidDescription,
     InvalidName,
     InvalidPreset,
+    InvalidQuota,
     ObjectIntegrityError,
     ObjectNotFound,
     ObjectStoreError,
+    QuotaExceeded,
     RegistryError,
     SchemaOutOfDate,
     TenantConflict,
     TenantNotFound,
 )
 from loramux.registry.factory import build_registry, default_data_dir
+from loramux.registry.quotas import Quotas, TenantUsage
 from loramux.registry.service import AdapterHandle, RegistryService
 
 __all__ = [
@@ -35,14 +39,18 @@ __all__ = [
     "InvalidName",
     "InvalidDescription",
     "InvalidPreset",
+    "InvalidQuota",
     "ObjectIntegrityError",
     "ObjectNotFound",
     "ObjectStoreError",
+    "QuotaExceeded",
+    "Quotas",
     "RegistryError",
     "RegistryService",
     "SchemaOutOfDate",
     "TenantConflict",
     "TenantNotFound",
+    "TenantUsage",
     "build_registry",
     "default_data_dir",
 ]

@@ -19,6 +19,25 @@ class InvalidDescription(RegistryError, ValueError):
     """An adapter description is too long."""
 
 
+class InvalidQuota(RegistryError, ValueError):
+    """A quota value is not a positive integer (or ``None`` for unlimited)."""
+
+
+class QuotaExceeded(RegistryError):
+    """An upload would take a tenant past ``max_adapters`` or ``max_stored_bytes``.
+
+    ``quota`` is the field name, ``limit`` its value, ``current`` the tenant's usage
+    before the upload and ``requested`` what the upload adds.
+    """
+
+    def __init__(self, quota: str, limit: int, current: int, requested: int, unit: str) -> None:
+        self.quota, self.limit, self.current, self.requested = quota, limit, current, requested
+        super().__init__(
+            f"quota {quota} exceeded: the tenant uses {current} {unit} of {limit} and this "
+            f"upload needs {requested} more; delete adapters or ask the operator to raise it"
+        )
+
+
 class TenantNotFound(RegistryError, LookupError):
     """No tenant with that name or id."""
 

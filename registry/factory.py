@@ -24,6 +24,7 @@ from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_LORA_
 from loramux.registry.cache import AdapterCache
 from loramux.registry.db import Database
 from loramux.registry.presets import PresetCheck
+from loramux.registry.quotas import Quotas
 from loramux.registry.service import RegistryService
 from loramux.registry.store import FileStore, ObjectStore
 
@@ -86,6 +87,7 @@ def build_registry(
     auto_upgrade: bool | None = None,
     store: ObjectStore | None = None,
     preset_check: PresetCheck | None = None,
+    default_quotas: Quotas | None = None,
 ) -> RegistryService:
     """The registry for these arguments; ``None`` ones fall back to the embedded layout
     (the service reads flags and environment in ``loramux.platform.settings``).
@@ -126,4 +128,5 @@ def build_registry(
         max_adapter_bytes=max_adapter_bytes,
         tmp_dir=data_dir / "tmp",
         preset_check=preset_check,
+        default_quotas=default_quotas,
     )

@@ -143,3 +143,21 @@ class AdapterEvent(Base):
     actor: Mapped[str | None] = mapped_column(String(128))
     details: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TenantQuota(Base):
+    """A tenant's own quotas (see ``loramux.registry.quotas.Quotas``; NULL = unlimited).
+    A tenant without a row gets the operator's defaults."""
+
+    __tablename__ = "tenant_quotas"
+
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    max_concurrent_requests: Mapped[int | None]
+    max_queued_sequences: Mapped[int | None]
+    requests_per_minute: Mapped[int | None]
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    max_adapters: Mapped[int | None]
+    max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
@@ -47,10 +47,12 @@ from loramux.registry.models import (
     AdapterEvent,
     ApiKey,
     Tenant,
+    TenantQuota,
     utcnow,
 )
 from loramux.registry.names import check_name
 from loramux.registry.presets import PresetCheck, check_preset
+from loramux.registry.quotas import QUOTA_FIELDS, Quotas, TenantUsage, check_storage
 from loramux.registry.store import ObjectStore, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -142,6 +144,7 @@ class RegistryService:
     ``base_config`` (a ``config.json`` dict or ``PretrainedConfig``) and
     ``base_model_name`` describe the served base model; uploads are validated
     against them. ``base_model_path`` (a Hugging Face folder) is needed for export.
+    ``default_quotas`` apply to every tenant without quotas of its own (default: unlimited).
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class RegistryService:
         max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES,
         tmp_dir: str | os.PathLike | None = None,
         preset_check: PresetCheck | None = None,
+        default_quotas: Quotas | None = None,
     ) -> None:
         self.db = db
         self.store = store
@@ -172,6 +176,7 @@ class RegistryService:
         if self.tmp_dir:
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self._listeners: list[Listener] = []
+        self.default_quotas = default_quotas or Quotas()
 
     # -- events ---------------------------------------------------------------------
 
@@ -286,6 +291,51 @@ class RegistryService:
             )
         return found
 
+    # -- quotas ---------------------------------------------------------------------
+
+    def get_quotas(self, tenant: TenantRef) -> Quotas:
+        """The tenant's quotas in effect: its own, else the operator's defaults. Called by
+        the platform per request (cache it briefly) and by the API/CLI to show them."""
+        with self.db.session() as s:
+            row = s.get(TenantQuota, self._tenant_id(s, tenant))
+            if row is None:
+                return self.default_quotas
+            return Quotas(**{name: getattr(row, name) for name in QUOTA_FIELDS})
+
+    def set_quotas(self, tenant: TenantRef, quotas: Quotas | None) -> Quotas:
+        """Give the tenant its own quotas (every field; ``None`` fields are unlimited), or
+        with ``quotas=None`` drop them so the defaults apply again. Returns the quotas in
+        effect. Lowering a storage quota below the current usage deletes nothing; it only
+        refuses further uploads."""
+        with self.db.session() as s:
+            tenant_id = self._tenant_id(s, tenant)
+            row = s.get(TenantQuota, tenant_id)
+            if quotas is None:
+                if row is not None:
+                    s.delete(row)
+                return self.default_quotas
+            if row is None:
+                row = TenantQuota(tenant_id=tenant_id)
+                s.add(row)
+            for name in QUOTA_FIELDS:
+                setattr(row, name, getattr(quotas, name))
+            row.updated_at = utcnow()
+        return quotas
+
+    def get_usage(self, tenant: TenantRef) -> TenantUsage:
+        """What the tenant stores now (adapter count, sum of their sizes)."""
+        with self.db.session() as s:
+            return self._usage(s, self._tenant_id(s, tenant))
+
+    @staticmethod
+    def _usage(s: Session, tenant_id: int) -> TenantUsage:
+        count, total = s.execute(
+            select(func.count(Adapter.id), func.coalesce(func.sum(Adapter.size_bytes), 0)).where(
+                Adapter.tenant_id == tenant_id
+            )
+        ).one()
+        return TenantUsage(int(count), int(total))
+
     # -- adapters -------------------------------------------------------------------
 
     def _handle(self, row: Adapter) -> AdapterHandle:
@@ -353,7 +403,7 @@ class RegistryService:
         """Validate an adapter folder or archive and register it as ``name``.
 
         Raises AdapterValidationError (bad adapter), InvalidName, InvalidPreset,
-        TenantNotFound, AdapterConflict (name taken, unless ``replace=True``, which
+        TenantNotFound, QuotaExceeded (``max_adapters``/``max_stored_bytes``), AdapterConflict (name taken, unless ``replace=True``, which
         bumps the version), ObjectStoreError.
         """
         check_name(name)
@@ -366,6 +416,8 @@ class RegistryService:
             )
         if taken is not None and not replace:
             raise self._conflict(name)
+        if taken is None:  # fail fast before validating; checked again at commit
+            check_storage(self.get_quotas(tenant_id), self.get_usage(tenant_id), 1, 0)
         with adapter_folder(
             source, max_bytes=self.max_adapter_bytes + MAX_CONFIG_BYTES, tmp_dir=self.tmp_dir
         ) as folder:
@@ -410,9 +462,14 @@ class RegistryService:
         actor: str | None,
         replace: bool,
     ) -> tuple[AdapterHandle, str]:
-        """The one transaction of an upload: the row and its audit event."""
+        """The one transaction of an upload: the quota check, the row and its audit event."""
+        quotas = self.get_quotas(tenant_id)
         try:
             with self.db.session() as s:
+                # A no-op write takes the tenant's row lock (PostgreSQL) or the database's
+                # write lock (SQLite) first, so concurrent uploads of one tenant cannot both
+                # pass the storage check.
+                s.execute(update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name))
                 row = None
                 if replace:
                     row = s.scalar(
@@ -420,6 +477,13 @@ class RegistryService:
                         .where(Adapter.tenant_id == tenant_id, Adapter.name == name)
                         .with_for_update()
                     )
+                old_bytes = row.size_bytes if row is not None else 0
+                check_storage(
+                    quotas,
+                    self._usage(s, tenant_id),
+                    0 if row is not None else 1,
+                    fields["size_bytes"] - old_bytes,
+                )
                 if row is not None:
                     for k, v in fields.items():
                         setattr(row, k, v)

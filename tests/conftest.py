@@ -40,3 +40,20 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+REDIS_URL = os.environ.get("LORAMUX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The test Redis server (``LORAMUX_TEST_REDIS_URL``); tests keep to their own key prefix."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+        client.ping()
+        client.close()
+    except Exception:
+        require_service(False, f"Redis ({REDIS_URL})")
+    return REDIS_URL

@@ -11,7 +11,7 @@ from loramux.registry import SchemaOutOfDate
 from loramux.registry.db import Database, migrations_dir
 from loramux.registry.models import Base
 
-TABLES = {"tenants", "api_keys", "adapters", "adapter_events"}
+TABLES = {"tenants", "api_keys", "adapters", "adapter_events", "tenant_quotas"}
 
 
 def diff(db: Database, metadata: MetaData = Base.metadata) -> list:
