@@ -32,6 +32,8 @@ def test_wheel_contains_every_module(tmp_path):
     missing = sorted(expected - names)
     assert not missing, f"modules missing from the wheel: {missing}"
     assert not any(n.startswith(("engine/", "platform/", "registry/", "adapters/")) for n in names)
+    # test helpers live in tests/support, never in the wheel
+    assert not [n for n in names if n.endswith(("/testing.py", "/conftest.py")) or "/support/" in n]
 
 
 def test_platform_folder_has_no_top_level_init():

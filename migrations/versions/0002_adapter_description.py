@@ -1,6 +1,6 @@
 """Adapter description: a tenant's free-text note on an adapter (PATCH /v1/adapters/{name}).
 
-Revision ID: 0002
+Revision ID: 0002_adapter_description
 Revises: 0001
 Create Date: 2026-11-30
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002"
+revision: str = "0002_adapter_description"
 down_revision: str | Sequence[str] | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
