@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.services import require_service
 from support.tiny_models import make_tiny_llama
 
 

@@ -1,7 +1,7 @@
 """Per-tenant quotas.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0003_tenant_quotas
+Revises: 0002_adapter_description
 Create Date: 2026-11-30
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0003"
-down_revision: str | Sequence[str] | None = "0002"
+revision: str = "0003_tenant_quotas"
+down_revision: str | Sequence[str] | None = "0002_adapter_description"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
