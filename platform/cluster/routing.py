@@ -9,11 +9,13 @@ Policy of :class:`AffinityRouter`, for a request naming adapter ``a`` (``None`` 
    order (highest-random-weight hashing of ``a`` with each engine id), so each adapter
    lives on few replicas and keeps its home when other engines join or leave.
 3. **Bounded load.** An engine *has room* while its queue (outstanding requests past its
-   batch capacity) is under ``queue_threshold``. When every engine holding ``a`` is past
+   batch capacity) is under ``queue_threshold``, or while its load is within
+   ``load_factor`` × the fleet's mean load (so a saturated fleet, where every queue is
+   long, still keeps adapters home; bounded-load consistent hashing). When every engine holding ``a`` is past
    it, the request spills to the next engine in ``a``'s rendezvous order, which loads
    ``a`` too: a hot adapter is replicated onto more engines instead of being swapped in and
    out of one engine's slots. Replicas then share its traffic by load (rule 1).
-4. When no engine has room, the least-loaded engine holding ``a`` (else any) queues it.
+   The least-loaded engine always has room by this rule, so a request always lands.
 
 Base-model requests skip the adapter rules: longest cached prefix with room, else least
 loaded. :class:`RoundRobinRouter` and :class:`LeastLoadedRouter` are the baselines the
@@ -62,13 +64,15 @@ class EngineView:
 class RouteDecision:
     engine_id: str
     reason: str
-    """``affinity`` | ``placement`` | ``spill`` | ``overloaded`` | ``base`` | policy name."""
+    """``affinity`` | ``placement`` | ``spill`` | ``base`` | a baseline's name."""
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     queue_threshold: int = 4
     """Outstanding requests past an engine's capacity before it counts as full (spill-over)."""
+    load_factor: float = 1.25
+    """An engine past ``queue_threshold`` still has room up to this multiple of the mean load."""
     placement_ttl: float = 5.0
     """Seconds a placement made by this router counts as residency before a heartbeat
     confirms it (a few heartbeat intervals)."""
@@ -78,6 +82,8 @@ class RouterConfig:
     def __post_init__(self):
         if self.queue_threshold < 0:
             raise ValueError(f"queue_threshold must be >= 0, got {self.queue_threshold}")
+        if self.load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
         if self.placement_ttl < 0:
             raise ValueError(f"placement_ttl must be >= 0, got {self.placement_ttl}")
         if self.prefix_chunk_chars < 1 or self.max_prefix_chunks < 1:
@@ -148,8 +154,12 @@ class AffinityRouter:
     config: RouterConfig = field(default_factory=RouterConfig)
     _placed: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)
 
-    def has_room(self, e: EngineView) -> bool:
-        return e.load - e.capacity < self.config.queue_threshold
+    def has_room(self, e: EngineView, mean_load: float = 0.0) -> bool:
+        """Below the queue threshold, or within ``load_factor`` of the mean (one more
+        request counted, so a lone busy engine is not always "within" its own mean)."""
+        c = self.config
+        return (e.load - e.capacity < c.queue_threshold
+                or e.load + 1 <= c.load_factor * (mean_load + 1))
 
     def holders(self, adapter_id: str, engines: Sequence[EngineView], now: float) -> list[EngineView]:
         """Engines where ``adapter_id`` is resident or was placed within ``placement_ttl``."""
@@ -160,22 +170,20 @@ class AffinityRouter:
     def route(self, adapter_id, engines, *, prefixes=(), exclude=(), now=0.0) -> RouteDecision:
         cands = _candidates(engines, exclude)
         best_prefix = lambda e: (-cached_prefix_len(prefixes, e.prefixes), e.load, e.engine_id)  # noqa: E731
-        with_room = [e for e in cands if self.has_room(e)]
+        mean = sum(e.load for e in cands) / len(cands)
+        with_room = [e for e in cands if self.has_room(e, mean)]
         if adapter_id is None:
             pick = min(with_room or cands, key=best_prefix)
             return RouteDecision(pick.engine_id, "base")
         holders = self.holders(adapter_id, cands, now)
-        roomy_holders = [e for e in holders if self.has_room(e)]
+        roomy_holders = [e for e in holders if self.has_room(e, mean)]
         if roomy_holders:
             return RouteDecision(min(roomy_holders, key=best_prefix).engine_id, "affinity")
-        by_id = {e.engine_id: e for e in with_room}
-        for eid in rendezvous_order(adapter_id, (e.engine_id for e in cands)):
-            if eid in by_id:
-                self._placed[(adapter_id, eid)] = now
-                self._forget_old(now)
-                return RouteDecision(eid, "spill" if holders else "placement")
-        pick = min(holders or cands, key=lambda e: (e.load, e.engine_id))
-        return RouteDecision(pick.engine_id, "overloaded")
+        roomy = {e.engine_id for e in with_room}  # never empty: the least loaded has room
+        eid = next(e for e in rendezvous_order(adapter_id, roomy))
+        self._placed[(adapter_id, eid)] = now
+        self._forget_old(now)
+        return RouteDecision(eid, "spill" if holders else "placement")
 
     def _forget_old(self, now: float) -> None:
         if len(self._placed) > 4096:

@@ -86,12 +86,18 @@ def test_below_threshold_stays_on_the_holder_even_if_others_are_idle():
     assert r.route("a", fleet(**{order[0]: busy})).engine_id == order[0]
 
 
-def test_everyone_full_queues_on_the_least_loaded_holder():
-    r = AffinityRouter(RouterConfig(queue_threshold=0))
+def test_saturated_fleet_keeps_adapters_home_within_the_load_factor():
+    """Every queue past the threshold: a holder within load_factor x mean keeps the
+    adapter; one beyond it spills to the least-loaded side of the rendezvous order."""
+    r = AffinityRouter(RouterConfig(queue_threshold=0, load_factor=1.25))
     res = frozenset({"a"})
-    engines = fleet(e0={"running": 4}, e1={"running": 9, "resident": res},
-                    e2={"running": 6, "resident": res}, e3={"running": 4})
-    assert r.route("a", engines) == type(r.route("a", engines))("e2", "overloaded")
+    engines = fleet(e0={"running": 5}, e1={"running": 9, "resident": res},
+                    e2={"running": 6, "resident": res}, e3={"running": 5})  # mean 6.25
+    assert (r.route("a", engines).engine_id, r.route("a", engines).reason) == ("e2", "affinity")
+    engines = fleet(e0={"running": 5}, e1={"running": 12, "resident": res},
+                    e2={"running": 5}, e3={"running": 5})  # e1 > 1.25 x (7.75 + 1) - 1
+    d = r.route("a", engines)
+    assert d.reason == "spill" and d.engine_id != "e1"
 
 
 def test_retry_excludes_failed_engines_and_runs_out():
@@ -121,6 +127,8 @@ def test_baselines():
 def test_config_validation():
     with pytest.raises(ValueError, match="queue_threshold"):
         RouterConfig(queue_threshold=-1)
+    with pytest.raises(ValueError, match="load_factor"):
+        RouterConfig(load_factor=0.5)
 
 
 def test_pool_expires_missed_heartbeats_and_counts_inflight():
