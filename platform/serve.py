@@ -75,6 +75,15 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--demo", action=argparse.BooleanOptionalAction, default=None,
                    help="first start: create a demo tenant with the sql-lora adapter (default on)")
     r.add_argument("--demo-adapter-dir")
+    c = p.add_argument_group("cluster (see loramux.platform.cluster)")
+    c.add_argument("--role", choices=("all", "gateway", "engine"),
+                   help="all = one process (default); gateway / engine = one cluster role")
+    c.add_argument("--redis-url")
+    c.add_argument("--redis-namespace")
+    c.add_argument("--cluster-secret", help="shared by gateways and engines")
+    c.add_argument("--advertise-url", help="engine: the URL gateways reach it at")
+    c.add_argument("--heartbeat-interval", type=float)
+    c.add_argument("--heartbeat-ttl", type=float)
     p.set_defaults(func=cmd_serve)
 
 
@@ -100,8 +109,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
-    app = create_app(settings)
-    app.state.on_ready = lambda state: bootstrap(state, out=sys.stdout)
+    if settings.role != "all":
+        from loramux.platform.cluster.roles import build_role_app
+
+        app = build_role_app(settings)
+    else:
+        app = create_app(settings)
+        app.state.on_ready = lambda state: bootstrap(state, out=sys.stdout)
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
                 access_log=False, log_level=settings.log_level.lower())
     return 0

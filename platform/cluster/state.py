@@ -51,6 +51,10 @@ class EngineRecord:
     cpu_resident: tuple[str, ...] = ()
     prefixes: tuple[str, ...] = ()
     """Recently served prompt-prefix hashes (``routing.prefix_hashes``), newest last."""
+    models: tuple[str, ...] = ()
+    """Names served without a registry lookup: the base model's, then static adapters'."""
+    static: tuple[str, ...] = ()
+    """Which of ``models`` are static adapters (``--lora-modules``)."""
     started_at: float = 0.0
 
     def to_json(self) -> str:
@@ -59,7 +63,7 @@ class EngineRecord:
     @classmethod
     def from_json(cls, raw: str | bytes) -> EngineRecord:
         d = json.loads(raw)
-        for k in ("resident", "cpu_resident", "prefixes"):
+        for k in ("resident", "cpu_resident", "prefixes", "models", "static"):
             d[k] = tuple(d.get(k, ()))
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
@@ -79,6 +83,8 @@ class ClusterEvent:
     kind: str
     adapter_id: str | None = None
     tenant_id: str | None = None
+    name: str | None = None
+    """The adapter's name within its tenant (registry events)."""
     key_id: str | None = None
     origin: str = ""
     """Who published it (a gateway or engine id); subscribers may skip their own."""
@@ -280,6 +286,8 @@ class GatewayView:
     degraded: bool = False
     last_ok: float | None = None
     last_error: str = ""
+    models: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    """engine id -> (names it serves without the registry, which of them are static)."""
     _failed: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -302,6 +310,7 @@ class GatewayView:
                     continue
                 self._failed.pop(rec.engine_id, None)
                 self.pool.heartbeat(rec.view(), now)
+                self.models[rec.engine_id] = (rec.models, rec.static)
                 present.add(rec.engine_id)
             for v in self.pool.live(now):
                 if v.engine_id not in present:
