@@ -81,11 +81,23 @@ class PrivateRedis:
             self.proc = None
 
 
-@pytest.fixture
-def private_redis():
+def _private_redis():
     if shutil.which("redis-server") is None:
         _skip_or_fail("redis-server")
     r = PrivateRedis()
     r.start()
-    yield r
-    r.kill()
+    try:
+        yield r
+    finally:
+        r.kill()
+
+
+@pytest.fixture
+def private_redis():
+    yield from _private_redis()
+
+
+@pytest.fixture(scope="module")
+def module_private_redis():
+    """One private Redis for a whole module (the multi-process cluster's)."""
+    yield from _private_redis()
