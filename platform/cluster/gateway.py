@@ -34,8 +34,13 @@ from prometheus_client import (
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
-from loramux.platform.auth import Authenticator
-from loramux.platform.cluster.engine_role import ADMIN_KINDS, SECRET_HEADER
+from loramux.platform.auth import Authenticator, bearer_key
+from loramux.platform.cluster.engine_role import (
+    ADMIN_KINDS,
+    PREFIX_HEADER,
+    SECRET_HEADER,
+    identity_token,
+)
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable, prefix_hashes
 from loramux.platform.cluster.state import ClusterEvent, ClusterState, GatewayView
 from loramux.platform.errors import (
@@ -43,6 +48,7 @@ from loramux.platform.errors import (
     ModelNotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    Unauthorized,
     install_error_handlers,
 )
 from loramux.platform.models import Caller, engine_key
@@ -145,13 +151,28 @@ class Gateway:
             self.view.pool.note_evicted(ev.adapter_id)
 
     # --- proxying -----------------------------------------------------------------------
-    def _headers(self, request: Request) -> dict[str, str]:
-        h = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+    def _headers(self, request: Request, caller: Caller | None) -> dict[str, str]:
+        h = {k: v for k, v in request.headers.items()
+             if k.lower() in _FORWARD and k.lower() != "authorization"}
         h[SECRET_HEADER] = self.secret
+        if caller is not None:
+            h["authorization"] = "Bearer " + identity_token(self.secret, caller.tenant_id,
+                                                            caller.is_admin)
         return h
 
-    async def forward(self, request: Request, body: bytes, *, adapter_id: str | None,
-                      prefixes: list[str] = (), stream: bool = False) -> Response:
+    async def optional_caller(self, request: Request) -> Caller | None:
+        """The caller of a pass-through request: None without a key, 401 for a bad one."""
+        header = request.headers.get("authorization")
+        if bearer_key(header) is None:
+            return None
+        caller = await self.auth.lookup(bearer_key(header))
+        if caller is None:
+            raise Unauthorized("Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"})
+        return caller
+
+    async def forward(self, request: Request, body: bytes, *, caller: Caller | None,
+                      adapter_id: str | None, prefixes: list[str] = (),
+                      stream: bool = False) -> Response:
         """Send to the routed engine; retry once elsewhere if nothing reached the client."""
         tried: list[str] = []
         last = "no engine answered"
@@ -167,8 +188,11 @@ class Gateway:
             if attempt:
                 self.metrics.retries.inc()
             url = view.url.rstrip("/") + request.url.path
+            sent = self._headers(request, caller)
+            if prefixes:
+                sent[PREFIX_HEADER] = ",".join(prefixes)
             req = self.http.build_request(request.method, url, params=request.query_params,
-                                          headers=self._headers(request), content=body)
+                                          headers=sent, content=body)
             self.view.pool.started(eid)
             try:
                 resp = await self.http.send(req, stream=True)
@@ -282,7 +306,7 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
         cfg = gw.router.config
         prefixes = prefix_hashes(adapter, prompt_text(parsed), chunk_chars=cfg.prefix_chunk_chars,
                                  max_chunks=cfg.max_prefix_chunks)
-        return await gw.forward(request, body, adapter_id=adapter, prefixes=prefixes,
+        return await gw.forward(request, body, caller=caller, adapter_id=adapter, prefixes=prefixes,
                                 stream=bool(parsed.get("stream")))
 
     app.add_api_route("/v1/completions", inference, methods=["POST"])
@@ -312,7 +336,8 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
 
     async def passthrough(path: str, request: Request) -> Response:
         """Adapter API, model list, admin views: any engine answers (shared registry)."""
-        return await gw.forward(request, await read_body(request), adapter_id=None)
+        caller = await gw.optional_caller(request)
+        return await gw.forward(request, await read_body(request), caller=caller, adapter_id=None)
 
     app.add_api_route("/{path:path}", passthrough,
                       methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)

@@ -52,11 +52,11 @@ def build_engine_app(settings: Settings):
     url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
     engine_id = node_id(settings)
     app = create_app(settings)
-    secure_app(app, secret)
+    prefixes = secure_app(app, secret)
 
     def on_ready(state) -> None:
-        role = attach_engine_role(state, cluster, engine_id=engine_id, url=url,
-                                  interval=settings.heartbeat_interval)
+        role = attach_engine_role(state, cluster, engine_id=engine_id, url=url, secret=secret,
+                                  interval=settings.heartbeat_interval, prefixes=prefixes)
         state.cleanups.append(role.close)
         logger.info("engine %s registered at %s", engine_id, url)
 
