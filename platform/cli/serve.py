@@ -55,8 +55,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
-    app = create_app(settings)
-    app.state.on_ready = lambda state: bootstrap(state, out=sys.stdout)
+    if settings.role != "all":
+        from loramux.platform.cluster.roles import build_role_app
+
+        app = build_role_app(settings)
+    else:
+        app = create_app(settings)
+        app.state.on_ready = lambda state: bootstrap(state, out=sys.stdout)
     uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
                 access_log=False, log_level=settings.log_level.lower())
     return 0

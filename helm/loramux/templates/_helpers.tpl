@@ -1,0 +1,127 @@
+{{/* Names, labels and the environment every loramux container shares. */}}
+
+{{- define "loramux.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "loramux.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "loramux.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "loramux.labels" -}}
+helm.sh/chart: {{ include "loramux.chart" . }}
+{{ include "loramux.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "loramux.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "loramux.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "loramux.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "loramux.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "loramux.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "loramux.secretName" -}}
+{{- default (include "loramux.fullname" .) .Values.existingSecret }}
+{{- end }}
+
+{{- define "loramux.engineHeadless" -}}
+{{- printf "%s-engine" (include "loramux.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "loramux.redisUrl" -}}
+{{- printf "redis://%s-redis:6379/0" (include "loramux.fullname" .) }}
+{{- end }}
+
+{{/* LORAMUX_DATABASE_URL from the chart's Secret (or existingSecret). */}}
+{{- define "loramux.databaseEnv" -}}
+- name: LORAMUX_DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loramux.secretName" . }}
+      key: {{ .Values.secretKeys.databaseUrl }}
+{{- end }}
+
+{{/* Environment shared by gateways and engines. */}}
+{{- define "loramux.env" -}}
+- name: LORAMUX_HOST
+  value: "0.0.0.0"
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{ include "loramux.databaseEnv" . }}
+- name: LORAMUX_REDIS_URL
+{{- if .Values.redis.enabled }}
+  value: {{ include "loramux.redisUrl" . | quote }}
+{{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loramux.secretName" . }}
+      key: {{ .Values.secretKeys.redisUrl }}
+{{- end }}
+- name: LORAMUX_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loramux.secretName" . }}
+      key: {{ .Values.secretKeys.clusterSecret }}
+- name: LORAMUX_ADMIN_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loramux.secretName" . }}
+      key: {{ .Values.secretKeys.adminKey }}
+      optional: true
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loramux.secretName" . }}
+      key: {{ .Values.secretKeys.awsAccessKeyId }}
+      optional: true
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loramux.secretName" . }}
+      key: {{ .Values.secretKeys.awsSecretAccessKey }}
+      optional: true
+{{- end }}
+
+{{- define "loramux.probes" -}}
+livenessProbe:
+  httpGet: {path: /health, port: http}
+  initialDelaySeconds: {{ .Values.probes.liveness.initialDelaySeconds }}
+  periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+readinessProbe:
+  httpGet: {path: /ready, port: http}
+  initialDelaySeconds: {{ .Values.probes.readiness.initialDelaySeconds }}
+  periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
+{{- end }}

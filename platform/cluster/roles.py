@@ -1,0 +1,107 @@
+"""``loramux serve --role gateway|engine``: builds the app of one role from the settings.
+
+``--role all`` (the default) never comes here: it is today's single process. Both cluster
+roles need ``--redis-url`` and ``--cluster-secret`` and share the registry (PostgreSQL and
+S3 in production; the same data dir on one machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from loramux.platform.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class RoleConfigError(ValueError):
+    """A cluster role was asked for without what it needs."""
+
+
+def _require(settings: Settings) -> str:
+    missing = [f for f in ("redis_url", "cluster_secret") if getattr(settings, f) is None]
+    if missing:
+        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+        raise RoleConfigError(f"--role {settings.role} needs {flags} (or LORAMUX_* variables)")
+    return settings.cluster_secret.get_secret_value()
+
+
+def cluster_state(settings: Settings):
+    import redis
+
+    from loramux.platform.cluster.state import ClusterState
+
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2,
+                                  health_check_interval=10)
+    return ClusterState(client, settings.redis_namespace, ttl=settings.heartbeat_ttl)
+
+
+def node_id(settings: Settings) -> str:
+    """``<hostname>:<port>``: unique per pod (Kubernetes) and per port (one machine)."""
+    return f"{socket.gethostname()}:{settings.port}"
+
+
+def build_engine_app(settings: Settings):
+    """Today's app, behind the cluster secret, registered in Redis once its engine is up."""
+    from loramux.platform.app import create_app
+    from loramux.platform.cluster.engine_role import attach_engine_role, secure_app
+
+    secret = _require(settings)
+    cluster = cluster_state(settings)
+    url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
+    engine_id = node_id(settings)
+    app = create_app(settings)
+    prefixes = secure_app(app, secret)
+
+    def on_ready(state) -> None:
+        role = attach_engine_role(state, cluster, engine_id=engine_id, url=url, secret=secret,
+                                  interval=settings.heartbeat_interval, prefixes=prefixes)
+        state.cleanups.append(role.close)
+        logger.info("engine %s registered at %s", engine_id, url)
+
+    app.state.on_ready = on_ready
+    return app
+
+
+def build_gateway_app(settings: Settings):
+    """A gateway: registry (for keys and adapter names), Redis view, router, HTTP client."""
+    import httpx
+
+    from loramux.platform.auth import Authenticator
+    from loramux.platform.cluster.gateway import Gateway, create_gateway_app
+    from loramux.platform.cluster.pool import EnginePool
+    from loramux.platform.cluster.routing import AffinityRouter, RouterConfig
+    from loramux.platform.cluster.state import GatewayView
+    from loramux.registry import build_registry
+
+    secret = _require(settings)
+    cluster = cluster_state(settings)
+    registry = build_registry(database_url=settings.database_url, s3_bucket=settings.s3_bucket,
+                              s3_endpoint_url=settings.s3_endpoint_url,
+                              s3_prefix=settings.s3_prefix, data_dir=settings.data_dir)
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    view = GatewayView(cluster, pool=EnginePool(ttl=settings.heartbeat_ttl))
+    router = AffinityRouter(RouterConfig(
+        queue_threshold=settings.route_queue_threshold, load_factor=settings.route_load_factor,
+        placement_ttl=max(2 * settings.heartbeat_interval, 1.0)))
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
+                             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    gw = Gateway(registry=registry,
+                 auth=Authenticator(registry, admin_key=admin_key,
+                                    allow_anonymous=settings.allow_anonymous),
+                 cluster=cluster, view=view, router=router, http=http, secret=secret,
+                 gateway_id=node_id(settings), resolve_ttl=settings.model_cache_ttl,
+                 max_request_bytes=settings.max_request_bytes)
+    ticker = view.start(settings.heartbeat_interval)
+    events = cluster.subscribe(gw.on_event, name="gateway-events")
+    return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close))
+
+
+def build_role_app(settings: Settings):
+    """The app ``loramux serve`` runs for ``settings.role`` (gateway or engine)."""
+    if settings.role == "engine":
+        return build_engine_app(settings)
+    if settings.role == "gateway":
+        return build_gateway_app(settings)
+    raise RoleConfigError(f"--role {settings.role} is served by the all-in-one app")

@@ -1,0 +1,80 @@
+"""The engine role's ASGI guard: only gateways (the cluster secret) get through; the
+prefix hashes they send are remembered for the heartbeat."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from loramux.platform.cluster.engine_role import (
+    PREFIX_HEADER,
+    SECRET_HEADER,
+    RecentPrefixes,
+    secure_app,
+)
+
+
+def make_app():
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app, secure_app(app, "s3cret")
+
+
+def test_only_gateways_get_through_and_prefixes_are_recorded():
+    app, prefixes = make_app()
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", headers={PREFIX_HEADER: "p1,p2"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "not_a_gateway"
+        assert client.post("/v1/completions", headers={SECRET_HEADER: "wrong"}).status_code == 403
+        assert prefixes.snapshot() == ()  # refused requests record nothing
+        assert client.get("/health").status_code == 200  # probes need no secret
+        r = client.post("/v1/completions", headers={SECRET_HEADER: "s3cret", PREFIX_HEADER: "p1,p2"})
+        assert r.status_code == 200 and r.json() == {"ok": True}
+        client.post("/v1/completions", headers={SECRET_HEADER: "s3cret", PREFIX_HEADER: "p3,p1"})
+    assert prefixes.snapshot() == ("p2", "p3", "p1")
+
+
+def test_recent_prefixes_are_bounded():
+    rp = RecentPrefixes(size=3)
+    rp.add(["a", "b", "c", "d", ""])
+    assert rp.snapshot() == ("b", "c", "d")
+
+
+class FakeRegistry:
+    def __init__(self):
+        self.calls = 0
+
+    def get_tenant(self, tenant_id: int):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        if tenant_id != 7:
+            raise LookupError("no such tenant")
+        return SimpleNamespace(id=7, name="acme")
+
+
+async def test_engines_take_the_caller_from_the_gateways_signed_identity():
+    from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator, identity_token
+
+    reg = FakeRegistry()
+    auth = GatewayIdentityAuthenticator(reg, "s3cret", allow_anonymous=False)
+    caller = await auth.lookup(identity_token("s3cret", 7, False))
+    assert caller.tenant_id == 7 and not caller.is_admin
+    await auth.lookup(identity_token("s3cret", 7, False))
+    assert reg.calls == 1  # cached
+    admin = await auth.lookup(identity_token("s3cret", None, True))
+    assert admin.tenant is None and admin.is_admin
+    # forged, tampered, another cluster's, a client key sent straight to the engine
+    good = identity_token("s3cret", 7, False)
+    assert await auth.lookup(identity_token("other", 7, True)) is None
+    assert await auth.lookup(good.replace(".0.", ".1.")) is None
+    assert await auth.lookup("lmx_live_clientkey") is None
+    assert await auth.lookup(identity_token("s3cret", 8, False)) is None  # unknown tenant
