@@ -125,6 +125,7 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
     from loramux.engine.async_engine import EngineDeadError
     from loramux.engine.engine import QueueFullError
     from loramux.engine.lora.manager import LoRAError
+    from loramux.platform.limits.tenant import RateLimited, RequestTooLarge
     from loramux.registry import errors as r
 
     def unavailable(what: str) -> Callable[[BaseException], APIError]:
@@ -136,6 +137,9 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
     return [
         ((APIError,), lambda e: e),
         ((QueueFullError,), lambda e: TooManyRequests(str(e))),
+        ((RateLimited,), lambda e: TooManyRequests(
+            str(e), code="rate_limit_exceeded", headers={"Retry-After": e.retry_after_header})),
+        ((RequestTooLarge,), lambda e: TooManyRequests(str(e), code="request_too_large")),
         ((EngineDeadError,), lambda e: ServiceUnavailable(str(e), code="engine_dead")),
         ((LoRAError,), lambda e: Unprocessable(f"the adapter cannot be served: {e}", param="model")),
         ((AdapterValidationError,), lambda e: Unprocessable(str(e), param=e.field)),

@@ -9,7 +9,8 @@
     ``/metrics`` (:class:`ClusterSecretMiddleware`, added by :func:`secure_app` before the
     app starts);
   * publishes a heartbeat: capacity, load, KV use, resident adapters per tier, the names
-    it serves (:func:`engine_record`);
+    it serves (:func:`engine_record`, from the engine's public residency snapshot), at
+    once whenever the engine's adapter event hook reports a load, eviction or drop;
   * applies fanned-out admin actions (evict / pin / unpin / warm) and registry events
     (adapter deleted or replaced: drop its weights; key revoked: forget cached keys);
   * publishes the registry events of changes made through it (the adapter API), so every
@@ -29,6 +30,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
@@ -40,6 +42,10 @@ from loramux.platform.cluster.state import (
     EngineRecord,
     EventSubscription,
 )
+from loramux.platform.openai.resolver import Caller, engine_key
+
+if TYPE_CHECKING:
+    from loramux.platform.state import AppState
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +87,7 @@ class GatewayIdentityAuthenticator(Authenticator):
         self._tenants[tenant_id] = (time.monotonic(), tenant)
         return tenant
 
-    async def lookup(self, key: str | None):
-        from loramux.platform.models import Caller
-
+    async def lookup(self, key: str | None) -> Caller | None:
         if key is None or not key.startswith(IDENTITY_PREFIX):
             return None
         payload, _, mac = key[len(IDENTITY_PREFIX):].rpartition(".")
@@ -156,20 +160,23 @@ def secure_app(app, secret: str) -> RecentPrefixes:
     return prefixes
 
 
-def engine_record(state, *, engine_id: str, url: str, started_at: float,
+def engine_record(state: AppState, *, engine_id: str, url: str, started_at: float,
                   prefixes: tuple[str, ...] = ()) -> EngineRecord:
-    """The heartbeat of one engine, read from its AppState (called from the heartbeat thread)."""
+    """The heartbeat of one engine, read from its AppState (called from the heartbeat
+    thread): load from ``AsyncEngine.stats``, residency from ``AsyncEngine.lora_snapshot``
+    (taken on the engine thread)."""
     eng = state.engine
     stats = eng.stats()
-    mgr = eng.engine.lora_manager
-    rows = eng.call_sync(mgr.residency, timeout=5) if (mgr is not None and eng.is_running) else []
+    rows: list[dict] = []
+    max_loras = 0
+    if eng.is_running:
+        snap = asyncio.run(asyncio.wait_for(eng.lora_snapshot(), 5))
+        rows, max_loras = snap.rows, snap.max_loras
     resident = tuple(sorted(r["name"] for r in rows if r["tier"] in ("gpu", "device")))
     cpu = tuple(sorted(r["name"] for r in rows if r["tier"] == "cpu"))
     static = tuple(state.resolver.static)
-    sched = eng.engine.config.scheduler
     return EngineRecord(
-        engine_id, url=url, capacity=sched.max_num_seqs,
-        max_loras=mgr.max_loras if mgr is not None else 0,
+        engine_id, url=url, capacity=state.settings.max_num_seqs, max_loras=max_loras,
         running=stats.num_running, waiting=stats.num_waiting, kv_usage=stats.kv_cache_usage,
         resident=resident, cpu_resident=cpu, models=(*state.resolver.base_names, *static),
         static=static, prefixes=prefixes, started_at=started_at)
@@ -188,12 +195,15 @@ class EngineRole:
         self.heartbeat.stop(engine_id=self.engine_id)
 
 
-def attach_engine_role(state, cluster: ClusterState, *, engine_id: str, url: str, secret: str,
-                       interval: float, prefixes: RecentPrefixes | None = None) -> EngineRole:
-    """Register the engine and wire the fan-out (called once the app's state is built)."""
+def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str, url: str,
+                       secret: str, interval: float,
+                       prefixes: RecentPrefixes | None = None) -> EngineRole:
+    """Register the engine and wire the fan-out (called once the app's state is built).
+    Every subscription it makes is undone through ``state.cleanups``."""
     started = time.time()
-    state.auth = GatewayIdentityAuthenticator(state.registry, secret,
-                                              allow_anonymous=state.settings.allow_anonymous)
+    auth = GatewayIdentityAuthenticator(state.registry, secret,
+                                        allow_anonymous=state.settings.allow_anonymous)
+    state.auth = auth
 
     def on_event(ev: ClusterEvent) -> None:
         if ev.origin == engine_id:
@@ -206,31 +216,38 @@ def attach_engine_role(state, cluster: ClusterState, *, engine_id: str, url: str
         elif ev.kind in ("adapter_deleted", "adapter_replaced"):
             if ev.tenant_id is not None and ev.name is not None:
                 state.resolver.invalidate(int(ev.tenant_id), ev.name)
-            mgr = state.engine.engine.lora_manager
-            if ev.kind == "adapter_deleted" and ev.adapter_id and mgr is not None:
-                state.engine.call_sync(lambda: mgr.drop(ev.adapter_id), timeout=30)
+            drop = state.resolver.drop_engine_key
+            if ev.kind == "adapter_deleted" and ev.adapter_id and drop is not None:
+                drop(ev.adapter_id)
         elif ev.kind == "key_revoked":
-            state.auth.forget()
+            auth.forget()
 
     if state.registry is not None:
-        state.registry.subscribe(
-            lambda kind, handle: publish_registry_event(cluster, kind, handle, origin=engine_id))
+        state.cleanups.append(state.registry.subscribe(auth.on_registry_event))
+        state.cleanups.append(state.registry.subscribe(
+            lambda kind, handle: publish_registry_event(cluster, kind, handle, origin=engine_id)))
     events = cluster.subscribe(on_event, name=f"events-{engine_id}")
     recent = prefixes or RecentPrefixes()
     hb = EngineHeartbeat(cluster, lambda: engine_record(
         state, engine_id=engine_id, url=url, started_at=started, prefixes=recent.snapshot()),
         interval=interval)
     hb.start()
-    return EngineRole(engine_id, hb, events)
+    # residency changes (load / evict / drop, on the engine thread) beat at once
+    state.cleanups.append(state.engine.add_adapter_listener(lambda event, key: hb.wake()))
+    role = EngineRole(engine_id, hb, events)
+    state.cleanups.append(role.close)
+    return role
 
 
 def publish_registry_event(cluster: ClusterState, kind: str, handle, *, origin: str) -> None:
-    """Relay a committed registry change (``deleted``/``replaced``) to the cluster."""
-    from loramux.platform.models import engine_key
-
-    if kind not in ("deleted", "replaced"):
+    """Relay a committed registry change (``deleted``/``replaced``, ``key_revoked``) to
+    the cluster."""
+    if kind == "key_revoked":
+        ev = ClusterEvent("key_revoked", origin=origin)
+    elif kind not in ("deleted", "replaced") or handle is None:
         return
-    ev = ClusterEvent(f"adapter_{kind}",
+    else:
+        ev = ClusterEvent(f"adapter_{kind}",
                       adapter_id=engine_key(handle.tenant_id, handle.name, handle.cache_key),
                       tenant_id=str(handle.tenant_id), name=handle.name, origin=origin)
     try:

@@ -1,5 +1,12 @@
-"""``--role gateway``: authenticates, resolves ``model`` through the registry, routes each
-request to an engine (:mod:`routing`) and proxies it.
+"""``--role gateway``: authenticates, applies the tenant's rate limits, resolves ``model``
+through the registry, routes each request to an engine (:mod:`routing`) and proxies it.
+
+* The tenant's quotas (``RegistryService.get_quotas``) are applied by a
+  :class:`~loramux.platform.limits.tenant.TenantLimiter` over Redis (``--redis-url``), so
+  every gateway charges the same buckets: over a limit is 429 with ``Retry-After`` from
+  any gateway. The admission is held until the answer (or the stream) ends; a
+  non-streaming answer's ``usage`` corrects the token estimate. With the limiter's Redis
+  unreachable the gateway serves on without limits (and logs it), like its routing.
 
 * A request that fails before its first byte reached the client (connection refused or
   reset, engine 502/503) is retried once on another engine; the client sees one answer.
@@ -11,47 +18,39 @@ request to an engine (:mod:`routing`) and proxies it.
   Redis; other admin and adapter-API calls are proxied to one engine (they share the registry).
 * ``/ready`` is 200 while any engine is live, with ``"status": "degraded"`` while Redis is
   unreachable (routing then runs on the last known view).
+
+The routes are in :mod:`.gateway_app`; what is read from a request body in :mod:`.request_body`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from fastapi import Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from loramux.platform.auth import Authenticator, bearer_key
-from loramux.platform.cluster.engine_role import (
-    ADMIN_KINDS,
-    PREFIX_HEADER,
-    SECRET_HEADER,
-    identity_token,
-)
-from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable, prefix_hashes
+from loramux.platform.cluster.engine_role import PREFIX_HEADER, SECRET_HEADER, identity_token
+from loramux.platform.cluster.request_body import request_cost, usage_tokens
+from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.state import ClusterEvent, ClusterState, GatewayView
-from loramux.platform.errors import (
-    BadRequest,
-    ModelNotFound,
-    PayloadTooLarge,
-    ServiceUnavailable,
-    Unauthorized,
-    install_error_handlers,
-)
-from loramux.platform.models import Caller, engine_key
+from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
+from loramux.platform.limits.tenant import Admission, LimiterUnavailable, TenantLimiter
+from loramux.platform.openai.resolver import Caller, engine_key
+
+if TYPE_CHECKING:
+    from loramux.registry.quotas import Quotas
+    from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +59,8 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host
         "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "content-encoding"}
 _FORWARD = ("authorization", "content-type", "accept", "x-request-id", "openai-organization")
 _RETRY_STATUS = (502, 503)
+QUOTA_TTL_S = 5.0
+"""Seconds a tenant's quotas are cached by a gateway."""
 
 
 class GatewayMetrics:
@@ -78,23 +79,11 @@ class GatewayMetrics:
                               registry=self.registry)
 
 
-def prompt_text(body: dict) -> str:
-    """The text the prefix hashes are computed over: the prompt, or the messages' contents."""
-    if isinstance(body.get("prompt"), str):
-        return body["prompt"]
-    parts = []
-    for m in body.get("messages") or ():
-        if isinstance(m, dict):
-            c = m.get("content")
-            parts.append(c if isinstance(c, str) else json.dumps(c, sort_keys=True))
-    return "\n".join(parts)
-
-
 @dataclass
 class Gateway:
     """One gateway's services; routes are thin wrappers around these methods."""
 
-    registry: Any | None
+    registry: RegistryService | None
     auth: Authenticator
     cluster: ClusterState
     view: GatewayView
@@ -104,8 +93,37 @@ class Gateway:
     gateway_id: str
     resolve_ttl: float = 5.0
     max_request_bytes: int = 8 * 1024 * 1024
+    limiter: TenantLimiter | None = None
+    """The tenant limiter (Redis backend: shared by every gateway); None = no limits."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     _resolved: dict[tuple[int, str], tuple[float, str | None]] = field(default_factory=dict)
+    _quotas: dict[int, tuple[float, Quotas]] = field(default_factory=dict)
+
+    # --- tenant limits ------------------------------------------------------------------
+    async def quotas(self, tenant_id: int) -> Quotas:
+        """The tenant's quotas in effect (cached :data:`QUOTA_TTL_S` seconds)."""
+        hit = self._quotas.get(tenant_id)
+        if hit is not None and time.monotonic() - hit[0] < QUOTA_TTL_S:
+            return hit[1]
+        quotas = await run_in_threadpool(self.registry.get_quotas, tenant_id)
+        self._quotas[tenant_id] = (time.monotonic(), quotas)
+        return quotas
+
+    async def admit(self, caller: Caller, body: dict,
+                    stack: contextlib.AsyncExitStack) -> Admission | None:
+        """Admit the request under its tenant's limits, held until ``stack`` closes;
+        ``RateLimited`` (429 + Retry-After) past a limit. None: nothing to limit, or the
+        limiter's Redis is unreachable (served on, logged)."""
+        if self.limiter is None or caller.tenant is None or self.registry is None:
+            return None
+        tenant_id = caller.tenant.id
+        quotas = await self.quotas(tenant_id)
+        try:
+            return await stack.enter_async_context(
+                self.limiter.admit(tenant_id, quotas, request_cost(body)))
+        except LimiterUnavailable as e:
+            logger.warning("gateway: tenant limits not applied (%s); serving on", e)
+            return None
 
     # --- model resolution ---------------------------------------------------------------
     def _registry_key(self, tenant_id: int, name: str) -> str | None:
@@ -147,6 +165,7 @@ class Gateway:
                 self._resolved.clear()
         elif ev.kind == "key_revoked":
             self.auth.forget()
+            self._quotas.clear()
         elif ev.kind == "evict" and ev.adapter_id:
             self.view.pool.note_evicted(ev.adapter_id)
 
@@ -172,8 +191,11 @@ class Gateway:
 
     async def forward(self, request: Request, body: bytes, *, caller: Caller | None,
                       adapter_id: str | None, prefixes: list[str] = (),
-                      stream: bool = False) -> Response:
-        """Send to the routed engine; retry once elsewhere if nothing reached the client."""
+                      stream: bool = False, admission: Admission | None = None,
+                      done: Callable[[], Awaitable[object]] | None = None) -> Response:
+        """Send to the routed engine; retry once elsewhere if nothing reached the client.
+        A relayed stream awaits ``done()`` when it ends (the caller's job otherwise);
+        a JSON answer's usage is charged to ``admission``."""
         tried: list[str] = []
         last = "no engine answered"
         for attempt in range(2):
@@ -214,7 +236,7 @@ class Gateway:
             if adapter_id is not None and resp.status_code == 200:
                 self.view.pool.note_resident(eid, adapter_id)
             if stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
-                return StreamingResponse(self._relay(resp, eid), status_code=resp.status_code,
+                return StreamingResponse(self._relay(resp, eid, done), status_code=resp.status_code,
                                          headers=headers)
             try:
                 content = await resp.aread()
@@ -225,11 +247,16 @@ class Gateway:
             finally:
                 await resp.aclose()
                 self.view.pool.finished(eid)
+            if admission is not None and resp.status_code == 200:
+                tokens = usage_tokens(content)
+                if tokens is not None:
+                    admission.charge(tokens)
             return Response(content, status_code=resp.status_code, headers=headers)
         raise ServiceUnavailable(f"no engine could serve the request ({last})",
                                  code="no_engine", headers={"Retry-After": "1"})
 
-    async def _relay(self, resp: httpx.Response, eid: str):
+    async def _relay(self, resp: httpx.Response, eid: str,
+                     done: Callable[[], Awaitable[object]] | None = None):
         tail = b""
         try:
             async for chunk in resp.aiter_raw():
@@ -247,6 +274,8 @@ class Gateway:
         finally:
             await resp.aclose()
             self.view.pool.finished(eid)
+            if done is not None:
+                await done()
 
     async def fan_out(self, key: str, action: str) -> dict:
         ev = ClusterEvent(action, adapter_id=key, origin=self.gateway_id)
@@ -267,78 +296,3 @@ class Gateway:
         body = {"status": status, "engines": [v.engine_id for v in live],
                 "redis": "unreachable: " + self.view.last_error if self.view.degraded else "ok"}
         return (200 if live else 503), body
-
-
-def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
-    """The gateway's HTTP app around a built :class:`Gateway`."""
-    import contextlib
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        try:
-            yield
-        finally:
-            for fn in on_shutdown:
-                with contextlib.suppress(Exception):
-                    fn()
-            await gw.http.aclose()
-
-    app = FastAPI(title="loramux gateway", lifespan=lifespan)
-    install_error_handlers(app)
-    app.state.gateway = gw
-
-    async def read_body(request: Request) -> bytes:
-        body = await request.body()
-        if len(body) > gw.max_request_bytes and not request.url.path.startswith("/v1/adapters"):
-            raise PayloadTooLarge(f"request body over {gw.max_request_bytes} bytes")
-        return body
-
-    async def inference(request: Request) -> Response:
-        body = await read_body(request)
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            raise BadRequest("the body is not valid JSON") from None
-        if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str):
-            raise BadRequest("`model` is required", param="model")
-        caller = await gw.auth.caller(request.headers.get("authorization"))
-        adapter = await gw.resolve(caller, parsed["model"])
-        cfg = gw.router.config
-        prefixes = prefix_hashes(adapter, prompt_text(parsed), chunk_chars=cfg.prefix_chunk_chars,
-                                 max_chunks=cfg.max_prefix_chunks)
-        return await gw.forward(request, body, caller=caller, adapter_id=adapter, prefixes=prefixes,
-                                stream=bool(parsed.get("stream")))
-
-    app.add_api_route("/v1/completions", inference, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
-
-    async def admin_action(key: str, action: str, request: Request):
-        if action not in ADMIN_KINDS:
-            raise ModelNotFound(f"unknown action {action!r}")
-        await gw.auth.admin(request.headers.get("authorization"))
-        return await gw.fan_out(key, action)
-
-    app.add_api_route("/admin/adapters/{key:path}/{action}", admin_action, methods=["POST"])
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready():
-        status, body = gw.ready()
-        return JSONResponse(body, status_code=status)
-
-    @app.get("/metrics")
-    async def metrics():
-        gw.ready()
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def passthrough(path: str, request: Request) -> Response:
-        """Adapter API, model list, admin views: any engine answers (shared registry)."""
-        caller = await gw.optional_caller(request)
-        return await gw.forward(request, await read_body(request), caller=caller, adapter_id=None)
-
-    app.add_api_route("/{path:path}", passthrough,
-                      methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
-    return app

@@ -55,9 +55,8 @@ def build_engine_app(settings: Settings):
     prefixes = secure_app(app, secret)
 
     def on_ready(state) -> None:
-        role = attach_engine_role(state, cluster, engine_id=engine_id, url=url, secret=secret,
-                                  interval=settings.heartbeat_interval, prefixes=prefixes)
-        state.cleanups.append(role.close)
+        attach_engine_role(state, cluster, engine_id=engine_id, url=url, secret=secret,
+                           interval=settings.heartbeat_interval, prefixes=prefixes)
         logger.info("engine %s registered at %s", engine_id, url)
 
     app.state.on_ready = on_ready
@@ -65,21 +64,23 @@ def build_engine_app(settings: Settings):
 
 
 def build_gateway_app(settings: Settings):
-    """A gateway: registry (for keys and adapter names), Redis view, router, HTTP client."""
+    """A gateway: registry (keys, adapter names, quotas), Redis view, router, the tenant
+    limiter over the same Redis, HTTP client."""
     import httpx
 
     from loramux.platform.auth import Authenticator
-    from loramux.platform.cluster.gateway import Gateway, create_gateway_app
+    from loramux.platform.cluster.gateway import Gateway
+    from loramux.platform.cluster.gateway_app import create_gateway_app
     from loramux.platform.cluster.pool import EnginePool
     from loramux.platform.cluster.routing import AffinityRouter, RouterConfig
     from loramux.platform.cluster.state import GatewayView
-    from loramux.registry import build_registry
+    from loramux.platform.limits.redis_backend import RedisBackend
+    from loramux.platform.limits.tenant import TenantLimiter
+    from loramux.platform.settings import open_registry
 
     secret = _require(settings)
     cluster = cluster_state(settings)
-    registry = build_registry(database_url=settings.database_url, s3_bucket=settings.s3_bucket,
-                              s3_endpoint_url=settings.s3_endpoint_url,
-                              s3_prefix=settings.s3_prefix, data_dir=settings.data_dir)
+    registry = open_registry(settings)
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
     view = GatewayView(cluster, pool=EnginePool(ttl=settings.heartbeat_ttl))
     router = AffinityRouter(RouterConfig(
@@ -92,7 +93,9 @@ def build_gateway_app(settings: Settings):
                                     allow_anonymous=settings.allow_anonymous),
                  cluster=cluster, view=view, router=router, http=http, secret=secret,
                  gateway_id=node_id(settings), resolve_ttl=settings.model_cache_ttl,
-                 max_request_bytes=settings.max_request_bytes)
+                 max_request_bytes=settings.max_request_bytes,
+                 limiter=TenantLimiter(RedisBackend.from_url(
+                     settings.redis_url, prefix=f"{settings.redis_namespace}:limits:")))
     ticker = view.start(settings.heartbeat_interval)
     events = cluster.subscribe(gw.on_event, name="gateway-events")
     return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close))

@@ -212,6 +212,7 @@ class Periodic:
     interval: float
     name: str
     _stop: threading.Event = field(default_factory=threading.Event)
+    _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def start(self) -> Periodic:
@@ -219,8 +220,16 @@ class Periodic:
         self._thread.start()
         return self
 
+    def wake(self) -> None:
+        """Run ``fn`` now instead of at the end of the current interval."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.fn()
             except Exception:
@@ -228,6 +237,7 @@ class Periodic:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(self.interval + 1)
 
@@ -260,6 +270,11 @@ class EngineHeartbeat:
     def start(self) -> None:
         self.beat()
         self._ticker = Periodic(self.beat, self.interval, "engine-heartbeat").start()
+
+    def wake(self) -> None:
+        """Beat now (the residency changed); safe from any thread, a no-op before start."""
+        if self._ticker is not None:
+            self._ticker.wake()
 
     def stop(self, engine_id: str | None = None) -> None:
         """Stop beating; with ``engine_id`` also deregister (best effort)."""

@@ -1,9 +1,8 @@
-"""Redis fixtures: the shared server at 127.0.0.1:6379 (keys namespaced per test, deleted
+"""Redis fixtures: the shared test server (``redis_url``; keys namespaced per test, deleted
 after), and a private ``redis-server`` on a free port for tests that kill it."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -11,26 +10,15 @@ import time
 import uuid
 
 import pytest
-
-REDIS_URL = os.environ.get("LORAMUX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def _skip_or_fail(what: str) -> None:
-    if IN_CI:
-        pytest.fail(f"{what} is required under CI=true but is not available")
-    pytest.skip(f"{what} is not available")
+from support.server import free_port
+from support.services import require_service
 
 
 @pytest.fixture
-def redis_client():
+def redis_client(redis_url):
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError:
-        _skip_or_fail(f"Redis ({REDIS_URL})")
+    client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
     yield client
     client.close()
 
@@ -42,12 +30,6 @@ def namespace(redis_client):
     keys = list(redis_client.scan_iter(f"{ns}:*"))
     if keys:
         redis_client.delete(*keys)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrivateRedis:
@@ -82,8 +64,7 @@ class PrivateRedis:
 
 
 def _private_redis():
-    if shutil.which("redis-server") is None:
-        _skip_or_fail("redis-server")
+    require_service(shutil.which("redis-server") is not None, "redis-server")
     r = PrivateRedis()
     r.start()
     try:

@@ -1,8 +1,8 @@
 """Multi-process cluster on loopback: 2 gateways + 2 engines (tiny model), a private
 ``redis-server`` (this module kills it), a shared SQLite registry in one data dir.
 
-Order matters: failover kills an engine, so it runs last. Not here: the cluster-wide rate
-limit (429 from either gateway), which needs the tenant-isolation issue's Redis limiter.
+Order matters: the rate limit runs before Redis is killed; failover kills an engine, so it
+runs last.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from support.adapters import write_random_adapter
+from support.server import free_port, parse_sse
 
 from loramux.platform.cluster.routing import rendezvous_order
 from loramux.platform.cluster.state import ClusterState
-from loramux.platform.models import engine_key
-from loramux.platform.testing import free_port, parse_sse, write_adapter
+from loramux.platform.openai.resolver import engine_key
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,6 +32,8 @@ SECRET = "cluster-" + uuid.uuid4().hex
 ADMIN = "admin-" + uuid.uuid4().hex
 TTL = 1.5
 ADAPTERS = ("alpha", "beta", "hot", "evictme", "doomed", "crash")
+RPM = 3
+"""The ``limited`` tenant's requests_per_minute (burst = RPM, then one per 60/RPM s)."""
 
 
 def wait_for(pred, timeout=30.0, step=0.1):
@@ -93,6 +96,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir, module_private_redis):
     from loramux.registry import build_registry
+    from loramux.registry.quotas import Quotas
 
     if not (Path(sys.executable).parent / "loramux").exists():
         pytest.skip("the loramux console script is not installed")
@@ -102,8 +106,10 @@ def cluster(tmp_path_factory, tiny_model_dir, module_private_redis):
     c.private = private
     reg = build_registry(data_dir=c.data, base_model=str(tiny_model_dir))
     tenant, c.key = reg.create_tenant("acme")
+    limited, c.limited_key = reg.create_tenant("limited")
+    reg.set_quotas(limited.id, Quotas(requests_per_minute=RPM))
     for i, name in enumerate(ADAPTERS):
-        folder = write_adapter(tiny_model_dir, tmp / f"src-{name}", seed=i + 1)
+        folder = write_random_adapter(tiny_model_dir, tmp / f"src-{name}", seed=i + 1)
         h = reg.upload(tenant.id, name, folder)
         c.keys[name] = engine_key(h.tenant_id, h.name, h.cache_key)
     reg.db.dispose()
@@ -128,11 +134,12 @@ def cluster(tmp_path_factory, tiny_model_dir, module_private_redis):
         c.close()
 
 
-def chat(c: Cluster, gw: str, model: str, *, max_tokens=8, stream=False, **kw) -> httpx.Response:
+def chat(c: Cluster, gw: str, model: str, *, max_tokens=8, stream=False, key=None,
+         **kw) -> httpx.Response:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
             "messages": [{"role": "user", "content": "hello there"}], **kw}
     return httpx.post(f"{gw}/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {c.key}"})
+                      headers={"Authorization": f"Bearer {key or c.key}"})
 
 
 def test_engines_refuse_callers_without_the_cluster_secret(cluster):
@@ -199,6 +206,24 @@ def test_deleted_adapter_is_refused_by_every_gateway_at_once(cluster):
     assert wait_for(lambda: all(chat(cluster, gw, "doomed").status_code == 404
                                 for gw in cluster.gateways), 3.0, 0.05)
     assert time.monotonic() - t0 < 3.0
+
+
+def test_tenant_over_its_rate_limit_gets_429_from_either_gateway(cluster):
+    base = cluster.model.name
+    gws = cluster.gateways
+    for i in range(RPM):  # the burst, spread over both gateways: one bucket for the fleet
+        r = chat(cluster, gws[i % 2], base, max_tokens=2, key=cluster.limited_key)
+        assert r.status_code == 200, r.text
+    for gw in gws:
+        r = chat(cluster, gw, base, max_tokens=2, key=cluster.limited_key)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        retry = int(r.headers["retry-after"])
+        assert 1 <= retry <= 60 // RPM + 1  # the next token of the bucket
+        assert "x-loramux-engine" not in r.headers  # refused at the gateway
+    # another tenant (no quotas) is not limited
+    assert chat(cluster, gws[1], base, max_tokens=2).status_code == 200
 
 
 def test_redis_killed_gateways_route_on_and_say_degraded(cluster):

@@ -1,0 +1,109 @@
+"""The gateway's HTTP app: the routes around a built :class:`~.gateway.Gateway` (inference
+with the tenant's admission held for the answer's life, admin fan-out, probes, metrics,
+and a pass-through of every other route to one engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import StreamingResponse
+
+from loramux.platform.cluster.engine_role import ADMIN_KINDS
+from loramux.platform.cluster.gateway import Gateway
+from loramux.platform.cluster.request_body import prompt_text
+from loramux.platform.cluster.routing import prefix_hashes
+from loramux.platform.errors import (
+    BadRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    install_error_handlers,
+)
+
+
+def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
+    """The gateway's HTTP app around a built :class:`Gateway`."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            for fn in on_shutdown:
+                with contextlib.suppress(Exception):
+                    fn()
+            await gw.http.aclose()
+            if gw.limiter is not None:
+                await gw.limiter.aclose()
+
+    app = FastAPI(title="loramux gateway", lifespan=lifespan)
+    install_error_handlers(app)
+    app.state.gateway = gw
+
+    async def read_body(request: Request) -> bytes:
+        body = await request.body()
+        if len(body) > gw.max_request_bytes and not request.url.path.startswith("/v1/adapters"):
+            raise PayloadTooLarge(f"request body over {gw.max_request_bytes} bytes")
+        return body
+
+    async def inference(request: Request) -> Response:
+        body = await read_body(request)
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str):
+            raise BadRequest("`model` is required", param="model")
+        caller = await gw.auth.caller(request.headers.get("authorization"))
+        adapter = await gw.resolve(caller, parsed["model"])
+        cfg = gw.router.config
+        prefixes = prefix_hashes(adapter, prompt_text(parsed), chunk_chars=cfg.prefix_chunk_chars,
+                                 max_chunks=cfg.max_prefix_chunks)
+        stack = contextlib.AsyncExitStack()  # holds the tenant's admission
+        relayed = False
+        try:
+            admission = await gw.admit(caller, parsed, stack)
+            resp = await gw.forward(request, body, caller=caller, adapter_id=adapter,
+                                    prefixes=prefixes, stream=bool(parsed.get("stream")),
+                                    admission=admission, done=stack.aclose)
+            relayed = isinstance(resp, StreamingResponse)  # the stream releases it
+            return resp
+        finally:
+            if not relayed:
+                await stack.aclose()
+
+    app.add_api_route("/v1/completions", inference, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
+
+    async def admin_action(key: str, action: str, request: Request):
+        if action not in ADMIN_KINDS:
+            raise ModelNotFound(f"unknown action {action!r}")
+        await gw.auth.admin(request.headers.get("authorization"))
+        return await gw.fan_out(key, action)
+
+    app.add_api_route("/admin/adapters/{key:path}/{action}", admin_action, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        status, body = gw.ready()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        gw.ready()
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def passthrough(path: str, request: Request) -> Response:
+        """Adapter API, model list, admin views: any engine answers (shared registry)."""
+        caller = await gw.optional_caller(request)
+        return await gw.forward(request, await read_body(request), caller=caller, adapter_id=None)
+
+    app.add_api_route("/{path:path}", passthrough,
+                      methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    return app
