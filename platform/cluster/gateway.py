@@ -43,7 +43,8 @@ from loramux.platform.auth import Authenticator, bearer_key
 from loramux.platform.cluster.engine_role import PREFIX_HEADER, SECRET_HEADER, identity_token
 from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
-from loramux.platform.cluster.state import ClusterEvent, ClusterState, GatewayView
+from loramux.platform.cluster.state import ClusterEvent, ClusterState
+from loramux.platform.cluster.view import GatewayView
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
 from loramux.platform.limits.tenant import Admission, LimiterUnavailable, TenantLimiter
 from loramux.platform.openai.resolver import Caller, engine_key

@@ -73,7 +73,7 @@ def build_gateway_app(settings: Settings):
     from loramux.platform.cluster.gateway_app import create_gateway_app
     from loramux.platform.cluster.pool import EnginePool
     from loramux.platform.cluster.routing import AffinityRouter, RouterConfig
-    from loramux.platform.cluster.state import GatewayView
+    from loramux.platform.cluster.view import GatewayView
     from loramux.platform.limits.redis_backend import RedisBackend
     from loramux.platform.limits.tenant import TenantLimiter
     from loramux.platform.settings import open_registry

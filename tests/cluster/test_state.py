@@ -15,8 +15,8 @@ from loramux.platform.cluster.state import (
     ClusterState,
     EngineHeartbeat,
     EngineRecord,
-    GatewayView,
 )
+from loramux.platform.cluster.view import GatewayView
 
 
 def record(eid: str, **kw) -> EngineRecord:
