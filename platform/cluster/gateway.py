@@ -45,8 +45,13 @@ from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.state import ClusterEvent, ClusterState
 from loramux.platform.cluster.view import GatewayView
-from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
-from loramux.platform.limits.tenant import Admission, LimiterUnavailable, TenantLimiter
+from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized, to_api_error
+from loramux.platform.limits.tenant import (
+    Admission,
+    LimitError,
+    LimiterUnavailable,
+    TenantLimiter,
+)
 from loramux.platform.openai.resolver import Caller, engine_key
 
 if TYPE_CHECKING:
@@ -113,7 +118,7 @@ class Gateway:
     async def admit(self, caller: Caller, body: dict,
                     stack: contextlib.AsyncExitStack) -> Admission | None:
         """Admit the request under its tenant's limits, held until ``stack`` closes;
-        ``RateLimited`` (429 + Retry-After) past a limit. None: nothing to limit, or the
+        429 (with Retry-After) past a limit. None: nothing to limit, or the
         limiter's Redis is unreachable (served on, logged)."""
         if self.limiter is None or caller.tenant is None or self.registry is None:
             return None
@@ -125,6 +130,8 @@ class Gateway:
         except LimiterUnavailable as e:
             logger.warning("gateway: tenant limits not applied (%s); serving on", e)
             return None
+        except LimitError as e:  # the error table's 429 (with Retry-After when it helps)
+            raise to_api_error(e) from None
 
     # --- model resolution ---------------------------------------------------------------
     def _registry_key(self, tenant_id: int, name: str) -> str | None:

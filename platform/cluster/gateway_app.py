@@ -26,6 +26,7 @@ from loramux.platform.errors import (
 
 def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
     """The gateway's HTTP app around a built :class:`Gateway`."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
@@ -57,14 +58,15 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
         if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str):
             raise BadRequest("`model` is required", param="model")
         caller = await gw.auth.caller(request.headers.get("authorization"))
-        adapter = await gw.resolve(caller, parsed["model"])
-        cfg = gw.router.config
-        prefixes = prefix_hashes(adapter, prompt_text(parsed), chunk_chars=cfg.prefix_chunk_chars,
-                                 max_chunks=cfg.max_prefix_chunks)
         stack = contextlib.AsyncExitStack()  # holds the tenant's admission
         relayed = False
         try:
             admission = await gw.admit(caller, parsed, stack)
+            adapter = await gw.resolve(caller, parsed["model"])
+            cfg = gw.router.config
+            prefixes = prefix_hashes(adapter, prompt_text(parsed),
+                                     chunk_chars=cfg.prefix_chunk_chars,
+                                     max_chunks=cfg.max_prefix_chunks)
             resp = await gw.forward(request, body, caller=caller, adapter_id=adapter,
                                     prefixes=prefixes, stream=bool(parsed.get("stream")),
                                     admission=admission, done=stack.aclose)
