@@ -129,7 +129,8 @@ class Settings(BaseSettings):
     role: str = "all"
     """all (one process: today's server) | gateway | engine."""
     redis_url: str | None = None
-    """Cluster state, routing view and pub/sub fan-out; required by gateway and engine."""
+    """Cluster state, routing view, pub/sub fan-out and the gateways' shared tenant rate
+    limits; required by gateway and engine."""
     redis_namespace: str = "loramux"
     """Prefix of every Redis key and channel (several clusters can share one Redis)."""
     cluster_secret: SecretStr | None = None
