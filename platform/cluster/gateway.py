@@ -43,6 +43,7 @@ from loramux.platform.auth import Authenticator, bearer_key
 from loramux.platform.cluster.engine_role import PREFIX_HEADER, SECRET_HEADER, identity_token
 from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
+from loramux.platform.cluster.schemas import FanOut, GatewayReadiness
 from loramux.platform.cluster.state import ClusterEvent, ClusterState
 from loramux.platform.cluster.view import GatewayView
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized, to_api_error
@@ -285,22 +286,23 @@ class Gateway:
             if done is not None:
                 await done()
 
-    async def fan_out(self, key: str, action: str) -> dict:
+    async def fan_out(self, key: str, action: str) -> FanOut:
         ev = ClusterEvent(action, adapter_id=key, origin=self.gateway_id)
         try:
             n = await run_in_threadpool(self.cluster.publish_event, ev)
         except Exception as e:
             raise ServiceUnavailable(f"cannot reach Redis to fan out {action}: {e}") from None
         self.on_event(ev)
-        return {"key": key, "action": action, "fanned_out": True, "receivers": n}
+        return FanOut(key=key, action=action, receivers=n)
 
-    def ready(self) -> tuple[int, dict]:
+    def ready(self) -> tuple[int, GatewayReadiness]:
         live = self.view.live()
         self.metrics.engines.set(len(live))
         self.metrics.degraded.set(1 if self.view.degraded else 0)
         status = "degraded" if self.view.degraded else "ready"
         if not live:
             status = "no engines"
-        body = {"status": status, "engines": [v.engine_id for v in live],
-                "redis": "unreachable: " + self.view.last_error if self.view.degraded else "ok"}
+        body = GatewayReadiness(
+            status=status, engines=[v.engine_id for v in live],
+            redis="unreachable: " + self.view.last_error if self.view.degraded else "ok")
         return (200 if live else 503), body

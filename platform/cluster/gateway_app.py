@@ -16,6 +16,7 @@ from loramux.platform.cluster.engine_role import ADMIN_KINDS
 from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.request_body import prompt_text
 from loramux.platform.cluster.routing import prefix_hashes
+from loramux.platform.cluster.schemas import FanOut, GatewayReadiness
 from loramux.platform.errors import (
     BadRequest,
     ModelNotFound,
@@ -79,7 +80,7 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
     app.add_api_route("/v1/completions", inference, methods=["POST"])
     app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
 
-    async def admin_action(key: str, action: str, request: Request):
+    async def admin_action(key: str, action: str, request: Request) -> FanOut:
         if action not in ADMIN_KINDS:
             raise ModelNotFound(f"unknown action {action!r}")
         await gw.auth.admin(request.headers.get("authorization"))
@@ -91,10 +92,10 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=GatewayReadiness)
     async def ready():
         status, body = gw.ready()
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body.model_dump(), status_code=status)
 
     @app.get("/metrics")
     async def metrics():

@@ -1,0 +1,27 @@
+"""Response bodies of the gateway's own routes (everything else is the engines' answer)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class GatewayReadiness(BaseModel):
+    """``GET /ready`` of a gateway: 200 while any engine is live."""
+
+    status: str
+    """``ready``, ``degraded`` (Redis unreachable: routing on the last known view) or
+    ``no engines``."""
+    engines: list[str]
+    """The live engines routed over."""
+    redis: str
+    """``ok``, or ``unreachable: <error>``."""
+
+
+class FanOut(BaseModel):
+    """``POST /admin/adapters/{key}/{action}`` at a gateway: published to every engine."""
+
+    key: str
+    action: str
+    fanned_out: bool = True
+    receivers: int
+    """Subscribers (engines and gateways) that received the event."""
