@@ -92,6 +92,7 @@ class AdminService:
             for row in place(key):
                 row.tenant, row.adapter, row.source = tenant, handle.name, "registry"
                 row.version, row.size_bytes = handle.version, handle.size_bytes
+                row.rank = row.rank or handle.rank
         for row in rows.values():
             act = self.activity.adapter(row.key)
             row.in_flight, row.requests_1m, row.tokens_1m = (
