@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from loramux.registry.service import ApiKeyInfo
+
 
 class ResidencyRow(BaseModel):
     """One adapter: where it sits (tier ``gpu`` | ``device`` | ``cpu`` | ``disk`` |
@@ -94,17 +96,6 @@ class QuotaUse(BaseModel):
     """None: unlimited."""
 
 
-class KeyInfo(BaseModel):
-    """An API key as the dashboard shows it: never the key itself."""
-
-    prefix: str
-    label: str | None
-    is_admin: bool
-    created_at: datetime
-    last_used_at: datetime | None
-    revoked_at: datetime | None
-
-
 class RejectionInfo(BaseModel):
     at: datetime
     code: str | None
@@ -116,7 +107,8 @@ class TenantInfo(BaseModel):
     name: str
     quotas: list[QuotaUse]
     rejections: list[RejectionInfo]
-    keys: list[KeyInfo]
+    keys: list[ApiKeyInfo]
+    """Prefix, label, dates: never the key itself."""
 
 
 class TenantList(BaseModel):

@@ -21,7 +21,6 @@ from loramux.platform.admin.schemas import (
     ActionResult,
     AuditEvent,
     AuditLog,
-    KeyInfo,
     Overview,
     QuotaUse,
     RejectionInfo,
@@ -184,10 +183,7 @@ class AdminService:
                         for n in quotas.to_dict()],
                 rejections=[RejectionInfo(at=_when(r.at), code=r.code, message=r.message)
                             for r in self.activity.rejections(t.id)],
-                keys=[KeyInfo(prefix=k.prefix, label=k.label, is_admin=k.is_admin,
-                              created_at=k.created_at, last_used_at=k.last_used_at,
-                              revoked_at=k.revoked_at)
-                      for k in keys if k.tenant_id == t.id],
+                keys=[k for k in keys if k.tenant_id == t.id],
             ))
         return TenantList(data=out)
 

@@ -104,7 +104,8 @@ async def test_overview_tenants_and_keys(client, env):
     assert quotas["max_adapters"]["used"] == 2 and quotas["requests_per_minute"]["used"] >= 1
     (key,) = alpha["keys"]
     assert env.key_a.startswith(f"lmx_{key['prefix']}_") and key["last_used_at"] is not None
-    assert set(key) == {"prefix", "label", "is_admin", "created_at", "last_used_at", "revoked_at"}
+    assert set(key) == {"tenant_id", "prefix", "label", "is_admin", "created_at", "last_used_at",
+                        "revoked_at"}
     row = _row((await client.get("/admin/adapters", headers=ADMIN)).json(), "a-only")
     assert row["requests_1m"] >= 1 and row["tokens_1m"] >= 4 and row["last_used"]
     assert sum(row["tokens_per_s"]) > 0 and row["in_flight"] == 0
