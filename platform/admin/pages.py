@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Request
+from fastapi import APIRouter, Depends, Form, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
@@ -47,14 +47,18 @@ def sparkline(points: list[float], width: int = 120, height: int = 22) -> str:
 templates.env.globals["sparkline"] = sparkline
 
 
-def _session(request: Request, state) -> Session | None:
-    return state.admin_sessions.get(request.cookies.get(COOKIE))
-
-
-def _render(request: Request, state, name: str, **context) -> Response:
-    session = _session(request, state)
+async def page_session(request: Request, state: StateDep) -> Session:
+    """The dashboard session; without one the browser goes to the login form (303)."""
+    session = state.admin_sessions.get(request.cookies.get(COOKIE))
     if session is None:
-        return RedirectResponse("/admin/login", status_code=303)
+        raise HTTPException(303, "log in first", headers={"Location": "/admin/login"})
+    return session
+
+
+PageSession = Annotated[Session, Depends(page_session)]
+
+
+def _render(request: Request, session: Session, name: str, **context) -> Response:
     return templates.TemplateResponse(
         request, name, {"csrf": session.csrf, "page": name.removesuffix(".html"), **context},
         headers=NO_STORE,
@@ -97,17 +101,13 @@ async def static(name: str):
 
 
 @router.get("", response_class=HTMLResponse)
-async def overview_page(request: Request, state: StateDep, service: AdminServiceDep):
-    if _session(request, state) is None:
-        return RedirectResponse("/admin/login", status_code=303)
-    return _render(request, state, "overview.html", overview=await service.overview())
+async def overview_page(request: Request, session: PageSession, service: AdminServiceDep):
+    return _render(request, session, "overview.html", overview=await service.overview())
 
 
 @router.get("/ui/adapters", response_class=HTMLResponse)
-async def adapters_page(request: Request, state: StateDep, service: AdminServiceDep,
+async def adapters_page(request: Request, session: PageSession, service: AdminServiceDep,
                         tenant: str = "", tier: str = "", sort: str = "key", desc: bool = False):
-    if _session(request, state) is None:
-        return RedirectResponse("/admin/login", status_code=303)
     data = await service.adapters()
     rows: list[ResidencyRow] = data.data
     tenants = sorted({r.tenant for r in rows if r.tenant})
@@ -118,21 +118,17 @@ async def adapters_page(request: Request, state: StateDep, service: AdminService
         rows = [r for r in rows if r.tier == tier]
     rows = sorted(rows, key=SORTS.get(sort, SORTS["key"]), reverse=desc)
     engines = [e.id for e in (await service.overview()).engines]
-    return _render(request, state, "adapters.html", rows=rows, tenants=tenants, tiers=tiers,
+    return _render(request, session, "adapters.html", rows=rows, tenants=tenants, tiers=tiers,
                    tenant=tenant, tier=tier, sort=sort, desc=desc, engines=engines)
 
 
 @router.get("/ui/tenants", response_class=HTMLResponse)
-async def tenants_page(request: Request, state: StateDep, service: AdminServiceDep):
-    if _session(request, state) is None:
-        return RedirectResponse("/admin/login", status_code=303)
-    return _render(request, state, "tenants.html", tenants=(await service.tenants()).data)
+async def tenants_page(request: Request, session: PageSession, service: AdminServiceDep):
+    return _render(request, session, "tenants.html", tenants=(await service.tenants()).data)
 
 
 @router.get("/ui/audit", response_class=HTMLResponse)
-async def audit_page(request: Request, state: StateDep, service: AdminServiceDep,
+async def audit_page(request: Request, session: PageSession, service: AdminServiceDep,
                      tenant: str = "", kind: str = ""):
-    if _session(request, state) is None:
-        return RedirectResponse("/admin/login", status_code=303)
     log = await service.audit(tenant, kind)
-    return _render(request, state, "audit.html", events=log.data, tenant=tenant, kind=kind)
+    return _render(request, session, "audit.html", events=log.data, tenant=tenant, kind=kind)
