@@ -48,6 +48,13 @@ class _Series:
         return [self.buckets.get(s, (0, 0))[1] / BUCKET_S for s in starts]
 
 
+_TENANT = "tenant:"
+
+
+def _tenant_key(tenant_id: int | None) -> str:
+    return f"{_TENANT}{tenant_id if tenant_id is not None else '-'}"
+
+
 @dataclass(frozen=True)
 class Rejection:
     """One 429 a tenant got."""
@@ -63,33 +70,37 @@ class Activity:
     def __init__(self, clock=time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._open: dict[str, str] = {}  # request id -> adapter label
-        self._inflight: dict[str, int] = defaultdict(int)
+        self._open: dict[str, tuple[str, str]] = {}  # request id -> (label, tenant key)
+        self._inflight: dict[str, int] = defaultdict(int)  # by label and by tenant key
         self._series: dict[str, _Series] = defaultdict(_Series)
         self._last_used: dict[str, float] = {}
         self._rejections: dict[int | None, deque[Rejection]] = defaultdict(
             lambda: deque(maxlen=MAX_REJECTIONS)
         )
 
-    def begin(self, request_id: str, label: str) -> None:
-        """A request for ``label`` (an engine key or ``base``) enters the engine."""
+    def begin(self, request_id: str, label: str, caller: Any = None) -> None:
+        """A request for ``label`` (an engine key or ``base``) from ``caller`` (a
+        ``Caller``, or None) enters the engine."""
+        who = _tenant_key(getattr(caller, "tenant_id", None))
         with self._lock:
-            self._open[request_id] = label
-            self._inflight[label] += 1
+            self._open[request_id] = (label, who)
+            for k in (label, who):
+                self._inflight[k] += 1
             self._last_used[label] = self._clock()
 
     def end(self, request_id: str, generated_tokens: int) -> None:
         """The request left the engine (any outcome); idempotent."""
         now = self._clock()
         with self._lock:
-            label = self._open.pop(request_id, None)
-            if label is None:
+            opened = self._open.pop(request_id, None)
+            if opened is None:
                 return
-            self._inflight[label] -= 1
-            if self._inflight[label] <= 0:
-                del self._inflight[label]
-            self._series[label].add(now, 1, generated_tokens)
-            self._last_used[label] = now
+            for k in opened:
+                self._inflight[k] -= 1
+                if self._inflight[k] <= 0:
+                    del self._inflight[k]
+                self._series[k].add(now, 1, generated_tokens)
+            self._last_used[opened[0]] = now
 
     def rejected(self, tenant_id: int | None, code: str | None, message: str) -> None:
         """A caller got a 429 (queue full, rate limit, quota)."""
@@ -100,6 +111,13 @@ class Activity:
     def adapter(self, label: str) -> dict[str, Any]:
         """``in_flight``, ``requests_1m``, ``tokens_1m``, ``tokens_per_s`` (series) and
         ``last_used`` (epoch seconds or None) of one adapter label."""
+        return self._read(label)
+
+    def tenant(self, tenant_id: int | None) -> dict[str, Any]:
+        """The same numbers for every request of one tenant (any model)."""
+        return self._read(_tenant_key(tenant_id))
+
+    def _read(self, label: str) -> dict[str, Any]:
         now = self._clock()
         with self._lock:
             series = self._series.get(label) or _Series()
@@ -112,17 +130,13 @@ class Activity:
                 "last_used": self._last_used.get(label),
             }
 
-    def in_flight(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._inflight)
-
     def tokens_per_s(self, seconds: int = 10) -> float:
         """Generated tokens per second over the last ``seconds``, every adapter together."""
         now = self._clock()
         with self._lock:
             total = sum(
-                v[1] for s in self._series.values() for k, v in s.buckets.items()
-                if k > now - seconds - BUCKET_S
+                v[1] for name, s in self._series.items() if not name.startswith(_TENANT)
+                for k, v in s.buckets.items() if k > now - seconds - BUCKET_S
             )
         return total / seconds
 

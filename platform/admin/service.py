@@ -162,18 +162,14 @@ class AdminService:
         if reg is None:
             return TenantList(data=[])
         keys = reg.list_api_keys()
-        inflight = self.activity.in_flight()
         out = []
         for t in reg.list_tenants():
             quotas, usage = reg.get_quotas(t.id), reg.get_usage(t.id)
-            prefix = f"{t.id}/"
-            labels = [k for k in inflight if k.startswith(prefix)]
-            mine = [self.activity.adapter(engine_key(t.id, h.name, h.cache_key))
-                    for h in reg.list(t.id)]
+            act = self.activity.tenant(t.id)
             used = {
-                "max_concurrent_requests": sum(inflight[k] for k in labels),
-                "requests_per_minute": sum(a["requests_1m"] for a in mine),
-                "tokens_per_minute": sum(a["tokens_1m"] for a in mine),
+                "max_concurrent_requests": act["in_flight"],
+                "requests_per_minute": act["requests_1m"],
+                "tokens_per_minute": act["tokens_1m"],
                 "max_adapters": usage.adapters,
                 "max_stored_bytes": usage.stored_bytes,
             }

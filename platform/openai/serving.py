@@ -127,7 +127,7 @@ class OpenAIServing:
         self._check_lengths(ctx)
         headers = ctx.built.headers()
         pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served)
-        self.metrics.activity.begin(ctx.rid, ctx.served.label)  # admin dashboard: in flight
+        self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))
         try:
             if req.stream:
                 first = await until_disconnect(self._prime(pump, ctx), request.receive)

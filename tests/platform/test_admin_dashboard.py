@@ -110,6 +110,16 @@ async def test_overview_tenants_and_keys(client, env):
     assert row["requests_1m"] >= 1 and row["tokens_1m"] >= 4 and row["last_used"]
     assert sum(row["tokens_per_s"]) > 0 and row["in_flight"] == 0
 
+    async def beta_rpm() -> int:
+        data = (await client.get("/admin/tenants", headers=ADMIN)).json()["data"]
+        quotas = next(t for t in data if t["name"] == "beta")["quotas"]
+        return next(q for q in quotas if q["name"] == "requests_per_minute")["used"]
+
+    before = await beta_rpm()
+    r = await client.post("/v1/completions", headers=env.headers(env.key_b),
+                          json={"model": BASE, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and await beta_rpm() == before + 1  # base-model requests count
+
     new_key = env.registry.create_api_key("beta", label="ci")
     assert env.registry.revoke_api_key(new_key)
     audit = (await client.get("/admin/events?tenant=beta", headers=ADMIN)).json()["data"]
