@@ -134,4 +134,3 @@ def test_admin_cli(live, env, capsys, monkeypatch):
     with pytest.raises(SystemExit, match="403"):
         cli_main(["admin", "adapters", "--url", live, "--admin-key", env.key_a])
     assert cli_main(["admin", "pin", "nope", "--tenant", "alpha", "--url", live]) == 1
-
