@@ -18,7 +18,9 @@ from starlette.concurrency import run_in_threadpool
 from loramux.engine.async_engine import AsyncEngine
 from loramux.platform import ops
 from loramux.platform.adapter_api import routes as adapter_routes
+from loramux.platform.admin import pages as admin_pages
 from loramux.platform.admin import routes as admin_routes
+from loramux.platform.admin.activity import record_rejection
 from loramux.platform.errors import install_error_handlers
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
@@ -80,6 +82,7 @@ def create_app(
         root_path=settings.root_path,
     )
     install_error_handlers(app)
+    app.state.rejection_listener = record_rejection
     app.add_middleware(
         RequestContextMiddleware,
         max_request_bytes=settings.max_request_bytes,
@@ -88,6 +91,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(adapter_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(admin_pages.router)
     app.include_router(ops.router)
     if engine is not None:
         app.state.loramux = build_state(settings, engine, registry)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
-from loramux.platform.errors import Unauthorized
+from loramux.platform.errors import Forbidden, Unauthorized
 from loramux.platform.openai.resolver import Caller
 
 if TYPE_CHECKING:
@@ -117,7 +117,10 @@ class Authenticator:
         return caller
 
     async def admin(self, authorization: str | None) -> Caller:
+        """The admin: 401 without a valid key, 403 for a valid key that is not the admin's."""
         caller = await self.lookup(bearer_key(authorization))
-        if caller is None or not caller.is_admin:
+        if caller is None:
             raise Unauthorized("the admin key is required", headers=_CHALLENGE)
+        if not caller.is_admin:
+            raise Forbidden("this key is not the admin key")
         return caller

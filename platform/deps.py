@@ -13,7 +13,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from loramux.platform.adapter_api.service import AdapterService
 from loramux.platform.admin.service import AdminService
-from loramux.platform.errors import ServiceUnavailable
+from loramux.platform.admin.session import COOKIE, CSRF_HEADER
+from loramux.platform.errors import Forbidden, ServiceUnavailable, Unauthorized
 from loramux.platform.openai.resolver import Caller
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.state import AppState
@@ -36,16 +37,29 @@ def _header(creds: HTTPAuthorizationCredentials | None) -> str | None:
     return f"Bearer {creds.credentials}" if creds is not None else None
 
 
-async def get_caller(state: StateDep, creds: Credentials) -> Caller:
-    return await state.auth.caller(_header(creds))
+async def get_caller(request: Request, state: StateDep, creds: Credentials) -> Caller:
+    caller = await state.auth.caller(_header(creds))
+    request.state.caller = caller  # who a 429 went to (admin/activity.record_rejection)
+    return caller
 
 
 async def get_tenant(state: StateDep, creds: Credentials) -> Caller:
     return await state.auth.tenant(_header(creds))
 
 
-async def get_admin(state: StateDep, creds: Credentials) -> Caller:
-    return await state.auth.admin(_header(creds))
+async def get_admin(request: Request, state: StateDep, creds: Credentials) -> Caller:
+    """The admin key as a Bearer token, or a dashboard session cookie (whose requests
+    other than GET must carry the session's CSRF token)."""
+    if creds is not None:
+        return await state.auth.admin(_header(creds))
+    session = state.admin_sessions.get(request.cookies.get(COOKIE))
+    if session is None:
+        raise Unauthorized("the admin key is required", headers={"WWW-Authenticate": "Bearer"})
+    if request.method not in ("GET", "HEAD") and not session.csrf_ok(
+        request.headers.get(CSRF_HEADER)
+    ):
+        raise Forbidden(f"missing or wrong CSRF token (header {CSRF_HEADER})", code="csrf_failed")
+    return Caller(None, is_admin=True)
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]

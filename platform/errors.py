@@ -66,6 +66,12 @@ class Unauthorized(APIError):
     code = "invalid_api_key"
 
 
+class Forbidden(APIError):
+    status_code = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(APIError):
     status_code = 404
     type = "invalid_request_error"
@@ -194,6 +200,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        listener = getattr(request.app.state, "rejection_listener", None)
+        if exc.status_code == 429 and listener is not None:
+            listener(request, exc)  # the dashboard's recent 429s
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -203,7 +212,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         cls = {
-            400: BadRequest, 401: Unauthorized, 404: NotFound, 409: Conflict,
+            400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
             413: PayloadTooLarge, 422: Unprocessable, 429: TooManyRequests, 503: ServiceUnavailable,
         }.get(exc.status_code)
         message = str(exc.detail) if exc.detail else "error"

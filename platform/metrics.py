@@ -14,6 +14,7 @@ from collections import Counter as _Counter
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from loramux.engine.lora.manager import ResidencySnapshot
+from loramux.platform.admin.activity import Activity
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -26,6 +27,8 @@ class Metrics:
     """All series of one server."""
 
     def __init__(self) -> None:
+        self.activity = Activity()
+        """The rolling in-process window the dashboard reads (in flight, last minute)."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "loramux_requests", "Finished HTTP inference requests.",

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.platform.adapter_api.service import AdapterService
+from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
+from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
@@ -41,6 +43,7 @@ class AppState:
     admin: AdminService
     adapters: AdapterService | None
     scratch_dir: Path
+    admin_sessions: Sessions = field(default_factory=Sessions)
     owns_engine: bool = False
     owns_registry: bool = False
     cleanups: list[Callable[[], None]] = field(default_factory=list)
@@ -93,13 +96,18 @@ def build_state(settings: Settings, engine: AsyncEngine,
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
         s3_endpoint_url=settings.s3_endpoint_url,
     ) if registry is not None else None
-    admin = AdminService(engine, registry, resolver)
+    fleet = LocalFleet(engine, metrics.activity)
+    admin = AdminService(
+        fleet, registry, resolver, metrics.activity, base_model=Path(llm.model_path).name,
+        dtype=str(llm.model.dtype).removeprefix("torch."), device=str(llm.model.device),
+    )
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
                      adapters, scratch)
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
         state.cleanups.append(registry.subscribe(auth.on_registry_event))
     state.cleanups.append(engine.add_adapter_listener(metrics.on_adapter_event))
+    state.cleanups.append(fleet.remove_listener)
     return state
 
 

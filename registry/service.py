@@ -61,6 +61,8 @@ OBJECT_PREFIX = "adapters/sha256/"
 DEFAULT_GC_MIN_AGE_S = 3600.0
 
 TenantRef = Tenant | int | str
+KEY_LAST_USED_EVERY = timedelta(minutes=1)
+"""``ApiKey.last_used_at`` is written at most this often per key."""
 Listener = Callable[[str, "AdapterHandle | None"], None]
 """``listener(kind, handle)``: an adapter change (handle set) or ``key_revoked`` (None)."""
 
@@ -130,6 +132,19 @@ class AdapterEventInfo:
     actor: str | None
     details: dict[str, Any] | None
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class ApiKeyInfo:
+    """An API key's public facts (the key itself is never stored)."""
+
+    tenant_id: int
+    prefix: str
+    label: str | None
+    is_admin: bool
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
 
 
 @dataclass(frozen=True)
@@ -261,7 +276,22 @@ class RegistryService:
                 return None
             if not auth.verify_key(key, row.key_hash) or row.revoked_at is not None:
                 return None
+            now = utcnow()
+            if row.last_used_at is None or now - row.last_used_at > KEY_LAST_USED_EVERY:
+                row.last_used_at = now  # at most one write per key and minute
             return row
+
+    def list_api_keys(self, tenant: TenantRef | None = None) -> list[ApiKeyInfo]:
+        """Every key (of one tenant, or all): prefix, label, dates; never the key."""
+        with self.db.session() as s:
+            q = select(ApiKey).order_by(ApiKey.id)
+            if tenant is not None:
+                q = q.where(ApiKey.tenant_id == self._tenant_id(s, tenant))
+            return [
+                ApiKeyInfo(k.tenant_id, k.prefix, k.label, bool(k.is_admin), k.created_at,
+                           k.last_used_at, k.revoked_at)
+                for k in s.scalars(q)
+            ]
 
     def authenticate(self, key: str) -> Tenant | None:
         """The tenant owning an active API key, else ``None`` (constant-time hash compare)."""

@@ -29,6 +29,9 @@ def test_wheel_contains_every_module(tmp_path):
             if "__pycache__" in py.parts:
                 continue
             expected.add(f"loramux/{sub}/{py.relative_to(ROOT / folder).as_posix()}")
+    for asset in (ROOT / "platform" / "admin").glob("*/*.*"):  # templates/, static/
+        if asset.parent.name in ("templates", "static"):
+            expected.add(f"loramux/platform/{asset.relative_to(ROOT / 'platform').as_posix()}")
     missing = sorted(expected - names)
     assert not missing, f"modules missing from the wheel: {missing}"
     assert not any(n.startswith(("engine/", "platform/", "registry/", "adapters/")) for n in names)

@@ -262,7 +262,9 @@ class LoRAManager:
                     )
 
     def poll(self, wait: float = 0.0) -> None:
-        """Move finished background loads into the CPU tier (called between steps)."""
+        """Move finished background loads into the CPU tier and run the evictions whose
+        requests finished (called between steps, and when idle after each command)."""
+        self._run_pending_evictions()
         if wait and self.loading and not any(f.done() for f in self.loading.values()):
             futures.wait(
                 list(self.loading.values()), timeout=wait, return_when=futures.FIRST_COMPLETED
@@ -317,8 +319,11 @@ class LoRAManager:
         """Release step-scoped state; run evictions that waited for the batch to drain."""
         self._step_keys = set()
         self._meta = None
+        self._run_pending_evictions()
+
+    def _run_pending_evictions(self) -> None:
         if self.evict_pending:
-            running = self.running_keys()
+            running = self.running_keys() | self._step_keys
             for key in list(self.evict_pending):
                 if key not in running:
                     self._free_slot(key)

@@ -1,33 +1,47 @@
-"""Admin dashboard (``GET /admin``, a static page) and its JSON API (admin key)."""
+"""The admin JSON API (admin key as a Bearer token, or a dashboard session + CSRF token).
+The dashboard pages (:mod:`loramux.platform.admin.pages`) and ``loramux admin`` use it."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-from fastapi.responses import HTMLResponse
+from fastapi import APIRouter, Query
 
-from loramux.platform.admin.page import ADMIN_PAGE
-from loramux.platform.admin.schemas import ActionResult, Residency
+from loramux.platform.admin.schemas import ActionResult, AuditLog, Overview, Residency, TenantList
 from loramux.platform.deps import AdminDep, AdminServiceDep
 from loramux.platform.openai.protocol import ERROR_RESPONSES
 
 router = APIRouter(prefix="/admin", tags=["admin"], responses=ERROR_RESPONSES)
 
 
-@router.get("", response_class=HTMLResponse, include_in_schema=False)
-async def dashboard():
-    """The dashboard page; it asks for the admin key and sends it as a Bearer token."""
-    return HTMLResponse(ADMIN_PAGE, headers={"Cache-Control": "no-store"})
+@router.get("/overview", response_model=Overview)
+async def overview(_: AdminDep, service: AdminServiceDep):
+    """The base model and every engine's numbers (slots, CPU tier, KV cache, queue, tokens/s)."""
+    return await service.overview()
 
 
 @router.get("/adapters", response_model=Residency)
 async def residency(_: AdminDep, service: AdminServiceDep):
-    """Every adapter: tier (gpu | device | cpu | disk | store), slot, pinned, in use, load time."""
+    """Every adapter per engine: tier (gpu | device | cpu | disk | store), slot, pinned,
+    in use, pending eviction, load time, in-flight requests, last-minute requests and tokens."""
     return await service.adapters()
 
 
+@router.get("/tenants", response_model=TenantList)
+async def tenants(_: AdminDep, service: AdminServiceDep):
+    """Every tenant: usage against each quota, recent 429s, API keys (never the key)."""
+    return await service.tenants()
+
+
+@router.get("/events", response_model=AuditLog)
+async def events(_: AdminDep, service: AdminServiceDep, tenant: str | None = None,
+                 kind: str | None = None, limit: int = Query(200, ge=1, le=1000)):
+    """Recent adapter and key events, newest first (filter by tenant name and kind)."""
+    return await service.audit(tenant, kind, limit)
+
+
 @router.post("/adapters/{key:path}/{action}", response_model=ActionResult)
-async def act(key: str, action: str, _: AdminDep, service: AdminServiceDep):
-    """``evict``: free the adapter's device slot (now, or once no running request uses it).
-    ``pin``: keep it resident (loads it if needed); ``unpin`` undoes that. ``warm``: load it
-    into CPU memory and, when a slot is free or evictable, a device slot."""
-    return await service.act(key, action)
+async def act(key: str, action: str, _: AdminDep, service: AdminServiceDep,
+              engine: str | None = Query(None, description="one engine's id; default: every engine")):
+    """``evict``: free the adapter's device slot now, or once no running request uses it
+    (``deferred`` says so). ``pin``: keep it resident (loads it if needed); ``unpin`` undoes
+    that. ``warm``: load it into CPU memory and, when a slot is free or evictable, a device slot."""
+    return await service.act(key, action, engine)

@@ -1,15 +1,18 @@
-"""Response bodies of the admin API (``/admin/adapters``)."""
+"""Response bodies of the admin JSON API (``/admin/...``); the pages render the same."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel
 
+from loramux.registry.service import ApiKeyInfo
+
 
 class ResidencyRow(BaseModel):
     """One adapter: where it sits (tier ``gpu`` | ``device`` | ``cpu`` | ``disk`` |
-    ``store``) and what the engine and the registry know of it."""
+    ``store``) and what the engine, the registry and the request path know of it."""
 
     key: str
     """The engine key, ``<tenant id>/<name>@<digest>``."""
@@ -28,22 +31,51 @@ class ResidencyRow(BaseModel):
     """The adapter's name as its tenant calls it."""
     version: int | None = None
     size_bytes: int | None = None
+    engine: str = "local"
+    """The engine this row describes (one row per adapter and engine)."""
+    evict_pending: bool = False
+    """An eviction waits for the running requests that use it."""
+    in_flight: int = 0
+    requests_1m: int = 0
+    tokens_1m: int = 0
+    tokens_per_s: list[float] = []
+    """Generated tokens per second, oldest first (the sparkline)."""
+    last_used: datetime | None = None
 
 
 class EngineSummary(BaseModel):
+    """One engine's numbers (the Overview shows one card per engine)."""
+
+    id: str = "local"
+    role: str = "all"
     running: int
     waiting: int
     kv_cache_usage: float
     num_preemptions: int
     max_loras: int
+    slots_used: int = 0
+    max_cpu_loras: int | None = None
+    cpu_used: int = 0
     evictions: int
     lora_enabled: bool
+    prefix_cache_hit_rate: float | None = None
+    """None when the engine exposes no prefix-cache counters (shown as n/a)."""
+    tokens_per_s: float = 0.0
+    healthy: bool = True
 
 
 class Residency(BaseModel):
     object: Literal["list"] = "list"
     data: list[ResidencyRow]
     engine: EngineSummary
+    """The first engine (all-in-one: the only one)."""
+
+
+class Overview(BaseModel):
+    base_model: str
+    dtype: str
+    device: str
+    engines: list[EngineSummary]
 
 
 class ActionResult(BaseModel):
@@ -51,3 +83,49 @@ class ActionResult(BaseModel):
     action: str
     done: bool
     detail: str | None = None
+    deferred: bool = False
+    """``evict`` of an adapter running requests use: the slot frees once they finish."""
+    engines: list[str] = []
+
+
+class QuotaUse(BaseModel):
+    name: str
+    used: int | None
+    """None: not measured here (the limiter holds it)."""
+    limit: int | None
+    """None: unlimited."""
+
+
+class RejectionInfo(BaseModel):
+    at: datetime
+    code: str | None
+    message: str
+
+
+class TenantInfo(BaseModel):
+    id: int
+    name: str
+    quotas: list[QuotaUse]
+    rejections: list[RejectionInfo]
+    keys: list[ApiKeyInfo]
+    """Prefix, label, dates: never the key itself."""
+
+
+class TenantList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TenantInfo]
+
+
+class AuditEvent(BaseModel):
+    at: datetime
+    kind: str
+    tenant: str | None
+    subject: str
+    """The adapter name, or the key prefix for key events."""
+    actor: str | None
+    details: dict | None = None
+
+
+class AuditLog(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AuditEvent]

@@ -1,51 +1,57 @@
-"""Operator view of adapter residency and the evict / pin / unpin / warm actions.
+"""The admin API's logic: what the Overview, Adapters, Tenants and Audit views show, and
+the evict / pin / unpin / warm actions, over a :class:`~loramux.platform.admin.fleet.Fleet`
+and (optionally) the registry.
 
-Rows are keyed by the engine key (``"<tenant id>/<name>@<digest>"``). Registry
-adapters this engine has not loaded yet show up with tier ``store``; acting on one
-registers it with the engine first. Slot state is read from the snapshot the engine
-publishes (``AsyncEngine.lora_snapshot``), and every ``LoRAManager`` call runs on the
-engine thread through ``AsyncEngine.call``; ``warm`` and ``pin`` wait for the
-background load here, on the event loop, never on the engine thread.
+Rows are keyed by the engine key (``"<tenant id>/<name>@<digest>"``). Registry adapters
+no engine has loaded show up with tier ``store``; acting on one registers it with the
+engines first. Registry reads run in worker threads, never on the event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
-from loramux.engine.async_engine import AsyncEngine
-from loramux.platform.admin.schemas import ActionResult, EngineSummary, Residency, ResidencyRow
-from loramux.platform.errors import BadRequest, NotFound, ServiceUnavailable, Unprocessable
+from loramux.platform.admin.activity import Activity
+from loramux.platform.admin.fleet import ACTIONS, Fleet
+from loramux.platform.admin.schemas import (
+    ActionResult,
+    AuditEvent,
+    AuditLog,
+    Overview,
+    QuotaUse,
+    RejectionInfo,
+    Residency,
+    ResidencyRow,
+    TenantInfo,
+    TenantList,
+)
+from loramux.platform.errors import BadRequest, NotFound, Unprocessable
 from loramux.platform.openai.resolver import ModelResolver, engine_key
 
 if TYPE_CHECKING:
-    from loramux.engine.lora.manager import ResidencySnapshot
     from loramux.registry.service import AdapterHandle, RegistryService
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("evict", "pin", "unpin", "warm")
-WARM_TIMEOUT_S = 120.0
-"""How long ``warm`` / ``pin`` wait for an adapter's background load."""
+
+def _when(epoch: float | None) -> datetime | None:
+    return datetime.fromtimestamp(epoch, timezone.utc) if epoch is not None else None
 
 
 class AdminService:
-    """The admin API's logic over one engine and (optionally) the registry."""
+    """Reads and actions of the dashboard and its JSON API."""
 
-    def __init__(self, engine: AsyncEngine, registry: RegistryService | None,
-                 resolver: ModelResolver) -> None:
-        self.engine = engine
+    def __init__(self, fleet: Fleet, registry: RegistryService | None, resolver: ModelResolver,
+                 activity: Activity, *, base_model: str, dtype: str, device: str) -> None:
+        self.fleet = fleet
         self.registry = registry
         self.resolver = resolver
-
-    async def snapshot(self) -> ResidencySnapshot:
-        if not self.engine.is_running:
-            raise ServiceUnavailable("the engine is not running", code="engine_dead")
-        return await self.engine.lora_snapshot()
+        self.activity = activity
+        self.base_model, self.dtype, self.device = base_model, dtype, device
 
     def _registry_rows(self) -> list[tuple[str, AdapterHandle, str]]:
         if self.registry is None:
@@ -56,68 +62,75 @@ class AdminService:
             for h in self.registry.list_all()
         ]
 
+    async def overview(self) -> Overview:
+        views = await self.fleet.engines()
+        return Overview(base_model=self.base_model, dtype=self.dtype, device=self.device,
+                        engines=[v.summary for v in views])
+
     async def adapters(self) -> Residency:
-        """Every adapter the engine knows or the registry holds, with its residency."""
-        snap = await self.snapshot()
-        rows = {r["name"]: ResidencyRow(key=r["name"], **r) for r in snap.rows}
+        """Every adapter per engine (and the registry's not loaded anywhere)."""
+        views = await self.fleet.engines()
+        rows: dict[tuple[str, str], ResidencyRow] = {}
+        for view in views:
+            for r in view.rows:
+                rows[(view.summary.id, r["name"])] = ResidencyRow(
+                    key=r["name"], engine=view.summary.id,
+                    evict_pending=r["name"] in view.evict_pending, **r)
+
+        def place(key: str) -> list[ResidencyRow]:
+            found = [row for (_, k), row in rows.items() if k == key]
+            if not found:
+                rows[("", key)] = ResidencyRow(key=key, name=key, tier="store", engine="")
+                found = [rows[("", key)]]
+            return found
+
         for name, served in self.resolver.static.items():
-            key = served.lora.lora_name
-            row = rows.setdefault(key, ResidencyRow(key=key, name=key, tier="store"))
-            row.tenant, row.adapter, row.source = None, name, "static"
+            for row in place(served.lora.lora_name):
+                row.tenant, row.adapter, row.source = None, name, "static"
         for key, handle, tenant in await run_in_threadpool(self._registry_rows):
-            row = rows.setdefault(key, ResidencyRow(key=key, name=key, tier="store"))
-            row.tenant, row.adapter, row.source = tenant, handle.name, "registry"
-            row.version, row.size_bytes = handle.version, handle.size_bytes
-        stats = self.engine.stats()
+            for row in place(key):
+                row.tenant, row.adapter, row.source = tenant, handle.name, "registry"
+                row.version, row.size_bytes = handle.version, handle.size_bytes
+                row.rank = row.rank or handle.rank
+        for row in rows.values():
+            act = self.activity.adapter(row.key)
+            row.in_flight, row.requests_1m, row.tokens_1m = (
+                act["in_flight"], act["requests_1m"], act["tokens_1m"])
+            row.tokens_per_s, row.last_used = act["tokens_per_s"], _when(act["last_used"])
         return Residency(
-            data=sorted(rows.values(), key=lambda r: (r.tier == "store", r.key)),
-            engine=EngineSummary(
-                running=stats.num_running, waiting=stats.num_waiting,
-                kv_cache_usage=stats.kv_cache_usage, num_preemptions=stats.num_preemptions,
-                max_loras=snap.max_loras, evictions=snap.num_evictions,
-                lora_enabled=snap.lora_enabled,
-            ),
+            data=sorted(rows.values(), key=lambda r: (r.tier == "store", r.key, r.engine)),
+            engine=views[0].summary,
         )
 
-    async def act(self, key: str, action: str) -> ActionResult:
+    async def act(self, key: str, action: str, engine: str | None = None) -> ActionResult:
+        """Run an action on one engine or (``engine`` None) every engine."""
         if action not in ACTIONS:
             raise NotFound(f"unknown action {action!r}; use one of {', '.join(ACTIONS)}")
-        snap = await self.snapshot()
-        if not snap.lora_enabled:
+        views = await self.fleet.engines()
+        if not any(v.summary.lora_enabled for v in views):
             raise BadRequest("this server was started without LoRA")
-        mgr = self.engine.engine.lora_manager
-        handle = None
-        if not snap.knows(key):
+        request = handle = None
+        if not all(self.fleet.knows(v, key) for v in views):
             request, handle = await self._lora_request(key)
-            if action in ("evict", "unpin"):
-                return ActionResult(key=key, action=action, done=False, detail="not loaded")
-            await self.engine.call(lambda: mgr.register(request))
-        fn = {"evict": mgr.evict, "pin": mgr.pin, "unpin": mgr.unpin, "warm": mgr.warm}[action]
         try:
-            result = await self.engine.call(lambda: fn(key))
-            if action in ("pin", "warm"):
-                resident = await self._until_resident(key)
-                result = resident if action == "warm" else result
+            outcomes = await self.fleet.act(engine, action, key, request)
         except ValueError as e:  # LoRAError, AdapterValidationError
             raise Unprocessable(str(e), param="name") from None
-        if action == "evict" and self.registry is not None:
-            await self._record_evict(key, handle)
-        logger.info("admin %s %s", action, key, extra={"adapter": key, "action": action})
-        return ActionResult(key=key, action=action, done=result is not False)
-
-    async def _until_resident(self, key: str) -> bool:
-        """Ask the engine (one short call each) until the adapter's background load landed
-        and it sits in a device slot; False when no slot came free in time."""
-        mgr = self.engine.engine.lora_manager
-        deadline = time.monotonic() + WARM_TIMEOUT_S
-        while True:
-            if await self.engine.call(lambda: mgr.warm(key)):
-                return True
-            if not await self.engine.call(lambda: key in mgr.loading):
-                return False  # in CPU memory, but every slot is busy or pinned
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.02)
+        done = any(o.done for o in outcomes)
+        deferred = [o.engine for o in outcomes if o.deferred]
+        detail = None
+        if deferred:
+            detail = (f"eviction deferred on {', '.join(deferred)}: the slot frees once the "
+                      "running requests that use it finish")
+        elif action in ("evict", "unpin") and not done:
+            detail = "not loaded"
+        recorded = {"evict": "evicted", "pin": "pinned", "unpin": "unpinned"}.get(action)
+        if recorded and done and self.registry is not None:
+            await self._record(key, handle, recorded)
+        logger.info("admin %s %s", action, key,
+                    extra={"adapter": key, "action": action, "engine": engine or "all"})
+        return ActionResult(key=key, action=action, done=done, detail=detail,
+                            deferred=bool(deferred), engines=[o.engine for o in outcomes])
 
     async def _lora_request(self, key: str):
         for served in self.resolver.static.values():
@@ -130,7 +143,7 @@ class AdminService:
                 return served.lora, handle
         raise NotFound(f"adapter {key!r} not found", code="adapter_not_found")
 
-    async def _record_evict(self, key: str, handle: AdapterHandle | None) -> None:
+    async def _record(self, key: str, handle: AdapterHandle | None, kind: str) -> None:
         try:
             if handle is None:
                 for k, h, _ in await run_in_threadpool(self._registry_rows):
@@ -138,8 +151,64 @@ class AdminService:
                         handle = h
                         break
             if handle is not None:
-                await run_in_threadpool(
-                    self.registry.record_event, handle.id, "evicted", actor="admin"
-                )
+                await run_in_threadpool(self.registry.record_event, handle.id, kind,
+                                        actor="admin")
         except Exception:
-            logger.exception("could not record the eviction of %s", key)
+            logger.exception("could not record the %s of %s", kind, key)
+
+    # --- tenants and audit (registry reads, in a worker thread) ---------------------------
+    def _tenants(self) -> TenantList:
+        reg = self.registry
+        if reg is None:
+            return TenantList(data=[])
+        keys = reg.list_api_keys()
+        out = []
+        for t in reg.list_tenants():
+            quotas, usage = reg.get_quotas(t.id), reg.get_usage(t.id)
+            act = self.activity.tenant(t.id)
+            used = {
+                "max_concurrent_requests": act["in_flight"],
+                "requests_per_minute": act["requests_1m"],
+                "tokens_per_minute": act["tokens_1m"],
+                "max_adapters": usage.adapters,
+                "max_stored_bytes": usage.stored_bytes,
+            }
+            out.append(TenantInfo(
+                id=t.id, name=t.name,
+                quotas=[QuotaUse(name=n, used=used.get(n), limit=getattr(quotas, n))
+                        for n in quotas.to_dict()],
+                rejections=[RejectionInfo(at=_when(r.at), code=r.code, message=r.message)
+                            for r in self.activity.rejections(t.id)],
+                keys=[k for k in keys if k.tenant_id == t.id],
+            ))
+        return TenantList(data=out)
+
+    async def tenants(self) -> TenantList:
+        return await run_in_threadpool(self._tenants)
+
+    def _audit(self, tenant: str | None, kind: str | None, limit: int) -> AuditLog:
+        reg = self.registry
+        if reg is None:
+            return AuditLog(data=[])
+        names = {t.id: t.name for t in reg.list_tenants()}
+        if tenant is not None and tenant not in names.values():
+            return AuditLog(data=[])
+        events = [
+            AuditEvent(at=e.created_at, kind=e.kind, tenant=names.get(e.tenant_id),
+                       subject=e.adapter_name, actor=e.actor, details=e.details)
+            for e in reg.events(tenant, limit=limit)
+        ]
+        for k in reg.list_api_keys(tenant):
+            for when, what in ((k.created_at, "key_created"), (k.revoked_at, "key_revoked")):
+                if when is not None:
+                    events.append(AuditEvent(at=when, kind=what, tenant=names.get(k.tenant_id),
+                                             subject=k.prefix, actor="operator"))
+        if kind:
+            events = [e for e in events if e.kind == kind]
+        events.sort(key=lambda e: e.at, reverse=True)
+        return AuditLog(data=events[:limit])
+
+    async def audit(self, tenant: str | None = None, kind: str | None = None,
+                    limit: int = 200) -> AuditLog:
+        """Recent adapter and key events, newest first, optionally of one tenant / kind."""
+        return await run_in_threadpool(self._audit, tenant or None, kind or None, limit)

@@ -10,6 +10,8 @@
     loramux export NAME --tenant T --out DIR [--check]   merge into the base model
     loramux gc                                           collect unreferenced objects
     loramux serve [MODEL] [--port N] ...                 the HTTP server
+    loramux admin adapters                               residency (through the admin API)
+    loramux admin evict|pin|unpin|warm NAME --tenant T   operator actions (admin API)
 
 Every option is a :class:`~loramux.platform.settings.Settings` field: a flag left out
 falls back to its ``LORAMUX_*`` variable, then to the default, so ``adapters upload``
@@ -23,6 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from loramux.platform.cli.adapters import add_adapter_commands
+from loramux.platform.cli.admin import add_admin_commands
 from loramux.platform.cli.common import EXIT_ERROR
 from loramux.platform.cli.db import add_db_commands
 from loramux.platform.cli.export import add_export_command
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_command(sub)
     add_gc_command(sub)
     add_serve_command(sub)
+    add_admin_commands(sub)
     return parser
 
 

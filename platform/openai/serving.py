@@ -127,6 +127,7 @@ class OpenAIServing:
         self._check_lengths(ctx)
         headers = ctx.built.headers()
         pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served)
+        self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))
         try:
             if req.stream:
                 first = await until_disconnect(self._prime(pump, ctx), request.receive)
@@ -177,6 +178,7 @@ class OpenAIServing:
         if ctx.recorded:
             return
         ctx.recorded = True
+        self.metrics.activity.end(ctx.rid, sum(t.output_tokens for t in pump.tracks))
         label = ctx.served.label
         for t in pump.tracks:
             ttft = (t.first - t.start) if t.first is not None else None

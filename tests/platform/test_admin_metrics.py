@@ -27,11 +27,13 @@ def _metric(text: str, name: str, **labels) -> float | None:
 
 async def test_dashboard_page_and_auth(client, env):
     page = await client.get("/admin")
-    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert "Admin key" in page.text and "/admin/adapters" in page.text
+    assert page.status_code == 303 and page.headers["location"] == "/admin/login"
+    login = await client.get("/admin/login")
+    assert login.status_code == 200 and "text/html" in login.headers["content-type"]
+    assert "Admin key" in login.text
     assert (await client.get("/admin/adapters")).status_code == 401
     r = await client.get("/admin/adapters", headers=env.headers(env.key_a))
-    assert r.status_code == 401  # a tenant key is not the admin key
+    assert r.status_code == 403  # a tenant key is not the admin key
     r = await client.post("/v1/completions", headers=ADMIN, json={"model": BASE, "prompt": "x"})
     assert r.status_code == 200  # the admin key may use shared models
 
@@ -69,7 +71,7 @@ async def test_residency_and_actions(client, env):
 
     assert (await client.post("/admin/adapters/9/none@x/warm", headers=ADMIN)).status_code == 404
     r = await client.post(f"/admin/adapters/{key}/evict", headers=env.headers(env.key_b))
-    assert r.status_code == 401
+    assert r.status_code == 403
 
 
 async def test_request_metrics_per_adapter(client, env):
