@@ -1,0 +1,78 @@
+"""A tenant over its quota gets 429 with ``Retry-After`` in the OpenAI shape, from both
+limiter backends (in-process, and Redis against the real server), while the neighbour
+keeps its latency; a request that alone is past a quota gets 400 (retrying won't help)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from loramux.registry.quotas import Quotas
+
+BODY = {"model": "attacker-lora", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request, tenants):
+    """Settings for one limiter backend; the attacker's quotas and Redis keys are reset."""
+    overrides = {}
+    if request.param == "redis":
+        import redis
+
+        url = request.getfixturevalue("redis_url")
+        client = redis.Redis.from_url(url)
+        pattern = f"loramux:limits:{{{tenants.attacker.id}}}:*"
+
+        def clear():
+            for key in client.scan_iter(match=pattern):
+                client.delete(key)
+
+        clear()
+        request.addfinalizer(clear)
+        request.addfinalizer(client.close)
+        overrides["redis_url"] = url
+    request.addfinalizer(lambda: tenants.registry.set_quotas(tenants.attacker.id, None))
+    return overrides
+
+
+def test_rate_limited_tenant_gets_429_with_retry_after(live, tenants, backend):
+    url, canary = live(**backend)
+    h = tenants.auth(tenants.attacker_key)
+    tenants.registry.set_quotas(tenants.attacker.id, Quotas(requests_per_minute=3))
+    with canary.beside():
+        codes = [httpx.post(f"{url}/v1/completions", headers=h, json=BODY, timeout=30)
+                 for _ in range(5)]
+    assert [r.status_code for r in codes[:3]] == [200, 200, 200], [r.text for r in codes]
+    for r in codes[3:]:
+        assert r.status_code == 429, r.text
+        assert int(r.headers["Retry-After"]) >= 1
+        err = r.json()["error"]
+        assert err["type"] == err["code"] == "rate_limit_exceeded"
+        assert err["param"] == "requests_per_minute"
+    # the quota is the attacker's alone
+    r = httpx.post(f"{url}/v1/completions", headers=tenants.auth(tenants.neighbour_key),
+                   json={**BODY, "model": "neighbour-lora"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_request_past_a_quota_alone_is_400(live, tenants, backend):
+    url, _ = live(**backend)
+    tenants.registry.set_quotas(tenants.attacker.id, Quotas(max_queued_sequences=2))
+    r = httpx.post(f"{url}/v1/completions", headers=tenants.auth(tenants.attacker_key),
+                   json={**BODY, "n": 3, "temperature": 1.0}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "retrying will not help" in err["message"]
+
+
+def test_quotas_api_shows_quotas_and_usage(live, tenants, backend):
+    url, _ = live(**backend)
+    tenants.registry.set_quotas(tenants.attacker.id, Quotas(tokens_per_minute=1000, max_adapters=3))
+    r = httpx.get(f"{url}/v1/quotas", headers=tenants.auth(tenants.attacker_key), timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tenant"] == "attacker"
+    assert body["quotas"]["tokens_per_minute"] == 1000 and body["quotas"]["max_adapters"] == 3
+    assert body["quotas"]["requests_per_minute"] is None
+    assert body["usage"]["adapters"] == 1 and body["usage"]["stored_bytes"] > 0
+    assert httpx.get(f"{url}/v1/quotas", timeout=30).status_code == 401
