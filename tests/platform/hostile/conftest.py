@@ -45,13 +45,14 @@ class Canary:
 
     url: str
     key: str
+    model: str = "neighbour-lora"
     idle: float = 0.0
     seen: list[float] = field(default_factory=list)
 
     def once(self) -> float:
         start = time.monotonic()
         r = httpx.post(f"{self.url}/v1/completions", headers=Tenants.auth(self.key), timeout=30,
-                       json={"model": "neighbour-lora", "prompt": "hello", "max_tokens": 4,
+                       json={"model": self.model, "prompt": "hello", "max_tokens": 4,
                              "temperature": 0})
         assert r.status_code == 200, r.text
         return time.monotonic() - start
@@ -123,9 +124,9 @@ def live(hostile_engine, tenants):
     """``live(**settings)`` → (base URL, calibrated neighbour canary) of a server with
     those settings; stopped at the end of the test."""
     with contextlib.ExitStack() as stack:
-        def start(engine=None, **overrides):
+        def start(engine=None, canary_model="neighbour-lora", **overrides):
             app = create_app(settings(**overrides), engine=engine or hostile_engine,
                              registry=tenants.registry)
             url = stack.enter_context(serve_in_thread(app))
-            return url, Canary(url, tenants.neighbour_key).calibrate()
+            return url, Canary(url, tenants.neighbour_key, canary_model).calibrate()
         yield start
