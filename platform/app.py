@@ -23,8 +23,8 @@ from loramux.platform.errors import install_error_handlers
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
 from loramux.platform.settings import Settings, engine_config, open_registry
+from loramux.platform.state import VERSION, AppState, aclose_state, build_state
 from loramux.platform.tenant_api import routes as tenant_routes
-from loramux.platform.state import VERSION, AppState, aclose_state, build_state, close_state
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService

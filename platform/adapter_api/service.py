@@ -30,8 +30,8 @@ from loramux.platform.adapter_api.uploads import (
     Received,
     fetch_s3,
     parse_bool,
-    parse_s3_uri,
     parse_preset_field,
+    parse_s3_uri,
     receive_multipart,
 )
 from loramux.platform.errors import BadRequest, Forbidden, to_api_error

@@ -36,7 +36,8 @@ def _quota_value(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'unlimited', got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected an integer or 'unlimited', got {text!r}") from None
 
 
 def add_quota_command(tsub: argparse._SubParsersAction) -> None:
