@@ -15,7 +15,7 @@ import httpx
 import pytest
 from support.adapters import write_random_adapter
 from support.platform_settings import settings
-from support.server import make_engine, make_registry, serve_in_thread
+from support.server import make_registry, serve_in_thread
 
 from loramux.platform.app import create_app
 
@@ -98,14 +98,6 @@ class Canary:
 
 
 @pytest.fixture(scope="module")
-def hostile_engine(tiny_model_dir):
-    eng = make_engine(tiny_model_dir, max_model_len=512, max_num_seqs=16, max_waiting=64,
-                      max_loras=2, max_cpu_loras=4)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tenants(tiny_model_dir, tmp_path_factory) -> Tenants:
     root = tmp_path_factory.mktemp("hostile")
     dirs = [write_random_adapter(tiny_model_dir, root / f"a{i}", seed=10 + i, std=0.3)
@@ -120,12 +112,13 @@ def tenants(tiny_model_dir, tmp_path_factory) -> Tenants:
 
 
 @pytest.fixture
-def live(hostile_engine, tenants):
+def live(engine, tenants):
     """``live(**settings)`` → (base URL, calibrated neighbour canary) of a server with
     those settings; stopped at the end of the test."""
+    default_engine = engine  # tests/platform/conftest.py's tiny-model engine
     with contextlib.ExitStack() as stack:
         def start(engine=None, canary_model="neighbour-lora", **overrides):
-            app = create_app(settings(**overrides), engine=engine or hostile_engine,
+            app = create_app(settings(**overrides), engine=engine or default_engine,
                              registry=tenants.registry)
             url = stack.enter_context(serve_in_thread(app))
             return url, Canary(url, tenants.neighbour_key, canary_model).calibrate()

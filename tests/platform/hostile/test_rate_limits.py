@@ -4,6 +4,8 @@ keeps its latency; a request that alone is past a quota gets 400 (retrying won't
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -76,3 +78,25 @@ def test_quotas_api_shows_quotas_and_usage(live, tenants, backend):
     assert body["quotas"]["requests_per_minute"] is None
     assert body["usage"]["adapters"] == 1 and body["usage"]["stored_bytes"] > 0
     assert httpx.get(f"{url}/v1/quotas", timeout=30).status_code == 401
+
+
+def test_a_stream_holds_its_concurrency_slot_until_it_ends(live, tenants, backend):
+    url, canary = live(**backend)
+    h = tenants.auth(tenants.attacker_key)
+    tenants.registry.set_quotas(tenants.attacker.id, Quotas(max_concurrent_requests=1))
+    body = {**BODY, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with canary.beside(), httpx.stream("POST", f"{url}/v1/completions", headers=h, json=body,
+                                       timeout=30) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()  # keep it: dropping it closes the connection
+        next(lines)  # the stream has started: its slot is held
+        r = httpx.post(f"{url}/v1/completions", headers=h, json=BODY, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["param"] == "max_concurrent_requests"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert "data: [DONE]" in "\n".join(lines)
+    for _ in range(50):  # released when the stream ended (the handler's finally)
+        r = httpx.post(f"{url}/v1/completions", headers=h, json=BODY, timeout=30)
+        if r.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
