@@ -100,3 +100,27 @@ def test_a_stream_holds_its_concurrency_slot_until_it_ends(live, tenants, backen
             break
         time.sleep(0.05)
     assert r.status_code == 200, r.text
+
+
+def test_a_quota_change_takes_effect_at_once(live, tenants, backend):
+    url, _ = live(**backend)  # quotas are cached for quota_cache_ttl (5 s) …
+    h = tenants.auth(tenants.attacker_key)
+    assert httpx.post(f"{url}/v1/completions", headers=h, json=BODY, timeout=30).status_code == 200
+    tenants.registry.set_quotas(tenants.attacker.id, Quotas(requests_per_minute=1))
+    codes = [httpx.post(f"{url}/v1/completions", headers=h, json=BODY, timeout=30).status_code
+             for _ in range(2)]  # … but a change drops the cache
+    assert codes == [200, 429]
+
+
+def test_unreachable_redis_is_503_without_its_address(live, tenants):
+    from support.server import free_port
+
+    url, _ = live(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    tenants.registry.set_quotas(tenants.attacker.id, Quotas(requests_per_minute=100))
+    try:
+        r = httpx.post(f"{url}/v1/completions", headers=tenants.auth(tenants.attacker_key),
+                       json=BODY, timeout=30)
+    finally:
+        tenants.registry.set_quotas(tenants.attacker.id, None)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "limiter_unavailable", r.text
+    assert "127.0.0.1" not in r.text and "redis" not in r.text.lower()
