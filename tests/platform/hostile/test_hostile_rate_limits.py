@@ -124,3 +124,20 @@ def test_unreachable_redis_is_503_without_its_address(live, tenants):
         tenants.registry.set_quotas(tenants.attacker.id, None)
     assert r.status_code == 503 and r.json()["error"]["code"] == "limiter_unavailable", r.text
     assert "127.0.0.1" not in r.text and "redis" not in r.text.lower()
+
+
+def test_storage_quota_refuses_an_upload_with_403(live, tenants):
+    url, _ = live()
+    folder = tenants.adapter_dirs[2]
+    files = [("file", (name, (folder / name).read_bytes()))
+             for name in ("adapter_config.json", "adapter_model.safetensors")]
+    tenants.registry.set_quotas(tenants.attacker.id, Quotas(max_adapters=1))
+    try:
+        r = httpx.post(f"{url}/v1/adapters", headers=tenants.auth(tenants.attacker_key),
+                       data={"name": "one-too-many"}, files=files, timeout=30)
+    finally:
+        tenants.registry.set_quotas(tenants.attacker.id, None)
+    assert r.status_code == 403, r.text
+    err = r.json()["error"]
+    assert err["code"] == "quota_exceeded" and err["param"] == "max_adapters"
+    assert "/" not in err["message"]  # no paths
