@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 
 from loramux.engine.engine import LLMEngine, PromptType
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error; the server should restart it."""
+
+
+class AdapterGoneError(LookupError):
+    """A queued request's adapter was deleted or replaced before the request started."""
 
 
 @dataclass
@@ -92,6 +97,23 @@ class AsyncEngine:
         """Stop a request and free its KV blocks."""
         self._streams.pop(request_id, None)
         return await self.call(lambda: self.engine.abort_request(request_id))
+
+    def abort_queued(self, lora_keys: Collection[str], message: str) -> list[str]:
+        """Abort the requests for these adapter keys that have not started (no token
+        computed yet) and fail their callers at once with :class:`AdapterGoneError`
+        (``message``); running ones go on. Runs on the engine thread: call it through
+        :meth:`call` / :meth:`call_sync`. Returns the aborted request ids."""
+        keys = set(lora_keys)
+        queued = [rid for rid, req in self.engine.requests.items()
+                  if req.lora_request is not None and req.lora_request.key in keys
+                  and all(seq.num_computed_tokens == 0 for seq in req.seqs)]
+        for rid in queued:
+            self.engine.abort_request(rid)
+            target = self._streams.pop(rid, None)
+            if target is not None:
+                with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+                    target[0].call_soon_threadsafe(target[1].put_nowait, AdapterGoneError(message))
+        return queued
 
     async def call(self, fn: Callable):
         """Run ``fn()`` on the engine thread (between steps) and return its result."""

@@ -25,7 +25,8 @@ from loramux.platform.errors import install_error_handlers
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
 from loramux.platform.settings import Settings, engine_config, open_registry
-from loramux.platform.state import VERSION, AppState, build_state, close_state
+from loramux.platform.state import VERSION, AppState, aclose_state, build_state
+from loramux.platform.tenant_api import routes as tenant_routes
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -71,8 +72,11 @@ def create_app(
         try:
             yield
         finally:
+            state = getattr(app.state, "loramux", None)
             if state is not None and state.owns_engine:
-                close_state(state)
+                await aclose_state(state)
+            elif state is not None and state.admission is not None:
+                await state.admission.aclose()
 
     app = FastAPI(
         title="loramux",
@@ -90,6 +94,7 @@ def create_app(
     )
     app.include_router(openai_routes.router)
     app.include_router(adapter_routes.router)
+    app.include_router(tenant_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(admin_pages.router)
     app.include_router(ops.router)

@@ -62,9 +62,17 @@ async def get_admin(request: Request, state: StateDep, creds: Credentials) -> Ca
     return Caller(None, is_admin=True)
 
 
+async def get_metrics_reader(state: StateDep, creds: Credentials) -> Caller | None:
+    """/metrics names every tenant's adapters: the admin key, unless ``--metrics-public``."""
+    if state.settings.metrics_public:
+        return None
+    return await state.auth.admin(_header(creds))
+
+
 CallerDep = Annotated[Caller, Depends(get_caller)]
 TenantDep = Annotated[Caller, Depends(get_tenant)]
 AdminDep = Annotated[Caller, Depends(get_admin)]
+MetricsReaderDep = Annotated[Caller | None, Depends(get_metrics_reader)]
 
 
 async def get_openai(state: StateDep) -> OpenAIServing:

@@ -116,6 +116,13 @@ class TooManyRequests(APIError):
     code = "queue_full"
 
 
+class RateLimitExceeded(TooManyRequests):
+    """Over a tenant quota now; ``Retry-After`` says when to try again."""
+
+    type = "rate_limit_exceeded"
+    code = "rate_limit_exceeded"
+
+
 class ServiceUnavailable(APIError):
     status_code = 503
     type = "server_error"
@@ -128,10 +135,11 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
     the first row whose classes match wins. Store and schema failures name no bucket,
     path or SQL: the client hears what to do, the log hears what happened."""
     from loramux.adapters.errors import AdapterValidationError
-    from loramux.engine.async_engine import EngineDeadError
+    from loramux.engine.async_engine import AdapterGoneError, EngineDeadError
     from loramux.engine.engine import QueueFullError
     from loramux.engine.lora.manager import LoRAError
-    from loramux.platform.limits.tenant import RateLimited, RequestTooLarge
+    from loramux.platform.limits.request import RequestLimitError
+    from loramux.platform.limits.tenant import LimiterUnavailable, RateLimited, RequestTooLarge
     from loramux.registry import errors as r
 
     def unavailable(what: str) -> Callable[[BaseException], APIError]:
@@ -147,6 +155,16 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
             str(e), code="rate_limit_exceeded", headers={"Retry-After": e.retry_after_header})),
         ((RequestTooLarge,), lambda e: TooManyRequests(str(e), code="request_too_large")),
         ((EngineDeadError,), lambda e: ServiceUnavailable(str(e), code="engine_dead")),
+        ((AdapterGoneError,), lambda e: Conflict(str(e), param="model", code="adapter_gone")),
+        ((RateLimited,), lambda e: RateLimitExceeded(
+            str(e), param=e.limit, headers={"Retry-After": e.retry_after_header})),
+        ((RequestTooLarge,), lambda e: BadRequest(
+            f"{e}; retrying will not help", param=e.limit, code="request_too_large")),
+        ((LimiterUnavailable,), lambda e: ServiceUnavailable(str(e), code="limiter_unavailable")),
+        ((RequestLimitError,), lambda e: BadRequest(str(e), param=e.param,
+                                                    code="request_limit_exceeded")),
+        ((r.QuotaExceeded,), lambda e: Forbidden(str(e), param=e.quota, code="quota_exceeded")),
+        ((r.InvalidQuota,), lambda e: BadRequest(str(e), param="quotas", code="invalid_quota")),
         ((LoRAError,), lambda e: Unprocessable(f"the adapter cannot be served: {e}", param="model")),
         ((AdapterValidationError,), lambda e: Unprocessable(str(e), param=e.field)),
         ((r.AdapterNotFound,), lambda e: AdapterNotFoundError(str(e), param="name")),

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from loramux.platform.deps import StateDep
+from loramux.platform.deps import MetricsReaderDep, StateDep
 
 router = APIRouter(tags=["operations"])
 
@@ -52,8 +52,9 @@ async def ready(state: StateDep):
 
 
 @router.get("/metrics")
-async def metrics(state: StateDep):
-    """Prometheus text format."""
+async def metrics(state: StateDep, reader: MetricsReaderDep):
+    """Prometheus text format; needs the admin key unless the server runs with
+    ``--metrics-public``."""
     snapshot = None
     if state.engine.is_running:
         with contextlib.suppress(Exception):

@@ -13,23 +13,65 @@ From the settings, :func:`engine_config` builds the engine's configuration and
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
 import json
+import textwrap
 import types
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from loramux.platform.limits.request import RequestLimits
+from loramux.registry.quotas import Quotas
 
 if TYPE_CHECKING:
     from loramux.engine.config import EngineConfig
     from loramux.registry.service import RegistryService
 
 DEFAULT_MODEL_ALIASES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
+QUOTA_PREFIX = "default_"
+"""``Settings.default_<quota>`` is the quota of every tenant without its own."""
 
 
-class Settings(BaseSettings):
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstrings under a class's attributes (``x: int = 1`` then ``\"\"\"doc\"\"\"``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _fields_of(dataclass: type, prefix: str = "", doc_suffix: str = "") -> dict[str, Any]:
+    """One settings field per dataclass field: same type, default and docstring."""
+    hints = typing.get_type_hints(dataclass)
+    docs = attribute_docs(dataclass)
+    return {
+        prefix + f.name: (hints[f.name], Field(default=f.default,
+                                               description=docs.get(f.name, "") + doc_suffix))
+        for f in dataclasses.fields(dataclass)
+    }
+
+
+_LimitSettings = create_model(  # the caps and default quotas, generated: one source of truth
+    "_LimitSettings",
+    __base__=BaseSettings,
+    **_fields_of(RequestLimits),
+    **_fields_of(Quotas, QUOTA_PREFIX, " Default for tenants without their own quotas "
+                 "(`loramux tenants quota`); None = unlimited."),
+)
+
+
+class Settings(_LimitSettings):
     """Everything ``loramux serve`` needs; engine options keep vLLM's names."""
 
     model_config = SettingsConfigDict(
@@ -130,7 +172,7 @@ class Settings(BaseSettings):
     """all (one process: today's server) | gateway | engine."""
     redis_url: str | None = None
     """Cluster state, routing view, pub/sub fan-out and the gateways' shared tenant rate
-    limits; required by gateway and engine."""
+    limits (None with role all = in-process limits); required by gateway and engine."""
     redis_namespace: str = "loramux"
     """Prefix of every Redis key and channel (several clusters can share one Redis)."""
     cluster_secret: SecretStr | None = None
@@ -155,7 +197,16 @@ class Settings(BaseSettings):
             raise ValueError(f"role must be all, gateway or engine, got {value!r}")
         return value
 
-    @field_validator("served_model_name", "lora_modules", mode="before")
+    # --- tenants cannot hurt each other (request caps and default quotas: see above) -----
+    quota_cache_ttl: float = 5.0
+    """Seconds a tenant's quotas are cached (a change through this server is immediate)."""
+    metrics_public: bool = False
+    """Serve /metrics without the admin key (it names every tenant's adapters)."""
+    s3_import_allow: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """s3://bucket/prefix/ sources tenants may import adapters from (besides their own
+    prefix, s3://<s3-bucket>/<s3-prefix>/imports/tenant-<id>/); empty = only their own."""
+
+    @field_validator("served_model_name", "lora_modules", "s3_import_allow", mode="before")
     @classmethod
     def _split(cls, value):
         if isinstance(value, str):
@@ -173,8 +224,9 @@ class Settings(BaseSettings):
         return value
 
 
-GROUPS = {"model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
-          "role": "cluster (see loramux.platform.cluster)"}
+GROUPS = {"max_stop": "request limits", QUOTA_PREFIX + "max_concurrent_requests": "tenant quotas",
+          "model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
+          "role": "cluster (see loramux.platform.cluster)", "quota_cache_ttl": "isolation"}
 """The flag group that starts at each of these fields (in declaration order)."""
 REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
                    "s3_region")
@@ -252,6 +304,18 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
+def request_limits(settings: Settings) -> RequestLimits:
+    """The per-request caps for these settings."""
+    return RequestLimits(**{f.name: getattr(settings, f.name)
+                            for f in dataclasses.fields(RequestLimits)})
+
+
+def default_quotas(settings: Settings) -> Quotas:
+    """The quotas of tenants without their own, for these settings."""
+    return Quotas(**{f.name: getattr(settings, QUOTA_PREFIX + f.name)
+                     for f in dataclasses.fields(Quotas)})
+
+
 def open_registry(settings: Settings, base_model: Any = None, *,
                   auto_upgrade: bool | None = None) -> RegistryService:
     """The registry for these settings. With ``base_model`` (a folder, or a config)
@@ -267,4 +331,5 @@ def open_registry(settings: Settings, base_model: Any = None, *,
         base_model=str(base_model) if isinstance(base_model, Path) else base_model,
         max_lora_rank=s.max_lora_rank, max_adapter_bytes=s.max_adapter_bytes,
         auto_upgrade=auto_upgrade, preset_check=registry_preset_check,
+        default_quotas=default_quotas(s),
     )

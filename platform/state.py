@@ -18,10 +18,17 @@ from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
+from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
+from loramux.platform.openai.admission import AdmissionControl
 from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
 from loramux.platform.openai.serving import OpenAIServing
-from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
+from loramux.platform.settings import (
+    DEFAULT_MODEL_ALIASES,
+    Settings,
+    default_quotas,
+    request_limits,
+)
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -47,6 +54,8 @@ class AppState:
     owns_engine: bool = False
     owns_registry: bool = False
     cleanups: list[Callable[[], None]] = field(default_factory=list)
+    admission: AdmissionControl | None = None
+    """Request caps, chat-template rendering and tenant quotas (see openai/admission.py)."""
 
 
 def base_model_names(settings: Settings, model_path: Path) -> list[str]:
@@ -61,6 +70,15 @@ def base_model_names(settings: Settings, model_path: Path) -> list[str]:
     return names
 
 
+def _own_s3_root(settings: Settings) -> str | None:
+    """``s3://bucket/prefix/`` of the configured store; tenants import from
+    ``imports/<tenant>/`` under it."""
+    if not settings.s3_bucket:
+        return None
+    prefix = settings.s3_prefix.strip("/")
+    return f"s3://{settings.s3_bucket}/{prefix + '/' if prefix else ''}"
+
+
 def build_state(settings: Settings, engine: AsyncEngine,
                 registry: RegistryService | None) -> AppState:
     """Wire the services around one engine (and optionally a registry); subscribes to
@@ -70,8 +88,16 @@ def build_state(settings: Settings, engine: AsyncEngine,
     lora_enabled = llm.lora_manager.enabled
 
     def drop_engine_key(key: str) -> None:
+        """A deleted or replaced version: its queued requests fail now, running ones finish."""
+        message = (f"adapter {key.split('/', 1)[-1].rsplit('@', 1)[0]!r} was deleted or "
+                   "replaced before this request started; send it again")
+
+        def drop() -> None:
+            engine.abort_queued([key], message)
+            llm.lora_manager.drop(key)
+
         if engine.is_running:
-            engine.call_sync(lambda: llm.lora_manager.drop(key), timeout=30)
+            engine.call_sync(drop, timeout=30)
 
     resolver = ModelResolver(
         base_model_names(settings, Path(llm.model_path)),
@@ -88,13 +114,20 @@ def build_state(settings: Settings, engine: AsyncEngine,
     scratch = Path(data_dir) / "uploads" if data_dir else Path(tempfile.gettempdir()) / "loramux-uploads"
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
     auth = Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous)
+    behind_gateway = settings.role == "engine"  # gateways hold the fleet-wide quotas
+    admission = AdmissionControl(
+        build_limiter(None if behind_gateway else settings.redis_url), request_limits(settings),
+        registry, default_quotas(settings), quota_ttl=settings.quota_cache_ttl,
+        enforce_quotas=not behind_gateway,
+    )
     openai = OpenAIServing(
-        engine, resolver, metrics, fingerprint=fingerprint,
+        engine, resolver, metrics, fingerprint=fingerprint, admission=admission,
         retry_after=settings.retry_after_seconds, max_prompts=settings.max_prompts_per_request,
     )
     adapters = AdapterService(
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
-        s3_endpoint_url=settings.s3_endpoint_url,
+        s3_endpoint_url=settings.s3_endpoint_url, s3_import_allow=settings.s3_import_allow,
+        own_s3_root=_own_s3_root(settings),
     ) if registry is not None else None
     fleet = LocalFleet(engine, metrics.activity)
     admin = AdminService(
@@ -102,13 +135,23 @@ def build_state(settings: Settings, engine: AsyncEngine,
         dtype=str(llm.model.dtype).removeprefix("torch."), device=str(llm.model.device),
     )
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
-                     adapters, scratch)
+                     adapters, scratch, admission=admission)
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
         state.cleanups.append(registry.subscribe(auth.on_registry_event))
+        state.cleanups.append(registry.subscribe(admission.on_registry_event))
     state.cleanups.append(engine.add_adapter_listener(metrics.on_adapter_event))
     state.cleanups.append(fleet.remove_listener)
     return state
+
+
+async def aclose_state(state: AppState) -> None:
+    """What needs the event loop to close (template workers, the limiter's connection),
+    then :func:`close_state`."""
+    if state.admission is not None:
+        with contextlib.suppress(Exception):
+            await state.admission.aclose()
+    close_state(state)
 
 
 def close_state(state: AppState) -> None:

@@ -335,7 +335,7 @@ class RegistryService:
     def set_quotas(self, tenant: TenantRef, quotas: Quotas | None) -> Quotas:
         """Give the tenant its own quotas (every field; ``None`` fields are unlimited), or
         with ``quotas=None`` drop them so the defaults apply again. Returns the quotas in
-        effect. Lowering a storage quota below the current usage deletes nothing; it only
+        effect; listeners hear ``quotas_changed``. Lowering a storage quota below the current usage deletes nothing; it only
         refuses further uploads."""
         with self.db.session() as s:
             tenant_id = self._tenant_id(s, tenant)
@@ -343,14 +343,15 @@ class RegistryService:
             if quotas is None:
                 if row is not None:
                     s.delete(row)
-                return self.default_quotas
-            if row is None:
-                row = TenantQuota(tenant_id=tenant_id)
-                s.add(row)
-            for name in QUOTA_FIELDS:
-                setattr(row, name, getattr(quotas, name))
-            row.updated_at = utcnow()
-        return quotas
+            else:
+                if row is None:
+                    row = TenantQuota(tenant_id=tenant_id)
+                    s.add(row)
+                for name in QUOTA_FIELDS:
+                    setattr(row, name, getattr(quotas, name))
+                row.updated_at = utcnow()
+        self._notify("quotas_changed", None)
+        return self.default_quotas if quotas is None else quotas
 
     def get_usage(self, tenant: TenantRef) -> TenantUsage:
         """What the tenant stores now (adapter count, sum of their sizes)."""

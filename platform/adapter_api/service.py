@@ -31,9 +31,10 @@ from loramux.platform.adapter_api.uploads import (
     fetch_s3,
     parse_bool,
     parse_preset_field,
+    parse_s3_uri,
     receive_multipart,
 )
-from loramux.platform.errors import BadRequest, to_api_error
+from loramux.platform.errors import BadRequest, Forbidden, to_api_error
 from loramux.platform.openai.params import validate_preset
 from loramux.platform.openai.resolver import Caller, ModelResolver
 
@@ -54,12 +55,16 @@ class AdapterService:
         scratch_dir: Path,
         max_upload_bytes: int,
         s3_endpoint_url: str | None = None,
+        s3_import_allow: list[str] | None = None,
+        own_s3_root: str | None = None,
     ) -> None:
         self.registry = registry
         self.resolver = resolver
         self.scratch = scratch_dir
         self.max_upload_bytes = max_upload_bytes
         self.s3_endpoint_url = s3_endpoint_url
+        self.s3_import_allow = [_as_prefix(p) for p in s3_import_allow or ()]
+        self.own_s3_root = _as_prefix(own_s3_root) if own_s3_root else None
         self._export_lock = asyncio.Lock()
 
     async def _call(self, fn, *args, **kwargs):
@@ -87,7 +92,25 @@ class AdapterService:
         finally:
             await run_in_threadpool(received.cleanup)
 
+    def import_prefixes(self, caller: Caller) -> list[str]:
+        """Where ``caller`` may import from: its own prefix (``imports/<tenant>/`` in the
+        server's bucket) and the operator's ``--s3-import-allow`` list."""
+        own = [f"{self.own_s3_root}imports/{caller.tenant.name}/"] if self.own_s3_root else []
+        return own + self.s3_import_allow
+
+    def check_import_source(self, caller: Caller, source: str) -> None:
+        """403 for an ``s3://`` source outside the caller's allowed prefixes."""
+        bucket, key = parse_s3_uri(source)
+        if "/../" in f"/{key}/" or not any(
+                f"s3://{bucket}/{key}".startswith(p) for p in self.import_prefixes(caller)):
+            raise Forbidden(
+                "this server imports adapters only from your own prefix (imports/<tenant>/ "
+                "in the server's bucket) and the locations its operator allows "
+                "(--s3-import-allow)", param="source", code="source_not_allowed",
+            )
+
     async def upload_s3(self, caller: Caller, body: S3Upload, replace_q: bool) -> Adapter:
+        self.check_import_source(caller, body.source)
         received: Received = await run_in_threadpool(
             fetch_s3, body.source, self.scratch, self.max_upload_bytes,
             endpoint_url=self.s3_endpoint_url,
@@ -166,6 +189,11 @@ class AdapterService:
             id=handle.name, version=handle.version, base_model=handle.base_model,
             location=store_uri(self.registry.store, prefix), files=files,
         )
+
+
+def _as_prefix(uri: str) -> str:
+    """``s3://bucket/prefix`` as a prefix that matches only whole path segments."""
+    return uri if uri.endswith("/") else uri + "/"
 
 
 def _put_folder(store: ObjectStore, folder: Path, prefix: str) -> list[str]:

@@ -48,7 +48,9 @@ class PromptBuilder:
                 out.append({"prompt_token_ids": list(item)})
         return out
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> dict:
+    @staticmethod
+    def conversation(req: ChatCompletionRequest) -> list[dict]:
+        """The messages as the chat template sees them (text parts joined)."""
         conversation = []
         for i, m in enumerate(req.messages):
             content = m.content
@@ -64,12 +66,27 @@ class PromptBuilder:
                     parts.append(part["text"])
                 content = "".join(parts)
             conversation.append({"role": m.role, "content": content or ""})
+        return conversation
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> dict:
+        """The messages rendered with the model's own chat template, as token ids."""
         try:
             ids = render_chat(
-                self.tokenizer, conversation, bool(req.add_generation_prompt), req.chat_template,
+                self.tokenizer, self.conversation(req), bool(req.add_generation_prompt), None,
                 req.chat_template_kwargs,
             )
+        except BadRequest:
+            raise
         except Exception as e:  # template errors (e.g. roles that must alternate)
             raise BadRequest(f"messages cannot be rendered with the chat template: {e}",
                              param="messages") from None
+        return {"prompt_token_ids": ids}
+
+    async def rendered_prompt(self, text: str) -> dict:
+        """Token ids of a text a chat template rendered (its special tokens are in it)."""
+        if len(text) > LONG_PROMPT_CHARS:
+            ids = await run_in_threadpool(
+                lambda: self.tokenizer(text, add_special_tokens=False).input_ids)
+        else:
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return {"prompt_token_ids": ids}

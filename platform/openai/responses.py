@@ -168,6 +168,8 @@ class RequestContext:
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     recorded: bool = False
+    handed_off: bool = False
+    """The response streams: the stream, not the handler, releases the tenant's quota."""
 
     def __post_init__(self) -> None:
         self.rid = f"{self.kind}-{uuid.uuid4().hex}"

@@ -14,9 +14,10 @@ and frees their KV blocks at once. Prompts are built in ``prompts``, outputs mov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +37,7 @@ from loramux.platform.errors import (
     to_api_error,
 )
 from loramux.platform.metrics import Metrics
+from loramux.platform.openai.admission import AdmissionControl
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -76,6 +78,7 @@ class OpenAIServing:
         metrics: Metrics,
         *,
         fingerprint: str,
+        admission: AdmissionControl,
         retry_after: int = 1,
         max_prompts: int = 64,
     ) -> None:
@@ -84,6 +87,7 @@ class OpenAIServing:
         self.resolver = resolver
         self.metrics = metrics
         self.retry_after = retry_after
+        self.admission = admission
         self.prompts = PromptBuilder(engine.engine.tokenizer, max_prompts)
         self.render = ResponseRenderer(engine.engine.tokenizer, fingerprint)
 
@@ -94,18 +98,26 @@ class OpenAIServing:
         prompts = await self.prompts.completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
             built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
+        self.admission.check(built.params)
         ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions")
-        return await self._respond(ctx, req, request)
+        return await self._respond(ctx, req, request, caller)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
         served = await self.resolver.resolve(caller, req.model)
         built = build_params(req, served.preset, default_max_tokens=None)
-        if len(json.dumps([m.model_dump() for m in req.messages])) > LONG_PROMPT_CHARS:
+        self.admission.check(built.params)
+        if req.chat_template is not None:  # the caller's own: refused unless trusted
+            text = await self.admission.render_template(
+                req.chat_template, self.prompts.conversation(req), self.engine.engine.tokenizer,
+                bool(req.add_generation_prompt), req.chat_template_kwargs,
+            )
+            prompt = await self.prompts.rendered_prompt(text)
+        elif len(json.dumps([m.model_dump() for m in req.messages])) > LONG_PROMPT_CHARS:
             prompt = await run_in_threadpool(self.prompts.chat_prompt, req)
         else:
             prompt = self.prompts.chat_prompt(req)
         ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat")
-        return await self._respond(ctx, req, request)
+        return await self._respond(ctx, req, request, caller)
 
     def _check_lengths(self, ctx: RequestContext) -> None:
         """min_tokens must fit in the context (the engine would not stop at max_model_len)."""
@@ -121,13 +133,32 @@ class OpenAIServing:
                     param="min_tokens", code="context_length_exceeded",
                 )
 
-    async def _respond(self, ctx: RequestContext, req, request: Request) -> Response:
+    async def _respond(self, ctx: RequestContext, req, request: Request, caller: Caller) -> Response:
         if not self.engine.is_running:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
         self._check_lengths(ctx)
         headers = ctx.built.headers()
+        # the tenant's quota is held for the request's whole life (the stream's, if streaming)
+        quota = contextlib.AsyncExitStack()
+        admission = await quota.enter_async_context(self.admission.admit(
+            caller, [len(p["prompt_token_ids"]) for p in ctx.prompts], ctx.built.params,
+            self.max_model_len,
+        ))
         pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served)
         self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))
+
+        async def release() -> None:
+            admission.charge(_used(pump))
+            await quota.aclose()
+
+        try:
+            return await self._run(ctx, req, request, pump, headers, release)
+        finally:
+            if not ctx.handed_off:
+                await release()
+
+    async def _run(self, ctx: RequestContext, req, request: Request, pump: Pump, headers,
+                   release: Callable[[], Awaitable[None]]) -> Response:
         try:
             if req.stream:
                 first = await until_disconnect(self._prime(pump, ctx), request.receive)
@@ -137,8 +168,10 @@ class OpenAIServing:
                     return Response(status_code=499)
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+                ctx.handed_off = True  # the stream releases the quota when it ends
                 return SSEResponse(
-                    self._stream(pump, ctx, first, include_usage, continuous), headers=headers,
+                    self._stream(pump, ctx, first, include_usage, continuous, release),
+                    headers=headers,
                 )
             finals = await until_disconnect(self._collect(pump, ctx), request.receive)
             if finals is None:
@@ -202,7 +235,8 @@ class OpenAIServing:
 
     # --- streaming ----------------------------------------------------------------------
     async def _stream(self, pump: Pump, ctx: RequestContext, first, include_usage: bool,
-                      continuous: bool) -> AsyncIterator[str]:
+                      continuous: bool, release: Callable[[], Awaitable[None]]
+                      ) -> AsyncIterator[str]:
         state = StreamState(ctx)
         status = "ok"
         # every chunk shares its head: render it once
@@ -246,6 +280,14 @@ class OpenAIServing:
         finally:
             pump.cancel()
             self._record(ctx, pump, status)
+            await release()
+
+
+def _used(pump: Pump) -> int:
+    """Prompt + generated tokens of every engine request of the pump (for the quota)."""
+    return sum(t.prompt_tokens + t.output_tokens for t in pump.tracks)
+
+
 def _status_of(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled"

@@ -20,7 +20,8 @@ MAX_TOKENS = 480
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_model_len=512, max_num_seqs=8, enable_lora=False)
-    app = create_app(Settings(served_model_name=[BASE], allow_anonymous=True), engine=engine)
+    app = create_app(Settings(served_model_name=[BASE], allow_anonymous=True, metrics_public=True),
+                     engine=engine)
     with serve_in_thread(app) as url:
         yield url, engine
     close_state(app.state.loramux)

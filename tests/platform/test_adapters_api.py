@@ -167,7 +167,9 @@ async def test_upload_from_s3(env, adapter_dirs, moto_s3, monkeypatch):
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         s3.upload_file(str(adapter_dirs[1] / name), "tenant-bucket", f"adapters/one/{name}")
     s3.put_object(Bucket="tenant-bucket", Key="archives/one.tar.gz", Body=_tar(adapter_dirs[1]))
-    app = create_app(settings(s3_endpoint_url=moto_s3), engine=env.engine, registry=env.registry)
+    app = create_app(settings(s3_endpoint_url=moto_s3, s3_import_allow=["s3://tenant-bucket/adapters",
+                                                                         "s3://tenant-bucket/archives/"]),
+                     engine=env.engine, registry=env.registry)
     h = env.headers(env.key_a)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -180,8 +182,13 @@ async def test_upload_from_s3(env, adapter_dirs, moto_s3, monkeypatch):
                 "name": "from-s3-tar", "source": "s3://tenant-bucket/archives/one.tar.gz"})
             assert r.status_code == 201, r.text
             r = await c.post("/v1/adapters", headers=h, json={
-                "name": "nope", "source": "s3://tenant-bucket/missing/"})
+                "name": "nope", "source": "s3://tenant-bucket/adapters/missing/"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "source"
+            for source in ("s3://other-bucket/adapters/one/", "s3://tenant-bucket/adapters-x/",
+                           "s3://tenant-bucket/adapters/../secret/", "s3://tenant-bucket/"):
+                r = await c.post("/v1/adapters", headers=h, json={"name": "nope", "source": source})
+                assert r.status_code == 403 and r.json()["error"]["param"] == "source", source
+                assert "bucket" not in r.json()["error"]["message"].replace("server's bucket", "")
             r = await c.post("/v1/adapters", headers=h, json={"name": "nope", "source": "/etc/passwd"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "source"
             for name in ("from-s3", "from-s3-tar"):

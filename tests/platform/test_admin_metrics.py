@@ -63,7 +63,7 @@ async def test_residency_and_actions(client, env):
     events = env.registry.events(env.tenant_b.id, adapter_name="b-only")
     assert events[0].kind == "evicted" and events[0].actor == "admin"
 
-    metrics = (await client.get("/metrics")).text
+    metrics = (await client.get("/metrics", headers=ADMIN)).text
     assert _metric(metrics, "loramux_adapter_evictions_total", adapter=key) >= 1
     assert _metric(metrics, "loramux_adapter_residency", adapter=key, tier="cpu") == 1.0
     assert _metric(metrics, "loramux_adapter_residency", adapter=key, tier="device") == 0.0
@@ -84,7 +84,7 @@ async def test_request_metrics_per_adapter(client, env):
         "model": "a-only", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
         "stream": True})
     assert r.status_code == 200
-    text = (await client.get("/metrics")).text
+    text = (await client.get("/metrics", headers=ADMIN)).text
     key = _row((await client.get("/admin/adapters", headers=ADMIN)).json(), "a-only")["key"]
     assert _metric(text, "loramux_requests_total", adapter=key, endpoint="completions", status="ok") >= 1
     assert _metric(text, "loramux_requests_total", adapter=key, endpoint="chat", status="ok") >= 1

@@ -1,0 +1,155 @@
+"""What a tenant may ask of the engine: the request caps and the tenant's quotas, applied
+to every OpenAI request before it reaches the engine.
+
+:class:`AdmissionControl` is built once per app (``state.py``). ``OpenAIServing`` calls
+:meth:`~AdmissionControl.check` once the request's ``SamplingParams`` are built (caps →
+400 naming the field), :meth:`~AdmissionControl.render_template` for a caller's own chat
+template (refused unless the operator trusts them; rendered in a killable worker
+process), and enters :meth:`~AdmissionControl.admit` around the request's whole life
+(quotas → 429 with ``Retry-After``; the token bucket is corrected by what was really
+used when the request ends). A tenant's quotas are cached for ``quota_ttl`` seconds; the
+registry's ``quotas_changed`` event drops the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.concurrency import run_in_threadpool
+
+from loramux.platform.errors import to_api_error
+from loramux.platform.limits.request import RequestLimits, check_chat_template, check_request
+from loramux.platform.limits.templates import TemplateRenderer, template_variables
+from loramux.platform.limits.tenant import Admission, RequestCost, TenantLimiter
+from loramux.platform.openai.resolver import Caller
+from loramux.registry.quotas import Quotas
+
+if TYPE_CHECKING:
+    from loramux.engine.sampling_params import SamplingParams
+    from loramux.registry.service import RegistryService
+
+ANONYMOUS = "anonymous"
+"""The limiter key of callers without a tenant (``--allow-anonymous``)."""
+
+
+def _api_errors(fn):
+    """Re-raise the limits' exceptions as their HTTP errors (the error table)."""
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            raise to_api_error(exc) from None
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class AdmissionControl:
+    """Request caps, chat-template rendering and tenant quotas for one server."""
+
+    def __init__(
+        self,
+        limiter: TenantLimiter,
+        limits: RequestLimits,
+        registry: RegistryService | None,
+        default_quotas: Quotas,
+        *,
+        quota_ttl: float = 5.0,
+        renderer: TemplateRenderer | None = None,
+        enforce_quotas: bool = True,
+    ) -> None:
+        """``enforce_quotas`` False: tenants' quotas are applied elsewhere (a cluster
+        engine behind gateways, which hold the fleet-wide limits), caps still apply here."""
+        self.limiter = limiter
+        self.enforce_quotas = enforce_quotas
+        self.limits = limits
+        self.registry = registry
+        self.default_quotas = default_quotas
+        self.quota_ttl = quota_ttl
+        self.renderer = renderer or TemplateRenderer(limits)
+        self._quotas: dict[int, tuple[float, Quotas]] = {}
+        self._lock = threading.Lock()
+
+    # --- quotas ----------------------------------------------------------------------
+    async def quotas(self, caller: Caller) -> Quotas:
+        """The caller's quotas in effect (cached for ``quota_ttl`` seconds)."""
+        if not self.enforce_quotas:
+            return Quotas()
+        if caller.tenant is None or self.registry is None:
+            return self.default_quotas
+        tenant_id = caller.tenant.id
+        with self._lock:
+            hit = self._quotas.get(tenant_id)
+        if hit is not None and time.monotonic() - hit[0] < self.quota_ttl:
+            return hit[1]
+        quotas = await run_in_threadpool(self.registry.get_quotas, tenant_id)
+        with self._lock:
+            self._quotas[tenant_id] = (time.monotonic(), quotas)
+        return quotas
+
+    def forget_quotas(self) -> None:
+        """Drop every cached quota (they were changed)."""
+        with self._lock:
+            self._quotas.clear()
+
+    def on_registry_event(self, kind: str, handle: object) -> None:
+        """Registry listener: a quota change takes effect at once."""
+        if kind == "quotas_changed":
+            self.forget_quotas()
+
+    # --- the request -----------------------------------------------------------------
+    def check(self, params: SamplingParams) -> None:
+        """The request's caps (HTTP 400 naming the field)."""
+        try:
+            check_request(params, self.limits)
+        except ValueError as exc:
+            raise to_api_error(exc) from None
+
+    @_api_errors
+    async def render_template(self, template: str | None, conversation: list[dict[str, Any]],
+                              tokenizer: Any, add_generation_prompt: bool,
+                              kwargs: dict[str, Any] | None) -> str:
+        """A caller's own chat template rendered off the event loop under the time and
+        size limits; refused (400) unless ``trust_request_chat_template``."""
+        check_chat_template(template, self.limits)
+        return await self.renderer.render(
+            template, conversation, add_generation_prompt=add_generation_prompt,
+            variables=template_variables(tokenizer, kwargs),
+        )
+
+    @contextlib.asynccontextmanager
+    async def admit(self, caller: Caller, prompt_lengths: list[int], params: SamplingParams,
+                    max_model_len: int) -> AsyncIterator[Admission]:
+        """Hold the caller's quota for the request's life: 429 with ``Retry-After`` when a
+        limit says no; 400 when the request alone is past a limit. The caller charges
+        what it really used through ``Admission.charge``."""
+        sequences = max(params.n, params.best_of)
+        tokens = 0
+        for length in prompt_lengths:
+            max_tokens = params.max_tokens or max(0, max_model_len - length)
+            tokens += length + max_tokens * sequences
+        cost = RequestCost(tokens, sequences * len(prompt_lengths))
+        key = str(caller.tenant.id) if caller.tenant is not None else ANONYMOUS
+        quotas = await self.quotas(caller)
+        entered = False
+        try:
+            async with self.limiter.admit(key, quotas, cost) as admission:
+                entered = True
+                yield admission
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except Exception as exc:
+            if entered:
+                raise
+            raise to_api_error(exc) from None
+
+    async def aclose(self) -> None:
+        """Stop the template workers and close the limiter's backend."""
+        await self.renderer.aclose()
+        await self.limiter.aclose()

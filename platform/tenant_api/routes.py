@@ -1,0 +1,55 @@
+"""``GET /v1/quotas``: a tenant's quotas in effect and what it uses of them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from loramux.platform.deps import StateDep, TenantDep
+from loramux.platform.errors import ServiceUnavailable, to_api_error
+from loramux.platform.openai.protocol import ERROR_RESPONSES
+
+router = APIRouter(prefix="/v1", tags=["tenant"], responses=ERROR_RESPONSES)
+
+
+class QuotaValues(BaseModel):
+    """The quotas in effect (null = unlimited); fields as in ``loramux tenants quota``."""
+
+    max_concurrent_requests: int | None
+    max_queued_sequences: int | None
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_adapters: int | None
+    max_stored_bytes: int | None
+
+
+class Usage(BaseModel):
+    """What the tenant stores now."""
+
+    adapters: int
+    stored_bytes: int
+
+
+class TenantQuotas(BaseModel):
+    object: Literal["tenant.quotas"] = "tenant.quotas"
+    tenant: str = Field(description="The tenant's name.")
+    quotas: QuotaValues
+    usage: Usage
+
+
+@router.get("/quotas", response_model=TenantQuotas)
+async def get_quotas(caller: TenantDep, state: StateDep):
+    """The caller's quotas (its own, else the server's defaults) and its storage usage.
+    Over a request limit the API answers 429 with ``Retry-After``."""
+    if state.registry is None:
+        raise ServiceUnavailable("this server runs without an adapter registry", code="no_registry")
+    try:
+        quotas = await run_in_threadpool(state.registry.get_quotas, caller.tenant.id)
+        usage = await run_in_threadpool(state.registry.get_usage, caller.tenant.id)
+    except Exception as exc:
+        raise to_api_error(exc) from None
+    return TenantQuotas(tenant=caller.tenant.name, quotas=QuotaValues(**quotas.to_dict()),
+                        usage=Usage(adapters=usage.adapters, stored_bytes=usage.stored_bytes))
