@@ -151,9 +151,6 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
     return [
         ((APIError,), lambda e: e),
         ((QueueFullError,), lambda e: TooManyRequests(str(e))),
-        ((RateLimited,), lambda e: TooManyRequests(
-            str(e), code="rate_limit_exceeded", headers={"Retry-After": e.retry_after_header})),
-        ((RequestTooLarge,), lambda e: TooManyRequests(str(e), code="request_too_large")),
         ((EngineDeadError,), lambda e: ServiceUnavailable(str(e), code="engine_dead")),
         ((AdapterGoneError,), lambda e: Conflict(str(e), param="model", code="adapter_gone")),
         ((RateLimited,), lambda e: RateLimitExceeded(

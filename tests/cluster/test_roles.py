@@ -218,7 +218,7 @@ def test_tenant_over_its_rate_limit_gets_429_from_either_gateway(cluster):
         r = chat(cluster, gw, base, max_tokens=2, key=cluster.limited_key)
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
-        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert r.json()["error"]["type"] == "rate_limit_exceeded"
         retry = int(r.headers["retry-after"])
         assert 1 <= retry <= 60 // RPM + 1  # the next token of the bucket
         assert "x-loramux-engine" not in r.headers  # refused at the gateway
