@@ -39,6 +39,12 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    block_keys: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of the leading full blocks of ``token_ids`` (memo, see block_manager)."""
+    num_registered_blocks: int = 0
+    """Leading blocks of ``block_table`` already keyed in the prefix cache."""
+    pending_forks: list[Sequence] = field(default_factory=list)
+    """Siblings (``best_of`` > 1) that fork from this sequence once its prompt is computed."""
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     finish_reason: str | None = None
