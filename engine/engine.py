@@ -271,7 +271,6 @@ class LLMEngine:
         if sample_rows:
             self._sample_and_accept(logits[sample_rows], sample_seqs, touched)
         now = time.monotonic()
-        for req in touched.values():        now = time.monotonic()
         for req in touched.values():
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
