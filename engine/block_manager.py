@@ -5,7 +5,7 @@ Blocks are numbered 0..num_blocks-1; token ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size`` of the cache.
 
 Prefix cache: a full, computed block is keyed by a hash chain over its tokens, the
-key of the block before it and the sequence's adapter identity (``lora_key``: the
+key of the block before it and the sequence's adapter identity (``adapter_id``: the
 caller's tenant + adapter version; LoRA changes K and V, so two adapters, or two
 versions of one, never share a block). A block whose last reference is dropped
 keeps its key and waits in an LRU list of cached free blocks; a new sequence whose
@@ -195,7 +195,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
-            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs : (i + 1) * bs], seq.lora_key))
+            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs : (i + 1) * bs], seq.adapter_id))
         return keys[:num_blocks]
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:

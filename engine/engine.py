@@ -195,6 +195,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.best_of):
             seq = Sequence(request_id, i, ids, params, lora_key)
+            seq.adapter_id = lora_request.prefix_cache_id if lora_request is not None else None
             if params.prompt_logprobs is not None and len(ids) == 1:
                 seq.prompt_logprobs = [None]
             if params.structured_outputs is not None:

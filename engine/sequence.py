@@ -34,6 +34,9 @@ class Sequence:
     params: SamplingParams
     lora_key: str | None = None
     """Adapter of this sequence (None = the base model)."""
+    adapter_id: str | None = None
+    """The adapter's identity in prefix-cache keys (``LoRARequest.prefix_cache_id``;
+    None = ``lora_key``)."""
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     token_ids: list[int] = field(init=False)
@@ -63,6 +66,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.adapter_id is None:
+            self.adapter_id = self.lora_key
 
     @property
     def num_prompt_tokens(self) -> int:
