@@ -59,8 +59,14 @@ class AsyncEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step it advances; the last is finished."""
+        """Yield the request's output after every step it advances; the last is finished.
+        With ``use_beam_search`` only the finished output comes, once the search ends."""
         request_id = request_id or uuid.uuid4().hex
+        if sampling_params is not None and sampling_params.use_beam_search:
+            from loramux.engine.beam_search import beam_search_request
+
+            yield await beam_search_request(self, prompt, sampling_params, request_id, lora_request)
+            return
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
