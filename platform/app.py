@@ -59,10 +59,12 @@ def build_engine(settings: Settings) -> AsyncEngine:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             kv_cache_memory=settings.kv_cache_memory,
             num_gpu_blocks_override=settings.num_gpu_blocks_override,
+            enable_prefix_caching=settings.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            enable_chunked_prefill=settings.enable_chunked_prefill,
             max_waiting=settings.max_waiting,
         ),
         lora=LoRAConfig(

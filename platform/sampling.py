@@ -23,7 +23,12 @@ DIRECT_FIELDS = (
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "max_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output",
     "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs",
+    "use_beam_search", "length_penalty", "early_stopping",
 )
+# Sampling parameters beam search does not use (each gets a warning when set with it).
+BEAM_IGNORED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "seed", "min_tokens", "stop", "stop_token_ids", "logit_bias",
+                "allowed_token_ids", "prompt_logprobs", "structured_outputs")
 # What an adapter preset may hold.
 PRESET_FIELDS = (frozenset(DIRECT_FIELDS) | {"logprobs"}) - {"prompt_logprobs"}
 ENGINE_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
@@ -221,7 +226,13 @@ def _structured_outputs(req) -> StructuredOutputsParams | None:
 
 def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool) -> list[str]:
     out: list[str] = []
-    if params.is_greedy:
+    if params.use_beam_search:
+        out += [f"{name} had no effect: beam search ranks beams by logprob and does not sample"
+                for name in BEAM_IGNORED if name in given]
+    else:
+        out += [f"{name} had no effect: use_beam_search is not set"
+                for name in ("length_penalty", "early_stopping") if name in given]
+    if params.is_greedy and not params.use_beam_search:
         for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
             if name in given and given[name] != neutral and not (name == "top_k" and given[name] == -1):
                 out.append(f"{name} had no effect: temperature is 0 (greedy decoding)")

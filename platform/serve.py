@@ -43,6 +43,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over steps so decodes keep going (default: on)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of shared prompt prefixes, per adapter (default: on)")
     e.add_argument("--max-waiting", type=int, help="waiting-queue bound; past it 429")
     e.add_argument("--block-size", type=int)
     e.add_argument("--gpu-memory-utilization", type=float)

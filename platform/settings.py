@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     max_waiting: int = 1024
     """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
     block_size: int = 16
