@@ -191,10 +191,17 @@ class Scheduler:
 
     def _continue_prefills(self, out: SchedulerOutput, budget: int) -> int:
         """Give the next chunk to running sequences whose prompt is part-way computed."""
-        for seq in self.running:
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below for an older prompt
             if seq.num_computed_tokens >= seq.num_tokens - 1 or budget <= 0:
                 continue
             n = self._chunk(seq, budget)
+            # partial prefills could hold every block between them: the newest make room
+            while n and not self.kv.can_allocate(seq, n) and self.running[-1] is not seq:
+                victim = self.running.pop()
+                out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+                self._preempt(victim, out)
             if n == 0 or not self.kv.can_allocate(seq, n):
                 continue
             self.kv.allocate(seq, n, out.copies)

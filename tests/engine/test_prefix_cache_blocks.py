@@ -109,3 +109,20 @@ def test_scheduler_starts_after_the_cached_prefix_and_chunks_the_rest():
     plan = sched.schedule()
     by_id = {s.seq.request_id: s.num_new_tokens for s in plan.scheduled}
     assert by_id == {"first": 1, "second": 3} and second.num_computed_tokens == 16
+
+
+def test_partial_prefills_holding_every_block_make_room_newest_first():
+    kv = KVCacheManager(6, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv, 64)
+    a, b = seq("a", list(range(1, 17))), seq("b", list(range(21, 37)))
+    for s in (a, b):  # both 12 of 16 prompt tokens computed: 3 blocks each, none free
+        sched.add(s)
+        kv.allocate(s, 12)
+        s.num_computed_tokens = 12
+    sched.waiting.clear()
+    sched.running = [a, b]
+    for s in (a, b):
+        s.status = a.status.RUNNING
+    plan = sched.schedule()
+    assert {s.seq.request_id: s.num_new_tokens for s in plan.scheduled} == {"a": 4}
+    assert plan.preempted == [b] and b.num_computed_tokens == 0 and list(sched.waiting) == [b]
