@@ -8,7 +8,7 @@ latency p50/p90/p99 and output tokens/s per configuration, the ratios on ÷ off,
 TTFT of requests whose system prompt was already cached against uncached ones. Writes
 bench/results/serving_mixed.json and .png.
 
-    python bench/serving_mixed.py [--requests 10] [--rate 1.0] [--adapters 4] [--budget 128]
+    python bench/serving_mixed.py [--requests 10] [--rate 0.3] [--adapters 4] [--budget 128]
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10)
-    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    ap.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second")
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--systems", type=int, default=2)
     ap.add_argument("--system-len", type=int, default=512)
