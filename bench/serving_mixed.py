@@ -2,13 +2,13 @@
 
 Workload (same requests, same arrival times for every configuration): Poisson arrivals,
 prompts of ~50..1,500 tokens of which those longer than a system prompt start with one
-of a few shared ~512-token system prompts, requests spread over several adapters (and
+of their adapter's shared ~512-token system prompt, requests spread over several adapters (and
 the base model), ``ignore_eos`` outputs of 64..256 tokens. Reports TTFT and inter-token
 latency p50/p90/p99 and output tokens/s per configuration, the ratios on ÷ off, and the
 TTFT of requests whose system prompt was already cached against uncached ones. Writes
 bench/results/serving_mixed.json and .png.
 
-    python bench/serving_mixed.py [--requests 10] [--rate 0.3] [--adapters 4] [--budget 128]
+    python bench/serving_mixed.py [--requests 12] [--rate 0.3] [--adapters 4] [--budget 128]
 """
 
 from __future__ import annotations
@@ -38,16 +38,21 @@ CONFIGS = {
 
 
 def workload(args, vocab: int) -> list[dict]:
+    """Each adapter (and the base model) has its own ``--systems`` system prompts: KV computed
+    under one adapter is never reused under another, so only (adapter, system) repeats hit."""
     rng = random.Random(args.seed)
-    systems = [[rng.randrange(100, vocab) for _ in range(args.system_len)] for _ in range(args.systems)]
+    systems = [[rng.randrange(100, vocab) for _ in range(args.system_len)]
+               for _ in range(args.systems * (args.adapters + 1))]
     t, reqs = 0.0, []
     for i in range(args.requests):
         t += rng.expovariate(args.rate)
         length = rng.randint(args.min_prompt, args.max_prompt)
-        system = rng.randrange(args.systems) if length > args.system_len + 16 else None
+        adapter = i % (args.adapters + 1)  # 0 = the base model
+        system = None
+        if length > args.system_len + 16:
+            system = adapter * args.systems + rng.randrange(args.systems)
         head = systems[system] if system is not None else []
         prompt = head + [rng.randrange(100, vocab) for _ in range(length - len(head))]
-        adapter = i % (args.adapters + 1)  # 0 = the base model
         reqs.append(dict(arrival=t, prompt=prompt, system=system, adapter=adapter,
                          max_tokens=rng.randint(args.min_out, args.max_out)))
     return reqs
@@ -125,10 +130,10 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second")
     ap.add_argument("--adapters", type=int, default=4)
-    ap.add_argument("--systems", type=int, default=2)
+    ap.add_argument("--systems", type=int, default=1, help="system prompts per adapter")
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--min-prompt", type=int, default=50)
     ap.add_argument("--max-prompt", type=int, default=1500)
