@@ -1,8 +1,8 @@
 """Mixed serving workload through the AsyncEngine: chunked prefill and prefix caching, on ÷ off.
 
 Workload (same requests, same arrival times for every configuration): Poisson arrivals,
-prompts of ~50..1,500 tokens of which those longer than a system prompt start with one
-of their adapter's shared ~512-token system prompt, requests spread over several adapters (and
+prompts of ~50..1,500 tokens of which those longer than a system prompt start with
+their adapter's shared ~512-token system prompt, requests spread over several adapters (and
 the base model), ``ignore_eos`` outputs of 64..256 tokens. Reports TTFT and inter-token
 latency p50/p90/p99 and output tokens/s per configuration, the ratios on ÷ off, and the
 TTFT of requests whose system prompt was already cached against uncached ones. Writes

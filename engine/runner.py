@@ -1,7 +1,9 @@
 """Model runner: turns a SchedulerOutput into tensors, runs the model, returns logits.
 
 Owns the KV cache tensors. Rows of a step: decode sequences first (one token
-each), then prefilling sequences (all their uncomputed tokens, contiguous).
+each), then prefilling sequences (this step's chunk of their prompt, contiguous,
+possibly continuing a prefix computed in earlier steps or found in the prefix
+cache). Copy-on-write block copies of the plan run before the forward pass.
 """
 
 from __future__ import annotations
