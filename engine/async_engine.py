@@ -38,6 +38,8 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
+    prefix_cache_hit_rate: float = 0.0
+    """Fraction of looked-up prompt blocks found in the prefix cache since start."""
 
 
 class AsyncEngine:
@@ -60,8 +62,14 @@ class AsyncEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step it advances; the last is finished."""
+        """Yield the request's output after every step it advances; the last is finished.
+        With ``use_beam_search`` only the finished output comes, once the search ends."""
         request_id = request_id or uuid.uuid4().hex
+        if sampling_params is not None and sampling_params.use_beam_search:
+            from loramux.engine.beam_search import beam_search_request
+
+            yield await beam_search_request(self, prompt, sampling_params, request_id, lora_request)
+            return
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
@@ -112,7 +120,8 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.engine.kv.usage, s.num_preemptions)
+        return EngineStats(len(s.running), len(s.waiting), self.engine.kv.usage, s.num_preemptions,
+                           self.engine.kv.stats.hit_rate)
 
     @property
     def is_running(self) -> bool:

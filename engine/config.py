@@ -47,6 +47,8 @@ class CacheConfig:
     """CPU: bytes for the KV cache; None = 2 GiB capped at what max_num_seqs full sequences need."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (tests, benchmarks)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens, prefix and adapter match (hash chain)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -68,7 +70,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most sequences in one step."""
     max_num_batched_tokens: int | None = None
-    """Most tokens in one step; None = max(2048, max_model_len)."""
+    """Most tokens in one step; None = 2048 with chunked prefill, else max(2048, max_model_len)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than what is left of a step's token budget over several steps."""
     max_waiting: int | None = None
     """Bound of the waiting queue (None = unbounded); the HTTP layer answers 429 past it."""
     starvation_steps: int = 64
@@ -81,6 +85,12 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The resolved ``max_num_batched_tokens``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
 
 @dataclass

@@ -109,7 +109,7 @@ class LLMEngine:
             )
         cc, sc = config.cache, config.scheduler
         num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
-        self.kv = KVCacheManager(num_blocks, cc.block_size)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size)
         self.lora_manager: LoRAManager | NoLoRA = NoLoRA()
         if config.lora is not None:
@@ -203,6 +203,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.best_of):
             seq = Sequence(request_id, i, ids, params, lora_key)
+            seq.adapter_id = lora_request.prefix_cache_id if lora_request is not None else None
             if params.prompt_logprobs is not None and len(ids) == 1:
                 seq.prompt_logprobs = [None]
             if params.structured_outputs is not None:
@@ -211,8 +212,9 @@ class LLMEngine:
                 seq.generator = torch.Generator().manual_seed(params.seed + i * 1_000_003)
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, lora_request)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        # one prefill: the siblings fork from the first sequence once its prompt is computed
+        self.scheduler.add(seqs[0])
+        seqs[0].pending_forks = seqs[1:]
         self.requests[request_id] = req
         return req
 
@@ -253,25 +255,29 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
         self.lora_manager.prepare_step(batch.token_lora_keys)
         try:
-            logits, prompt_logits = self.runner.execute(batch)
+            logits, prompt_logits = self.runner.execute(batch, plan.copies)
         finally:
             self.lora_manager.finish_step()
-        grammars = [s.grammar for s in batch.seqs]
-        if any(g is not None for g in grammars):
-            logits = self.structured.apply(logits, grammars)
-        sampled = self.sampler(logits, batch.seqs)
-        for seq, token in zip(batch.seqs, sampled.token_ids, strict=True):
-            if seq.grammar is not None and not seq.grammar.is_terminated():
-                seq.grammar.accept_token(token)
         for row, rows in prompt_logits.items():
             self._record_prompt_logprobs(batch.seqs[row], rows)
         touched: dict[str, Request] = {r.request_id: r for r in failed}
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             seq.num_computed_tokens += n
-            self.postprocessor.accept(seq, row, sampled)
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            self.kv.register_computed(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk: nothing to sample yet
+            sample_rows.append(row)
+            sample_seqs.append(seq)
+            for child in seq.pending_forks:
+                self.kv.fork(seq, child)
+                self.scheduler.add_fork(child)
+                sample_rows.append(row)
+                sample_seqs.append(child)
+            seq.pending_forks = []
+        if sample_rows:
+            self._sample_and_accept(logits[sample_rows], sample_seqs, touched)
         now = time.monotonic()
         for req in touched.values():
             if req.metrics.first_token_time is None:
@@ -280,6 +286,35 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 self.requests.pop(req.request_id, None)
         return list(touched.values())
+
+    def _sample_and_accept(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
+        """Sample one token for each row of ``logits`` (one per sequence) and postprocess it."""
+        grammars = [s.grammar for s in seqs]
+        if any(g is not None for g in grammars):
+            logits = self.structured.apply(logits, grammars)
+        sampled = self.sampler(logits, seqs)
+        for row, seq in enumerate(seqs):
+            if seq.grammar is not None and not seq.grammar.is_terminated():
+                seq.grammar.accept_token(sampled.token_ids[row])
+            self.postprocessor.accept(seq, row, sampled)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the platform's metrics: prefix cache lookups (in blocks), hits, hit
+        rate and evictions, KV usage, preemptions and queue lengths. Cheap; call any time."""
+        pc = self.kv.stats
+        return {
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "prefix_cache_evictions": self.kv.pool.evictions,
+            "kv_cache_usage": self.kv.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         """vLLM's prompt_logprobs: None for the first token, then each prompt token's

@@ -1,10 +1,15 @@
 """Continuous-batching scheduler: which sequences run in the next step.
 
-Each step it first keeps every running sequence decoding (one token each),
-preempting the newest running sequences (recompute later) when KV blocks run
-out, then admits waiting sequences in arrival order while the token budget,
-``max_num_seqs``, free blocks and the adapter limit allow. It knows nothing of
-the model: it hands a plain-data :class:`SchedulerOutput` to the runner.
+A step is a token budget (``max_num_batched_tokens``), filled as in vLLM V1: every
+running decode first (one token each), preempting the newest running sequences
+(recompute later) when KV blocks run out; then the next chunk of prompts that are
+part-way through their prefill; then waiting sequences in the order the
+:class:`AdmissionPolicy` gives (FIFO here) while the budget, ``max_num_seqs``, free
+blocks and the adapter limit allow. With chunked prefill a prompt longer than
+what is left of the budget takes what is left and continues next step. A waiting
+sequence starts after its longest prefix found in the KV cache's prefix cache.
+It knows nothing of the model: it hands a plain-data :class:`SchedulerOutput` to
+the runner.
 """
 
 from __future__ import annotations
@@ -31,6 +36,21 @@ class AdapterGate(Protocol):
         nothing in ``in_use``; otherwise start loading it and return False."""
 
 
+class AdmissionPolicy(Protocol):
+    """The order in which waiting sequences are offered admission (the one place to
+    swap for fair-share scheduling across tenants)."""
+
+    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
+        """Waiting sequences, first to admit first; called once per step."""
+
+
+class FifoPolicy:
+    """Arrival order (preempted sequences return to the front of the queue)."""
+
+    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
+        return list(waiting)
+
+
 @dataclass
 class ScheduledSeq:
     """A sequence and how many of its tokens are computed this step."""
@@ -49,6 +69,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks to copy before the step (copy-on-write)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,7 +82,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FIFO admission, newest-first preemption, bounded adapter diversity."""
+    """Decodes first, chunked prefills, policy-ordered admission, newest-first preemption,
+    bounded adapter diversity."""
 
     def __init__(
         self,
@@ -68,12 +91,14 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         adapters: AdapterGate | None = None,
+        policy: AdmissionPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_model_len)
+        self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
+        self.policy = policy or FifoPolicy()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -95,13 +120,19 @@ class Scheduler:
                 f"in the KV cache ({self.kv.pool.num_blocks} blocks of {self.kv.block_size}); "
                 f"lower max_tokens or give the KV cache more memory"
             )
-        if seq.num_tokens > self.max_num_batched_tokens:
+        must_fit = not self.config.enable_chunked_prefill or seq.params.prompt_logprobs is not None
+        if must_fit and seq.num_tokens > self.max_num_batched_tokens:
             raise ValueError(
                 f"prompt is {seq.num_tokens} tokens, more than max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): it could never be scheduled"
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def add_fork(self, seq: Sequence) -> None:
+        """Run a sequence forked from a running one (its blocks already shared)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""
@@ -118,30 +149,65 @@ class Scheduler:
 
     # --- planning ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step; mutates block tables and queues."""
+        """Plan the next step; mutates block tables and queues.
+
+        Every running decode first (one token each), then running prompts that are
+        part-way through their prefill, then waiting sequences in the order the
+        admission policy gives, each taking as much of the remaining token budget as
+        it needs (a chunk of it when chunked prefill is on)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._schedule_running(out)
-        budget -= len(out.scheduled)
+        budget -= out.num_batched_tokens
+        budget = self._continue_prefills(out, budget)
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq``'s uncomputed prompt to compute now (0 = not this step)."""
+        return self._chunk_of(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+
     def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Decode every running sequence that has its prompt computed (oldest first),
+        preempting the newest running sequences when blocks run out."""
         kept: list[Sequence] = []
         queue = list(self.running)  # oldest first
         while queue:
             seq = queue.pop(0)
+            if seq.num_computed_tokens < seq.num_tokens - 1:
+                kept.append(seq)  # still prefilling: _continue_prefills plans it
+                continue
             while not self.kv.can_allocate(seq, 1):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                self.kv.allocate(seq, 1)
+                self.kv.allocate(seq, 1, out.copies)
                 out.scheduled.append(ScheduledSeq(seq, 1))
                 kept.append(seq)
-        self.running = kept
+        self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
+
+    def _continue_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the next chunk to running sequences whose prompt is part-way computed."""
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below for an older prompt
+            if seq.num_computed_tokens >= seq.num_tokens - 1 or budget <= 0:
+                continue
+            n = self._chunk(seq, budget)
+            # partial prefills could hold every block between them: the newest make room
+            while n and not self.kv.can_allocate(seq, n) and self.running[-1] is not seq:
+                victim = self.running.pop()
+                out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+                self._preempt(victim, out)
+            if n == 0 or not self.kv.can_allocate(seq, n):
+                continue
+            self.kv.allocate(seq, n, out.copies)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.free(seq)
@@ -162,31 +228,43 @@ class Scheduler:
         in_use = {s.lora_key for s in self.running if s.lora_key is not None}
         holding_for: Sequence | None = None
         admitted: list[Sequence] = []
-        for seq in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.config.max_num_seqs:
-                break
-            need = seq.num_tokens - seq.num_computed_tokens
-            # a preempted sequence that grew past the token budget is recomputed alone
-            if need > budget and (out.scheduled or need <= self.max_num_batched_tokens):
+        for seq in self.policy.order(self.waiting):
+            if len(self.running) + len(admitted) >= self.config.max_num_seqs or budget <= 0:
                 break
             if not self._adapter_ok(seq, in_use, holding_for):
                 seq.skipped_steps += 1
                 if holding_for is None and seq.skipped_steps > self.config.starvation_steps:
                     holding_for = seq  # aging: stop taking new adapters until it runs
                 continue
-            if not self.kv.can_allocate(seq, need):
+            cached = self.kv.lookup_prefix(seq)
+            need = seq.num_tokens - len(cached) * self.kv.block_size
+            n = self._chunk_of(seq, need, budget)
+            # a preempted sequence that grew past the token budget is recomputed alone
+            if n == 0 and not out.scheduled and need > self.max_num_batched_tokens:
+                n = need
+            if n == 0 or not self.kv.can_allocate_with_prefix(seq, cached, n):
                 break
-            self.kv.allocate(seq, need)
+            self.kv.take_prefix(seq, cached)
+            self.kv.allocate(seq, n, out.copies)
             seq.status = SequenceStatus.RUNNING
             seq.skipped_steps = 0
-            budget -= need
+            budget -= n
             admitted.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, need))
+            out.scheduled.append(ScheduledSeq(seq, n))
             if seq.lora_key is not None:
                 in_use.add(seq.lora_key)
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
+
+    def _chunk_of(self, seq: Sequence, need: int, budget: int) -> int:
+        """All ``need`` tokens when they fit ``budget``; a chunk of it when chunked prefill is on
+        (never for prompt logprobs, which need the whole prompt in one step); else 0."""
+        if need <= budget:
+            return need
+        if self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None:
+            return budget
+        return 0
 
     def _adapter_ok(self, seq: Sequence, in_use: set[str], holding_for: Sequence | None) -> bool:
         key = seq.lora_key

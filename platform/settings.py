@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     """Most sequences in one engine step."""
     max_num_batched_tokens: int | None = None
     """Token budget of one engine step; None = the engine's default."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps so running decodes keep going (vLLM V1)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."""
     max_waiting: int = 1024
     """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
     block_size: int = 16
@@ -242,9 +246,11 @@ def engine_config(settings: Settings) -> EngineConfig:
                           max_model_len=s.max_model_len, seed=s.seed),
         cache=CacheConfig(block_size=s.block_size, gpu_memory_utilization=s.gpu_memory_utilization,
                           kv_cache_memory=s.kv_cache_memory,
-                          num_gpu_blocks_override=s.num_gpu_blocks_override),
+                          num_gpu_blocks_override=s.num_gpu_blocks_override,
+                          enable_prefix_caching=s.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
                                   max_num_batched_tokens=s.max_num_batched_tokens,
+                                  enable_chunked_prefill=s.enable_chunked_prefill,
                                   max_waiting=s.max_waiting),
         lora=LoRAConfig(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
                         max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend)
