@@ -61,20 +61,25 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        fairness_key: str | None = None,
+        weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step it advances; the last is finished.
-        With ``use_beam_search`` only the finished output comes, once the search ends."""
+        With ``use_beam_search`` only the finished output comes, once the search ends.
+        ``fairness_key``/``weight``: see :meth:`LLMEngine.add_request`."""
         request_id = request_id or uuid.uuid4().hex
         if sampling_params is not None and sampling_params.use_beam_search:
             from loramux.engine.beam_search import beam_search_request
 
-            yield await beam_search_request(self, prompt, sampling_params, request_id, lora_request)
+            yield await beam_search_request(self, prompt, sampling_params, request_id, lora_request,
+                                            fairness_key=fairness_key)
             return
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt, sampling_params, lora_request))
+            await self.call(lambda: self.engine.add_request(
+                request_id, prompt, sampling_params, lora_request, fairness_key, weight))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -149,7 +149,8 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
     return search.results(engine.tokenizer)
 
 
-async def beam_search_request(engine, prompt, params, request_id: str, lora_request=None):
+async def beam_search_request(engine, prompt, params, request_id: str, lora_request=None,
+                              fairness_key: str | None = None):
     """Beam search for one prompt on an :class:`AsyncEngine` (``params.use_beam_search``):
     width ``params.best_of``, the ``params.n`` best beams returned as one finished
     :class:`RequestOutput`. Each round's beams run concurrently as one-token requests."""
@@ -173,7 +174,7 @@ async def beam_search_request(engine, prompt, params, request_id: str, lora_requ
     async def expand(name: str, beam: BeamSearchSequence):
         last = None
         async for out in engine.generate({"prompt_token_ids": beam.tokens}, search.step_params, name,
-                                         beam.lora_request):
+                                         beam.lora_request, fairness_key=fairness_key):
             last = out
         return last
 

@@ -77,6 +77,9 @@ class SchedulerConfig:
     """Bound of the waiting queue (None = unbounded); the HTTP layer answers 429 past it."""
     starvation_steps: int = 64
     """A waiting request skipped this many steps blocks admission of others until it runs."""
+    fairness_policy: str = "vtc"
+    """Admission and preemption order: ``vtc`` (fair share of tokens across fairness keys,
+    the Virtual Token Counter) or ``fcfs`` (arrival order)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -85,6 +88,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.fairness_policy not in ("vtc", "fcfs"):
+            raise ValueError(f"fairness_policy must be vtc or fcfs, got {self.fairness_policy!r}")
 
     def token_budget(self, max_model_len: int) -> int:
         """The resolved ``max_num_batched_tokens``."""

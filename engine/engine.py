@@ -167,9 +167,15 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
+        fairness_key: str | None = None,
+        weight: float = 1.0,
     ) -> Request:
-        """Validate and queue a request; raises ValueError (bad input) or QueueFullError."""
+        """Validate and queue a request; raises ValueError (bad input) or QueueFullError.
+        ``fairness_key`` (opaque: the platform's tenant) and ``weight`` place it in the fair
+        share of ``SchedulerConfig.fairness_policy``; requests without a key share one."""
         params = params or SamplingParams()
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -202,7 +208,8 @@ class LLMEngine:
             raise QueueFullError(f"the waiting queue is full ({sc.max_waiting} requests)")
         seqs = []
         for i in range(params.best_of):
-            seq = Sequence(request_id, i, ids, params, lora_key)
+            seq = Sequence(request_id, i, ids, params, lora_key, fairness_key=fairness_key,
+                           fairness_weight=weight)
             seq.adapter_id = lora_request.prefix_cache_id if lora_request is not None else None
             if params.prompt_logprobs is not None and len(ids) == 1:
                 seq.prompt_logprobs = [None]

@@ -4,8 +4,9 @@ A step is a token budget (``max_num_batched_tokens``), filled as in vLLM V1: eve
 running decode first (one token each), preempting the newest running sequences
 (recompute later) when KV blocks run out; then the next chunk of prompts that are
 part-way through their prefill; then waiting sequences in the order the
-:class:`AdmissionPolicy` gives (FIFO here) while the budget, ``max_num_seqs``, free
-blocks and the adapter limit allow. With chunked prefill a prompt longer than
+:class:`~loramux.engine.fairness.AdmissionPolicy` gives (fair share across fairness keys
+by default, or FIFO) while the budget, ``max_num_seqs``, free blocks and the adapter limit
+allow; the policy also picks whom to preempt and is charged every scheduled token. With chunked prefill a prompt longer than
 what is left of the budget takes what is left and continues next step. A waiting
 sequence starts after its longest prefix found in the KV cache's prefix cache.
 It knows nothing of the model: it hands a plain-data :class:`SchedulerOutput` to
@@ -21,6 +22,7 @@ from typing import Protocol
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
+from loramux.engine.fairness import AdmissionPolicy, make_policy
 from loramux.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -34,21 +36,6 @@ class AdapterGate(Protocol):
     def acquire(self, lora_key: str, in_use: set[str]) -> bool:
         """True when ``lora_key`` sits (or was just placed) in a device slot, evicting
         nothing in ``in_use``; otherwise start loading it and return False."""
-
-
-class AdmissionPolicy(Protocol):
-    """The order in which waiting sequences are offered admission (the one place to
-    swap for fair-share scheduling across tenants)."""
-
-    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
-        """Waiting sequences, first to admit first; called once per step."""
-
-
-class FifoPolicy:
-    """Arrival order (preempted sequences return to the front of the queue)."""
-
-    def order(self, waiting: deque[Sequence]) -> list[Sequence]:
-        return list(waiting)
 
 
 @dataclass
@@ -98,7 +85,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
-        self.policy = policy or FifoPolicy()
+        self.policy = policy or make_policy(config.fairness_policy)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -127,19 +114,23 @@ class Scheduler:
                 f"({self.max_num_batched_tokens}): it could never be scheduled"
             )
         seq.status = SequenceStatus.WAITING
+        self.policy.on_add(seq)
         self.waiting.append(seq)
 
     def add_fork(self, seq: Sequence) -> None:
         """Run a sequence forked from a running one (its blocks already shared)."""
         seq.status = SequenceStatus.RUNNING
+        self.policy.on_add(seq)
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
+            self.policy.on_finish(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.policy.on_finish(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -162,6 +153,8 @@ class Scheduler:
         budget = self._continue_prefills(out, budget)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        for s in out.scheduled:
+            self.policy.charge(s.seq, s.num_new_tokens, s.is_prefill)
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -170,7 +163,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
         """Decode every running sequence that has its prompt computed (oldest first),
-        preempting the newest running sequences when blocks run out."""
+        preempting the policy's victims (FIFO: the newest) when blocks run out."""
         kept: list[Sequence] = []
         queue = list(self.running)  # oldest first
         while queue:
@@ -179,7 +172,12 @@ class Scheduler:
                 kept.append(seq)  # still prefilling: _continue_prefills plans it
                 continue
             while not self.kv.can_allocate(seq, 1):
-                victim = queue.pop() if queue else seq
+                victim = self.policy.victim([*kept, seq, *queue])
+                if victim in queue:
+                    queue.remove(victim)
+                elif victim is not seq:
+                    kept.remove(victim)
+                    out.scheduled = [s for s in out.scheduled if s.seq is not victim]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -210,6 +208,8 @@ class Scheduler:
         return budget
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        mine = set(seq.block_table)
+        out.copies = [c for c in out.copies if c[1] not in mine]
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -37,6 +37,10 @@ class Sequence:
     adapter_id: str | None = None
     """The adapter's identity in prefix-cache keys (``LoRARequest.prefix_cache_id``;
     None = ``lora_key``)."""
+    fairness_key: str | None = None
+    """Whose fair share this sequence counts against (opaque; the platform's tenant)."""
+    fairness_weight: float = 1.0
+    """Share weight of the request: a key's tokens are charged ``1 / weight`` each."""
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     token_ids: list[int] = field(init=False)

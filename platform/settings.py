@@ -17,7 +17,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     """Split long prompts over several steps so running decodes keep going (vLLM V1)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."""
+    fairness_policy: Literal["vtc", "fcfs"] = "vtc"
+    """Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival order."""
     max_waiting: int = 1024
     """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
     block_size: int = 16
@@ -251,6 +253,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
                                   max_num_batched_tokens=s.max_num_batched_tokens,
                                   enable_chunked_prefill=s.enable_chunked_prefill,
+                                  fairness_policy=s.fairness_policy,
                                   max_waiting=s.max_waiting),
         lora=LoRAConfig(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
                         max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend)

@@ -66,6 +66,10 @@ def engine_error(exc: BaseException, retry_after: int, prompt_param: str) -> API
     return err
 
 
+def _fairness_key(caller: Caller) -> str | None:
+    return str(caller.tenant_id) if caller.tenant_id is not None else None
+
+
 class OpenAIServing:
     """Completions and chat completions for one engine."""
 
@@ -94,7 +98,8 @@ class OpenAIServing:
         prompts = await self.prompts.completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
             built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
-        ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions")
+        ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions",
+                             fairness_key=_fairness_key(caller))
         return await self._respond(ctx, req, request)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
@@ -104,7 +109,8 @@ class OpenAIServing:
             prompt = await run_in_threadpool(self.prompts.chat_prompt, req)
         else:
             prompt = self.prompts.chat_prompt(req)
-        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat")
+        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat",
+                             fairness_key=_fairness_key(caller))
         return await self._respond(ctx, req, request)
 
     def _check_lengths(self, ctx: RequestContext) -> None:
@@ -126,7 +132,7 @@ class OpenAIServing:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
         self._check_lengths(ctx)
         headers = ctx.built.headers()
-        pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served)
+        pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served, ctx.fairness_key)
         try:
             if req.stream:
                 first = await until_disconnect(self._prime(pump, ctx), request.receive)
