@@ -129,6 +129,23 @@ class LoRAConfig:
 
 
 @dataclass
+class StructuredOutputConfig:
+    """Grammar compilation limits (structured outputs)."""
+
+    grammar_compile_timeout: float = 10.0
+    """Seconds a request's grammar may take to compile (off the engine thread); past it
+    the request fails with a clear error."""
+    grammar_cache_size: int = 128
+    """Compiled grammars kept (LRU)."""
+
+    def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be > 0")
+        if self.grammar_cache_size < 1:
+            raise ValueError("grammar_cache_size must be >= 1")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs, in one place."""
 
@@ -137,3 +154,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig | None = None
     """None = LoRA disabled."""
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

@@ -33,6 +33,10 @@ class AdmissionPolicy(Protocol):
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """The running sequence to preempt, from ``candidates`` (oldest first)."""
 
+    def displace(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+        """A running sequence to preempt so waiting ``seq`` can start now (no room for it
+        otherwise), or None to let ``seq`` wait."""
+
     def on_add(self, seq: Sequence) -> None:
         """A sequence entered the scheduler (a new request or a fork)."""
 
@@ -52,6 +56,9 @@ class FifoPolicy:
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return candidates[-1]
 
+    def displace(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+        return None
+
     def on_add(self, seq: Sequence) -> None:
         pass
 
@@ -65,7 +72,10 @@ class FifoPolicy:
 class VtcPolicy:
     """Virtual Token Counter fair share across ``Sequence.fairness_key`` values."""
 
-    def __init__(self) -> None:
+    def __init__(self, slack: float = 0.0) -> None:
+        self.slack = slack
+        """A waiting key displaces a running one only when it is behind by more than this
+        (weighted tokens; the scheduler passes its token budget), so keys do not thrash."""
         self.counters: dict[str | None, float] = {}
         """Weighted tokens served per key (only compared, never reset)."""
         self._active: Counter[str | None] = Counter()
@@ -114,6 +124,17 @@ class VtcPolicy:
         return [s for s in candidates if self.counters.get(s.fairness_key, 0.0) == top][-1]
 
 
-def make_policy(name: str) -> AdmissionPolicy:
+    def displace(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+        """The newest running sequence of the key with the highest counter, when that key
+        is ahead of ``seq``'s by more than ``slack``."""
+        mine = self.counters.get(seq.fairness_key, 0.0)
+        others = [s for s in running if s.fairness_key != seq.fairness_key]
+        if not others:
+            return None
+        victim = self.victim(others)
+        return victim if self.counters.get(victim.fairness_key, 0.0) - mine > self.slack else None
+
+
+def make_policy(name: str, slack: float = 0.0) -> AdmissionPolicy:
     """The policy named by ``SchedulerConfig.fairness_policy``."""
-    return VtcPolicy() if name == "vtc" else FifoPolicy()
+    return VtcPolicy(slack) if name == "vtc" else FifoPolicy()

@@ -85,7 +85,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
-        self.policy = policy or make_policy(config.fairness_policy)
+        self.policy = policy or make_policy(config.fairness_policy, self.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -147,12 +147,10 @@ class Scheduler:
         admission policy gives, each taking as much of the remaining token budget as
         it needs (a chunk of it when chunked prefill is on)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         self._schedule_running(out)
-        budget -= out.num_batched_tokens
-        budget = self._continue_prefills(out, budget)
+        self._continue_prefills(out, self._budget(out))
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out)
         for s in out.scheduled:
             self.policy.charge(s.seq, s.num_new_tokens, s.is_prefill)
         return out
@@ -224,12 +222,17 @@ class Scheduler:
             seq.seq_id, seq.request_id, self.num_preemptions,
         )
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
         in_use = {s.lora_key for s in self.running if s.lora_key is not None}
         holding_for: Sequence | None = None
         admitted: list[Sequence] = []
+        max_seqs = self.config.max_num_seqs
+
+        def has_place() -> bool:
+            return len(self.running) + len(admitted) < max_seqs and self._budget(out) > 0
+
         for seq in self.policy.order(self.waiting):
-            if len(self.running) + len(admitted) >= self.config.max_num_seqs or budget <= 0:
+            if not self._make_room(seq, out, has_place):
                 break
             if not self._adapter_ok(seq, in_use, holding_for):
                 seq.skipped_steps += 1
@@ -238,17 +241,19 @@ class Scheduler:
                 continue
             cached = self.kv.lookup_prefix(seq)
             need = seq.num_tokens - len(cached) * self.kv.block_size
-            n = self._chunk_of(seq, need, budget)
+            want = min(need, self.max_num_batched_tokens)
+            self._make_room(seq, out, lambda w=want: self._budget(out) >= w)  # else a chunk
+            n = self._chunk_of(seq, need, self._budget(out))
             # a preempted sequence that grew past the token budget is recomputed alone
             if n == 0 and not out.scheduled and need > self.max_num_batched_tokens:
                 n = need
-            if n == 0 or not self.kv.can_allocate_with_prefix(seq, cached, n):
+            fits = lambda s=seq, c=cached, k=n: self.kv.can_allocate_with_prefix(s, c, k)  # noqa: E731
+            if n == 0 or not self._make_room(seq, out, fits):
                 break
             self.kv.take_prefix(seq, cached)
             self.kv.allocate(seq, n, out.copies)
             seq.status = SequenceStatus.RUNNING
             seq.skipped_steps = 0
-            budget -= n
             admitted.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             if seq.lora_key is not None:
@@ -256,6 +261,22 @@ class Scheduler:
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
+
+    def _budget(self, out: SchedulerOutput) -> int:
+        """Tokens of the step's budget not yet planned."""
+        return self.max_num_batched_tokens - out.num_batched_tokens
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput, fits) -> bool:
+        """True once ``fits()``, preempting the running sequences the policy displaces for
+        waiting ``seq`` (fair share: a key far ahead yields to one behind)."""
+        while not fits():
+            victim = self.policy.displace(seq, self.running)
+            if victim is None:
+                return False
+            self.running.remove(victim)
+            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            self._preempt(victim, out)
+        return True
 
     def _chunk_of(self, seq: Sequence, need: int, budget: int) -> int:
         """All ``need`` tokens when they fit ``budget``; a chunk of it when chunked prefill is on

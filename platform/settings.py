@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     """Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."""
     fairness_policy: Literal["vtc", "fcfs"] = "vtc"
     """Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival order."""
+    grammar_compile_timeout: float = 10.0
+    """Seconds a request's structured-output grammar may take to compile (off the engine
+    thread); past it the request fails."""
+    grammar_cache_size: int = 128
+    """Compiled structured-output grammars kept (LRU)."""
     max_waiting: int = 1024
     """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
     block_size: int = 16
@@ -240,6 +245,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         LoRAConfig,
         ModelConfig,
         SchedulerConfig,
+        StructuredOutputConfig,
     )
 
     s = settings
@@ -255,6 +261,8 @@ def engine_config(settings: Settings) -> EngineConfig:
                                   enable_chunked_prefill=s.enable_chunked_prefill,
                                   fairness_policy=s.fairness_policy,
                                   max_waiting=s.max_waiting),
+        structured=StructuredOutputConfig(grammar_compile_timeout=s.grammar_compile_timeout,
+                                          grammar_cache_size=s.grammar_cache_size),
         lora=LoRAConfig(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
                         max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend)
         if s.enable_lora else None,
