@@ -2,14 +2,15 @@
 
 Two keys send Poisson arrivals to one AsyncEngine (default model, base only): ``flood`` at
 10× the ``quiet`` key's rate, enough to overload the engine. The same arrivals run once per
-policy (``fairness_policy = vtc | fcfs``, swapped on the same engine between runs, prefix
-caching off so the runs do not warm each other), each for ``--window`` seconds; whatever is
+policy (``fairness_policy = vtc | fcfs``, swapped on the same engine between runs; prefix
+caching on, with fresh random prompts of the same lengths per run so the runs do not warm
+each other), each for ``--window`` seconds; whatever is
 still running at the window's end is cancelled. First the quiet key runs alone (its idle
 TTFT). Reports each key's share of the output tokens served in the window, the quiet key's
 TTFT p50/p99 (a request with no token by the end counts with its wait so far) and total
 output tokens/s, with ratios vtc ÷ fcfs. Writes bench/results/fairness.json and .png.
 
-    python bench/fairness.py [--window 30] [--quiet-rate 0.4] [--ratio 10]
+    python bench/fairness.py [--window 30] [--quiet-rate 0.6] [--ratio 10] [--max-num-seqs 16]
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ async def run(engine, schedule: list[tuple[float, str, list[int]]], params, wind
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=float, default=30.0, help="seconds of arrivals per policy")
-    ap.add_argument("--quiet-rate", type=float, default=0.4, help="quiet key requests/s")
+    ap.add_argument("--quiet-rate", type=float, default=0.6, help="quiet key requests/s")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--ratio", type=float, default=10.0, help="flood rate ÷ quiet rate")
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -99,8 +101,8 @@ def main() -> None:
 
     core = LLMEngine(EngineConfig(
         model=ModelConfig(None, max_model_len=512),
-        cache=CacheConfig(enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
+        cache=CacheConfig(enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256),
     ))
     engine = AsyncEngine(core)
     rng = random.Random(args.seed)
@@ -110,9 +112,14 @@ def main() -> None:
         return [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    quiet = [(t, "quiet", prompt()) for t in arrivals(rng, args.quiet_rate, args.window)]
-    flood = [(t, "flood", prompt()) for t in arrivals(rng, args.quiet_rate * args.ratio, args.window)]
-    both = sorted(quiet + flood, key=lambda r: r[0])
+    quiet_at = arrivals(rng, args.quiet_rate, args.window)
+    flood_at = arrivals(rng, args.quiet_rate * args.ratio, args.window)
+
+    def schedule() -> list[tuple[float, str, list[int]]]:
+        """The same arrivals, new prompts (no prefix-cache hits across runs)."""
+        return sorted([(t, "quiet", prompt()) for t in quiet_at] + [(t, "flood", prompt()) for t in flood_at],
+                      key=lambda r: r[0])
+
     budget = core.scheduler.max_num_batched_tokens
 
     def set_policy(scheduler, policy) -> None:
@@ -121,11 +128,12 @@ def main() -> None:
 
     async def go() -> None:
         await run(engine, [(0.0, "quiet", prompt())], params, 60)  # warm-up
-        results["idle"] = await run(engine, quiet[: max(3, len(quiet) // 2)], params, args.window / 2)
+        idle = [r for r in schedule() if r[1] == "quiet"]
+        results["idle"] = await run(engine, idle[: max(3, len(idle) // 2)], params, args.window / 2)
         for policy in ("vtc", "fcfs"):
             # swapped on the engine thread, after the last run's aborts
             await engine.call(lambda p=policy: set_policy(core.scheduler, make_policy(p, budget)))
-            results[policy] = await run(engine, both, params, args.window)
+            results[policy] = await run(engine, schedule(), params, args.window)
             print(policy, results[policy], flush=True)
 
     try:

@@ -205,7 +205,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, fair_share: bool = False) -> None:
         mine = set(seq.block_table)
         out.copies = [c for c in out.copies if c[1] not in mine]
         self.kv.free(seq)
@@ -214,6 +214,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        if fair_share:
+            logger.info("Sequence %s of request %s is preempted (recompute) for a fairness key with "
+                        "a smaller share of the tokens served", seq.seq_id, seq.request_id)
+            return
         logger.warning(
             "Sequence %s of request %s is preempted by RECOMPUTE mode because there is not "
             "enough KV cache space. This can affect the end-to-end performance. Increase "
@@ -275,7 +279,7 @@ class Scheduler:
                 return False
             self.running.remove(victim)
             out.scheduled = [s for s in out.scheduled if s.seq is not victim]
-            self._preempt(victim, out)
+            self._preempt(victim, out, fair_share=True)
         return True
 
     def _chunk_of(self, seq: Sequence, need: int, budget: int) -> int:
