@@ -166,19 +166,14 @@ class AsyncEngine:
         return self.is_ready
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; later calls (and commands still queued) fail with EngineDeadError."""
+        """Stop the loop; later calls, commands still queued and open streams fail with
+        EngineDeadError."""
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(timeout)
         if self._dead is None:
             self._dead = RuntimeError("the engine was shut down")
-        while True:
-            try:
-                _, fut = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDeadError("the engine was shut down"))
+        self._fail_everyone(EngineDeadError("the engine was shut down"))
 
     # --- the loop --------------------------------------------------------------------
     def _submit(self, fn: Callable) -> concurrent.futures.Future:
