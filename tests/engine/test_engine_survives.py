@@ -185,6 +185,7 @@ def test_a_slow_grammar_times_out_off_the_engine_thread(engine):
         return original(params)
 
     structured._compile = slow_compile
+    structured._xgr()  # the tokenizer's vocabulary is read once, up front
     eng = AsyncEngine(engine)
 
     async def neighbour():
@@ -202,7 +203,10 @@ def test_a_slow_grammar_times_out_off_the_engine_thread(engine):
         failed, (last, took) = await asyncio.gather(slow(), neighbour(), return_exceptions=True)
         assert isinstance(failed, GrammarTimeoutError) and "did not compile within" in str(failed)
         assert time.monotonic() - t0 < 1.2 and last.finished and took < 1.2  # nobody waited on it
-        await asyncio.sleep(1.5)  # it finished compiling in the background: cached, it now runs
+        for _ in range(100):  # it finishes compiling in the background: cached, it then runs
+            if len(structured._cache) == 1:
+                break
+            await asyncio.sleep(0.05)
         outs = [o async for o in eng.generate("x", SamplingParams(max_tokens=4, structured_outputs={"regex": "slow"}))]
         assert outs[-1].outputs[0].text == "slow"
 
