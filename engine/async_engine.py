@@ -4,6 +4,15 @@ All engine mutations (add, abort, step) happen on the loop thread; callers
 reach it through a command queue. ``generate`` is an async iterator of
 cumulative ``RequestOutput`` snapshots; leaving it early aborts the request and
 frees its KV blocks at once.
+
+Failures: an exception inside a step fails only that step's requests (only the culprit
+when one request's sampling or detokenizing failed) and the loop goes on. If the loop
+itself dies (an error outside a step's model run, e.g. in scheduling), every pending and
+queued caller gets :class:`EngineDeadError` at once, :attr:`AsyncEngine.is_ready` turns
+False, and the engine **restarts in-process**: its request state (queues, KV cache
+bookkeeping) is rebuilt, the model weights and adapter slots are kept, and the loop runs
+again (``restarts`` counts it). After ``max_restarts`` deaths it stays down, not ready,
+for a supervisor to replace the process.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from loramux.engine.engine import LLMEngine, PromptType
@@ -28,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped after an error; the server should restart it."""
+    """The engine loop stopped (an error, or shutdown): the call did not run. The loop
+    restarts in-process after an error; the HTTP layer answers 503."""
 
 
 class AdapterGoneError(LookupError):
@@ -43,13 +53,18 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
+    prefix_cache_hit_rate: float = 0.0
+    """Fraction of looked-up prompt blocks found in the prefix cache since start."""
 
 
 class AsyncEngine:
     """Thread-backed asynchronous front of :class:`LLMEngine`."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_restarts: int = 100) -> None:
         self.engine = engine
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        """Times the loop died and was restarted in-process."""
         self._commands: queue.Queue[tuple[Callable, concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -64,14 +79,28 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        fairness_key: str | None = None,
+        weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step it advances; the last is finished."""
+        """Yield the request's output after every step it advances; the last is finished.
+        With ``use_beam_search`` only the finished output comes, once the search ends.
+        ``fairness_key``/``weight``: see :meth:`LLMEngine.add_request`."""
         request_id = request_id or uuid.uuid4().hex
+        if sampling_params is not None and sampling_params.use_beam_search:
+            from loramux.engine.beam_search import beam_search_request
+
+            yield await beam_search_request(self, prompt, sampling_params, request_id, lora_request,
+                                            fairness_key=fairness_key)
+            return
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # compiled off the engine thread, time-limited; add_request then finds it cached
+            await self.engine.structured.prepare(sampling_params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt, sampling_params, lora_request))
+            await self.call(lambda: self.engine.add_request(
+                request_id, prompt, sampling_params, lora_request, fairness_key, weight))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -98,22 +127,14 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         return await self.call(lambda: self.engine.abort_request(request_id))
 
-    def abort_queued(self, lora_keys: Collection[str], message: str) -> list[str]:
-        """Abort the requests for these adapter keys that have not started (no token
-        computed yet) and fail their callers at once with :class:`AdapterGoneError`
-        (``message``); running ones go on. Runs on the engine thread: call it through
-        :meth:`call` / :meth:`call_sync`. Returns the aborted request ids."""
-        keys = set(lora_keys)
-        queued = [rid for rid, req in self.engine.requests.items()
-                  if req.lora_request is not None and req.lora_request.key in keys
-                  and all(seq.num_computed_tokens == 0 for seq in req.seqs)]
-        for rid in queued:
-            self.engine.abort_request(rid)
-            target = self._streams.pop(rid, None)
-            if target is not None:
-                with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                    target[0].call_soon_threadsafe(target[1].put_nowait, AdapterGoneError(message))
-        return queued
+    def fail_waiting(self, lora_key: str, message: str) -> list[str]:
+        """Fail at once, with :class:`AdapterGoneError` (``message``), every queued request
+        of adapter ``lora_key`` that has not started; running ones finish on the version
+        they started with. Called when an adapter is deleted or replaced. Runs on the
+        engine thread: call it through :meth:`call` / :meth:`call_sync`. Returns the
+        failed request ids."""
+        failed = self._deliver(self.engine.abort_waiting(lora_key, AdapterGoneError(message)))
+        return [req.request_id for req in failed]
 
     async def call(self, fn: Callable):
         """Run ``fn()`` on the engine thread (between steps) and return its result."""
@@ -134,26 +155,29 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.engine.kv.usage, s.num_preemptions)
+        return EngineStats(len(s.running), len(s.waiting), self.engine.kv.usage, s.num_preemptions,
+                           self.engine.kv.stats.hit_rate)
+
+    @property
+    def is_ready(self) -> bool:
+        """True while the loop runs and takes requests (False after shutdown, while a dead
+        loop restarts, and for good once it gave up); ``/ready`` reports it."""
+        return self._thread.is_alive() and self._dead is None and not self._stop.is_set()
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._dead is None
+        """Same as :attr:`is_ready` (the name the platform reads)."""
+        return self.is_ready
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; later calls (and commands still queued) fail with EngineDeadError."""
+        """Stop the loop; later calls, commands still queued and open streams fail with
+        EngineDeadError."""
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(timeout)
         if self._dead is None:
             self._dead = RuntimeError("the engine was shut down")
-        while True:
-            try:
-                _, fut = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDeadError("the engine was shut down"))
+        self._fail_everyone(EngineDeadError("the engine was shut down"))
 
     # --- the loop --------------------------------------------------------------------
     def _submit(self, fn: Callable) -> concurrent.futures.Future:
@@ -180,29 +204,61 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _deliver(self, reqs) -> list:
+        """Send each request's snapshot to its caller's stream (engine thread)."""
+        for req in reqs:
+            target = self._streams.get(req.request_id)
+            if target is None:
+                continue
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, req.to_output(streaming=True))
+            except RuntimeError:  # the caller's event loop is gone: nobody listens
+                self._streams.pop(req.request_id, None)
+                self.engine.abort_request(req.request_id)
+        return reqs
+
     def _loop(self) -> None:
+        while True:
+            try:
+                self._run()
+                return
+            except BaseException as exc:
+                logger.exception("engine loop died")
+                self._dead = exc
+                self._fail_everyone(EngineDeadError(f"the engine stopped: {exc!r}; retry shortly"))
+            if self._stop.is_set() or self.restarts >= self.max_restarts:
+                return
+            try:
+                self.engine.reset()
+            except BaseException:
+                logger.exception("engine restart failed; it stays down")
+                return
+            self.restarts += 1
+            logger.warning("engine loop restarted in-process (%d restarts)", self.restarts)
+            self._dead = None
+
+    def _run(self) -> None:
         engine = self.engine
-        try:
-            while not self._stop.is_set():
-                self._drain_commands(block=not engine.has_unfinished_requests())
-                if not engine.has_unfinished_requests():
-                    engine.lora_manager.poll()
-                    continue
-                for req in engine.step_requests():
-                    target = self._streams.get(req.request_id)
-                    if target is None:
-                        continue
-                    loop, stream = target
-                    try:
-                        loop.call_soon_threadsafe(stream.put_nowait, req.to_output(streaming=True))
-                    except RuntimeError:  # the caller's event loop is gone: nobody listens
-                        self._streams.pop(req.request_id, None)
-                        engine.abort_request(req.request_id)
-        except BaseException as exc:
-            logger.exception("engine loop failed")
-            self._dead = exc
-            for loop, stream in list(self._streams.values()):
-                try:
-                    loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(f"the engine stopped: {exc!r}"))
-                except RuntimeError:
-                    pass
+        while not self._stop.is_set():
+            self._drain_commands(block=not engine.has_unfinished_requests())
+            if not engine.has_unfinished_requests():
+                engine.lora_manager.poll()
+                continue
+            self._deliver(engine.step_requests())
+
+    def _fail_everyone(self, error: EngineDeadError) -> None:
+        """Every caller waiting on a stream or a queued command hears ``error`` now."""
+        streams, self._streams = list(self._streams.values()), {}
+        for loop, stream in streams:
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, error)
+            except RuntimeError:
+                pass
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)

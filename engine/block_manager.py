@@ -1,13 +1,27 @@
-"""Paged KV cache bookkeeping: a pool of fixed-size blocks with reference counts.
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks with reference counts,
+an adapter-aware prefix cache, and copy-on-write sharing.
 
 Blocks are numbered 0..num_blocks-1; token ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size`` of the cache.
-Reference counts let several sequences share a block (copy-on-write sharing).
+
+Prefix cache: a full, computed block is keyed by a hash chain over its tokens, the
+key of the block before it and the sequence's adapter identity (``adapter_id``: the
+caller's tenant + adapter version; LoRA changes K and V, so two adapters, or two
+versions of one, never share a block). A block whose last reference is dropped
+keeps its key and waits in an LRU list of cached free blocks; a new sequence whose
+leading blocks match takes them back instead of recomputing them, and when the
+pool runs dry the least recently freed cached block is evicted and reused.
+
+Copy-on-write: forks (``n``, ``best_of``) share their parent's blocks; before a
+sequence writes into a block someone else also references, it gets a private
+copy (the runner copies the contents, see :attr:`SchedulerOutput.copies`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from loramux.engine.sequence import Sequence
 
@@ -16,53 +30,100 @@ class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than asked for."""
 
 
+@dataclass
+class PrefixCacheStats:
+    """Counters since start; ``queries``/``hits`` count blocks a new sequence could have reused."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class BlockPool:
-    """Free list plus a reference count per block."""
+    """Free lists plus a reference count per block, and the prefix cache's key maps."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # free, holding no cached KV
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # free, cached: LRU first
         self._refs = [0] * num_blocks
+        self.cached: dict[bytes, int] = {}  # block key -> block
+        self._key_of: dict[int, bytes] = {}
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_cached)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (reference count 1 each)."""
-        if n > len(self._free):
-            raise OutOfBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        """Take ``n`` free blocks (reference count 1 each), evicting cached ones LRU when needed."""
+        if n > self.num_free:
+            raise OutOfBlocksError(f"asked for {n} KV blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._free_cached.popitem(last=False)
+                del self.cached[self._key_of.pop(b)]
+                self.evictions += 1
             self._refs[b] = 1
+            blocks.append(b)
         return blocks
 
     def share(self, block: int) -> None:
-        """Add a reference to an allocated block."""
-        if self._refs[block] < 1:
-            raise ValueError(f"block {block} is not allocated")
+        """Add a reference to a block; a cached free block comes back into use."""
+        if self._refs[block] == 0:
+            if block not in self._free_cached:
+                raise ValueError(f"block {block} is not allocated")
+            del self._free_cached[block]
         self._refs[block] += 1
 
     def release(self, block: int) -> None:
-        """Drop a reference; the block returns to the free list at zero."""
+        """Drop a reference; at zero the block is free (cached ones keep their key)."""
         if self._refs[block] < 1:
             raise ValueError(f"block {block} released more often than allocated")
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            self._free.append(block)
+            if block in self._key_of:
+                self._free_cached[block] = None
+            else:
+                self._free.append(block)
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
+    def is_free(self, block: int) -> bool:
+        return self._refs[block] == 0
+
+    def register(self, block: int, key: bytes) -> None:
+        """Key a full, computed block; a key already held by another block is left there."""
+        if key not in self.cached and block not in self._key_of:
+            self.cached[key] = block
+            self._key_of[block] = key
+
+
+def block_key(parent: bytes, tokens: list[int], adapter: str | None) -> bytes:
+    """Hash-chain key of a full block: its tokens, the key before it, the adapter identity."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"\x00" if adapter is None else b"\x01" + adapter.encode() + b"\x00")
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return h.digest()
+
 
 class KVCacheManager:
-    """Grows and frees the block tables of sequences."""
+    """Grows, shares and frees the block tables of sequences."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,22 +138,105 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks ``seq`` still needs to hold ``num_new_tokens`` more computed tokens."""
+        """Blocks ``seq`` still needs to hold ``num_new_tokens`` more computed tokens
+        (a shared block it writes into counts: it gets a private copy)."""
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(seq.block_table))
+        return max(0, needed - len(seq.block_table)) + int(self._shared_tail(seq, num_new_tokens))
+
+    def _shared_tail(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """True when the next token lands in a partial block that another sequence references."""
+        pos = seq.num_computed_tokens
+        if num_new_tokens == 0 or pos % self.block_size == 0:
+            return False
+        return self.pool.ref_count(seq.block_table[pos // self.block_size]) > 1
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_new_tokens) <= self.pool.num_free
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Extend ``seq.block_table`` to cover ``num_new_tokens`` more tokens."""
-        n = self.num_new_blocks(seq, num_new_tokens)
+    def allocate(self, seq: Sequence, num_new_tokens: int, copies: list[tuple[int, int]] | None = None) -> None:
+        """Extend ``seq.block_table`` to cover ``num_new_tokens`` more tokens; a shared partial
+        block about to be written is replaced by a fresh one, and (old, new) is appended to
+        ``copies`` for the runner to copy before the step."""
+        if self._shared_tail(seq, num_new_tokens):
+            i = seq.num_computed_tokens // self.block_size
+            old = seq.block_table[i]
+            (new,) = self.pool.allocate(1)
+            self.pool.release(old)
+            seq.block_table[i] = new
+            if copies is None:
+                raise ValueError("a copy-on-write allocation needs a copies list")
+            copies.append((old, new))
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        n = max(0, needed - len(seq.block_table))
         if n:
             seq.block_table.extend(self.pool.allocate(n))
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finish, abort or preemption)."""
-        for b in seq.block_table:
+        for b in reversed(seq.block_table):  # tail blocks first: the LRU evicts them first
             self.pool.release(b)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` the blocks and computed tokens of ``parent`` (shared, copy-on-write)."""
+        for b in parent.block_table:
+            self.pool.share(b)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_keys = list(parent.block_keys)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    # --- prefix cache -------------------------------------------------------------
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Keys of ``seq``'s first ``num_blocks`` full blocks (memoized on the sequence)."""
+        keys = seq.block_keys
+        bs = self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs : (i + 1) * bs], seq.adapter_id))
+        return keys[:num_blocks]
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding ``seq``'s leading full blocks (at least its last token is
+        left to compute). Called when a sequence with nothing computed is admitted."""
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+            return []
+        candidates = (seq.num_tokens - 1) // self.block_size
+        found = []
+        for key in self._keys(seq, candidates):
+            b = self.pool.cached.get(key)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def can_allocate_with_prefix(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        """Room for ``num_new_tokens`` after the cached blocks, counting cached free ones taken."""
+        revived = sum(1 for b in cached if self.pool.is_free(b))
+        total = len(cached) * self.block_size + num_new_tokens
+        return self.blocks_for(total) - len(cached) + revived <= self.pool.num_free
+
+    def take_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Start ``seq`` after its cached blocks and count the lookup in the stats."""
+        if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
+            self.stats.queries += (seq.num_tokens - 1) // self.block_size
+            self.stats.hits += len(cached)
+        for b in cached:
+            self.pool.share(b)
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_registered_blocks = len(cached)
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Key the blocks of ``seq`` that became full and computed; called after each step."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        keys = self._keys(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], keys[i])
+        seq.num_registered_blocks = full

@@ -47,6 +47,8 @@ class CacheConfig:
     """CPU: bytes for the KV cache; None = 2 GiB capped at what max_num_seqs full sequences need."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (tests, benchmarks)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens, prefix and adapter match (hash chain)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -68,11 +70,16 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most sequences in one step."""
     max_num_batched_tokens: int | None = None
-    """Most tokens in one step; None = max(2048, max_model_len)."""
+    """Most tokens in one step; None = 2048 with chunked prefill, else max(2048, max_model_len)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than what is left of a step's token budget over several steps."""
     max_waiting: int | None = None
     """Bound of the waiting queue (None = unbounded); the HTTP layer answers 429 past it."""
     starvation_steps: int = 64
     """A waiting request skipped this many steps blocks admission of others until it runs."""
+    fairness_policy: str = "vtc"
+    """Admission and preemption order: ``vtc`` (fair share of tokens across fairness keys,
+    the Virtual Token Counter) or ``fcfs`` (arrival order)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -81,6 +88,14 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.fairness_policy not in ("vtc", "fcfs"):
+            raise ValueError(f"fairness_policy must be vtc or fcfs, got {self.fairness_policy!r}")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The resolved ``max_num_batched_tokens``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
 
 @dataclass
@@ -114,6 +129,23 @@ class LoRAConfig:
 
 
 @dataclass
+class StructuredOutputConfig:
+    """Grammar compilation limits (structured outputs)."""
+
+    grammar_compile_timeout: float = 10.0
+    """Seconds a request's grammar may take to compile (off the engine thread); past it
+    the request fails with a clear error."""
+    grammar_cache_size: int = 128
+    """Compiled grammars kept (LRU)."""
+
+    def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be > 0")
+        if self.grammar_cache_size < 1:
+            raise ValueError("grammar_cache_size must be >= 1")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs, in one place."""
 
@@ -122,3 +154,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig | None = None
     """None = LoRA disabled."""
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

@@ -24,17 +24,23 @@ from loramux.engine.runner import ModelRunner, plan_num_blocks
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
-from loramux.engine.sequence import Sequence
+from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict | list[int]
+_LOGPROB_ROWS = 128
+"""Prompt positions whose logprobs are computed at once (bounds the [rows, vocab] temporaries)."""
 AdapterSource = Callable[[str], str | Path]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting``; retry later."""
+
+
+class EngineStepError(RuntimeError):
+    """A request failed inside an engine step (the engine goes on serving the others)."""
 
 
 class ContextLengthError(ValueError):
@@ -109,7 +115,7 @@ class LLMEngine:
             )
         cc, sc = config.cache, config.scheduler
         num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
-        self.kv = KVCacheManager(num_blocks, cc.block_size)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size)
         self.lora_manager: LoRAManager | NoLoRA = NoLoRA()
         if config.lora is not None:
@@ -123,7 +129,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.detokenizer = Detokenizer(self.tokenizer)
         self.sampler = Sampler(dims.vocab_size, self.eos_token_ids, self.generator)
-        self.structured = StructuredOutputManager(self.tokenizer, dims.vocab_size)
+        so = config.structured
+        self.structured = StructuredOutputManager(
+            self.tokenizer, dims.vocab_size, so.grammar_cache_size, so.grammar_compile_timeout
+        )
         self.postprocessor = Postprocessor(self.detokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         logger.info(
@@ -167,9 +176,15 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
+        fairness_key: str | None = None,
+        weight: float = 1.0,
     ) -> Request:
-        """Validate and queue a request; raises ValueError (bad input) or QueueFullError."""
+        """Validate and queue a request; raises ValueError (bad input) or QueueFullError.
+        ``fairness_key`` (opaque: the platform's tenant) and ``weight`` place it in the fair
+        share of ``SchedulerConfig.fairness_policy``; requests without a key share one."""
         params = params or SamplingParams()
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -202,7 +217,9 @@ class LLMEngine:
             raise QueueFullError(f"the waiting queue is full ({sc.max_waiting} requests)")
         seqs = []
         for i in range(params.best_of):
-            seq = Sequence(request_id, i, ids, params, lora_key)
+            seq = Sequence(request_id, i, ids, params, lora_key, fairness_key=fairness_key,
+                           fairness_weight=weight)
+            seq.adapter_id = lora_request.prefix_cache_id if lora_request is not None else None
             if params.prompt_logprobs is not None and len(ids) == 1:
                 seq.prompt_logprobs = [None]
             if params.structured_outputs is not None:
@@ -211,8 +228,9 @@ class LLMEngine:
                 seq.generator = torch.Generator().manual_seed(params.seed + i * 1_000_003)
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, lora_request)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        # one prefill: the siblings fork from the first sequence once its prompt is computed
+        self.scheduler.add(seqs[0])
+        seqs[0].pending_forks = seqs[1:]
         self.requests[request_id] = req
         return req
 
@@ -243,35 +261,53 @@ class LLMEngine:
         if plan.is_empty:
             self.lora_manager.poll(wait=0.005)
             return failed
-        batch = self.runner.order(
-            plan, self.lora_manager.slot_of.get if self.lora_manager.enabled else None
-        )
-        now = time.monotonic()
-        for seq in batch.seqs:
-            req = self.requests[seq.request_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        self.lora_manager.prepare_step(batch.token_lora_keys)
         try:
-            logits, prompt_logits = self.runner.execute(batch)
-        finally:
-            self.lora_manager.finish_step()
-        grammars = [s.grammar for s in batch.seqs]
-        if any(g is not None for g in grammars):
-            logits = self.structured.apply(logits, grammars)
-        sampled = self.sampler(logits, batch.seqs)
-        for seq, token in zip(batch.seqs, sampled.token_ids, strict=True):
-            if seq.grammar is not None and not seq.grammar.is_terminated():
-                seq.grammar.accept_token(token)
-        for row, rows in prompt_logits.items():
-            self._record_prompt_logprobs(batch.seqs[row], rows)
+            batch = self.runner.order(
+                plan, self.lora_manager.slot_of.get if self.lora_manager.enabled else None
+            )
+            now = time.monotonic()
+            for seq in batch.seqs:
+                req = self.requests[seq.request_id]
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+            self.lora_manager.prepare_step(batch.token_lora_keys)
+            try:
+                logits, prompt_logits = self.runner.execute(batch, plan.copies)
+            finally:
+                self.lora_manager.finish_step()
+        except Exception as exc:  # batch-level (e.g. an allocation): fail this step's requests
+            logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
+            culprits = {s.seq.request_id: exc for s in plan.scheduled}
+            return [*failed, *self._fail_requests(culprits)]
         touched: dict[str, Request] = {r.request_id: r for r in failed}
+        bad: dict[str, Exception] = {}
+        for row, rows in prompt_logits.items():
+            seq = batch.seqs[row]
+            try:
+                self._record_prompt_logprobs(seq, rows)
+            except Exception as exc:
+                bad[seq.request_id] = exc
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.request_id in bad:
+                continue
             seq.num_computed_tokens += n
-            self.postprocessor.accept(seq, row, sampled)
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            self.kv.register_computed(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk: nothing to sample yet
+            sample_rows.append(row)
+            sample_seqs.append(seq)
+            for child in seq.pending_forks:
+                self.kv.fork(seq, child)
+                self.scheduler.add_fork(child)
+                sample_rows.append(row)
+                sample_seqs.append(child)
+            seq.pending_forks = []
+        if sample_rows:
+            self._sample_and_accept(logits[sample_rows], sample_seqs, touched, bad)
+        for req in self._fail_requests(bad):
+            touched[req.request_id] = req
         now = time.monotonic()
         for req in touched.values():
             if req.metrics.first_token_time is None:
@@ -281,21 +317,116 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return list(touched.values())
 
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        grammars = [s.grammar for s in seqs]
+        if any(g is not None for g in grammars):
+            logits = self.structured.apply(logits, grammars)
+        return self.sampler(logits, seqs)
+
+    def _sample_and_accept(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict,
+                           bad: dict[str, Exception]) -> None:
+        """Sample one token for each row of ``logits`` (one per sequence) and postprocess it.
+        When the batched sampler fails, each row is sampled alone to find the culprits;
+        a request whose row fails lands in ``bad``, the others go on."""
+        try:
+            picks = [(seq, row, sampled) for sampled in [self._sample(logits, seqs)]
+                     for row, seq in enumerate(seqs)]
+        except Exception:
+            picks = []
+            for row, seq in enumerate(seqs):
+                try:
+                    picks.append((seq, 0, self._sample(logits[row : row + 1], [seq])))
+                except Exception as exc:
+                    bad[seq.request_id] = exc
+        for seq, row, sampled in picks:
+            if seq.request_id in bad:
+                continue
+            try:
+                if seq.grammar is not None and not seq.grammar.is_terminated():
+                    seq.grammar.accept_token(sampled.token_ids[row])
+                self.postprocessor.accept(seq, row, sampled)
+            except Exception as exc:
+                bad[seq.request_id] = exc
+                continue
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _fail_requests(self, culprits: dict[str, Exception]) -> list[Request]:
+        """End these requests with an :class:`EngineStepError` (their blocks freed)."""
+        out = []
+        for rid, exc in culprits.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            logger.warning("request %s failed in an engine step: %r", rid, exc)
+            req.error = EngineStepError(
+                f"the request failed in the engine ({type(exc).__name__}); other requests "
+                f"are not affected, retry it or change its parameters"
+            )
+            self.abort_request(rid)
+            out.append(req)
+        return out
+
+    def abort_waiting(self, lora_key: str, error: Exception) -> list[Request]:
+        """Fail at once, with ``error``, every request of adapter ``lora_key`` that waits in
+        the queue and has not started (running ones finish on the adapter they started
+        with). Called on the engine thread when an adapter is deleted or replaced."""
+        out = []
+        for req in list(self.requests.values()):
+            lr = req.lora_request
+            if lr is None or lr.key != lora_key:
+                continue
+            if all(s.status is SequenceStatus.WAITING and s.num_output_tokens == 0 for s in req.seqs):
+                req.error = error
+                self.abort_request(req.request_id)
+                out.append(req)
+        return out
+
+    def reset(self) -> None:
+        """Drop every request and rebuild the KV cache bookkeeping and the scheduler (their
+        state is suspect after the loop died); the model weights and adapters stay."""
+        for req in self.requests.values():
+            req.aborted = True
+        self.requests.clear()
+        cc = self.config.cache
+        self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.scheduler.adapters)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the platform's metrics: prefix cache lookups (in blocks), hits, hit
+        rate and evictions, KV usage, preemptions and queue lengths. Cheap; call any time."""
+        pc = self.kv.stats
+        return {
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "prefix_cache_evictions": self.kv.pool.evictions,
+            "kv_cache_usage": self.kv.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         """vLLM's prompt_logprobs: None for the first token, then each prompt token's
-        logprob (with rank) and the top-N at its position."""
-        lp = torch.log_softmax(logits.float(), dim=-1)  # [P - 1, V]
-        actual = torch.tensor(seq.prompt_token_ids[1:])
-        chosen = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
-        ranks = ((lp > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
+        logprob (with rank) and the top-N at its position. ``logits`` [P - 1, V] (bounded by
+        the step's token budget) is read in chunks of ``_LOGPROB_ROWS`` rows, so the
+        temporaries stay [_LOGPROB_ROWS, V] whatever the prompt's length."""
+        actual_all = torch.tensor(seq.prompt_token_ids[1:])
         n = seq.params.prompt_logprobs
-        top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
         out: list = [None]
-        for j, (tid, val) in enumerate(zip(actual.tolist(), chosen.tolist(), strict=True)):
-            entry = {tid: self.logprob_entry(tid, val, ranks[j])}
-            for rank, (t, v) in enumerate(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True), 1):
-                entry.setdefault(t, self.logprob_entry(t, v, rank))
-            out.append(entry)
+        for lo in range(0, logits.shape[0], _LOGPROB_ROWS):
+            lp = torch.log_softmax(logits[lo : lo + _LOGPROB_ROWS].float(), dim=-1)  # [C, V]
+            actual = actual_all[lo : lo + lp.shape[0]]
+            chosen = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
+            ranks = ((lp > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
+            top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+            for j, (tid, val) in enumerate(zip(actual.tolist(), chosen.tolist(), strict=True)):
+                entry = {tid: self.logprob_entry(tid, val, ranks[j])}
+                for rank, (t, v) in enumerate(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True), 1):
+                    entry.setdefault(t, self.logprob_entry(t, v, rank))
+                out.append(entry)
         seq.prompt_logprobs = out
 
     def _fail_broken_adapters(self) -> list[Request]:

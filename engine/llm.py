@@ -36,6 +36,8 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory: int | None = None,
@@ -53,8 +55,13 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(ignored)}")
         config = EngineConfig(
             model=ModelConfig(model, tokenizer, dtype, device, max_model_len, seed),
-            cache=CacheConfig(block_size, gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            cache=CacheConfig(
+                block_size, gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override,
+                enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill
+            ),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_backend) if enable_lora else None,
         )
         self.llm_engine = LLMEngine(config, adapter_source)

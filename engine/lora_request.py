@@ -25,3 +25,9 @@ class LoRARequest:
     @property
     def key(self) -> str:
         return self.lora_name
+
+    @property
+    def prefix_cache_id(self) -> str:
+        """The adapter's identity in prefix-cache keys: name (the platform puts tenant and
+        version in it), id and path, so a name re-pointed at other weights never reuses KV."""
+        return f"{self.lora_name}\x00{self.lora_int_id}\x00{self.lora_path or ''}"

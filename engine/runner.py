@@ -1,7 +1,9 @@
 """Model runner: turns a SchedulerOutput into tensors, runs the model, returns logits.
 
 Owns the KV cache tensors. Rows of a step: decode sequences first (one token
-each), then prefilling sequences (all their uncomputed tokens, contiguous).
+each), then prefilling sequences (this step's chunk of their prompt, contiguous,
+possibly continuing a prefix computed in earlier steps or found in the prefix
+cache). Copy-on-write block copies of the plan run before the forward pass.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from loramux.engine.config import CacheConfig
-from loramux.engine.model.attention import AttentionMetadata
+from loramux.engine.model.attention import build_attention_metadata
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.scheduler import SchedulerOutput
 from loramux.engine.sequence import Sequence
@@ -76,7 +78,6 @@ class ModelRunner:
             )
             for _ in range(d.num_layers)
         ]
-        self._arange_block = torch.arange(block_size)
 
     def order(self, out: SchedulerOutput, slot_of: Callable[[str], int] | None = None) -> StepBatch:
         """Decode rows first, then prefills; within each, grouped by adapter slot (base-model
@@ -97,49 +98,31 @@ class ModelRunner:
         return StepBatch([s.seq for s in items], [s.num_new_tokens for s in items], keys, len(decode))
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run one step. Returns logits [B, V] fp32 for the last token of each sequence, and
-        for sequences that asked for prompt logprobs (row -> logits [P - 1, V] of their
-        prompt positions 0..P-2)."""
+    def execute(
+        self, batch: StepBatch, copies: list[tuple[int, int]] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one step after copying the ``copies`` blocks (copy-on-write). Returns logits
+        [B, V] fp32 for the last token of each sequence, and for sequences that asked for
+        prompt logprobs (row -> logits [P - 1, V] of their prompt positions 0..P-2)."""
         dev = self.model.device
+        if copies:
+            self._copy_blocks(copies)
         ids: list[int] = []
-        pos: list[int] = []
-        num_decode = batch.num_decode
-        prefill_lens = batch.num_new_tokens[num_decode:]
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        starts: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            if row >= num_decode and start != 0:
-                raise RuntimeError("prefill with computed context is not supported")
             ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-        positions = torch.tensor(pos, dtype=torch.long)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = torch.tensor(
-            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs],
-            dtype=torch.long,
-        )  # [B, max_blocks]
-        row_of_token = torch.repeat_interleave(
-            torch.arange(len(batch.seqs)), torch.tensor(batch.num_new_tokens)
+            starts.append(start)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, batch.num_new_tokens, strict=True)])
+        attn = build_attention_metadata(
+            [s.block_table for s in batch.seqs],
+            starts,
+            batch.num_new_tokens,
+            batch.num_decode,
+            self.block_size,
+            self.model.dims.sliding_window,
+            dev,
         )
-        slot_mapping = (
-            tables[row_of_token, positions // self.block_size] * self.block_size
-            + positions % self.block_size
-        )
-        attn = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            num_decode=num_decode,
-            decode_kv_idx=None,
-            decode_mask=None,
-            prefill_lens=prefill_lens,
-            prefill_gather=None,
-            prefill_mask=None,
-            prefill_unpad=None,
-        )
-        window = self.model.dims.sliding_window
-        if num_decode:
-            self._decode_meta(attn, tables[:num_decode], positions[:num_decode] + 1, window)
-        if prefill_lens:
-            self._prefill_meta(attn, prefill_lens, num_decode, window)
         ends = torch.cumsum(torch.tensor(batch.num_new_tokens), 0)
         rows = [ends - 1]
         prompt_rows: dict[int, tuple[int, int]] = {}  # row -> (offset in logits, count)
@@ -162,41 +145,13 @@ class ModelRunner:
         extra = {row: logits[o : o + c] for row, (o, c) in prompt_rows.items()}
         return logits[:b], extra
 
-    def _decode_meta(self, attn: AttentionMetadata, tables, ctx_lens, window) -> None:
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
-        ld = int(ctx_lens.max())
-        nb = -(-ld // bs)
-        idx = (tables[:, :nb, None] * bs + self._arange_block).reshape(len(tables), -1)[:, :ld]
-        key_pos = torch.arange(ld).unsqueeze(0)
-        valid = key_pos < ctx_lens.unsqueeze(1)
-        if window is not None:
-            valid &= key_pos >= (ctx_lens.unsqueeze(1) - window)
-        dev = self.model.device
-        attn.decode_kv_idx = idx.to(dev)
-        if not bool(valid.all()):
-            attn.decode_mask = valid[:, None, None, :].to(dev)
-
-    def _prefill_meta(self, attn: AttentionMetadata, lens: list[int], offset: int, window) -> None:
-        dev = self.model.device
-        lp = max(lens)
-        windowed = window is not None and lp > window
-        if len(set(lens)) > 1:
-            q_pos = torch.arange(lp)
-            valid = q_pos.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [Bp, Lp]
-            starts = torch.tensor([0] + lens[:-1]).cumsum(0)
-            gather = (starts.unsqueeze(1) + q_pos.unsqueeze(0)).clamp(max=sum(lens) - 1)
-            attn.prefill_gather = gather.to(dev)
-            attn.prefill_unpad = (
-                torch.arange(len(lens)).unsqueeze(1) * lp + q_pos.unsqueeze(0)
-            )[valid].to(dev)
-            causal = q_pos.unsqueeze(1) >= q_pos.unsqueeze(0)  # [Lp, Lp]
-            mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # [Bp, Lp(q), Lp(k)]
-        else:
-            mask = None
-        if windowed:
-            q_pos = torch.arange(lp)
-            near = (q_pos.unsqueeze(1) - q_pos.unsqueeze(0)) < window
-            base = mask if mask is not None else (q_pos.unsqueeze(1) >= q_pos.unsqueeze(0)).unsqueeze(0)
-            mask = base & near
-        if mask is not None:
-            attn.prefill_mask = mask.unsqueeze(1).to(dev)
+        src = torch.tensor([s for s, _ in copies])
+        dst = torch.tensor([d for _, d in copies])
+        ar = torch.arange(bs)
+        src_slots = (src[:, None] * bs + ar).reshape(-1).to(self.model.device)
+        dst_slots = (dst[:, None] * bs + ar).reshape(-1).to(self.model.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst_slots, k_cache.index_select(0, src_slots))
+            v_cache.index_copy_(0, dst_slots, v_cache.index_select(0, src_slots))

@@ -65,9 +65,8 @@ class Sampler:
                 keep[p.allowed_token_ids] = 0.0
                 lg[row] += keep
             if s.num_output_tokens < p.min_tokens:
-                blocked = list(p.stop_token_ids)
-                if not p.ignore_eos:
-                    blocked += list(self.eos_token_ids)
+                # vLLM (and transformers' min_new_tokens): EOS too, whatever ignore_eos says
+                blocked = list(p.stop_token_ids) + list(self.eos_token_ids)
                 if blocked:
                     writable()[row, blocked] = _NEG_INF
             if p.logit_bias:

@@ -74,6 +74,13 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
     """Constrain the output to a JSON schema, JSON object, regex, choice or EBNF grammar."""
+    use_beam_search: bool = False
+    """Beam search of width ``best_of`` (defaults to ``n``), returning the ``n`` best beams.
+    Sampling parameters (temperature, top_p, top_k, min_p, penalties, seed) have no effect."""
+    length_penalty: float = 1.0
+    """Beam search: beams are ranked by cum_logprob / len ** length_penalty."""
+    early_stopping: bool = False
+    """Beam search: stop once ``best_of`` beams have finished."""
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -123,7 +130,11 @@ class SamplingParams:
                 f"best_of must be greater than or equal to n, got n={self.n} and "
                 f"best_of={self.best_of}."
             )
-        if self.is_greedy and self.best_of > 1 and self.best_of != self.n:
+        _number("length_penalty", self.length_penalty)
+        for name in ("use_beam_search", "early_stopping"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamError(name, f"{name} must be true or false, got {getattr(self, name)!r}.")
+        if not self.use_beam_search and self.is_greedy and self.best_of > 1 and self.best_of != self.n:
             raise SamplingParamError(
                 "best_of",
                 f"best_of must be 1 (or equal to n) when using greedy sampling, got {self.best_of}."

@@ -1,10 +1,16 @@
 """Continuous-batching scheduler: which sequences run in the next step.
 
-Each step it first keeps every running sequence decoding (one token each),
-preempting the newest running sequences (recompute later) when KV blocks run
-out, then admits waiting sequences in arrival order while the token budget,
-``max_num_seqs``, free blocks and the adapter limit allow. It knows nothing of
-the model: it hands a plain-data :class:`SchedulerOutput` to the runner.
+A step is a token budget (``max_num_batched_tokens``), filled as in vLLM V1: every
+running decode first (one token each), preempting the newest running sequences
+(recompute later) when KV blocks run out; then the next chunk of prompts that are
+part-way through their prefill; then waiting sequences in the order the
+:class:`~loramux.engine.fairness.AdmissionPolicy` gives (fair share across fairness keys
+by default, or FIFO) while the budget, ``max_num_seqs``, free blocks and the adapter limit
+allow; the policy also picks whom to preempt and is charged every scheduled token. With chunked prefill a prompt longer than
+what is left of the budget takes what is left and continues next step. A waiting
+sequence starts after its longest prefix found in the KV cache's prefix cache.
+It knows nothing of the model: it hands a plain-data :class:`SchedulerOutput` to
+the runner.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Protocol
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
+from loramux.engine.fairness import AdmissionPolicy, make_policy
 from loramux.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks to copy before the step (copy-on-write)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,7 +69,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FIFO admission, newest-first preemption, bounded adapter diversity."""
+    """Decodes first, chunked prefills, policy-ordered admission, newest-first preemption,
+    bounded adapter diversity."""
 
     def __init__(
         self,
@@ -68,12 +78,14 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         adapters: AdapterGate | None = None,
+        policy: AdmissionPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_model_len)
+        self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
+        self.policy = policy or make_policy(config.fairness_policy, self.max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -95,20 +107,30 @@ class Scheduler:
                 f"in the KV cache ({self.kv.pool.num_blocks} blocks of {self.kv.block_size}); "
                 f"lower max_tokens or give the KV cache more memory"
             )
-        if seq.num_tokens > self.max_num_batched_tokens:
+        must_fit = not self.config.enable_chunked_prefill or seq.params.prompt_logprobs is not None
+        if must_fit and seq.num_tokens > self.max_num_batched_tokens:
             raise ValueError(
                 f"prompt is {seq.num_tokens} tokens, more than max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): it could never be scheduled"
             )
         seq.status = SequenceStatus.WAITING
+        self.policy.on_add(seq)
         self.waiting.append(seq)
+
+    def add_fork(self, seq: Sequence) -> None:
+        """Run a sequence forked from a running one (its blocks already shared)."""
+        seq.status = SequenceStatus.RUNNING
+        self.policy.on_add(seq)
+        self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
+            self.policy.on_finish(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.policy.on_finish(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -118,38 +140,84 @@ class Scheduler:
 
     # --- planning ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step; mutates block tables and queues."""
+        """Plan the next step; mutates block tables and queues.
+
+        Every running decode first (one token each), then running prompts that are
+        part-way through their prefill, then waiting sequences in the order the
+        admission policy gives, each taking as much of the remaining token budget as
+        it needs (a chunk of it when chunked prefill is on)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         self._schedule_running(out)
-        budget -= len(out.scheduled)
+        self._continue_prefills(out, self._budget(out))
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out)
+        for s in out.scheduled:
+            self.policy.charge(s.seq, s.num_new_tokens, s.is_prefill)
         return out
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq``'s uncomputed prompt to compute now (0 = not this step)."""
+        return self._chunk_of(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+
     def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Decode every running sequence that has its prompt computed (oldest first),
+        preempting the policy's victims (FIFO: the newest) when blocks run out."""
         kept: list[Sequence] = []
         queue = list(self.running)  # oldest first
         while queue:
             seq = queue.pop(0)
+            if seq.num_computed_tokens < seq.num_tokens - 1:
+                kept.append(seq)  # still prefilling: _continue_prefills plans it
+                continue
             while not self.kv.can_allocate(seq, 1):
-                victim = queue.pop() if queue else seq
+                victim = self.policy.victim([*kept, seq, *queue])
+                if victim in queue:
+                    queue.remove(victim)
+                elif victim is not seq:
+                    kept.remove(victim)
+                    out.scheduled = [s for s in out.scheduled if s.seq is not victim]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                self.kv.allocate(seq, 1)
+                self.kv.allocate(seq, 1, out.copies)
                 out.scheduled.append(ScheduledSeq(seq, 1))
                 kept.append(seq)
-        self.running = kept
+        self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _continue_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the next chunk to running sequences whose prompt is part-way computed."""
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below for an older prompt
+            if seq.num_computed_tokens >= seq.num_tokens - 1 or budget <= 0:
+                continue
+            n = self._chunk(seq, budget)
+            # partial prefills could hold every block between them: the newest make room
+            while n and not self.kv.can_allocate(seq, n) and self.running[-1] is not seq:
+                victim = self.running.pop()
+                out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+                self._preempt(victim, out)
+            if n == 0 or not self.kv.can_allocate(seq, n):
+                continue
+            self.kv.allocate(seq, n, out.copies)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, fair_share: bool = False) -> None:
+        mine = set(seq.block_table)
+        out.copies = [c for c in out.copies if c[1] not in mine]
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        if fair_share:
+            logger.info("Sequence %s of request %s is preempted (recompute) for a fairness key with "
+                        "a smaller share of the tokens served", seq.seq_id, seq.request_id)
+            return
         logger.warning(
             "Sequence %s of request %s is preempted by RECOMPUTE mode because there is not "
             "enough KV cache space. This can affect the end-to-end performance. Increase "
@@ -158,35 +226,70 @@ class Scheduler:
             seq.seq_id, seq.request_id, self.num_preemptions,
         )
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
         in_use = {s.lora_key for s in self.running if s.lora_key is not None}
         holding_for: Sequence | None = None
         admitted: list[Sequence] = []
-        for seq in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.config.max_num_seqs:
-                break
-            need = seq.num_tokens - seq.num_computed_tokens
-            # a preempted sequence that grew past the token budget is recomputed alone
-            if need > budget and (out.scheduled or need <= self.max_num_batched_tokens):
+        max_seqs = self.config.max_num_seqs
+
+        def has_place() -> bool:
+            return len(self.running) + len(admitted) < max_seqs and self._budget(out) > 0
+
+        for seq in self.policy.order(self.waiting):
+            if not self._make_room(seq, out, has_place):
                 break
             if not self._adapter_ok(seq, in_use, holding_for):
                 seq.skipped_steps += 1
                 if holding_for is None and seq.skipped_steps > self.config.starvation_steps:
                     holding_for = seq  # aging: stop taking new adapters until it runs
                 continue
-            if not self.kv.can_allocate(seq, need):
+            cached = self.kv.lookup_prefix(seq)
+            need = seq.num_tokens - len(cached) * self.kv.block_size
+            want = min(need, self.max_num_batched_tokens)
+            self._make_room(seq, out, lambda w=want: self._budget(out) >= w)  # else a chunk
+            n = self._chunk_of(seq, need, self._budget(out))
+            # a preempted sequence that grew past the token budget is recomputed alone
+            if n == 0 and not out.scheduled and need > self.max_num_batched_tokens:
+                n = need
+            fits = lambda s=seq, c=cached, k=n: self.kv.can_allocate_with_prefix(s, c, k)  # noqa: E731
+            if n == 0 or not self._make_room(seq, out, fits):
                 break
-            self.kv.allocate(seq, need)
+            self.kv.take_prefix(seq, cached)
+            self.kv.allocate(seq, n, out.copies)
             seq.status = SequenceStatus.RUNNING
             seq.skipped_steps = 0
-            budget -= need
             admitted.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, need))
+            out.scheduled.append(ScheduledSeq(seq, n))
             if seq.lora_key is not None:
                 in_use.add(seq.lora_key)
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
+
+    def _budget(self, out: SchedulerOutput) -> int:
+        """Tokens of the step's budget not yet planned."""
+        return self.max_num_batched_tokens - out.num_batched_tokens
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput, fits) -> bool:
+        """True once ``fits()``, preempting the running sequences the policy displaces for
+        waiting ``seq`` (fair share: a key far ahead yields to one behind)."""
+        while not fits():
+            victim = self.policy.displace(seq, self.running)
+            if victim is None:
+                return False
+            self.running.remove(victim)
+            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            self._preempt(victim, out, fair_share=True)
+        return True
+
+    def _chunk_of(self, seq: Sequence, need: int, budget: int) -> int:
+        """All ``need`` tokens when they fit ``budget``; a chunk of it when chunked prefill is on
+        (never for prompt logprobs, which need the whole prompt in one step); else 0."""
+        if need <= budget:
+            return need
+        if self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None:
+            return budget
+        return 0
 
     def _adapter_ok(self, seq: Sequence, in_use: set[str], holding_for: Sequence | None) -> bool:
         key = seq.lora_key

@@ -34,11 +34,24 @@ class Sequence:
     params: SamplingParams
     lora_key: str | None = None
     """Adapter of this sequence (None = the base model)."""
+    adapter_id: str | None = None
+    """The adapter's identity in prefix-cache keys (``LoRARequest.prefix_cache_id``;
+    None = ``lora_key``)."""
+    fairness_key: str | None = None
+    """Whose fair share this sequence counts against (opaque; the platform's tenant)."""
+    fairness_weight: float = 1.0
+    """Share weight of the request: a key's tokens are charged ``1 / weight`` each."""
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    block_keys: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of the leading full blocks of ``token_ids`` (memo, see block_manager)."""
+    num_registered_blocks: int = 0
+    """Leading blocks of ``block_table`` already keyed in the prefix cache."""
+    pending_forks: list[Sequence] = field(default_factory=list)
+    """Siblings (``best_of`` > 1) that fork from this sequence once its prompt is computed."""
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     finish_reason: str | None = None
@@ -57,6 +70,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.adapter_id is None:
+            self.adapter_id = self.lora_key
 
     @property
     def num_prompt_tokens(self) -> int:

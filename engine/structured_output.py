@@ -1,14 +1,20 @@
 """Structured outputs (vLLM's ``structured_outputs``): JSON schema, JSON object, regex,
 choice or EBNF grammar, enforced per row with xgrammar token bitmasks.
 
-The engine compiles a request's grammar when the request is added (a bad schema
-is a ``ValueError`` then), masks each constrained row's logits before sampling
-and advances the row's matcher with every accepted token.
+:class:`~loramux.engine.async_engine.AsyncEngine` compiles a request's grammar in a worker
+thread before queueing it (:meth:`StructuredOutputManager.prepare`, with a time limit), so
+the step loop never waits on a compile; the engine then takes the cached compiled grammar
+when the request is added (a bad schema is a ``ValueError`` either way), masks each
+constrained row's logits before sampling and advances the row's matcher with every
+accepted token.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -54,40 +60,69 @@ class StructuredOutputsParams:
         )
 
 
-class StructuredOutputManager:
-    """Compiles grammars (cached) and applies their masks for one engine."""
+class GrammarTimeoutError(ValueError):
+    """A grammar took longer than ``grammar_compile_timeout`` to compile."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 128) -> None:
+
+class StructuredOutputManager:
+    """Compiles grammars (cached, in worker threads) and applies their masks for one engine."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 128, compile_timeout: float = 10.0) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
         self._compiler = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loramux-grammar")
 
     def _xgr(self):
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info)
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info)
         return xgr
+
+    async def prepare(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params``' grammar into the cache in a worker thread (called by the async
+        engine before it queues the request); raises ValueError when it is invalid and
+        :class:`GrammarTimeoutError` past ``compile_timeout`` seconds."""
+        fut = self._pool.submit(self.compiled, params)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(fut), self.compile_timeout)
+        except TimeoutError:
+            raise GrammarTimeoutError(
+                f"structured_outputs: the grammar did not compile within {self.compile_timeout:g} s; "
+                f"simplify the schema or pattern"
+            ) from None
+
+    def compiled(self, params: StructuredOutputsParams):
+        """The compiled grammar of ``params`` (LRU cache, any thread); ValueError when invalid."""
+        xgr_compiled = None
+        key = params.cache_key()
+        with self._lock:
+            xgr_compiled = self._cache.get(key)
+            if xgr_compiled is not None:
+                self._cache.move_to_end(key)
+                return xgr_compiled
+        self._xgr()
+        try:
+            xgr_compiled = self._compile(params)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs: invalid constraint ({e})") from None
+        with self._lock:
+            self._cache[key] = xgr_compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return xgr_compiled
 
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher for one sequence; raises ValueError when the constraint is invalid."""
-        xgr = self._xgr()
-        key = params.cache_key()
-        compiled = self._cache.get(key)
-        if compiled is None:
-            try:
-                compiled = self._compile(params)
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise ValueError(f"structured_outputs: invalid constraint ({e})") from None
-            self._cache[key] = compiled
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return xgr.GrammarMatcher(compiled)
+        compiled = self.compiled(params)
+        return self._xgr().GrammarMatcher(compiled)
 
     def _compile(self, p: StructuredOutputsParams):
         c = self._compiler

@@ -82,6 +82,10 @@ class Metrics:
         self.preemptions = Gauge(
             "loramux_num_preemptions", "Preemptions since start.", registry=r
         )
+        self.prefix_hit_rate = Gauge(
+            "loramux_prefix_cache_hit_rate", "Fraction of prompt blocks served from the prefix cache.",
+            registry=r,
+        )
         self.rejected = Counter(
             "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
         )
@@ -133,6 +137,7 @@ class Metrics:
             self.running.set(stats.num_running)
             self.kv_usage.set(stats.kv_cache_usage)
             self.preemptions.set(stats.num_preemptions)
+            self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         with self._lock:
             pending, self._pending_evictions = self._pending_evictions, _Counter()
         for adapter, n in pending.items():

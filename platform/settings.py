@@ -21,7 +21,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -96,6 +96,17 @@ class Settings(_LimitSettings):
     """Most sequences in one engine step."""
     max_num_batched_tokens: int | None = None
     """Token budget of one engine step; None = the engine's default."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps so running decodes keep going (vLLM V1)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."""
+    fairness_policy: Literal["vtc", "fcfs"] = "vtc"
+    """Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival order."""
+    grammar_compile_timeout: float = 10.0
+    """Seconds a request's structured-output grammar may take to compile (off the engine
+    thread); past it the request fails."""
+    grammar_cache_size: int = 128
+    """Compiled structured-output grammars kept (LRU)."""
     max_waiting: int = 1024
     """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
     block_size: int = 16
@@ -286,6 +297,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         LoRAConfig,
         ModelConfig,
         SchedulerConfig,
+        StructuredOutputConfig,
     )
 
     s = settings
@@ -294,10 +306,15 @@ def engine_config(settings: Settings) -> EngineConfig:
                           max_model_len=s.max_model_len, seed=s.seed),
         cache=CacheConfig(block_size=s.block_size, gpu_memory_utilization=s.gpu_memory_utilization,
                           kv_cache_memory=s.kv_cache_memory,
-                          num_gpu_blocks_override=s.num_gpu_blocks_override),
+                          num_gpu_blocks_override=s.num_gpu_blocks_override,
+                          enable_prefix_caching=s.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
                                   max_num_batched_tokens=s.max_num_batched_tokens,
+                                  enable_chunked_prefill=s.enable_chunked_prefill,
+                                  fairness_policy=s.fairness_policy,
                                   max_waiting=s.max_waiting),
+        structured=StructuredOutputConfig(grammar_compile_timeout=s.grammar_compile_timeout,
+                                          grammar_cache_size=s.grammar_cache_size),
         lora=LoRAConfig(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
                         max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend)
         if s.enable_lora else None,

@@ -93,7 +93,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
                    "replaced before this request started; send it again")
 
         def drop() -> None:
-            engine.abort_queued([key], message)
+            engine.fail_waiting(key, message)
             llm.lora_manager.drop(key)
 
         if engine.is_running:

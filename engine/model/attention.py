@@ -1,31 +1,138 @@
-"""Attention over the paged KV cache in plain torch (CPU and CUDA).
+"""Attention over the paged KV cache, without padding to the longest sequence.
 
-The runner orders a step's tokens as: decode tokens first (one per sequence),
-then each prefilling sequence's tokens contiguously. Decode attention gathers
-each sequence's keys and values from the cache through its slot indices;
-prefill attention uses the fresh keys and values of the prompt directly.
+Every row of a step (a decode token, or a chunk of a prompt that may continue an
+already computed prefix) attends to its own sequence's context, read from the
+paged cache after this step's keys and values are written. The work of a step is
+Σ(new tokens × their context) up to a small bounded padding inside groups of
+similar decodes, and its temporary memory is bounded by the tiles below, never by
+(number of sequences × longest length²).
+
+Two backends read the same :class:`AttentionMetadata`: plain torch (CPU, and the
+reference) and a Triton kernel (CUDA, ``triton_attention.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+DECODE_TILE_KEYS = 1 << 15
+"""Most (decodes × padded context) keys one batched decode attention call gathers."""
+DECODE_PAD_SLACK = 1.25
+"""Decodes share a call while the longest context is within this factor of the shortest."""
+PREFILL_TILE_SCORES = 1 << 22
+"""Most (query rows × context keys) one prefill attention call holds as a mask."""
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, attended in one batched call."""
+
+    rows: torch.Tensor  # [b] int64 rows of the step (all < num_decode)
+    kv_idx: torch.Tensor  # [b, L] int64 cache slots of each row's context (padded)
+    mask: torch.Tensor | None  # [b, 1, 1, L] bool; None when every context is L long
+
+
+@dataclass
+class PrefillItem:
+    """A prompt chunk: rows ``start .. start + n - 1`` of the step, positions ``ctx - n .. ctx - 1``."""
+
+    start: int
+    n: int
+    ctx: int
+    kv_idx: torch.Tensor | None  # [ctx] int64 cache slots; None = fresh prompt (keys are this step's)
+
+
+@dataclass
+class FreshPrefillGroup:
+    """Fresh prompts of equal length (no cached prefix, no window): one causal call."""
+
+    starts: list[int]
+    n: int
+
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the runner, read by every layer."""
+    """Built once per step by :func:`build_attention_metadata`, read by every layer."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
     num_decode: int  # rows 0..num_decode-1 are decode tokens
-    decode_kv_idx: torch.Tensor | None  # [Bd, Ld] int64 cache slots of each decode seq's context
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Ld] bool, None when every context is Ld long
-    prefill_lens: list[int]  # tokens of each prefilling sequence, in row order
-    prefill_gather: torch.Tensor | None  # [Bp, Lp] rows of the padded prefill batch (None: same lengths)
-    prefill_mask: torch.Tensor | None  # [Bp, 1, Lp, Lp] bool, None when causal alone suffices
-    prefill_unpad: torch.Tensor | None  # [Tp] indices into the flattened padded batch
+    window: int | None = None  # sliding window (keys within the last ``window`` positions)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillItem] = field(default_factory=list)
+    fresh_groups: list[FreshPrefillGroup] = field(default_factory=list)
+    triton: object | None = None  # TritonAttentionMetadata on CUDA
+
+
+def build_attention_metadata(
+    block_tables: list[list[int]],
+    starts: list[int],
+    num_new: list[int],
+    num_decode: int,
+    block_size: int,
+    window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Per-step metadata; row ``i`` computes positions ``starts[i] .. starts[i] + num_new[i] - 1``
+    of a sequence whose KV lives in ``block_tables[i]``. Called by the runner once a step."""
+    tables = [torch.tensor(t, dtype=torch.long) for t in block_tables]
+    slots = []
+    for t, s, n in zip(tables, starts, num_new, strict=True):
+        pos = torch.arange(s, s + n)
+        slots.append(t[pos // block_size] * block_size + pos % block_size)
+    meta = AttentionMetadata(torch.cat(slots).to(device), num_decode, window)
+    if device.type == "cuda":
+        from loramux.engine.model.triton_attention import build_triton_metadata
+
+        meta.triton = build_triton_metadata(block_tables, starts, num_new, device, block_size)
+        return meta
+    arange_block = torch.arange(block_size)
+
+    def context_slots(row: int, length: int) -> torch.Tensor:
+        t = tables[row][: -(-length // block_size)]
+        return (t[:, None] * block_size + arange_block).reshape(-1)[:length]
+
+    _plan_decodes(meta, starts[:num_decode], context_slots, device)
+    row = num_decode
+    fresh: dict[int, list[int]] = {}
+    for i in range(num_decode, len(starts)):
+        s, n = starts[i], num_new[i]
+        if s == 0 and (window is None or n <= window):
+            fresh.setdefault(n, []).append(row)
+        else:
+            meta.prefills.append(PrefillItem(row, n, s + n, context_slots(i, s + n).to(device)))
+        row += n
+    meta.fresh_groups = [FreshPrefillGroup(rows, n) for n, rows in fresh.items()]
+    return meta
+
+
+def _plan_decodes(meta: AttentionMetadata, starts: list[int], context_slots, device) -> None:
+    """Group decode rows by context length: bounded padding, bounded gather per call."""
+    order = sorted(range(len(starts)), key=lambda r: starts[r])
+    i = 0
+    while i < len(order):
+        lo = starts[order[i]] + 1
+        j = i + 1
+        while j < len(order):
+            hi = starts[order[j]] + 1
+            if hi > lo * DECODE_PAD_SLACK + 16 or (j - i + 1) * hi > DECODE_TILE_KEYS:
+                break
+            j += 1
+        rows = order[i:j]
+        lens = torch.tensor([starts[r] + 1 for r in rows])
+        length = int(lens.max())
+        idx = torch.stack(
+            [F.pad(context_slots(r, starts[r] + 1), (0, length - starts[r] - 1)) for r in rows]
+        )
+        key_pos = torch.arange(length).unsqueeze(0)
+        valid = key_pos < lens.unsqueeze(1)
+        if meta.window is not None:
+            valid &= key_pos >= (lens.unsqueeze(1) - meta.window)
+        mask = None if bool(valid.all()) else valid[:, None, None, :].to(device)
+        meta.decode_groups.append(DecodeGroup(torch.tensor(rows).to(device), idx.to(device), mask))
+        i = j
 
 
 def write_kv(
@@ -38,58 +145,68 @@ def write_kv(
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, Hkv, D] fresh keys of this step
+    k: torch.Tensor,  # [T, Hkv, D] fresh keys of this step (already in the cache)
     v: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [S, Hkv, D]
     v_cache: torch.Tensor,  # [S, Hkv, D]
     meta: AttentionMetadata,
 ) -> torch.Tensor:  # [T, H * D]
     """Causal attention of every new token over its sequence's context."""
+    if meta.triton is not None:
+        from loramux.engine.model.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, k_cache, v_cache, meta.triton, meta.window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
+    group = num_heads // num_kv
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    nd = meta.num_decode
-    if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, num_kv)
-    if meta.prefill_lens:
-        out[nd:] = _prefill(q[nd:], k[nd:], v[nd:], meta)
+    for g in meta.decode_groups:
+        b, length = g.kv_idx.shape
+        flat = g.kv_idx.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(b, length, num_kv, head_dim).transpose(1, 2)
+        vals = v_cache.index_select(0, flat).view(b, length, num_kv, head_dim).transpose(1, 2)
+        qg = q.index_select(0, g.rows).view(b, num_kv, group, head_dim)  # [b, Hkv, G, D]
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=g.mask)
+        out.index_copy_(0, g.rows, o.reshape(b, num_heads * head_dim))
+    for fg in meta.fresh_groups:
+        n = fg.n
+        rows = torch.cat([torch.arange(s, s + n) for s in fg.starts]) if len(fg.starts) > 1 else None
+        qs, ks, vs = (
+            (t[fg.starts[0] : fg.starts[0] + n] if rows is None else t.index_select(0, rows.to(t.device)))
+            .view(len(fg.starts), n, -1, head_dim)
+            .transpose(1, 2)
+            for t in (q, k, v)
+        )
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=group > 1)
+        o = o.transpose(1, 2).reshape(-1, num_heads * head_dim)
+        if rows is None:
+            out[fg.starts[0] : fg.starts[0] + n] = o
+        else:
+            out.index_copy_(0, rows.to(out.device), o)
+    for p in meta.prefills:
+        out[p.start : p.start + p.n] = _chunk(q[p.start : p.start + p.n], k_cache, v_cache, p, meta.window)
     return out
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, num_kv: int) -> torch.Tensor:
-    bd, num_heads, head_dim = q.shape
-    idx = meta.decode_kv_idx  # [Bd, Ld]
-    ld = idx.shape[1]
-    flat = idx.reshape(-1)
-    keys = k_cache.index_select(0, flat).view(bd, ld, num_kv, head_dim).transpose(1, 2)
-    vals = v_cache.index_select(0, flat).view(bd, ld, num_kv, head_dim).transpose(1, 2)
-    # Fold the query heads of each KV group into the query axis: [Bd, Hkv, G, D].
-    qg = q.view(bd, num_kv, num_heads // num_kv, head_dim)
-    o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=meta.decode_mask)
-    return o.reshape(bd, num_heads * head_dim)
-
-
-def _prefill(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-    tp, num_heads, head_dim = q.shape
-    num_kv = k.shape[1]
-    lens = meta.prefill_lens
-    bp = len(lens)
-    if meta.prefill_gather is None:
-        lp = lens[0]
-        qp, kp, vp = (t.view(bp, lp, -1, head_dim).transpose(1, 2) for t in (q, k, v))
-    else:
-        lp = meta.prefill_gather.shape[1]
-        g = meta.prefill_gather.reshape(-1)
-        qp, kp, vp = (
-            t.index_select(0, g).view(bp, lp, -1, head_dim).transpose(1, 2) for t in (q, k, v)
-        )
-    if meta.prefill_mask is None:
-        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=num_kv != num_heads)
-    else:
-        o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=meta.prefill_mask, enable_gqa=num_kv != num_heads
-        )
-    o = o.transpose(1, 2).reshape(bp * lp, num_heads * head_dim)
-    if meta.prefill_unpad is not None:
-        o = o.index_select(0, meta.prefill_unpad)
-    return o
+def _chunk(q, k_cache, v_cache, item: PrefillItem, window: int | None) -> torch.Tensor:
+    """One prompt chunk over its whole context, in query tiles of bounded mask size."""
+    n, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    keys = k_cache.index_select(0, item.kv_idx).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+    vals = v_cache.index_select(0, item.kv_idx).transpose(0, 1).unsqueeze(0)
+    key_pos = torch.arange(item.ctx, device=q.device)
+    tile = max(1, min(n, PREFILL_TILE_SCORES // item.ctx))
+    out = q.new_empty(n, num_heads * head_dim)
+    for t0 in range(0, n, tile):
+        t1 = min(n, t0 + tile)
+        q_pos = torch.arange(item.ctx - n + t0, item.ctx - n + t1, device=q.device)
+        mask = key_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [m, ctx]
+        if window is not None:
+            mask &= key_pos.unsqueeze(0) > (q_pos.unsqueeze(1) - window)
+        # fold each KV group's query heads into the query axis: [1, Hkv, G * m, D]
+        m = t1 - t0
+        qg = q[t0:t1].view(m, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, group * m, head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.repeat(group, 1))
+        out[t0:t1] = o.view(num_kv, group, m, head_dim).permute(2, 0, 1, 3).reshape(m, -1)
+    return out

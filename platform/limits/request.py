@@ -54,10 +54,6 @@ class RequestLimits:
     """Longest text a chat template may render."""
     max_grammar_chars: int = 65536
     """Longest structured-output spec (JSON schema, regex, choices or EBNF, serialized)."""
-    grammar_compile_timeout_s: float = 10.0
-    """A structured-output grammar compile is abandoned after this long."""
-    grammar_cache_size: int = 256
-    """Compiled grammars kept (least recently used evicted)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

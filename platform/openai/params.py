@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from loramux.engine.beam_search import BEAM_SEARCH_READS
 from loramux.engine.sampling_params import SamplingParamError, SamplingParams
 from loramux.engine.structured_output import StructuredOutputsParams
 from loramux.platform.errors import BadRequest
@@ -30,6 +31,8 @@ own per endpoint; ``structured_outputs`` comes from several request fields)."""
 ENGINE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
 DIRECT_FIELDS = tuple(n for n in ENGINE_FIELDS if n not in _ENGINE_ONLY)
 """Request fields that map 1:1 onto SamplingParams."""
+BEAM_IGNORED = tuple(n for n in ENGINE_FIELDS if n not in BEAM_SEARCH_READS)
+"""Sampling parameters beam search does not use (each gets a warning when set with it)."""
 PRESET_FIELDS = (frozenset(DIRECT_FIELDS) | {"logprobs"}) - {"prompt_logprobs"}
 """What an adapter preset may hold."""
 _NOT_SHOWN = frozenset({"spaces_between_special_tokens"})  # no effect: reported as a warning
@@ -226,7 +229,13 @@ def _structured_outputs(req) -> StructuredOutputsParams | None:
 
 def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool) -> list[str]:
     out: list[str] = []
-    if params.is_greedy:
+    if params.use_beam_search:
+        out += [f"{name} had no effect: beam search ranks beams by logprob and does not sample"
+                for name in BEAM_IGNORED if name in given]
+    else:
+        out += [f"{name} had no effect: use_beam_search is not set"
+                for name in ("length_penalty", "early_stopping") if name in given]
+    if params.is_greedy and not params.use_beam_search:
         for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
             if name in given and given[name] != neutral and not (name == "top_k" and given[name] == -1):
                 out.append(f"{name} had no effect: temperature is 0 (greedy decoding)")

@@ -49,6 +49,10 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    use_beam_search: bool | None = None
+    """vLLM: beam search of width best_of (default n); sampling parameters have no effect."""
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     response_format: dict[str, Any] | None = None

@@ -166,6 +166,8 @@ class RequestContext:
     prompt_param: str
     endpoint: str
     rid: str = ""
+    fairness_key: str | None = None
+    """The engine's fair-share key: the caller's tenant (None = anonymous callers share one)."""
     created: int = field(default_factory=lambda: int(time.time()))
     recorded: bool = False
     handed_off: bool = False

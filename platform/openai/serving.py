@@ -68,6 +68,10 @@ def engine_error(exc: BaseException, retry_after: int, prompt_param: str) -> API
     return err
 
 
+def _fairness_key(caller: Caller) -> str | None:
+    return str(caller.tenant_id) if caller.tenant_id is not None else None
+
+
 class OpenAIServing:
     """Completions and chat completions for one engine."""
 
@@ -99,7 +103,8 @@ class OpenAIServing:
         if req.echo and built.params.logprobs is not None:
             built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
         self.admission.check(built.params)
-        ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions")
+        ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions",
+                             fairness_key=_fairness_key(caller))
         return await self._respond(ctx, req, request, caller)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
@@ -116,7 +121,8 @@ class OpenAIServing:
             prompt = await run_in_threadpool(self.prompts.chat_prompt, req)
         else:
             prompt = self.prompts.chat_prompt(req)
-        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat")
+        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat",
+                             fairness_key=_fairness_key(caller))
         return await self._respond(ctx, req, request, caller)
 
     def _check_lengths(self, ctx: RequestContext) -> None:
@@ -144,7 +150,7 @@ class OpenAIServing:
             caller, [len(p["prompt_token_ids"]) for p in ctx.prompts], ctx.built.params,
             self.max_model_len,
         ))
-        pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served)
+        pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served, ctx.fairness_key)
         self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))
 
         async def release() -> None:

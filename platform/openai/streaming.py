@@ -108,7 +108,8 @@ class Pump:
     """Runs one engine request per prompt as a task each, feeding one queue."""
 
     def __init__(self, engine: AsyncEngine, prompts: list, params: SamplingParams, rid: str,
-                 served: ServedModel) -> None:
+                 served: ServedModel, fairness_key: str | None = None) -> None:
+        self.fairness_key = fairness_key
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tracks = [Track() for _ in prompts]
         self.tasks = [
@@ -119,7 +120,8 @@ class Pump:
 
     async def _run(self, engine, i, prompt, params, rid, served) -> None:
         try:
-            async for out in engine.generate(prompt, params, request_id=rid, lora_request=served.lora):
+            async for out in engine.generate(prompt, params, request_id=rid, lora_request=served.lora,
+                                             fairness_key=self.fairness_key):
                 self.tracks[i].update(out)
                 self.queue.put_nowait((i, out))
             self.queue.put_nowait((i, None))

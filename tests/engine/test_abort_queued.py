@@ -1,4 +1,4 @@
-"""``AsyncEngine.abort_queued``: the queued requests of an adapter fail at once with
+"""``AsyncEngine.fail_waiting``: the queued requests of an adapter fail at once with
 ``AdapterGoneError``; a running request of the same adapter and requests of other
 adapters go on to the end."""
 
@@ -39,7 +39,7 @@ def test_abort_queued_fails_only_queued_requests(tiny_model_dir, tmp_path):
         queued_y = asyncio.create_task(_last(eng.generate([1, 2], short, "q-y", y)))
         await asyncio.sleep(0.05)
         start = time.monotonic()
-        aborted = await eng.call(lambda: eng.abort_queued(["x"], "adapter x was deleted"))
+        aborted = await eng.call(lambda: eng.fail_waiting("x", "adapter x was deleted"))
         assert aborted == ["q-x"]
         try:
             await asyncio.wait_for(queued_x, 1.0)

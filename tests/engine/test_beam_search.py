@@ -52,3 +52,50 @@ def test_beam_params_validated():
 
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
+
+
+def test_beam_search_rounds_reuse_the_cached_prefix(tiny_model_dir):
+    from loramux.engine import LLM, BeamSearchParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=128, block_size=4)
+    plans: list[int] = []
+    sched = llm.llm_engine.scheduler
+    inner = sched.schedule
+
+    def schedule():
+        plan = inner()
+        plans.append(plan.num_batched_tokens)
+        return plan
+
+    sched.schedule = schedule
+    prompt = {"prompt_token_ids": list(range(200, 240))}  # 40 tokens
+    llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    # round 1 computes the prompt; later rounds only each beam's last partial block (< 2 x 4 tokens)
+    assert plans[0] >= 36 and all(n <= 2 * 4 for n in plans[1:])
+    assert llm.llm_engine.stats()["prefix_cache_hits"] > 0
+
+
+def test_async_use_beam_search_equals_offline_beam_search(tiny_model_dir):
+    import asyncio
+
+    from loramux.engine import LLM, BeamSearchParams, SamplingParams
+    from loramux.engine.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=128)
+    prompt = {"prompt_token_ids": list(range(300, 312))}
+    offline = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True,
+                                                         length_penalty=0.5))[0]
+    engine = AsyncEngine(llm.llm_engine)
+
+    async def go():
+        params = SamplingParams(n=2, best_of=3, use_beam_search=True, max_tokens=5, ignore_eos=True,
+                                length_penalty=0.5, temperature=0.7)
+        return [o async for o in engine.generate(prompt, params, "beam")]
+
+    try:
+        (out,) = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert out.finished and len(out.outputs) == 2
+    expected = [s.tokens[12:] for s in offline.sequences[:2]]
+    assert [o.token_ids for o in out.outputs] == expected

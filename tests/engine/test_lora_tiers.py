@@ -144,3 +144,39 @@ def test_adapter_events_and_snapshot(tiny_model_dir, eight_adapters):
     remove()
     manager.drop("t1")
     assert ("dropped", "t1") not in heard
+
+
+def test_abort_waiting_fails_queued_requests_of_an_adapter_at_once(tiny_model_dir, eight_adapters):
+    import asyncio
+
+    from loramux.engine import LoRARequest, SamplingParams
+    from loramux.engine.async_engine import AdapterGoneError, AsyncEngine
+
+    llm = _llm(tiny_model_dir, max_loras=2, max_num_seqs=1)
+    t1, t2 = (LoRARequest(f"t{i}", i + 1, str(eight_adapters[i])) for i in (1, 2))
+    eng = AsyncEngine(llm.llm_engine)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def run(rid, lora):
+        outs = [o async for o in eng.generate("Hello there", params, rid, lora)]
+        return outs[-1]
+
+    async def go():
+        running = asyncio.ensure_future(run("running", t1))
+        while not llm.llm_engine.scheduler.running:
+            await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(run("queued", t1))
+        other = asyncio.ensure_future(run("other", t2))
+        await asyncio.sleep(0.05)
+        assert await eng.call(lambda: eng.fail_waiting("t1", "t1 was deleted")) == ["queued"]
+        with pytest.raises(AdapterGoneError, match="t1 was deleted"):
+            await asyncio.wait_for(queued, 1.0)
+        first, second = await asyncio.gather(running, other)
+        assert len(first.outputs[0].token_ids) == 24 and len(second.outputs[0].token_ids) == 24
+
+    try:
+        asyncio.run(go())
+    finally:
+        eng.shutdown()
+    kv = llm.llm_engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks

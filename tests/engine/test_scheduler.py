@@ -33,6 +33,8 @@ def run_step(sched: Scheduler) -> SchedulerOutput:
     for s in plan.scheduled:
         seq = s.seq
         seq.num_computed_tokens += s.num_new_tokens
+        if seq.num_computed_tokens < seq.num_tokens:
+            continue  # a prompt chunk: nothing sampled yet
         seq.append_token(101 + seq.num_output_tokens)
         if seq.num_output_tokens >= seq.params.max_tokens:
             sched.finish(seq)
@@ -93,7 +95,7 @@ def test_max_num_seqs_bounds_the_batch():
 
 
 def test_max_num_batched_tokens_bounds_the_step():
-    sched = make_scheduler(max_num_batched_tokens=10)
+    sched = make_scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
     for i in range(3):
         sched.add(make_seq(f"s{i}", prompt_len=6, max_tokens=5))
     seen = []
@@ -138,9 +140,15 @@ def test_sequence_that_would_outgrow_the_kv_cache_is_refused():
 
 def test_prompt_larger_than_the_token_budget_is_refused():
     # it could never be scheduled (no chunked prefill): refuse instead of waiting forever
-    sched = make_scheduler(max_model_len=64, max_num_batched_tokens=8)
+    sched = make_scheduler(max_model_len=64, max_num_batched_tokens=8, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         sched.add(make_seq("big", prompt_len=9))
+    # with chunked prefill it runs over several steps
+    chunked = make_scheduler(max_model_len=64, max_num_batched_tokens=8)
+    chunked.add(make_seq("big", prompt_len=20, max_tokens=2))
+    assert [names(run_step(chunked)) for _ in range(4)] == [
+        {"big": 8}, {"big": 8}, {"big": 4}, {"big": 1}
+    ]
 
 
 # ------------------------------------------------------------------------ preemption
@@ -196,7 +204,10 @@ def test_preempted_sequence_is_recomputed_with_its_output():
 
 
 def test_preempted_sequence_longer_than_the_token_budget_is_recomputed_alone():
-    sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=32, max_num_batched_tokens=8)
+    # without chunked prefill (with it, the recompute is chunked like any prompt)
+    sched = make_scheduler(
+        num_blocks=5, block_size=4, max_model_len=32, max_num_batched_tokens=8, enable_chunked_prefill=False
+    )
     a = make_seq("a", prompt_len=6, max_tokens=12)
     b = make_seq("b", prompt_len=2, max_tokens=12)
     sched.add(a)

@@ -97,6 +97,14 @@ async def test_request_metrics_per_adapter(client, env):
     assert _metric(text, "loramux_num_requests_running") == 0.0
 
 
+async def test_prefix_cache_hit_rate_metric(client, env):
+    body = {"model": BASE, "prompt": "one two three four five six seven eight " * 8, "max_tokens": 1}
+    for _ in range(2):
+        r = await client.post("/v1/completions", headers=env.headers(env.key_a), json=body)
+        assert r.status_code == 200
+    assert 0.0 < _metric((await client.get("/metrics")).text, "loramux_prefix_cache_hit_rate") <= 1.0
+
+
 async def test_health_and_ready(client):
     assert (await client.get("/health")).json() == {"status": "ok"}
     r = await client.get("/ready")

@@ -151,6 +151,25 @@ async def test_no_effect_warnings(client, env):
     assert r.json()["choices"][0]["message"]["content"].lstrip()[:1] in ("", "{")
 
 
+async def test_beam_search_over_http_with_warnings(client, env):
+    body = {"model": BASE, "prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": True,
+            "use_beam_search": True, "n": 2, "best_of": 3, "length_penalty": 0.8, "early_stopping": False,
+            "temperature": 0.9, "top_p": 0.5}
+    r = await post(client, env, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and all(c["finish_reason"] == "length" for c in choices)
+    assert choices[0]["text"] != choices[1]["text"]
+    text = " ".join(json.loads(r.headers["x-loramux-warnings"]))
+    assert "temperature had no effect: beam search" in text and "top_p had no effect: beam search" in text
+    # the same search with other (ignored) sampling parameters gives the same beams
+    again = await post(client, env, "/v1/completions", {**body, "temperature": 0.1, "top_p": 1.0})
+    assert [c["text"] for c in again.json()["choices"]] == [c["text"] for c in choices]
+    plain = await post(client, env, "/v1/completions", {"model": BASE, "prompt": "x", "max_tokens": 1,
+                                                         "length_penalty": 2.0})
+    assert "length_penalty had no effect: use_beam_search is not set" in plain.headers["x-loramux-warnings"]
+
+
 async def test_bad_response_format_is_a_400(client, env):
     r = await post(client, env, "/v1/chat/completions", {
         "model": BASE, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,

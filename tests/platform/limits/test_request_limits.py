@@ -24,8 +24,8 @@ def test_settings_validation():
             RequestLimits(**{f.name: bad})
     with pytest.raises(ValueError, match="max_stop"):
         RequestLimits(max_stop=True)
-    with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
-        RequestLimits(grammar_compile_timeout_s=float("nan"))
+    with pytest.raises(ValueError, match="chat_template_render_timeout_s"):
+        RequestLimits(chat_template_render_timeout_s=float("nan"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         LIMITS.max_stop = 3  # type: ignore[misc]
 
