@@ -102,7 +102,7 @@ async def test_prefix_cache_hit_rate_metric(client, env):
     for _ in range(2):
         r = await client.post("/v1/completions", headers=env.headers(env.key_a), json=body)
         assert r.status_code == 200
-    assert 0.0 < _metric((await client.get("/metrics")).text, "loramux_prefix_cache_hit_rate") <= 1.0
+    assert 0.0 < _metric((await client.get("/metrics", headers=ADMIN)).text, "loramux_prefix_cache_hit_rate") <= 1.0
 
 
 async def test_health_and_ready(client):
