@@ -33,8 +33,10 @@ class GatewayAdminState:
 def gateway_admin_state(gw: Gateway, settings: Settings) -> GatewayAdminState:
     """The dashboard's state at a gateway: every registered engine, the shared registry."""
     fleet = ClusterFleet(gw.cluster, origin=gw.gateway_id)
-    resolver = ModelResolver([settings.model], registry=gw.registry,
+    base = settings.model or ""  # a gateway may run without --model (engines load it);
+    # the resolver only lists static adapters here (none at a gateway)
+    resolver = ModelResolver([base or "base"], registry=gw.registry,
                              ttl=settings.model_cache_ttl)
-    admin = AdminService(fleet, gw.registry, resolver, Activity(), base_model=settings.model,
+    admin = AdminService(fleet, gw.registry, resolver, Activity(), base_model=base,
                          dtype=settings.dtype, device=settings.device)
     return GatewayAdminState(settings, gw.auth, admin)
