@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Self
 
 import redis
 
@@ -74,8 +75,20 @@ class EngineRecord:
                           prefixes=frozenset(self.prefixes))
 
 
+class JsonMessage:
+    """A dataclass sent through Redis as JSON (unknown fields are ignored on reading)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Self:
+        d = json.loads(raw)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
 @dataclass(frozen=True)
-class ClusterEvent:
+class ClusterEvent(JsonMessage):
     """One fan-out message. ``kind`` in :data:`EVENT_KINDS`; ``adapter_id`` for adapter
     events (the engine-side adapter id), ``key_id`` for ``key_revoked``."""
 
@@ -96,31 +109,15 @@ class ClusterEvent:
         if self.kind not in EVENT_KINDS:
             raise ValueError(f"unknown cluster event kind {self.kind!r}; one of {sorted(EVENT_KINDS)}")
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> ClusterEvent:
-        d = json.loads(raw)
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
 
 @dataclass(frozen=True)
-class ActionReply:
+class ActionReply(JsonMessage):
     """What one engine did with a fanned-out admin action."""
 
     engine_id: str
     done: bool
     deferred: bool = False
     error: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> ActionReply:
-        d = json.loads(raw)
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 REPLY_TTL_S = 60
