@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.auth import Authenticator
 from loramux.platform.cluster.state import (
+    ActionReply,
     ClusterEvent,
     ClusterState,
     EngineHeartbeat,
@@ -209,10 +210,20 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
         if ev.origin == engine_id:
             return
         if ev.kind in ADMIN_KINDS and ev.adapter_id:
+            if ev.target not in (None, engine_id):
+                return
+            reply = ActionReply(engine_id, False)
             try:  # on the subscriber thread, with its own loop
-                asyncio.run(asyncio.wait_for(state.admin.act(ev.adapter_id, ev.kind), 30))
+                res = asyncio.run(asyncio.wait_for(state.admin.act(ev.adapter_id, ev.kind), 30))
+                reply = ActionReply(engine_id, res.done, res.deferred)
             except Exception as e:
                 logger.warning("cluster %s %s failed here: %s", ev.kind, ev.adapter_id, e)
+                reply = ActionReply(engine_id, False, error=str(e) or type(e).__name__)
+            if ev.reply_to:
+                try:
+                    cluster.push_reply(ev.reply_to, reply)
+                except Exception as e:
+                    logger.warning("could not answer %s %s: %s", ev.kind, ev.adapter_id, e)
         elif ev.kind in ("adapter_deleted", "adapter_replaced"):
             if ev.tenant_id is not None and ev.name is not None:
                 state.resolver.invalidate(int(ev.tenant_id), ev.name)

@@ -14,8 +14,9 @@ through the registry, routes each request to an engine (:mod:`routing`) and prox
   SSE error event (``code: engine_lost``), never a silent truncation.
 * ``X-LoRAMux-Engine`` on every proxied response and the ``engine`` label of
   ``loramux_gateway_requests_total`` name the engine that served it.
-* ``POST /admin/adapters/{key}/{evict|pin|unpin|warm}`` fans out to every engine through
-  Redis; other admin and adapter-API calls are proxied to one engine (they share the registry).
+* The admin dashboard and API (``/admin``) are served here over every engine
+  (:mod:`.gateway_admin`): actions go to one engine (``?engine=``) or all through Redis,
+  each engine answering; adapter-API calls are proxied to one engine (shared registry).
 * ``/ready`` is 200 while any engine is live, with ``"status": "degraded"`` while Redis is
   unreachable (routing then runs on the last known view).
 
@@ -43,7 +44,7 @@ from loramux.platform.auth import Authenticator, bearer_key
 from loramux.platform.cluster.engine_role import PREFIX_HEADER, SECRET_HEADER, identity_token
 from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
-from loramux.platform.cluster.schemas import FanOut, GatewayReadiness
+from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.cluster.state import ClusterEvent, ClusterState
 from loramux.platform.cluster.view import GatewayView
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized, to_api_error
@@ -285,15 +286,6 @@ class Gateway:
             self.view.pool.finished(eid)
             if done is not None:
                 await done()
-
-    async def fan_out(self, key: str, action: str) -> FanOut:
-        ev = ClusterEvent(action, adapter_id=key, origin=self.gateway_id)
-        try:
-            n = await run_in_threadpool(self.cluster.publish_event, ev)
-        except Exception as e:
-            raise ServiceUnavailable(f"cannot reach Redis to fan out {action}: {e}") from None
-        self.on_event(ev)
-        return FanOut(key=key, action=action, receivers=n)
 
     def ready(self) -> tuple[int, GatewayReadiness]:
         live = self.view.live()

@@ -1,5 +1,5 @@
 """The gateway's HTTP app: the routes around a built :class:`~.gateway.Gateway` (inference
-with the tenant's admission held for the answer's life, admin fan-out, probes, metrics,
+with the tenant's admission held for the answer's life, the admin dashboard and API over every engine, probes, metrics,
 and a pass-through of every other route to one engine)."""
 
 from __future__ import annotations
@@ -12,21 +12,22 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import StreamingResponse
 
-from loramux.platform.cluster.engine_role import ADMIN_KINDS
+from loramux.platform.admin import pages as admin_pages
+from loramux.platform.admin import routes as admin_routes
 from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.request_body import prompt_text
 from loramux.platform.cluster.routing import prefix_hashes
-from loramux.platform.cluster.schemas import FanOut, GatewayReadiness
+from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.errors import (
     BadRequest,
-    ModelNotFound,
     PayloadTooLarge,
     install_error_handlers,
 )
 
 
-def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
-    """The gateway's HTTP app around a built :class:`Gateway`."""
+def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
+    """The gateway's HTTP app around a built :class:`Gateway`; with ``admin`` (a
+    :class:`~.gateway_admin.GatewayAdminState`) it serves the dashboard and admin API."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -80,13 +81,10 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=()) -> FastAPI:
     app.add_api_route("/v1/completions", inference, methods=["POST"])
     app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
 
-    async def admin_action(key: str, action: str, request: Request) -> FanOut:
-        if action not in ADMIN_KINDS:
-            raise ModelNotFound(f"unknown action {action!r}")
-        await gw.auth.admin(request.headers.get("authorization"))
-        return await gw.fan_out(key, action)
-
-    app.add_api_route("/admin/adapters/{key:path}/{action}", admin_action, methods=["POST"])
+    if admin is not None:  # the dashboard and admin API over every engine
+        app.state.loramux = admin
+        app.include_router(admin_routes.router)
+        app.include_router(admin_pages.router)
 
     @app.get("/health")
     async def health():

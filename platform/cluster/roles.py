@@ -70,6 +70,7 @@ def build_gateway_app(settings: Settings):
 
     from loramux.platform.auth import Authenticator
     from loramux.platform.cluster.gateway import Gateway
+    from loramux.platform.cluster.gateway_admin import gateway_admin_state
     from loramux.platform.cluster.gateway_app import create_gateway_app
     from loramux.platform.cluster.pool import EnginePool
     from loramux.platform.cluster.routing import AffinityRouter, RouterConfig
@@ -98,7 +99,8 @@ def build_gateway_app(settings: Settings):
                      settings.redis_url, prefix=f"{settings.redis_namespace}:limits:")))
     ticker = view.start(settings.heartbeat_interval)
     events = cluster.subscribe(gw.on_event, name="gateway-events")
-    return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close))
+    return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close),
+                              admin=gateway_admin_state(gw, settings))
 
 
 def build_role_app(settings: Settings):

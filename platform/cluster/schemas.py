@@ -16,12 +16,3 @@ class GatewayReadiness(BaseModel):
     redis: str
     """``ok``, or ``unreachable: <error>``."""
 
-
-class FanOut(BaseModel):
-    """``POST /admin/adapters/{key}/{action}`` at a gateway: published to every engine."""
-
-    key: str
-    action: str
-    fanned_out: bool = True
-    receivers: int
-    """Subscribers (engines and gateways) that received the event."""

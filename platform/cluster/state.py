@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Self
 
 import redis
 
@@ -73,8 +75,20 @@ class EngineRecord:
                           prefixes=frozenset(self.prefixes))
 
 
+class JsonMessage:
+    """A dataclass sent through Redis as JSON (unknown fields are ignored on reading)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Self:
+        d = json.loads(raw)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
 @dataclass(frozen=True)
-class ClusterEvent:
+class ClusterEvent(JsonMessage):
     """One fan-out message. ``kind`` in :data:`EVENT_KINDS`; ``adapter_id`` for adapter
     events (the engine-side adapter id), ``key_id`` for ``key_revoked``."""
 
@@ -86,18 +100,27 @@ class ClusterEvent:
     key_id: str | None = None
     origin: str = ""
     """Who published it (a gateway or engine id); subscribers may skip their own."""
+    target: str | None = None
+    """Admin actions: the one engine id meant (None: every engine)."""
+    reply_to: str | None = None
+    """Admin actions: a Redis list each acting engine pushes its :class:`ActionReply` to."""
 
     def __post_init__(self):
         if self.kind not in EVENT_KINDS:
             raise ValueError(f"unknown cluster event kind {self.kind!r}; one of {sorted(EVENT_KINDS)}")
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> ClusterEvent:
-        d = json.loads(raw)
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+@dataclass(frozen=True)
+class ActionReply(JsonMessage):
+    """What one engine did with a fanned-out admin action."""
+
+    engine_id: str
+    done: bool
+    deferred: bool = False
+    error: str | None = None
+
+
+REPLY_TTL_S = 60
 
 
 @dataclass
@@ -145,6 +168,27 @@ class ClusterState:
     def publish_event(self, event: ClusterEvent) -> int:
         """Send to every subscriber; returns how many received it."""
         return int(self.client.publish(self.channel, event.to_json()))
+
+    def push_reply(self, reply_to: str, reply: ActionReply) -> None:
+        """Answer an admin action (engine side); the list expires unread after a minute."""
+        pipe = self.client.pipeline()
+        pipe.rpush(reply_to, reply.to_json())
+        pipe.expire(reply_to, REPLY_TTL_S)
+        pipe.execute()
+
+    def wait_replies(self, reply_to: str, count: int, timeout: float) -> list[ActionReply]:
+        """Up to ``count`` replies pushed to ``reply_to`` within ``timeout`` seconds."""
+        out: list[ActionReply] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got = self.client.blpop([reply_to], timeout=max(left, 0.01))
+            if got is not None:
+                out.append(ActionReply.from_json(got[1]))
+        self.client.delete(reply_to)
+        return out
 
     def subscribe(self, handler: Callable[[ClusterEvent], None], *,
                   name: str = "cluster-events") -> EventSubscription:

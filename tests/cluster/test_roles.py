@@ -182,18 +182,42 @@ def test_spill_over_replicates_a_hot_adapter(cluster):
     assert wait_for(lambda: all(key in res for res in cluster.residency().values()), 10)
 
 
-def test_evict_fans_out_to_every_engine(cluster):
+def admin(c: Cluster, method: str, path: str, key: str = ADMIN, **kw) -> httpx.Response:
+    return httpx.request(method, f"{c.gateways[1]}/admin{path}", timeout=60,
+                         headers={"Authorization": f"Bearer {key}"}, **kw)
+
+
+def gpu_engines(c: Cluster, key: str) -> set[str]:
+    """The engines the gateway's dashboard shows ``key`` in a device slot on."""
+    rows = admin(c, "GET", "/adapters").json()["data"]
+    return {r["engine"] for r in rows if r["key"] == key and r["tier"] == "gpu"}
+
+
+def test_gateway_dashboard_shows_and_acts_on_each_engine(cluster):
+    a, b = sorted(cluster.engines)
+    over = admin(cluster, "GET", "/overview")
+    assert over.status_code == 200, over.text
+    cards = {e["id"]: e for e in over.json()["engines"]}
+    assert set(cards) == {a, b} and all(e["role"] == "engine" for e in cards.values())
+    assert all(e["max_loras"] > 0 and e["lora_enabled"] for e in cards.values())
     key = cluster.keys["evictme"]
-    for gw in cluster.gateways:  # resident somewhere first
-        assert chat(cluster, gw, "evictme").status_code == 200
-    assert wait_for(lambda: any(key in res for res in cluster.residency().values()), 10)
-    r = httpx.post(f"{cluster.gateways[1]}/admin/adapters/{key}/evict", timeout=10,
-                   headers={"Authorization": f"Bearer {ADMIN}"})
-    assert r.status_code == 200 and r.json()["receivers"] >= 4, r.text  # 2 engines + 2 gateways
+    r = admin(cluster, "POST", f"/adapters/{key}/warm", params={"engine": a})
+    assert r.status_code == 200 and r.json()["done"] and r.json()["engines"] == [a], r.text
+    assert wait_for(lambda: gpu_engines(cluster, key) == {a}, 10)  # residency on A only
+    assert admin(cluster, "POST", f"/adapters/{key}/warm", params={"engine": b}).json()["done"]
+    assert wait_for(lambda: gpu_engines(cluster, key) == {a, b}, 10)
+    r = admin(cluster, "POST", f"/adapters/{key}/evict", params={"engine": a})
+    assert r.status_code == 200 and r.json()["done"] and r.json()["engines"] == [a], r.text
+    assert wait_for(lambda: gpu_engines(cluster, key) == {b}, 10)  # still on the other
+    assert key in cluster.residency()[b]
+    r = admin(cluster, "POST", f"/adapters/{key}/evict")  # fleet-wide
+    assert r.status_code == 200 and sorted(r.json()["engines"]) == [a, b], r.text
     assert wait_for(lambda: not any(key in res for res in cluster.residency().values()), 10)
-    r = httpx.post(f"{cluster.gateways[1]}/admin/adapters/{key}/evict", timeout=10,
-                   headers={"Authorization": f"Bearer {cluster.key}"})
-    assert r.status_code == 403  # a tenant key is not an admin key
+    assert gpu_engines(cluster, key) == set()
+    r = admin(cluster, "POST", f"/adapters/{key}/evict", params={"engine": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "engine_not_found"
+    assert admin(cluster, "POST", f"/adapters/{key}/evict", key=cluster.key).status_code == 403
+    assert httpx.get(f"{cluster.gateways[1]}/admin/overview", timeout=10).status_code == 401
 
 
 def test_deleted_adapter_is_refused_by_every_gateway_at_once(cluster):
