@@ -30,7 +30,7 @@ def test_n_flood_leaves_the_neighbour_within_bound(live, tenants):
 def test_a_failing_step_fails_its_request_and_the_neighbour_goes_on(live, tenants, engine,
                                                                       monkeypatch):
     url, canary = live()
-    original = engine.runner.execute
+    original = engine.engine.runner.execute
     calls: list[int] = []
 
     def execute_once_broken(batch, copies=()):
@@ -39,7 +39,7 @@ def test_a_failing_step_fails_its_request_and_the_neighbour_goes_on(live, tenant
             raise RuntimeError("can't allocate memory")
         return original(batch, copies)
 
-    monkeypatch.setattr(engine.runner, "execute", execute_once_broken)
+    monkeypatch.setattr(engine.engine.runner, "execute", execute_once_broken)
     r = _attack(url, tenants, {"prompt": "boom", "max_tokens": 4})
     assert r.status_code == 500, r.text
     assert r.json()["error"]["code"] == "engine_step_failed", r.text
@@ -51,7 +51,7 @@ def test_a_failing_step_fails_its_request_and_the_neighbour_goes_on(live, tenant
 
 def test_a_dead_loop_gives_503_and_the_engine_serves_again(live, tenants, engine, monkeypatch):
     url, canary = live()
-    original = engine.scheduler.schedule
+    original = engine.engine.scheduler.schedule
     calls: list[int] = []
 
     def schedule_once_broken():
@@ -60,7 +60,7 @@ def test_a_dead_loop_gives_503_and_the_engine_serves_again(live, tenants, engine
             raise RuntimeError("scheduler bug")
         return original()
 
-    monkeypatch.setattr(engine.scheduler, "schedule", schedule_once_broken)
+    monkeypatch.setattr(engine.engine.scheduler, "schedule", schedule_once_broken)
     r = _attack(url, tenants, {"prompt": "die", "max_tokens": 4}, timeout=10)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "engine_dead", r.text
