@@ -74,3 +74,13 @@ def test_a_dead_loop_gives_503_and_the_engine_serves_again(live, tenants, engine
     assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
     canary.check()
     assert _attack(url, tenants, {"prompt": "alive", "max_tokens": 4}).status_code == 200
+
+
+def test_one_long_prompt_among_short_ones_finishes(live, tenants, engine):
+    url, canary = live()
+    long_ids = [7] * (engine.engine.max_model_len - 8)
+    prompts = [long_ids] + [[5, 6, 7]] * 63
+    with canary.beside():
+        r = _attack(url, tenants, {"prompt": prompts, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 64
