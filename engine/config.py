@@ -74,7 +74,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split prompts longer than what is left of a step's token budget over several steps."""
     max_waiting: int | None = None
-    """Bound of the waiting queue (None = unbounded); the HTTP layer answers 429 past it."""
+    """Bound of the waiting queue (None = unbounded); the HTTP layer answers 429 past it to
+    a fairness key that already holds its share of the queue (others still get in)."""
     starvation_steps: int = 64
     """A waiting request skipped this many steps blocks admission of others until it runs."""
     fairness_policy: str = "vtc"

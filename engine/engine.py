@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -213,7 +214,7 @@ class LLMEngine:
             self.lora_manager.register(lora_request)
             lora_key = lora_request.key
         sc = self.config.scheduler
-        if sc.max_waiting is not None and len(self.scheduler.waiting) >= sc.max_waiting:
+        if sc.max_waiting is not None and self._queue_full_for(fairness_key, sc.max_waiting):
             raise QueueFullError(f"the waiting queue is full ({sc.max_waiting} requests)")
         seqs = []
         for i in range(params.best_of):
@@ -367,6 +368,17 @@ class LLMEngine:
             self.abort_request(rid)
             out.append(req)
         return out
+
+    def _queue_full_for(self, fairness_key: str | None, max_waiting: int) -> bool:
+        """Past ``max_waiting`` a request is refused only when its key already holds its
+        share of the queue (``max_waiting`` ÷ the keys waiting, itself included): one key's
+        flood fills the queue for itself, never for a neighbour."""
+        waiting = self.scheduler.waiting
+        if len(waiting) < max_waiting:
+            return False
+        per_key = Counter(seq.fairness_key for seq in waiting)
+        keys = len(per_key) + (fairness_key not in per_key)
+        return per_key[fairness_key] >= max_waiting // keys
 
     def abort_waiting(self, lora_key: str, error: Exception) -> list[Request]:
         """Fail at once, with ``error``, every request of adapter ``lora_key`` that waits in

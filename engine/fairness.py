@@ -75,7 +75,8 @@ class VtcPolicy:
     def __init__(self, slack: float = 0.0) -> None:
         self.slack = slack
         """A waiting key displaces a running one only when it is behind by more than this
-        (weighted tokens; the scheduler passes its token budget), so keys do not thrash."""
+        (weighted tokens; the scheduler passes one full decode step's charge), so keys do not
+        thrash."""
         self.counters: dict[str | None, float] = {}
         """Weighted tokens served per key (only compared, never reset)."""
         self._active: Counter[str | None] = Counter()

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
-from loramux.engine.fairness import AdmissionPolicy, make_policy
+from loramux.engine.fairness import DECODE_COST, AdmissionPolicy, make_policy
 from loramux.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
-        self.policy = policy or make_policy(config.fairness_policy, self.max_num_batched_tokens)
+        # A key may displace another's running sequence once it is behind by more than one
+        # full decode step's charge: small enough that a newcomer beside a flood that holds
+        # every slot waits about a step, large enough that two busy keys do not swap
+        # sequences (and recompute them) every step.
+        slack = DECODE_COST * config.max_num_seqs
+        self.policy = policy or make_policy(config.fairness_policy, slack)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0

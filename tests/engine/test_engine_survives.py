@@ -214,3 +214,19 @@ def test_a_slow_grammar_times_out_off_the_engine_thread(engine):
         asyncio.run(go())
     finally:
         eng.shutdown()
+
+
+def test_a_full_queue_refuses_the_flooding_key_not_its_neighbour(tiny_model_dir):
+    from loramux.engine.engine import QueueFullError
+
+    engine = make_engine(tiny_model_dir, max_waiting=4)
+    params = SamplingParams(max_tokens=2)
+    for i in range(4):
+        engine.add_request(f"flood-{i}", [1, 2, 3], params, fairness_key="flood")
+    with pytest.raises(QueueFullError):
+        engine.add_request("flood-4", [1, 2, 3], params, fairness_key="flood")
+    engine.add_request("quiet-0", [1, 2, 3], params, fairness_key="quiet")  # its share: 4 // 2
+    engine.add_request("quiet-1", [1, 2, 3], params, fairness_key="quiet")
+    with pytest.raises(QueueFullError):
+        engine.add_request("quiet-2", [1, 2, 3], params, fairness_key="quiet")
+    assert set(run_all(engine)) == {*(f"flood-{i}" for i in range(4)), "quiet-0", "quiet-1"}

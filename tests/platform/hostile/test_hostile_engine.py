@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import httpx
-import pytest
 
 
 def _attack(url, tenants, body, timeout=60):
@@ -14,8 +13,6 @@ def _attack(url, tenants, body, timeout=60):
                       timeout=timeout, json={"model": "attacker-lora", **body})
 
 
-@pytest.mark.xfail(strict=True, reason="open finding: the first canary beside 3 concurrent "
-                   "n=32 streams takes ~1.9 s (idle ~0.04 s, bound ~1.7 s); not yet diagnosed")
 def test_n_flood_leaves_the_neighbour_within_bound(live, tenants):
     url, canary = live()
     body = {"prompt": "flood", "n": 32, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
