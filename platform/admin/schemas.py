@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from loramux.registry.service import ApiKeyInfo
+from loramux.registry.tenants import ApiKeyInfo
 
 
 class ResidencyRow(BaseModel):

@@ -99,7 +99,7 @@ def cluster(tmp_path_factory, tiny_model_dir, module_private_redis):
     from loramux.registry.quotas import Quotas
 
     if not (Path(sys.executable).parent / "loramux").exists():
-        pytest.skip("the loramux console script is not installed")
+        pytest.fail("the loramux console script is not installed (run make install)")
     private = module_private_redis
     tmp = tmp_path_factory.mktemp("cluster")
     c = Cluster(tmp, tiny_model_dir, private.url)

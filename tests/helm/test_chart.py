@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.services import require_service
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "loramux"
 PRODUCTION = CHART / "ci" / "production-values.yaml"
@@ -27,10 +28,7 @@ CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 @pytest.fixture(scope="module")
 def helm() -> str:
     found = shutil.which("helm", path=str(Path(sys.executable).parent)) or shutil.which("helm")
-    if found is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("helm is required under CI=true (make install runs .ci/install_helm.py)")
-        pytest.skip("helm not installed (make install runs .ci/install_helm.py)")
+    require_service(found is not None, "helm (make install runs .ci/install_helm.py)")
     return found
 
 
