@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test bench lint clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/lora_throughput.py
 	$(BIN)/python bench/lora_kernels.py
+
+# The CUDA path on a GPU machine, with that machine's own python3 and packages (no
+# install): bench/gpu_check.py, ~8 min on an H200. CPU: GPU_CHECK_ARGS=--dry-run.
+gpu-check:
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,74 @@
+"""The engine and adapter packages import without the platform's dependencies, and
+without an install (the GPU machine runs the benchmarks from the source tree)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What the platform needs and the engine must not pull in at import time (xgrammar is
+# imported only when a request carries a grammar).
+PLATFORM_ONLY = (
+    "fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "boto3", "botocore",
+    "redis", "pydantic_settings", "xgrammar",
+)  # fmt: skip
+ENGINE_MODULES = (
+    "loramux.engine", "loramux.adapters", "loramux.engine.llm", "loramux.engine.engine",
+    "loramux.engine.async_engine", "loramux.engine.model.llama",
+    "loramux.engine.model.triton_attention", "loramux.engine.lora.ops",
+    "loramux.engine.lora.ops.triton_ops", "loramux.engine.lora.manager",
+    "loramux.engine.structured_output", "loramux.adapters.format", "loramux.adapters.merge",
+    "loramux.adapters.archive",
+)  # fmt: skip
+
+_PROBE = """
+import importlib, json, sys
+for name in {modules!r}:
+    importlib.import_module(name)
+from loramux.engine import LLM, AsyncEngine, LLMEngine, SamplingParams
+print(json.dumps({{
+    "loaded": [m for m in {modules!r} if m in sys.modules],
+    "forbidden": sorted({{m.split(".")[0] for m in sys.modules}} & set({forbidden!r})),
+    "engine_file": sys.modules["loramux.engine"].__file__,
+}}))
+"""
+
+
+def _probe(*python_args: str, env: dict | None = None, prelude: str = "") -> dict:
+    code = prelude + _PROBE.format(modules=ENGINE_MODULES, forbidden=PLATFORM_ONLY)
+    proc = subprocess.run(
+        [sys.executable, *python_args, "-c", code], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_engine_imports_need_no_platform_dependency():
+    for name in PLATFORM_ONLY[:3]:  # the probe means something only where they exist
+        __import__(name)
+    out = _probe()
+    assert out["loaded"] == list(ENGINE_MODULES)
+    assert out["forbidden"] == [], f"importing the engine pulled in {out['forbidden']}"
+
+
+def test_engine_imports_from_the_source_tree_without_install():
+    """``python -S`` skips site-packages' .pth files, so the editable install is invisible;
+    the packages come through ``bench/source_tree.py`` from engine/ and adapters/."""
+    paths = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    env = {"PYTHONPATH": ":".join([str(ROOT / "bench"), *sorted(paths)]), "PATH": "/usr/bin:/bin",
+           "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}  # fmt: skip
+    prelude = (
+        "import importlib.util, source_tree\n"
+        "assert importlib.util.find_spec('loramux') is None, 'loramux is visible without site'\n"
+        "assert source_tree.use_source_tree() == 'source'\n"
+    )
+    out = _probe("-S", env=env, prelude=prelude)
+    assert out["loaded"] == list(ENGINE_MODULES)
+    assert Path(out["engine_file"]) == ROOT / "engine" / "__init__.py"
+    assert out["forbidden"] == []

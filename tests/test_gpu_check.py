@@ -1,0 +1,84 @@
+"""``bench/gpu_check.py --dry-run``: every part of the GPU check at toy sizes on the CPU
+(Triton interpreted), so the script that runs on a lent GPU keeps working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), *args], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dry_run_runs_every_part(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = _run("--dry-run", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True and report["errors"] == {}
+    assert set(report["part_s"]) == {"copy", "sgmv", "attention", "greedy", "engine"}
+    assert report["copy"]["bytes_per_s"] > 0
+
+    sgmv = report["sgmv"]
+    assert sgmv["skipped"] == 0
+    assert {(c["dtype"], c["mode"]) for c in sgmv["cases"]} == {
+        (d, m) for d in ("float32", "float16") for m in ("decode", "prefill")
+    }
+    for case in sgmv["cases"]:
+        for op in ("shrink", "expand"):
+            r = case[op]
+            assert r["ok"] and r["err"] <= r["tol"], (case, op)
+            assert r["s"] > 0 and r["bytes"] > 0 and r["bw_frac"] > 0
+    attn = report["attention"]["cases"]
+    assert {(c["dtype"], c["mode"]) for c in attn} == {
+        (d, m) for d in ("float32", "float16") for m in ("decode", "chunk")
+    }
+    assert all(c["ok"] and c["err"] <= c["tol"] for c in attn), attn
+
+    greedy = report["greedy"]
+    assert greedy["ok"] and greedy["sequences"] == 3
+    assert {r["adapter"] for r in greedy["rows"]} == {None, "a0", "a1"}
+
+    for shape in ("7b", "1b"):
+        rows = report["engine"][shape]["results"]
+        assert sorted(int(k) for k in rows) == [0, 1, 2, 4]
+        assert all(r["decode_tok_s"] > 0 and r["e2e_tok_s"] > 0 for r in rows.values())
+        assert rows["0"]["slowdown_vs_base"] == 1.0
+
+    goals = report["goals"]
+    assert goals["kernels_within_tolerance"]["pass"] is True
+    assert goals["kernels_within_tolerance"]["checked"] == 2 * len(sgmv["cases"]) + len(attn)
+    assert goals["greedy_device_vs_torch"]["pass"] is True
+    # speed goals are judged on a GPU only
+    assert goals["sgmv_decode_bandwidth"]["pass"] is None
+    assert goals["lora_overhead_7b"]["pass"] is None and goals["lora_overhead_7b"]["value"] > 0
+    assert "GOAL kernels_within_tolerance: PASS" in proc.stdout
+
+
+def test_without_cuda_the_real_check_refuses_clearly():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the real check would run")
+    proc = _run("--parts", "copy", timeout=300)
+    assert proc.returncode == 2
+    assert "no CUDA device here: run with --dry-run" in proc.stderr
+
+
+def test_unknown_part_is_refused():
+    proc = _run("--dry-run", "--parts", "copy,warp", timeout=120)
+    assert proc.returncode == 2 and "unknown parts ['warp']" in proc.stderr
