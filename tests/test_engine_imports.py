@@ -72,3 +72,34 @@ def test_engine_imports_from_the_source_tree_without_install():
     assert out["loaded"] == list(ENGINE_MODULES)
     assert Path(out["engine_file"]) == ROOT / "engine" / "__init__.py"
     assert out["forbidden"] == []
+
+
+_GENERATE = """
+import json, sys
+from transformers import AutoConfig, AutoTokenizer
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+def loaded():
+    return {{m.split(".")[0] for m in sys.modules}} & set({forbidden!r})
+
+AutoConfig.from_pretrained({model!r}), AutoTokenizer.from_pretrained({model!r})
+third_party = loaded()  # what transformers itself brings (accelerate imports boto3 if present)
+from loramux.engine import LLM, SamplingParams
+llm = LLM({model!r}, dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
+llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3))
+plain = sorted(loaded() - third_party)
+llm.generate(["Pick:"], SamplingParams(temperature=0, max_tokens=3, structured_outputs={{"choice": ["yes", "no"]}}))
+print(json.dumps({{"plain": plain, "with_grammar": sorted(loaded() - third_party)}}))
+"""
+
+
+def test_generating_without_a_grammar_imports_no_platform_dependency(tiny_model_dir):
+    """Building an engine and generating import none of the platform's dependencies beyond
+    what transformers imports on its own; xgrammar comes with the first grammar, not before."""
+    code = _GENERATE.format(model=str(tiny_model_dir), forbidden=PLATFORM_ONLY)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"plain": [], "with_grammar": ["xgrammar"]}
