@@ -118,6 +118,15 @@ def write_random_llama(
     return cfg
 
 
+def adapter_bytes(cfg: dict, rank: int, dtype: torch.dtype) -> int:
+    """Size of one adapter of rank ``rank`` on all 7 projections of model ``cfg``."""
+    from loramux.adapters.arch import base_dims
+
+    dims = base_dims(dict(cfg, model_type="llama"))
+    per_layer = sum(i + o for i, o in dims.module_shapes().values()) * rank
+    return per_layer * dims.num_layers * dtype.itemsize
+
+
 def write_random_adapters(
     path: Path, cfg: dict, count: int, rank: int, dtype: torch.dtype, device: torch.device,
     *, seed: int = 0, std_b: float = 0.01,

@@ -103,3 +103,16 @@ def test_generating_without_a_grammar_imports_no_platform_dependency(tiny_model_
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"plain": [], "with_grammar": ["xgrammar"]}
+
+
+def test_source_tree_maps_the_package_dirs_of_pyproject(monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import source_tree
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    want = {"loramux.engine": "engine", "loramux.adapters": "adapters", "loramux.registry": "registry",
+            "loramux.platform": "platform", "loramux.migrations": "migrations"}  # fmt: skip
+    assert source_tree.package_dirs() == {k: ROOT / v for k, v in want.items()}
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # Python 3.10: no tomllib
+    assert source_tree.package_dirs() == {k: ROOT / v for k, v in want.items()}
