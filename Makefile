@@ -30,9 +30,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/lora_kernels.py
 
 # The CUDA path on a GPU machine, with that machine's own python3 and packages (no
-# install): bench/gpu_check.py, ~8 min on an H200. CPU: GPU_CHECK_ARGS=--dry-run.
+# install; .venv's python where there is one): bench/gpu_check.py, ~8 min on an H200.
+# On the CPU: make gpu-check GPU_CHECK_ARGS=--dry-run
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 gpu-check:
-	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
