@@ -140,36 +140,53 @@ class Check:
 
         return copy_rate(self.device, self.plan["copy_bytes"], self.timer)
 
+    def _cases(self, part: str, fn, grid) -> dict:
+        """``fn(*args)`` for every args of ``grid`` until the part's share of the budget is
+        spent; a case that raises is recorded (``error``) and the others still run."""
+        cases, skipped, failed, end = [], 0, [], self.until(part)
+        for args in grid:
+            if time.monotonic() > end:
+                skipped += 1
+                continue
+            try:
+                cases.append(fn(*args))
+            except Exception:
+                failed.append({"case": repr(args), "error": traceback.format_exc()[-1500:]})
+                print(failed[-1]["error"], file=sys.stderr, flush=True)
+        if failed:
+            self.report["errors"][part] = f"{len(failed)} case(s) failed; first: {failed[0]}"
+        return {"cases": cases, "skipped": skipped, "failed": failed}
+
     def sgmv(self) -> dict:
         from gpu_check_kernels import sgmv_case
 
         copy_bps = (self.report.get("copy") or {}).get("bytes_per_s") or float("nan")
-        cases, skipped, end = [], 0, self.until("sgmv")
-        for dtype in self.dtype.values():
-            for mode, (T, counts) in self.plan["sgmv_modes"].items():
-                for proj, (K, widths) in self.plan["projections"].items():
-                    for rank in self.plan["ranks"]:
-                        for n in counts:
-                            if time.monotonic() > end:
-                                skipped += 1
-                                continue
-                            cases.append(sgmv_case(proj, K, widths, T, rank, n, dtype,
-                                                   self.device, self.timer, copy_bps, mode=mode))  # fmt: skip
-        return {"cases": cases, "skipped": skipped}
+        p = self.plan
+        grid = [
+            (proj, K, widths, T, rank, n, dtype, mode)
+            for dtype in self.dtype.values()
+            for mode, (T, counts) in p["sgmv_modes"].items()
+            for proj, (K, widths) in p["projections"].items()
+            for rank in p["ranks"]
+            for n in counts
+        ]
+
+        def case(proj, K, widths, T, rank, n, dtype, mode):
+            return sgmv_case(proj, K, widths, T, rank, n, dtype, self.device, self.timer,
+                             copy_bps, mode=mode)  # fmt: skip
+
+        return self._cases("sgmv", case, grid)
 
     def attention(self) -> dict:
         from gpu_check_kernels import attention_case
 
-        cases, skipped, end = [], 0, self.until("attention")
-        for dtype in self.dtype.values():
-            for heads, kv, d in self.plan["attn_heads"]:
-                for mode, (batch, prefix, chunk) in self.plan["attn_cases"].items():
-                    if time.monotonic() > end:
-                        skipped += 1
-                        continue
-                    cases.append(attention_case(mode, heads, kv, d, batch, prefix, chunk,
-                                                dtype, self.device, self.timer))  # fmt: skip
-        return {"cases": cases, "skipped": skipped}
+        grid = [
+            (mode, heads, kv, d, batch, prefix, chunk, dtype, self.device, self.timer)
+            for dtype in self.dtype.values()
+            for heads, kv, d in self.plan["attn_heads"]
+            for mode, (batch, prefix, chunk) in self.plan["attn_cases"].items()
+        ]
+        return self._cases("attention", attention_case, grid)
 
     def greedy(self) -> dict:
         import shutil
@@ -264,10 +281,11 @@ def goals(report: dict) -> dict:
     sgmv = (report.get("sgmv") or {}).get("cases", [])
     checks = [c[op] for c in sgmv for op in ("shrink", "expand")]
     checks += (report.get("attention") or {}).get("cases", [])
-    bad = [c for c in checks if not c["ok"]]
+    crashed = sum(len((report.get(p) or {}).get("failed", [])) for p in ("sgmv", "attention"))
+    bad = len([c for c in checks if not c["ok"]]) + crashed
     out = {"kernels_within_tolerance": {
         "target": "err <= max(2 x torch's err in that dtype, 2 eps(dtype) max|ref|)",
-        "checked": len(checks), "failed": len(bad), "pass": not bad if checks else None,
+        "checked": len(checks), "failed": bad, "pass": not bad if checks or crashed else None,
         "skipped_cases": sum((report.get(p) or {}).get("skipped", 0) for p in ("sgmv", "attention"))}}
     bw = [(c[op]["bw_frac"], f"{c['proj']} {op} r{c['rank']} x{c['adapters']}")
           for c in sgmv for op in ("shrink", "expand")

@@ -34,7 +34,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert report["copy"]["bytes_per_s"] > 0
 
     sgmv = report["sgmv"]
-    assert sgmv["skipped"] == 0
+    assert sgmv["skipped"] == 0 and sgmv["failed"] == []
     assert {(c["dtype"], c["mode"]) for c in sgmv["cases"]} == {
         (d, m) for d in ("float32", "float16") for m in ("decode", "prefill")
     }
@@ -82,3 +82,26 @@ def test_without_cuda_the_real_check_refuses_clearly():
 def test_unknown_part_is_refused():
     proc = _run("--dry-run", "--parts", "copy,warp", timeout=120)
     assert proc.returncode == 2 and "unknown parts ['warp']" in proc.stderr
+
+
+def test_a_failing_case_is_recorded_and_the_others_run(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+
+    args = argparse.Namespace(dry_run=True, budget_s=None, out=tmp_path / "r.json")
+    check = gpu_check.Check(args, gpu_check.DRY_PLAN)
+
+    def case(i):
+        if i == 2:
+            raise RuntimeError("kernel exploded")
+        return {"i": i, "ok": True}
+
+    out = check._cases("attention", case, [(1,), (2,), (3,)])
+    assert [c["i"] for c in out["cases"]] == [1, 3]
+    assert len(out["failed"]) == 1 and "kernel exploded" in out["failed"][0]["error"]
+    assert "1 case(s) failed" in check.report["errors"]["attention"]
+    check.report["attention"] = out
+    goal = gpu_check.goals(check.report)["kernels_within_tolerance"]
+    assert goal["failed"] == 1 and goal["pass"] is False
