@@ -3,6 +3,11 @@
 A weight reordered once into oneDNN's blocked layout runs its matmuls about
 1.5-2x faster on x86 CPUs than ``F.linear`` on the plain layout (fp32 and bf16,
 small decode batches most of all). CUDA and CPUs without oneDNN use ``F.linear``.
+
+oneDNN's bf16 matmuls need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT. On CPUs with
+only AVX2 a bf16 weight is packed as float32 instead: activations are widened
+for the matmul and the result narrowed back, which is both correct there (the
+bf16 reorder refuses to run) and faster than ``F.linear``'s bf16 fallback.
 """
 
 from __future__ import annotations
@@ -22,6 +27,18 @@ def _can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether oneDNN can run bf16 matmuls on this CPU (AVX-512 BF16 paths or AVX-NE-CONVERT)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe is not None and probe())
+
+
+def _packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype == torch.bfloat16 and not cpu_has_bf16_matmul():
+        return torch.float32
+    return dtype
+
+
 class Linear:
     """``y = x @ W.T + b`` for x [T, in]; W [out, in] as loaded from the checkpoint."""
 
@@ -30,13 +47,20 @@ class Linear:
         self.dtype = weight.dtype
         self.bias = bias
         self.packed = pack and _can_pack(weight)
+        self.compute_dtype = _packed_dtype(weight.dtype) if self.packed else weight.dtype
         if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT)
+            packed = weight.to(self.compute_dtype).contiguous()
+            if bias is not None:
+                self.bias = bias.to(self.compute_dtype)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(packed, _BATCH_HINT)
         else:
             self.weight = weight
         self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+            if self.compute_dtype != self.dtype:
+                x = x.to(self.compute_dtype)
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+            return y.to(self.dtype)
         return F.linear(x, self.weight, self.bias)
