@@ -2,7 +2,10 @@
 an adapter-aware prefix cache, and copy-on-write sharing.
 
 Blocks are numbered 0..num_blocks-1; token ``p`` of a sequence lives in slot
-``block_table[p // block_size] * block_size + p % block_size`` of the cache.
+``block_table[p // block_size] * block_size + p % block_size`` of the cache. The cache
+holds one more slot, :func:`pad_slot` (``num_blocks * block_size``), that no block table
+maps and nothing writes: it stays zero, and padded attention positions read it, never
+another sequence's keys and values (a masked NaN/Inf still poisons attention).
 
 Prefix cache: a full, computed block is keyed by a hash chain over its tokens, the
 key of the block before it and the sequence's adapter identity (``adapter_id``: the
@@ -108,6 +111,11 @@ class BlockPool:
             self._key_of[block] = key
 
 
+def pad_slot(num_blocks: int, block_size: int) -> int:
+    """The dedicated zeroed cache slot padded attention positions read (after the last block)."""
+    return num_blocks * block_size
+
+
 def block_key(parent: bytes, tokens: list[int], adapter: str | None) -> bytes:
     """Hash-chain key of a full block: its tokens, the key before it, the adapter identity."""
     h = hashlib.blake2b(parent, digest_size=16)
@@ -124,6 +132,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
+
+    @property
+    def pad_slot(self) -> int:
+        """The zeroed slot padding reads (see :func:`pad_slot`)."""
+        return pad_slot(self.pool.num_blocks, self.block_size)
 
     @property
     def num_free_blocks(self) -> int:

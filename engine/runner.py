@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.block_manager import pad_slot
 from loramux.engine.config import CacheConfig
 from loramux.engine.model.attention import build_attention_metadata
 from loramux.engine.model.llama import LlamaModel
@@ -70,7 +71,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         d = model.dims
-        slots = num_blocks * block_size
+        self.pad_slot = pad_slot(num_blocks, block_size)
+        slots = self.pad_slot + 1  # the last slot is the zeroed one padding reads
         self.kv_caches = [
             (
                 torch.zeros(slots, d.num_kv_heads, d.head_dim, dtype=model.dtype, device=model.device),
@@ -122,6 +124,7 @@ class ModelRunner:
             self.block_size,
             self.model.dims.sliding_window,
             dev,
+            pad_slot=self.pad_slot,
         )
         ends = torch.cumsum(torch.tensor(batch.num_new_tokens), 0)
         rows = [ends - 1]

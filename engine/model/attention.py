@@ -60,6 +60,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
     num_decode: int  # rows 0..num_decode-1 are decode tokens
     window: int | None = None  # sliding window (keys within the last ``window`` positions)
+    pad_slot: int = -1  # the zeroed cache slot padded positions read (set by the builder)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillItem] = field(default_factory=list)
     fresh_groups: list[FreshPrefillGroup] = field(default_factory=list)
@@ -74,15 +75,20 @@ def build_attention_metadata(
     block_size: int,
     window: int | None,
     device: torch.device,
+    *,
+    pad_slot: int,
 ) -> AttentionMetadata:
     """Per-step metadata; row ``i`` computes positions ``starts[i] .. starts[i] + num_new[i] - 1``
-    of a sequence whose KV lives in ``block_tables[i]``. Called by the runner once a step."""
+    of a sequence whose KV lives in ``block_tables[i]``. Called by the runner once a step.
+    ``pad_slot`` is the cache's dedicated zeroed slot (``block_manager.pad_slot``): padded
+    positions read it, never another sequence's cache (a masked NaN key or value still
+    turns ``scaled_dot_product_attention``'s output into NaN)."""
     tables = [torch.tensor(t, dtype=torch.long) for t in block_tables]
     slots = []
     for t, s, n in zip(tables, starts, num_new, strict=True):
         pos = torch.arange(s, s + n)
         slots.append(t[pos // block_size] * block_size + pos % block_size)
-    meta = AttentionMetadata(torch.cat(slots).to(device), num_decode, window)
+    meta = AttentionMetadata(torch.cat(slots).to(device), num_decode, window, pad_slot=pad_slot)
     if device.type == "cuda":
         from loramux.engine.model.triton_attention import build_triton_metadata
 
@@ -94,7 +100,7 @@ def build_attention_metadata(
         t = tables[row][: -(-length // block_size)]
         return (t[:, None] * block_size + arange_block).reshape(-1)[:length]
 
-    _plan_decodes(meta, starts[:num_decode], context_slots, device)
+    _plan_decodes(meta, starts[:num_decode], context_slots, device, pad_slot)
     row = num_decode
     fresh: dict[int, list[int]] = {}
     for i in range(num_decode, len(starts)):
@@ -108,8 +114,9 @@ def build_attention_metadata(
     return meta
 
 
-def _plan_decodes(meta: AttentionMetadata, starts: list[int], context_slots, device) -> None:
-    """Group decode rows by context length: bounded padding, bounded gather per call."""
+def _plan_decodes(meta: AttentionMetadata, starts: list[int], context_slots, device, pad: int) -> None:
+    """Group decode rows by context length: bounded padding (reading the zeroed ``pad``
+    slot), bounded gather per call."""
     order = sorted(range(len(starts)), key=lambda r: starts[r])
     i = 0
     while i < len(order):
@@ -124,7 +131,7 @@ def _plan_decodes(meta: AttentionMetadata, starts: list[int], context_slots, dev
         lens = torch.tensor([starts[r] + 1 for r in rows])
         length = int(lens.max())
         idx = torch.stack(
-            [F.pad(context_slots(r, starts[r] + 1), (0, length - starts[r] - 1)) for r in rows]
+            [F.pad(context_slots(r, starts[r] + 1), (0, length - starts[r] - 1), value=pad) for r in rows]
         )
         key_pos = torch.arange(length).unsqueeze(0)
         valid = key_pos < lens.unsqueeze(1)

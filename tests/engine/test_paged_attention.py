@@ -14,6 +14,7 @@ BLOCK = 4
 # (computed before the step, new tokens): decodes first, then a fresh prompt and a chunk
 ROWS = [(4, 1), (19, 1), (0, 7), (13, 9)]
 NUM_DECODE = 2
+PAD = 64 * BLOCK  # pad_slot(64, BLOCK)
 
 
 def make_case(dtype, head_dim=32, heads=4, kv_heads=2, seed=0):
@@ -23,8 +24,9 @@ def make_case(dtype, head_dim=32, heads=4, kv_heads=2, seed=0):
         tables.append([next(blocks) for _ in range(-(-(start + n) // BLOCK))])
     total = sum(n for _, n in ROWS)
     q = torch.randn(total, heads, head_dim, generator=g).to(dtype)
-    k_cache = torch.randn(64 * BLOCK, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(64 * BLOCK, kv_heads, head_dim, generator=g).to(dtype)
+    # 64 blocks and the zeroed pad slot after them (block_manager.pad_slot)
+    k_cache = torch.cat([torch.randn(64 * BLOCK, kv_heads, head_dim, generator=g), torch.zeros(1, kv_heads, head_dim)]).to(dtype)
+    v_cache = torch.cat([torch.randn(64 * BLOCK, kv_heads, head_dim, generator=g), torch.zeros(1, kv_heads, head_dim)]).to(dtype)
     k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
     return tables, q, k, v, k_cache, v_cache
@@ -54,7 +56,8 @@ def dense_reference(tables, q, k_cache, v_cache, window):
 
 def run_torch(tables, q, k, v, k_cache, v_cache, window):
     meta = build_attention_metadata(
-        tables, [s for s, _ in ROWS], [n for _, n in ROWS], NUM_DECODE, BLOCK, window, torch.device("cpu")
+        tables, [s for s, _ in ROWS], [n for _, n in ROWS], NUM_DECODE, BLOCK, window, torch.device("cpu"),
+        pad_slot=PAD,
     )
     write_kv(k_cache, v_cache, k, v, meta)
     return paged_attention(q, k, v, k_cache, v_cache, meta), meta
@@ -70,10 +73,41 @@ def test_torch_path_equals_dense_attention(window, heads, kv_heads):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_padding_never_reads_another_sequences_cache(poison):
+    """Every slot no row of the step owns (slot 0 included) holds NaN/Inf, as a poisoned
+    sequence's cache would: decode rows of different lengths (padded in one group) still
+    equal the dense reference, finite."""
+    rows = [(4, 1), (6, 1), (9, 1)]
+    g = torch.Generator().manual_seed(1)
+    blocks = iter(range(1, 64))  # block 0 (slot 0) belongs to nobody here
+    tables = [[next(blocks) for _ in range(-(-(s + n) // BLOCK))] for s, n in rows]
+    k_cache = torch.cat([torch.randn(64 * BLOCK, 2, 32, generator=g), torch.zeros(1, 2, 32)])
+    v_cache = torch.cat([torch.randn(64 * BLOCK, 2, 32, generator=g), torch.zeros(1, 2, 32)])
+    owned = {b * BLOCK + i for t in tables for b in t for i in range(BLOCK)}
+    foreign = torch.tensor([i for i in range(64 * BLOCK) if i not in owned])
+    k_cache[foreign] = poison
+    v_cache[foreign] = poison
+    q = torch.randn(3, 4, 32, generator=g)
+    k, v = torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 32, generator=g)
+    meta = build_attention_metadata(tables, [s for s, _ in rows], [1, 1, 1], 3, BLOCK, None,
+                                    torch.device("cpu"), pad_slot=PAD)
+    assert len(meta.decode_groups) == 1 and meta.decode_groups[0].mask is not None  # padded
+    write_kv(k_cache, v_cache, k, v, meta)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta)
+    assert torch.isfinite(got).all()
+    for i, (s, _) in enumerate(rows):
+        slots = torch.tensor([tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(s + 1)])
+        keys = k_cache[slots].repeat_interleave(2, dim=1).transpose(0, 1)  # [H, ctx, D]
+        vals = v_cache[slots].repeat_interleave(2, dim=1).transpose(0, 1)
+        ref = torch.softmax(q[i].unsqueeze(1) @ keys.transpose(1, 2) / 32**0.5, -1) @ vals
+        torch.testing.assert_close(got[i], ref.reshape(-1), atol=1e-5, rtol=1e-5)
+
+
 def test_decodes_of_very_different_lengths_are_not_padded_together():
     starts = [3, 5, 900, 1000]
     tables = [list(range(i * 300, i * 300 + -(-(s + 1) // BLOCK))) for i, s in enumerate(starts)]
-    meta = build_attention_metadata(tables, starts, [1] * 4, 4, BLOCK, None, torch.device("cpu"))
+    meta = build_attention_metadata(tables, starts, [1] * 4, 4, BLOCK, None, torch.device("cpu"), pad_slot=0)
     widths = sorted(g.kv_idx.shape[1] for g in meta.decode_groups)
     assert widths == [6, 1001]  # the short pair padded to 6 keys, the long pair to 1001
 
