@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import threading
-import time
 from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.errors import Forbidden, Unauthorized
 from loramux.platform.openai.resolver import Caller
+from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
+KEY_CACHE_TTL_S = 10.0
+"""Seconds a key's caller is cached (a revocation empties the cache at once)."""
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -39,51 +40,34 @@ class Authenticator:
     """Maps API keys to callers."""
 
     def __init__(self, registry: RegistryService | None, *, admin_key: str | None, allow_anonymous: bool,
-                 ttl: float = 10.0) -> None:
+                 ttl: float = KEY_CACHE_TTL_S) -> None:
         self.registry = registry
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
         self.allow_anonymous = allow_anonymous
         self.ttl = ttl
-        self._cache: dict[bytes, tuple[float, Caller]] = {}
-        self._lock = threading.Lock()
-
-    def _cached(self, digest: bytes) -> Caller | None:
-        with self._lock:
-            hit = self._cache.get(digest)
-        if hit is not None and time.monotonic() - hit[0] < self.ttl:
-            return hit[1]
-        return None
+        self._cache: TTLCache[bytes, Caller] = TTLCache(ttl, cache_none=False)
 
     def _lookup(self, key: str, digest: bytes) -> Caller | None:
         """Blocking: the admin key, else the registry (PBKDF2 + SQL)."""
-        caller = None
         if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
-            caller = Caller(None, is_admin=True)
-        elif self.registry is not None:
+            return Caller(None, is_admin=True)
+        if self.registry is not None:
             row = self.registry.authenticate_key(key)
             if row is not None:
-                caller = Caller(row.tenant, is_admin=bool(row.is_admin))
-        if caller is not None:
-            with self._lock:
-                if len(self._cache) > 10_000:
-                    self._cache.clear()
-                self._cache[digest] = (time.monotonic(), caller)
-        return caller
+                return Caller(row.tenant, is_admin=bool(row.is_admin))
+        return None
 
     async def lookup(self, key: str | None) -> Caller | None:
         """The caller a key belongs to (cache first, else a worker thread), or None."""
         if key is None:
             return None
         digest = hashlib.sha256(key.encode()).digest()
-        hit = self._cached(digest)
-        if hit is not None:
-            return hit
-        return await run_in_threadpool(self._lookup, key, digest)
+        return await self._cache.aget_or_load(
+            digest, lambda: run_in_threadpool(self._lookup, key, digest))
 
     def forget(self) -> None:
         """Drop every cached key (a revoked key is refused from the next request on)."""
-        with self._lock:
-            self._cache.clear()
+        self._cache.clear()
 
     def on_registry_event(self, kind: str, handle: object) -> None:
         """Registry listener: a revoked key takes effect at once."""

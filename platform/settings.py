@@ -282,6 +282,12 @@ def add_settings_arguments(parser: Any, names: typing.Iterable[str] | None = Non
                            help=help_text)
 
 
+def setting_default(name: str) -> Any:
+    """The default of the :class:`Settings` field ``name``: what a component built outside
+    ``Settings`` (tests, the offline API) uses, so the default is written once."""
+    return Settings.model_fields[name].get_default(call_default_factory=True)
+
+
 def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
     """Settings from the flags given (the rest from ``LORAMUX_*`` and the defaults)."""
     values = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}

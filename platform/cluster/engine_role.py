@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
-from loramux.platform.auth import Authenticator
+from loramux.platform.auth import KEY_CACHE_TTL_S, Authenticator
 from loramux.platform.cluster.state import (
     ActionReply,
     ClusterEvent,
@@ -44,6 +44,7 @@ from loramux.platform.cluster.state import (
     EventSubscription,
 )
 from loramux.platform.openai.resolver import Caller, engine_key
+from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
     from loramux.platform.state import AppState
@@ -75,18 +76,14 @@ class GatewayIdentityAuthenticator(Authenticator):
     """Engine role: the caller is whoever the gateway vouched for with :func:`identity_token`.
     Tenants are looked up by id (cached ``ttl`` seconds); anything else is no caller."""
 
-    def __init__(self, registry, secret: str, *, allow_anonymous: bool, ttl: float = 10.0):
+    def __init__(self, registry, secret: str, *, allow_anonymous: bool,
+                 ttl: float = KEY_CACHE_TTL_S):
         super().__init__(registry, admin_key=None, allow_anonymous=allow_anonymous, ttl=ttl)
         self.secret = secret
-        self._tenants: dict[int, tuple[float, object]] = {}
+        self._tenants: TTLCache[int, object] = TTLCache(ttl)
 
     def _tenant(self, tenant_id: int):
-        hit = self._tenants.get(tenant_id)
-        if hit is not None and time.monotonic() - hit[0] < self.ttl:
-            return hit[1]
-        tenant = self.registry.get_tenant(tenant_id)
-        self._tenants[tenant_id] = (time.monotonic(), tenant)
-        return tenant
+        return self._tenants.get_or_load(tenant_id, lambda: self.registry.get_tenant(tenant_id))
 
     async def lookup(self, key: str | None) -> Caller | None:
         if key is None or not key.startswith(IDENTITY_PREFIX):

@@ -55,6 +55,7 @@ from loramux.platform.limits.tenant import (
     TenantLimiter,
 )
 from loramux.platform.openai.resolver import Caller, engine_key
+from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
     from loramux.registry.quotas import Quotas
@@ -67,8 +68,6 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host
         "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "content-encoding"}
 _FORWARD = ("authorization", "content-type", "accept", "x-request-id", "openai-organization")
 _RETRY_STATUS = (502, 503)
-QUOTA_TTL_S = 5.0
-"""Seconds a tenant's quotas are cached by a gateway."""
 
 
 class GatewayMetrics:
@@ -99,23 +98,24 @@ class Gateway:
     http: httpx.AsyncClient
     secret: str
     gateway_id: str
-    resolve_ttl: float = 5.0
+    resolve_ttl: float
+    """Seconds a (tenant, model) resolution is cached (``model_cache_ttl``)."""
+    quota_ttl: float
+    """Seconds a tenant's quotas are cached (``quota_cache_ttl``)."""
     max_request_bytes: int = 8 * 1024 * 1024
     limiter: TenantLimiter | None = None
     """The tenant limiter (Redis backend: shared by every gateway); None = no limits."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    _resolved: dict[tuple[int, str], tuple[float, str | None]] = field(default_factory=dict)
-    _quotas: dict[int, tuple[float, Quotas]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._resolved: TTLCache[tuple[int, str], str | None] = TTLCache(self.resolve_ttl)
+        self._quotas: TTLCache[int, Quotas] = TTLCache(self.quota_ttl)
 
     # --- tenant limits ------------------------------------------------------------------
     async def quotas(self, tenant_id: int) -> Quotas:
-        """The tenant's quotas in effect (cached :data:`QUOTA_TTL_S` seconds)."""
-        hit = self._quotas.get(tenant_id)
-        if hit is not None and time.monotonic() - hit[0] < QUOTA_TTL_S:
-            return hit[1]
-        quotas = await run_in_threadpool(self.registry.get_quotas, tenant_id)
-        self._quotas[tenant_id] = (time.monotonic(), quotas)
-        return quotas
+        """The tenant's quotas in effect (cached ``quota_ttl`` seconds)."""
+        return await self._quotas.aget_or_load(
+            tenant_id, lambda: run_in_threadpool(self.registry.get_quotas, tenant_id))
 
     async def admit(self, caller: Caller, body: dict,
                     stack: contextlib.AsyncExitStack) -> Admission | None:
@@ -149,13 +149,9 @@ class Gateway:
         """The routing id of ``model``: a tenant adapter's engine key, ``static/<name>``,
         or None for the base model; ModelNotFound when no live engine serves it."""
         if caller.tenant is not None and self.registry is not None:
-            k = (caller.tenant.id, name)
-            hit = self._resolved.get(k)
-            if hit is not None and time.monotonic() - hit[0] < self.resolve_ttl:
-                key = hit[1]
-            else:
-                key = await run_in_threadpool(self._registry_key, caller.tenant.id, name)
-                self._resolved[k] = (time.monotonic(), key)
+            tenant_id = caller.tenant.id
+            key = await self._resolved.aget_or_load(
+                (tenant_id, name), lambda: run_in_threadpool(self._registry_key, tenant_id, name))
             if key is not None:
                 return key
         for v in self.view.live():
@@ -170,7 +166,7 @@ class Gateway:
         """Fan-out listener: forget cached resolutions and keys; drop evicted residency."""
         if ev.kind in ("adapter_deleted", "adapter_replaced"):
             if ev.tenant_id is not None and ev.name is not None:
-                self._resolved.pop((int(ev.tenant_id), ev.name), None)
+                self._resolved.pop((int(ev.tenant_id), ev.name))
             else:
                 self._resolved.clear()
         elif ev.kind == "key_revoked":

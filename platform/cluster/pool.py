@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from loramux.platform.cluster.routing import EngineView
+from loramux.platform.settings import setting_default
 
 
 @dataclass
 class EnginePool:
-    ttl: float = 10.0
+    ttl: float = setting_default("heartbeat_ttl")
     """Seconds without a heartbeat after which an engine leaves the pool."""
     _views: dict[str, EngineView] = field(default_factory=dict)
     _seen: dict[str, float] = field(default_factory=dict)

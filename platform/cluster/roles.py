@@ -94,6 +94,7 @@ def build_gateway_app(settings: Settings):
                                     allow_anonymous=settings.allow_anonymous),
                  cluster=cluster, view=view, router=router, http=http, secret=secret,
                  gateway_id=node_id(settings), resolve_ttl=settings.model_cache_ttl,
+                 quota_ttl=settings.quota_cache_ttl,
                  max_request_bytes=settings.max_request_bytes,
                  limiter=TenantLimiter(RedisBackend.from_url(
                      settings.redis_url, prefix=f"{settings.redis_namespace}:limits:")))

@@ -28,6 +28,7 @@ from typing import Self
 import redis
 
 from loramux.platform.cluster.routing import EngineView
+from loramux.platform.settings import setting_default
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,8 @@ class ClusterState:
     """Engine records and events in one Redis namespace. Every method talks to Redis."""
 
     client: redis.Redis
-    namespace: str = "loramux"
-    ttl: float = 10.0
+    namespace: str = setting_default("redis_namespace")
+    ttl: float = setting_default("heartbeat_ttl")
     """Seconds an engine record lives without a heartbeat."""
 
     def _key(self, engine_id: str) -> str:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +25,8 @@ from loramux.platform.limits.request import RequestLimits, check_chat_template, 
 from loramux.platform.limits.templates import TemplateRenderer, template_variables
 from loramux.platform.limits.tenant import Admission, RequestCost, TenantLimiter
 from loramux.platform.openai.resolver import Caller
+from loramux.platform.settings import setting_default
+from loramux.platform.ttl_cache import TTLCache
 from loramux.registry.quotas import Quotas
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class AdmissionControl:
         registry: RegistryService | None,
         default_quotas: Quotas,
         *,
-        quota_ttl: float = 5.0,
+        quota_ttl: float = setting_default("quota_cache_ttl"),
         renderer: TemplateRenderer | None = None,
         enforce_quotas: bool = True,
     ) -> None:
@@ -73,8 +73,7 @@ class AdmissionControl:
         self.default_quotas = default_quotas
         self.quota_ttl = quota_ttl
         self.renderer = renderer or TemplateRenderer(limits)
-        self._quotas: dict[int, tuple[float, Quotas]] = {}
-        self._lock = threading.Lock()
+        self._quotas: TTLCache[int, Quotas] = TTLCache(quota_ttl)
 
     # --- quotas ----------------------------------------------------------------------
     async def quotas(self, caller: Caller) -> Quotas:
@@ -84,19 +83,12 @@ class AdmissionControl:
         if caller.tenant is None or self.registry is None:
             return self.default_quotas
         tenant_id = caller.tenant.id
-        with self._lock:
-            hit = self._quotas.get(tenant_id)
-        if hit is not None and time.monotonic() - hit[0] < self.quota_ttl:
-            return hit[1]
-        quotas = await run_in_threadpool(self.registry.get_quotas, tenant_id)
-        with self._lock:
-            self._quotas[tenant_id] = (time.monotonic(), quotas)
-        return quotas
+        return await self._quotas.aget_or_load(
+            tenant_id, lambda: run_in_threadpool(self.registry.get_quotas, tenant_id))
 
     def forget_quotas(self) -> None:
         """Drop every cached quota (they were changed)."""
-        with self._lock:
-            self._quotas.clear()
+        self._quotas.clear()
 
     def on_registry_event(self, kind: str, handle: object) -> None:
         """Registry listener: a quota change takes effect at once."""

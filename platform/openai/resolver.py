@@ -22,6 +22,8 @@ from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.lora_request import LoRARequest
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable
+from loramux.platform.settings import setting_default
+from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
     from loramux.registry.service import AdapterHandle, RegistryService
@@ -115,7 +117,7 @@ class ModelResolver:
         static_modules: dict[str, Path] | None = None,
         registry: RegistryService | None = None,
         lora_enabled: bool = True,
-        ttl: float = 5.0,
+        ttl: float = setting_default("model_cache_ttl"),
         drop_engine_key: Callable[[str], None] | None = None,
     ) -> None:
         if not base_names:
@@ -133,7 +135,7 @@ class ModelResolver:
             self.static[name] = ServedModel(
                 name, LoRARequest(key, _int_id(key), str(path)), {}, "loramux", self.created
             )
-        self._cache: dict[tuple[int, str], tuple[float, ServedModel]] = {}
+        self._cache: TTLCache[tuple[int, str], ServedModel] = TTLCache(ttl, cache_none=False)
         self._keys: dict[int, str] = {}  # adapter id -> engine key in use
         self._lock = threading.Lock()
 
@@ -152,14 +154,8 @@ class ModelResolver:
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 
     async def _tenant_adapter(self, tenant_id: int, name: str) -> ServedModel | None:
-        now = time.monotonic()
-        hit = self._cache.get((tenant_id, name))
-        if hit is not None and now - hit[0] < self.ttl:
-            return hit[1]
-        served = await run_in_threadpool(self._lookup, tenant_id, name)
-        if served is not None:
-            self._cache[(tenant_id, name)] = (time.monotonic(), served)
-        return served
+        return await self._cache.aget_or_load(
+            (tenant_id, name), lambda: run_in_threadpool(self._lookup, tenant_id, name))
 
     def _lookup(self, tenant_id: int, name: str) -> ServedModel | None:
         from loramux.registry import AdapterNotFound, InvalidName, ObjectStoreError
@@ -218,9 +214,8 @@ class ModelResolver:
 
     # --- invalidation ----------------------------------------------------------------
     def invalidate(self, tenant_id: int, name: str | None = None) -> None:
-        for key in list(self._cache):
-            if key[0] == tenant_id and (name is None or key[1] == name):
-                self._cache.pop(key, None)
+        """Forget the cached resolutions of ``tenant_id`` (of one ``name``, when given)."""
+        self._cache.discard_where(lambda key: key[0] == tenant_id and (name is None or key[1] == name))
 
     def on_registry_event(self, kind: str, handle: AdapterHandle | None) -> None:
         """Registry listener: forget cached resolutions; drop deleted or replaced weights
