@@ -99,32 +99,54 @@ class SchedulerConfig:
         return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
 
+DEFAULT_CPU_LORA_MEMORY = 2 << 30
+"""CPU: bytes for adapters (device slots + CPU tier) when ``max_loras`` and ``lora_memory``
+are unset (as ``kv_cache_memory``'s default)."""
+GPU_LORA_MEMORY_SHARE = 0.1
+"""CUDA: share of the memory left after the weights that adapter slots take when
+``max_loras`` and ``lora_memory`` are unset (the KV cache gets the rest)."""
+MAX_DERIVED_LORAS = 256
+"""Most slots a derived capacity gives (a tiny model's slots are tiny)."""
+
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA serving limits."""
 
-    max_loras: int = 4
-    """Adapters resident in device slots (and distinct adapters in one step)."""
+    max_loras: int | None = None
+    """At most this many distinct adapters in one step, one device slot each (vLLM's
+    meaning); None = as many as the adapter memory holds (``engine/lora/capacity.py``)."""
     max_lora_rank: int = 16
     """Largest rank a slot holds."""
     max_cpu_loras: int | None = None
-    """Adapters kept in CPU memory (LRU); None = max_loras * 2."""
+    """Adapters kept in CPU memory (LRU); None = 2 * max_loras when that is set, else
+    derived with the slots (on the CPU: one CPU-tier copy per slot)."""
     lora_backend: str = "auto"
     """auto | torch | triton."""
     lora_dtype: str = "auto"
     """dtype of slot buffers; auto = the model dtype."""
+    lora_memory: int | None = None
+    """Bytes for adapters when max_loras is unset: CPU = slots + CPU tier (None =
+    DEFAULT_CPU_LORA_MEMORY); CUDA = slots, taken before the KV cache (None =
+    GPU_LORA_MEMORY_SHARE of the memory left after the weights)."""
 
     def __post_init__(self) -> None:
-        if self.max_loras < 1:
+        if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
-        if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.max_loras * 2
-        if self.max_cpu_loras < self.max_loras:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
+        if (
+            self.max_loras is not None
+            and self.max_cpu_loras is not None
+            and self.max_cpu_loras < self.max_loras
+        ):
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
+        if self.lora_memory is not None and self.lora_memory <= 0:
+            raise ValueError(f"lora_memory must be > 0 bytes, got {self.lora_memory}")
         if self.lora_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"lora_backend must be auto, torch or triton; got {self.lora_backend!r}")
 

@@ -115,15 +115,17 @@ class LLMEngine:
                 f"max_position_embeddings {dims.max_position_embeddings}"
             )
         cc, sc = config.cache, config.scheduler
-        num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size)
+        # adapter slots first: on a GPU the KV cache gets the memory they leave
         self.lora_manager: LoRAManager | NoLoRA = NoLoRA()
         if config.lora is not None:
             self.lora_manager = LoRAManager(
-                config.lora, self.model, adapter_source, running_keys=self._running_lora_keys
+                config.lora, self.model, adapter_source, running_keys=self._running_lora_keys,
+                gpu_utilization=cc.gpu_memory_utilization,
             )
             self.model.lora = self.lora_manager
+        num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size)
         adapters = self.lora_manager if self.lora_manager.enabled else None
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, adapters)
         self.generator = torch.Generator().manual_seed(mc.seed)

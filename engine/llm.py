@@ -43,10 +43,11 @@ class LLM:
         kv_cache_memory: int | None = None,
         num_gpu_blocks_override: int | None = None,
         enable_lora: bool = False,
-        max_loras: int = 4,
+        max_loras: int | None = None,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         lora_backend: str = "auto",
+        lora_memory: int | None = None,
         adapter_source: AdapterSource | None = None,
         **unused,
     ) -> None:
@@ -62,7 +63,8 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill
             ),
-            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_backend) if enable_lora else None,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_backend,
+                            lora_memory=lora_memory) if enable_lora else None,
         )
         self.llm_engine = LLMEngine(config, adapter_source)
         self._counter = 0

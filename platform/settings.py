@@ -119,14 +119,18 @@ class Settings(_LimitSettings):
     """Exact number of KV-cache blocks (tests, benchmarks)."""
     enable_lora: bool = True
     """Serve LoRA adapters."""
-    max_loras: int = 4
-    """Adapters resident on the device at once (slots)."""
+    max_loras: int | None = None
+    """At most this many adapters in one step, one device slot each (vLLM's meaning);
+    None = as many as the adapter memory holds (see lora_memory)."""
     max_lora_rank: int = 16
     """Largest adapter rank served; uploads of a larger rank are refused."""
     max_cpu_loras: int | None = None
     """Adapters kept in CPU memory (LRU); None = the engine's default."""
     lora_backend: str = "auto"
     """auto | torch | triton."""
+    lora_memory: int | None = None
+    """Bytes for adapters when max_loras is unset (CPU: slots + CPU tier; GPU: slots, taken
+    before the KV cache); None = the engine's default."""
     lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Static adapters every caller may use: name=path or {"name": .., "path": ..}."""
 
@@ -322,7 +326,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         structured=StructuredOutputConfig(grammar_compile_timeout=s.grammar_compile_timeout,
                                           grammar_cache_size=s.grammar_cache_size),
         lora=LoRAConfig(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
-                        max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend)
+                        max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend,
+                        lora_memory=s.lora_memory)
         if s.enable_lora else None,
     )
 

@@ -40,6 +40,7 @@ from loramux.adapters.format import (
 )
 from loramux.engine.config import LoRAConfig
 from loramux.engine.lora import ops
+from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora_request import LoRARequest
@@ -74,11 +75,22 @@ class ResidencySnapshot:
     rows: list[dict] = field(default_factory=list)
     """One per adapter, as :meth:`LoRAManager.residency`."""
     max_loras: int = 0
+    """Device slots (derived from memory unless ``max_loras`` was set)."""
     num_evictions: int = 0
     lora_enabled: bool = False
+    max_cpu_loras: int | None = None
+    """Adapters the CPU tier holds."""
 
     def knows(self, key: str) -> bool:
         return any(r["name"] == key for r in self.rows)
+
+
+def _device_free_bytes(device: torch.device, utilization: float) -> int | None:
+    """CUDA: what the engine may still allocate (``total * utilization - used - reserve``)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * utilization - (total - free) - GPU_RESERVE_BYTES)
 
 
 class LoRAManager:
@@ -92,17 +104,29 @@ class LoRAManager:
         model: LlamaModel,
         adapter_source: Callable[[str], str | Path] | None = None,
         running_keys: Callable[[], set[str]] | None = None,
+        gpu_utilization: float = 0.9,
     ) -> None:
         self.config = config
-        self.max_loras = config.max_loras
         self.model = model
         self.source = adapter_source
         self.running_keys = running_keys or (lambda: set())
         dtype = model.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
         self.backend = ops.resolve_backend(config.lora_backend, model.device)
+        blockdiag = self.backend == "torch"
+        self.capacity = plan_capacity(
+            config, model.dims, torch.finfo(dtype).bits // 8, device_type=model.device.type,
+            blockdiag=blockdiag, device_free_bytes=_device_free_bytes(model.device, gpu_utilization),
+        )
+        self.max_loras = self.capacity.num_slots
+        self.max_cpu_loras = self.capacity.max_cpu_loras
+        logger.info(
+            "adapter capacity: %d slots (%s), %d in the CPU tier, %.1f MiB per slot",
+            self.max_loras, "derived from memory" if self.capacity.derived else "max_loras",
+            self.max_cpu_loras, self.capacity.slot_bytes / 2**20,
+        )
         self.slots = SlotBuffers(
-            model.dims, config.max_loras, config.max_lora_rank, dtype, model.device,
-            blockdiag=self.backend == "torch",
+            model.dims, self.max_loras, config.max_lora_rank, dtype, model.device,
+            blockdiag=blockdiag,
         )
         self.adapters: dict[str, AdapterState] = {}
         self.slot_of: dict[str, int] = {}
@@ -292,7 +316,7 @@ class LoRAManager:
             self._emit("loaded", key)
 
     def _trim_cpu(self) -> None:
-        while len(self.cpu) > self.config.max_cpu_loras:
+        while len(self.cpu) > self.max_cpu_loras:
             for key in self.cpu:
                 state = self.adapters.get(key)
                 if state is None or not state.pinned:
@@ -394,7 +418,9 @@ class LoRAManager:
 
     def snapshot(self) -> ResidencySnapshot:
         """The residency as plain data (call on the engine thread)."""
-        return ResidencySnapshot(self.residency(), self.max_loras, self.num_evictions, True)
+        return ResidencySnapshot(
+            self.residency(), self.max_loras, self.num_evictions, True, self.max_cpu_loras
+        )
 
     def residency(self) -> list[dict]:
         """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, in use."""

@@ -92,13 +92,12 @@ class LocalFleet:
         self._check(None)
         snap = await self.engine.lora_snapshot()
         stats = self.engine.stats()
-        lora = self.engine.engine.config.lora
         summary = EngineSummary(
             id=self.engine_id, role="all", running=stats.num_running,
             waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
             num_preemptions=stats.num_preemptions, max_loras=snap.max_loras,
             slots_used=sum(1 for r in snap.rows if r["slot"] is not None),
-            max_cpu_loras=lora.max_cpu_loras if lora is not None else None,
+            max_cpu_loras=snap.max_cpu_loras,
             cpu_used=sum(1 for r in snap.rows if r["tier"] in ("cpu", "gpu", "device")),
             evictions=snap.num_evictions, lora_enabled=snap.lora_enabled,
             prefix_cache_hit_rate=prefix_cache_hit_rate(self.engine),
