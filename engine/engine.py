@@ -14,34 +14,32 @@ import torch
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
+from loramux.engine.errors import AdapterNumericsError, EngineStepError
+
+__all__ = ["AdapterNumericsError", "ContextLengthError", "EngineStepError", "LLMEngine", "QueueFullError"]
 from loramux.engine.lora.manager import LoRAManager
 from loramux.engine.lora.null import NoLoRA
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.llama import LlamaModel
+from loramux.engine.output_processor import ModelOutput, OutputProcessor
 from loramux.engine.outputs import Logprob, RequestOutput
 from loramux.engine.postprocess import Postprocessor
 from loramux.engine.request import Request
 from loramux.engine.runner import ModelRunner, plan_num_blocks
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
+from loramux.engine.scheduler import Scheduler, SchedulerOutput
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict | list[int]
-_LOGPROB_ROWS = 128
-"""Prompt positions whose logprobs are computed at once (bounds the [rows, vocab] temporaries)."""
 AdapterSource = Callable[[str], str | Path]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting``; retry later."""
-
-
-class EngineStepError(RuntimeError):
-    """A request failed inside an engine step (the engine goes on serving the others)."""
 
 
 class ContextLengthError(ValueError):
@@ -137,6 +135,7 @@ class LLMEngine:
             self.tokenizer, dims.vocab_size, so.grammar_cache_size, so.grammar_compile_timeout
         )
         self.postprocessor = Postprocessor(self.detokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self)
         self.requests: dict[str, Request] = {}
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
@@ -258,12 +257,25 @@ class LLMEngine:
         return [r.to_output() for r in self.step_requests()]
 
     def step_requests(self) -> list[Request]:
-        """Like ``step`` but returns the Request records (the async engine snapshots them)."""
+        """Like ``step`` but returns the Request records (the async engine snapshots them).
+        The three phases: :meth:`schedule`, :meth:`execute`, :meth:`update_from_output`."""
         failed = self._fail_broken_adapters()
-        plan = self.scheduler.schedule()
+        plan = self.schedule()
         if plan.is_empty:
             self.lora_manager.poll(wait=0.005)
             return failed
+        out = self.execute(plan)
+        done = self.update_from_output(plan, out)
+        seen = {r.request_id for r in done}
+        return [*(r for r in failed if r.request_id not in seen), *done]
+
+    def schedule(self) -> SchedulerOutput:
+        """Phase 1: the scheduler's plan of the step (which rows, how many tokens each)."""
+        return self.scheduler.schedule()
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """Phase 2: order the rows, run the model with the step's adapters; a batch-level
+        failure (e.g. an allocation) comes back as ``ModelOutput.error``."""
         try:
             batch = self.runner.order(
                 plan, self.lora_manager.slot_of.get if self.lora_manager.enabled else None
@@ -278,98 +290,14 @@ class LLMEngine:
                 logits, prompt_logits = self.runner.execute(batch, plan.copies)
             finally:
                 self.lora_manager.finish_step()
-        except Exception as exc:  # batch-level (e.g. an allocation): fail this step's requests
+        except Exception as exc:
             logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
-            culprits = {s.seq.request_id: exc for s in plan.scheduled}
-            return [*failed, *self._fail_requests(culprits)]
-        touched: dict[str, Request] = {r.request_id: r for r in failed}
-        bad: dict[str, Exception] = {}
-        for row, rows in prompt_logits.items():
-            seq = batch.seqs[row]
-            try:
-                self._record_prompt_logprobs(seq, rows)
-            except Exception as exc:
-                bad[seq.request_id] = exc
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            if seq.request_id in bad:
-                continue
-            seq.num_computed_tokens += n
-            self.kv.register_computed(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk: nothing to sample yet
-            sample_rows.append(row)
-            sample_seqs.append(seq)
-            for child in seq.pending_forks:
-                self.kv.fork(seq, child)
-                self.scheduler.add_fork(child)
-                sample_rows.append(row)
-                sample_seqs.append(child)
-            seq.pending_forks = []
-        if sample_rows:
-            self._sample_and_accept(logits[sample_rows], sample_seqs, touched, bad)
-        for req in self._fail_requests(bad):
-            touched[req.request_id] = req
-        now = time.monotonic()
-        for req in touched.values():
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            if req.finished:
-                req.metrics.finished_time = now
-                self.requests.pop(req.request_id, None)
-        return list(touched.values())
+            return ModelOutput(None, error=exc)
+        return ModelOutput(batch, logits, prompt_logits)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
-        grammars = [s.grammar for s in seqs]
-        if any(g is not None for g in grammars):
-            logits = self.structured.apply(logits, grammars)
-        return self.sampler(logits, seqs)
-
-    def _sample_and_accept(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict,
-                           bad: dict[str, Exception]) -> None:
-        """Sample one token for each row of ``logits`` (one per sequence) and postprocess it.
-        When the batched sampler fails, each row is sampled alone to find the culprits;
-        a request whose row fails lands in ``bad``, the others go on."""
-        try:
-            picks = [(seq, row, sampled) for sampled in [self._sample(logits, seqs)]
-                     for row, seq in enumerate(seqs)]
-        except Exception:
-            picks = []
-            for row, seq in enumerate(seqs):
-                try:
-                    picks.append((seq, 0, self._sample(logits[row : row + 1], [seq])))
-                except Exception as exc:
-                    bad[seq.request_id] = exc
-        for seq, row, sampled in picks:
-            if seq.request_id in bad:
-                continue
-            try:
-                if seq.grammar is not None and not seq.grammar.is_terminated():
-                    seq.grammar.accept_token(sampled.token_ids[row])
-                self.postprocessor.accept(seq, row, sampled)
-            except Exception as exc:
-                bad[seq.request_id] = exc
-                continue
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
-
-    def _fail_requests(self, culprits: dict[str, Exception]) -> list[Request]:
-        """End these requests with an :class:`EngineStepError` (their blocks freed)."""
-        out = []
-        for rid, exc in culprits.items():
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            logger.warning("request %s failed in an engine step: %r", rid, exc)
-            req.error = EngineStepError(
-                f"the request failed in the engine ({type(exc).__name__}); other requests "
-                f"are not affected, retry it or change its parameters"
-            )
-            self.abort_request(rid)
-            out.append(req)
-        return out
+    def update_from_output(self, plan: SchedulerOutput, out: ModelOutput) -> list[Request]:
+        """Phase 3: sample, detokenize, finish (:class:`OutputProcessor`)."""
+        return self.output_processor.update_from_output(plan, out)
 
     def _queue_full_for(self, fairness_key: str | None, max_waiting: int) -> bool:
         """Past ``max_waiting`` a request is refused only when its key already holds its
@@ -421,27 +349,6 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
-
-    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """vLLM's prompt_logprobs: None for the first token, then each prompt token's
-        logprob (with rank) and the top-N at its position. ``logits`` [P - 1, V] (bounded by
-        the step's token budget) is read in chunks of ``_LOGPROB_ROWS`` rows, so the
-        temporaries stay [_LOGPROB_ROWS, V] whatever the prompt's length."""
-        actual_all = torch.tensor(seq.prompt_token_ids[1:])
-        n = seq.params.prompt_logprobs
-        out: list = [None]
-        for lo in range(0, logits.shape[0], _LOGPROB_ROWS):
-            lp = torch.log_softmax(logits[lo : lo + _LOGPROB_ROWS].float(), dim=-1)  # [C, V]
-            actual = actual_all[lo : lo + lp.shape[0]]
-            chosen = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
-            ranks = ((lp > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
-            top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
-            for j, (tid, val) in enumerate(zip(actual.tolist(), chosen.tolist(), strict=True)):
-                entry = {tid: self.logprob_entry(tid, val, ranks[j])}
-                for rank, (t, v) in enumerate(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True), 1):
-                    entry.setdefault(t, self.logprob_entry(t, v, rank))
-                out.append(entry)
-        seq.prompt_logprobs = out
 
     def _fail_broken_adapters(self) -> list[Request]:
         """Finish the requests whose adapter failed to load, with the load error attached."""

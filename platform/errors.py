@@ -136,7 +136,7 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
     path or SQL: the client hears what to do, the log hears what happened."""
     from loramux.adapters.errors import AdapterValidationError
     from loramux.engine.async_engine import AdapterGoneError, EngineDeadError
-    from loramux.engine.engine import EngineStepError, QueueFullError
+    from loramux.engine.engine import AdapterNumericsError, EngineStepError, QueueFullError
     from loramux.engine.lora.manager import LoRAError
     from loramux.platform.limits.request import RequestLimitError
     from loramux.platform.limits.tenant import LimiterUnavailable, RateLimited, RequestTooLarge
@@ -153,6 +153,7 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
         ((QueueFullError,), lambda e: TooManyRequests(str(e))),
         ((EngineDeadError,), lambda e: ServiceUnavailable(str(e), code="engine_dead")),
         ((AdapterGoneError,), lambda e: Conflict(str(e), param="model", code="adapter_gone")),
+        ((AdapterNumericsError,), lambda e: APIError(str(e), param="model", code="adapter_numerics")),
         ((EngineStepError,), lambda e: APIError(str(e), code="engine_step_failed")),
         ((RateLimited,), lambda e: RateLimitExceeded(
             str(e), param=e.limit, headers={"Retry-After": e.retry_after_header})),

@@ -53,6 +53,11 @@ class LoRAError(ValueError):
     """An adapter cannot be served (unknown, invalid, or incompatible with the base model)."""
 
 
+class AdapterBrokenError(LoRAError):
+    """The adapter was marked broken (its outputs became non-finite while serving); it is
+    refused until it is replaced (another path or id under its name)."""
+
+
 @dataclass
 class AdapterState:
     """What the manager knows of one adapter."""
@@ -65,7 +70,7 @@ class AdapterState:
 
 
 AdapterListener = Callable[[str, str], None]
-"""``listener(event, key)``; event is ``loaded`` | ``evicted`` | ``dropped``."""
+"""``listener(event, key)``; event is ``loaded`` | ``evicted`` | ``dropped`` | ``broken``."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,8 @@ class LoRAManager:
         self._meta: LoRABatchMeta | None = None
         self._groups: frozenset[str] = frozenset()
         self._step_keys: set[str] = set()
+        self.broken: dict[str, tuple[LoRARequest, Exception]] = {}
+        """Adapters marked broken (:meth:`mark_broken`) and the request that named them."""
 
     # --- events -----------------------------------------------------------------------
     def add_listener(self, listener: AdapterListener) -> Callable[[], None]:
@@ -157,7 +164,14 @@ class LoRAManager:
 
     # --- registration ---------------------------------------------------------------
     def register(self, request: LoRARequest) -> None:
-        """Know an adapter by name; checks its config (rank, targets) synchronously."""
+        """Know an adapter by name; checks its config (rank, targets) synchronously. An
+        adapter marked broken is refused (:class:`AdapterBrokenError`) until replaced."""
+        broken = self.broken.get(request.key)
+        if broken is not None:
+            if broken[0] == request:
+                raise AdapterBrokenError(
+                    f"adapter {request.lora_name!r} is marked broken: {broken[1]}") from None
+            del self.broken[request.key]  # replaced: the name points at other weights
         state = self.adapters.get(request.key)
         if state is not None and state.request == request and state.error is None:
             return
@@ -227,6 +241,21 @@ class LoRAManager:
     def failed(self) -> dict[str, Exception]:
         """Adapters whose load failed, with the error (the engine fails their requests)."""
         return {k: s.error for k, s in self.adapters.items() if s.error is not None}
+
+    def mark_broken(self, key: str, error: Exception) -> None:
+        """The adapter's outputs became non-finite while serving: evict it (once its rows
+        leave the step), fail its other requests with ``error`` (:meth:`failed`), refuse it
+        until it is replaced, and tell the listeners (``broken``: the platform audits it)."""
+        state = self.adapters.get(key)
+        if state is None or key in self.broken:
+            return
+        logger.error("adapter %s marked broken: %s", key, error)
+        self.broken[key] = (state.request, error)
+        state.error = error
+        state.pinned = False
+        self.cpu.pop(key, None)
+        self.evict(key)
+        self._emit("broken", key)
 
     def _free_or_evictable_slot(self, protected: set[str]) -> int | None:
         used = set(self.slot_of.values())

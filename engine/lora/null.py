@@ -35,6 +35,9 @@ class NoLoRA:
     def failed(self) -> dict[str, Exception]:
         return {}
 
+    def mark_broken(self, key: str, error: Exception) -> None:
+        """No adapter runs here: nothing to mark."""
+
     def prepare_step(self, token_lora_keys: list[str | None]) -> None:
         """No adapter in any step."""
 
