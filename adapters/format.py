@@ -63,7 +63,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LORA_RANK = 64
+DEFAULT_MAX_LORA_RANK = 16
+"""The largest rank served and accepted when nothing says otherwise (``--max-lora-rank``);
+the engine's ``LoRAConfig`` and the registry use this one default."""
 DEFAULT_MAX_ADAPTER_BYTES = 1024**3
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_LAYER_INDEX = 4096

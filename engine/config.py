@@ -1,11 +1,17 @@
 """Engine configuration: one dataclass per area, validated in ``__post_init__``.
 
-Option names follow vLLM where the meaning is the same.
+Option names follow vLLM where the meaning is the same. The defaults are written here
+only: ``LLM(...)`` and the service's ``Settings`` read them (``ModelConfig.dtype`` is the
+default), and :meth:`EngineConfig.from_options` builds the nested config from flat options
+for both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from loramux.adapters.format import DEFAULT_MAX_LORA_RANK
 
 _CPU_DTYPES = ("float32", "bfloat16")
 _CUDA_DTYPES = ("float32", "bfloat16", "float16")
@@ -116,8 +122,8 @@ class LoRAConfig:
     max_loras: int | None = None
     """At most this many distinct adapters in one step, one device slot each (vLLM's
     meaning); None = as many as the adapter memory holds (``engine/lora/capacity.py``)."""
-    max_lora_rank: int = 16
-    """Largest rank a slot holds."""
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    """Largest rank a slot holds (the registry refuses uploads above it by the same default)."""
     max_cpu_loras: int | None = None
     """Adapters kept in CPU memory (LRU); None = 2 * max_loras when that is set, else
     derived with the slots (on the CPU: one CPU-tier copy per slot)."""
@@ -178,3 +184,18 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     """None = LoRA disabled."""
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+
+    @classmethod
+    def from_options(cls, *, enable_lora: bool = False, **options: Any) -> EngineConfig:
+        """The nested config of flat vLLM-style options (``max_num_seqs=8, max_loras=2``);
+        options left out keep their defaults; ``enable_lora`` False = no LoRA config (its
+        options are then ignored). An unknown option is a ``TypeError``."""
+        parts: dict[str, Any] = {}
+        for name, part in (("model", ModelConfig), ("cache", CacheConfig),
+                           ("scheduler", SchedulerConfig), ("structured", StructuredOutputConfig),
+                           ("lora", LoRAConfig)):
+            given = {f.name: options.pop(f.name) for f in fields(part) if f.name in options}
+            parts[name] = part(**given) if name != "lora" or enable_lora else None
+        if options:
+            raise TypeError(f"unknown engine options: {sorted(options)}")
+        return cls(**parts)

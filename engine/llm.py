@@ -27,44 +27,44 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | None = ModelConfig.model,
         *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory: int | None = None,
-        num_gpu_blocks_override: int | None = None,
+        tokenizer: str | None = ModelConfig.tokenizer,
+        dtype: str = ModelConfig.dtype,
+        device: str = ModelConfig.device,
+        seed: int = ModelConfig.seed,
+        max_model_len: int | None = ModelConfig.max_model_len,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
+        enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
+        enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+        block_size: int = CacheConfig.block_size,
+        gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+        kv_cache_memory: int | None = CacheConfig.kv_cache_memory,
+        num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override,
         enable_lora: bool = False,
-        max_loras: int | None = None,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        lora_backend: str = "auto",
-        lora_memory: int | None = None,
+        max_loras: int | None = LoRAConfig.max_loras,
+        max_lora_rank: int = LoRAConfig.max_lora_rank,
+        max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
+        lora_backend: str = LoRAConfig.lora_backend,
+        lora_memory: int | None = LoRAConfig.lora_memory,
         adapter_source: AdapterSource | None = None,
         **unused,
     ) -> None:
+        """Options as in ``vllm.LLM``; their defaults are the engine's (``engine/config.py``)."""
         ignored = {k for k in unused if k not in _VLLM_ACCEPTED}
         if ignored:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(ignored)}")
-        config = EngineConfig(
-            model=ModelConfig(model, tokenizer, dtype, device, max_model_len, seed),
-            cache=CacheConfig(
-                block_size, gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override,
-                enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill
-            ),
-            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras, lora_backend,
-                            lora_memory=lora_memory) if enable_lora else None,
+        config = EngineConfig.from_options(
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching, block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
+            num_gpu_blocks_override=num_gpu_blocks_override, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            lora_backend=lora_backend, lora_memory=lora_memory,
         )
         self.llm_engine = LLMEngine(config, adapter_source)
         self._counter = 0

@@ -26,11 +26,18 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, SecretStr, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from loramux.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    StructuredOutputConfig,
+)
 from loramux.platform.limits.request import RequestLimits
 from loramux.registry.quotas import Quotas
 
 if TYPE_CHECKING:
-    from loramux.engine.config import EngineConfig
     from loramux.registry.service import RegistryService
 
 DEFAULT_MODEL_ALIASES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -78,57 +85,57 @@ class Settings(_LimitSettings):
         env_prefix="LORAMUX_", extra="ignore", use_attribute_docstrings=True
     )
 
-    # --- engine (names as in vLLM) -------------------------------------------------------
-    model: str | None = None
+    # --- engine (names as in vLLM; defaults are the engine's, engine/config.py) ----------
+    model: str | None = ModelConfig.model
     """Base model: a local Hugging Face folder; None = SmolLM2-135M-Instruct."""
     served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Names the base model answers to in `model`; empty = the folder's name (for the
     default model also HuggingFaceTB/SmolLM2-135M-Instruct). The first is listed."""
-    dtype: str = "auto"
+    dtype: str = ModelConfig.dtype
     """auto | float32 | bfloat16 | float16 (CUDA only)."""
-    device: str = "auto"
+    device: str = ModelConfig.device
     """auto | cpu | cuda[:N]."""
-    seed: int = 0
+    seed: int = ModelConfig.seed
     """Seed of the engine's random generators."""
-    max_model_len: int | None = None
+    max_model_len: int | None = ModelConfig.max_model_len
     """Longest prompt + output in tokens; None = the model's own limit."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     """Most sequences in one engine step."""
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
     """Token budget of one engine step; None = the engine's default."""
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     """Split long prompts over several steps so running decodes keep going (vLLM V1)."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     """Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."""
-    fairness_policy: Literal["vtc", "fcfs"] = "vtc"
+    fairness_policy: Literal["vtc", "fcfs"] = SchedulerConfig.fairness_policy
     """Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival order."""
-    grammar_compile_timeout: float = 10.0
+    grammar_compile_timeout: float = StructuredOutputConfig.grammar_compile_timeout
     """Seconds a request's structured-output grammar may take to compile (off the engine
     thread); past it the request fails."""
-    grammar_cache_size: int = 128
+    grammar_cache_size: int = StructuredOutputConfig.grammar_cache_size
     """Compiled structured-output grammars kept (LRU)."""
-    max_waiting: int = 1024
+    max_waiting: int = 1024  # the service bounds the queue on purpose (the engine's default: no bound)
     """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     """Tokens per KV-cache block."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     """Share of the GPU's memory the engine may use."""
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = CacheConfig.kv_cache_memory
     """CPU only: bytes for the KV cache (None = the engine's default)."""
-    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     """Exact number of KV-cache blocks (tests, benchmarks)."""
-    enable_lora: bool = True
+    enable_lora: bool = True  # on in the service on purpose (off in the offline LLM, as in vLLM)
     """Serve LoRA adapters."""
-    max_loras: int | None = None
+    max_loras: int | None = LoRAConfig.max_loras
     """At most this many adapters in one step, one device slot each (vLLM's meaning);
     None = as many as the adapter memory holds (see lora_memory)."""
-    max_lora_rank: int = 16
+    max_lora_rank: int = LoRAConfig.max_lora_rank
     """Largest adapter rank served; uploads of a larger rank are refused."""
-    max_cpu_loras: int | None = None
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
     """Adapters kept in CPU memory (LRU); None = the engine's default."""
-    lora_backend: str = "auto"
+    lora_backend: str = LoRAConfig.lora_backend
     """auto | torch | triton."""
-    lora_memory: int | None = None
+    lora_memory: int | None = LoRAConfig.lora_memory
     """Bytes for adapters when max_loras is unset (CPU: slots + CPU tier; GPU: slots, taken
     before the KV cache); None = the engine's default."""
     lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -245,6 +252,10 @@ GROUPS = {"max_stop": "request limits", QUOTA_PREFIX + "max_concurrent_requests"
 """The flag group that starts at each of these fields (in declaration order)."""
 REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
                    "s3_region")
+ENGINE_OPTIONS = tuple(f.name for part in (ModelConfig, CacheConfig, SchedulerConfig,
+                                          StructuredOutputConfig, LoRAConfig)
+                       for f in dataclasses.fields(part) if f.name in Settings.model_fields)
+"""The Settings fields that are engine options (same name, passed through as is)."""
 MODEL_FIELDS = ("model", "max_lora_rank", "max_adapter_bytes")
 
 
@@ -300,36 +311,9 @@ def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    """The engine's configuration for these settings."""
-    from loramux.engine.config import (
-        CacheConfig,
-        EngineConfig,
-        LoRAConfig,
-        ModelConfig,
-        SchedulerConfig,
-        StructuredOutputConfig,
-    )
-
-    s = settings
-    return EngineConfig(
-        model=ModelConfig(model=s.model, dtype=s.dtype, device=s.device,
-                          max_model_len=s.max_model_len, seed=s.seed),
-        cache=CacheConfig(block_size=s.block_size, gpu_memory_utilization=s.gpu_memory_utilization,
-                          kv_cache_memory=s.kv_cache_memory,
-                          num_gpu_blocks_override=s.num_gpu_blocks_override,
-                          enable_prefix_caching=s.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
-                                  max_num_batched_tokens=s.max_num_batched_tokens,
-                                  enable_chunked_prefill=s.enable_chunked_prefill,
-                                  fairness_policy=s.fairness_policy,
-                                  max_waiting=s.max_waiting),
-        structured=StructuredOutputConfig(grammar_compile_timeout=s.grammar_compile_timeout,
-                                          grammar_cache_size=s.grammar_cache_size),
-        lora=LoRAConfig(max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
-                        max_cpu_loras=s.max_cpu_loras, lora_backend=s.lora_backend,
-                        lora_memory=s.lora_memory)
-        if s.enable_lora else None,
-    )
+    """The engine's configuration for these settings (every engine option, by name)."""
+    return EngineConfig.from_options(
+        **{name: getattr(settings, name) for name in ENGINE_OPTIONS}, enable_lora=settings.enable_lora)
 
 
 def request_limits(settings: Settings) -> RequestLimits:
