@@ -1,11 +1,14 @@
 """HTTP errors in the OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Services raise :class:`APIError` subclasses; :func:`to_api_error` maps engine,
-adapter and registry exceptions to them by class through one table (:func:`error_table`);
-the handlers installed by :func:`install_error_handlers` render them (and FastAPI's
-validation errors) as JSON with the right status, so OpenAI clients raise their
-matching exception class. Anything unexpected is a generic 500: no SQL, file paths or
-bucket names reach a client; the details go to the log.
+Services raise: :class:`APIError` subclasses, or engine, adapter, registry and
+dependency exceptions, which :func:`to_api_error` maps by class through one table
+(:func:`error_table`); services do not translate. The handlers installed by
+:func:`install_error_handlers` (one per row, and the catch-all) render them (and
+FastAPI's validation errors) as JSON with the right status, so OpenAI clients raise
+their matching exception class. A failed dependency (database, object store, Redis) is
+503 with ``Retry-After`` naming the dependency kind only; anything unexpected is a
+generic 500: no SQL, URL, file path, bucket or digest reaches a client; the details go
+to the log.
 """
 
 from __future__ import annotations
@@ -134,18 +137,42 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
     """The one map from exception classes (engine, adapters, registry) to HTTP errors;
     the first row whose classes match wins. Store and schema failures name no bucket,
     path or SQL: the client hears what to do, the log hears what happened."""
+    import redis
+    from sqlalchemy import exc as sa
+
     from loramux.adapters.errors import AdapterValidationError
     from loramux.engine.async_engine import AdapterGoneError, EngineDeadError
-    from loramux.engine.engine import AdapterNumericsError, EngineStepError, QueueFullError
+    from loramux.engine.engine import (
+        AdapterNumericsError,
+        ContextLengthError,
+        EngineStepError,
+        QueueFullError,
+    )
     from loramux.engine.lora.manager import LoRAError
+    from loramux.engine.sampling_params import SamplingParamError
+    from loramux.platform.dependencies import DependencyPolicy, DependencyUnavailable
     from loramux.platform.limits.request import RequestLimitError
     from loramux.platform.limits.tenant import LimiterUnavailable, RateLimited, RequestTooLarge
     from loramux.registry import errors as r
+
+    retry = DependencyPolicy().dependency_retry_after  # a bulkhead's own is on its error
 
     def unavailable(what: str) -> Callable[[BaseException], APIError]:
         def make(exc: BaseException) -> APIError:
             logger.error("%s: %s", what, exc)
             return ServiceUnavailable(f"{what}; try again later")
+        return make
+
+    def dependency(kind: str | None) -> Callable[[BaseException], APIError]:
+        def make(exc: BaseException) -> APIError:
+            name = kind or getattr(exc, "kind", "dependency")
+            after = getattr(exc, "retry_after", retry)
+            logger.error("%s unavailable: %s: %s", name, type(exc).__name__, exc)
+            return ServiceUnavailable(
+                f"the {name} is unavailable; try again in {after} s",
+                code=f"{name.replace(' ', '_')}_unavailable",
+                headers={"Retry-After": str(after)},
+            )
         return make
 
     return [
@@ -159,7 +186,16 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
             str(e), param=e.limit, headers={"Retry-After": e.retry_after_header})),
         ((RequestTooLarge,), lambda e: BadRequest(
             f"{e}; retrying will not help", param=e.limit, code="request_too_large")),
-        ((LimiterUnavailable,), lambda e: ServiceUnavailable(str(e), code="limiter_unavailable")),
+        ((LimiterUnavailable,), lambda e: ServiceUnavailable(
+            str(e), code="limiter_unavailable", headers={"Retry-After": str(retry)})),
+        ((DependencyUnavailable,), dependency(None)),
+        ((sa.OperationalError, sa.InterfaceError, sa.TimeoutError, sa.DisconnectionError),
+         dependency("database")),
+        ((redis.RedisError,), dependency("redis")),
+        ((ContextLengthError,), lambda e: BadRequest(str(e), param=e.param,
+                                                     code="context_length_exceeded")),
+        ((SamplingParamError,), lambda e: BadRequest(str(e), param=e.param,
+                                                     code="invalid_parameter")),
         ((RequestLimitError,), lambda e: BadRequest(str(e), param=e.param,
                                                     code="request_limit_exceeded")),
         ((r.QuotaExceeded,), lambda e: Forbidden(str(e), param=e.quota, code="quota_exceeded")),
@@ -172,7 +208,7 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
         ((r.InvalidPreset,), lambda e: BadRequest(str(e), param="preset", code="invalid_preset")),
         ((r.InvalidDescription,), lambda e: BadRequest(str(e), param="description")),
         ((r.TenantNotFound,), lambda e: Unauthorized("the key's tenant no longer exists")),
-        ((r.ObjectStoreError,), unavailable("the object store cannot be reached")),
+        ((r.ObjectStoreError,), dependency("object store")),
         ((r.SchemaOutOfDate,), unavailable("the registry database needs `loramux db upgrade`")),
         ((r.BaseModelNotConfigured,), unavailable("this server cannot validate adapters")),
     ]
@@ -240,7 +276,18 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(err)
         return error_response(cls(message, headers=dict(exc.headers or {})))
 
+    async def _mapped(request: Request, exc: Exception):
+        return error_response(to_api_error(exc))
+
+    # One handler per row (Starlette's ExceptionMiddleware answers them and the connection
+    # stays open); an ``Exception`` handler alone runs in ServerErrorMiddleware, which
+    # re-raises after answering (uvicorn logs "Exception in ASGI application").
+    for classes, _ in error_table():
+        for cls in classes:
+            if cls is not APIError:
+                app.add_exception_handler(cls, _mapped)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(APIError("internal server error"))
+        logger.error("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(to_api_error(exc))

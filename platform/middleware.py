@@ -3,6 +3,8 @@
 * :class:`RequestContextMiddleware` gives each request an id (``X-Request-Id`` in and
   out), logs one access line with status and duration, and refuses JSON bodies larger
   than ``max_request_bytes`` with 413 (adapter uploads have their own, larger cap).
+  An exception no handler took is answered through the error table here (a 503 for a
+  failed dependency, else a generic 500), so the client's connection is not reset.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loramux.platform.errors import PayloadTooLarge
+from loramux.platform.errors import PayloadTooLarge, to_api_error
 from loramux.platform.logs import request_id_var
 
 logger = logging.getLogger("loramux.access")
@@ -45,6 +47,7 @@ class RequestContextMiddleware:
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                status["started"] = True
                 raw = list(message.get("headers") or [])
                 raw.append((b"x-request-id", rid.encode()))
                 message = {**message, "headers": raw}
@@ -61,7 +64,12 @@ class RequestContextMiddleware:
                     await self._reject(send_wrapper)
                     return
                 receive = self._replay(buffered, receive)
-            await self.app(scope, receive, send_wrapper)
+            try:
+                await self.app(scope, receive, send_wrapper)
+            except Exception as exc:
+                if status.get("started"):
+                    raise  # a stream already under way: nothing left to answer with
+                await self._send_json(send_wrapper, to_api_error(exc))
         finally:
             logger.info(
                 "%s %s %s",
@@ -103,13 +111,16 @@ class RequestContextMiddleware:
         return replay
 
     async def _reject(self, send: Send) -> None:
-        err = PayloadTooLarge(
+        await self._send_json(send, PayloadTooLarge(
             f"the request body is larger than {self.max_request_bytes} bytes"
-        )
+        ))
+
+    @staticmethod
+    async def _send_json(send: Send, err) -> None:
         body = json.dumps(err.body()).encode()
-        await send({
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        })
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                    for k, v in err.headers.items()]
+        await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": body})

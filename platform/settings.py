@@ -34,7 +34,9 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from loramux.platform.dependencies import DependencyPolicy
 from loramux.platform.limits.request import RequestLimits
+from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas
 
 if TYPE_CHECKING:
@@ -69,12 +71,14 @@ def _fields_of(dataclass: type, prefix: str = "", doc_suffix: str = "") -> dict[
     }
 
 
-_LimitSettings = create_model(  # the caps and default quotas, generated: one source of truth
+_LimitSettings = create_model(  # caps, default quotas, dependency budgets: one source of truth
     "_LimitSettings",
     __base__=BaseSettings,
     **_fields_of(RequestLimits),
     **_fields_of(Quotas, QUOTA_PREFIX, " Default for tenants without their own quotas "
                  "(`loramux tenants quota`); None = unlimited."),
+    **_fields_of(DependencyBudgets),
+    **_fields_of(DependencyPolicy),
 )
 
 
@@ -247,11 +251,12 @@ class Settings(_LimitSettings):
 
 
 GROUPS = {"max_stop": "request limits", QUOTA_PREFIX + "max_concurrent_requests": "tenant quotas",
+          "s3_connect_timeout": "dependencies (timeouts, bulkheads, breakers)",
           "model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
           "role": "cluster (see loramux.platform.cluster)", "quota_cache_ttl": "isolation"}
 """The flag group that starts at each of these fields (in declaration order)."""
 REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
-                   "s3_region")
+                   "s3_region", *(f.name for f in dataclasses.fields(DependencyBudgets)))
 ENGINE_OPTIONS = tuple(f.name for part in (ModelConfig, CacheConfig, SchedulerConfig,
                                           StructuredOutputConfig, LoRAConfig)
                        for f in dataclasses.fields(part) if f.name in Settings.model_fields)
@@ -328,6 +333,18 @@ def default_quotas(settings: Settings) -> Quotas:
                      for f in dataclasses.fields(Quotas)})
 
 
+def dependency_budgets(settings: Settings) -> DependencyBudgets:
+    """The registry's timeouts for these settings."""
+    return DependencyBudgets(**{f.name: getattr(settings, f.name)
+                                for f in dataclasses.fields(DependencyBudgets)})
+
+
+def dependency_policy(settings: Settings) -> DependencyPolicy:
+    """The bulkheads' sizes, deadlines and breakers for these settings."""
+    return DependencyPolicy(**{f.name: getattr(settings, f.name)
+                               for f in dataclasses.fields(DependencyPolicy)})
+
+
 def open_registry(settings: Settings, base_model: Any = None, *,
                   auto_upgrade: bool | None = None) -> RegistryService:
     """The registry for these settings. With ``base_model`` (a folder, or a config)
@@ -343,5 +360,5 @@ def open_registry(settings: Settings, base_model: Any = None, *,
         base_model=str(base_model) if isinstance(base_model, Path) else base_model,
         max_lora_rank=s.max_lora_rank, max_adapter_bytes=s.max_adapter_bytes,
         auto_upgrade=auto_upgrade, preset_check=registry_preset_check,
-        default_quotas=default_quotas(s),
+        default_quotas=default_quotas(s), budgets=dependency_budgets(s),
     )

@@ -1,7 +1,10 @@
 """The database handle: engine, sessions, and Alembic migrations run from Python.
 
 SQLite (the embedded default) gets WAL journaling, foreign keys and a busy timeout;
-PostgreSQL is used as is. The schema comes from Alembic (``upgrade()``), never from
+PostgreSQL gets a connect timeout, a server-side ``statement_timeout`` and a bounded
+pool wait (:class:`~loramux.registry.budgets.DependencyBudgets`), so a database that
+stops answering costs a caller seconds, not minutes (migrations run without the
+statement timeout). The schema comes from Alembic (``upgrade()``), never from
 ``create_all`` outside tests.
 """
 
@@ -18,6 +21,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.errors import SchemaOutOfDate
 
 
@@ -49,6 +53,17 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
+def _postgres_args(url: URL, b: DependencyBudgets) -> dict[str, Any]:
+    """libpq's connect timeout (whole seconds, at least 1) and the server-side statement
+    timeout, added to any ``options`` the URL already carries (a test's search_path)."""
+    timeout_ms = int(b.db_statement_timeout * 1000)
+    options = " ".join(filter(None, [
+        url.query.get("options") if isinstance(url.query.get("options"), str) else None,
+        f"-c statement_timeout={timeout_ms}", f"-c lock_timeout={timeout_ms}",
+    ]))
+    return {"connect_timeout": max(1, round(b.db_connect_timeout)), "options": options}
+
+
 class Database:
     """Engine + sessionmaker for one database URL.
 
@@ -56,17 +71,24 @@ class Database:
     an exception.
     """
 
-    def __init__(self, url: str | URL, *, echo: bool = False) -> None:
+    def __init__(self, url: str | URL, *, echo: bool = False,
+                 budgets: DependencyBudgets | None = None) -> None:
         self.url = make_url(url)
+        self.budgets = b = budgets or DependencyBudgets()
         kwargs: dict[str, Any] = {"echo": echo}
         if self.is_sqlite:
+            # SQLite is a local file: it never stalls on a network, only waits for the
+            # write lock, which concurrent uploads hold briefly (30 s as before).
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
             if self.url.database in (None, "", ":memory:"):
                 kwargs["poolclass"] = StaticPool
             else:
                 Path(self.url.database).parent.mkdir(parents=True, exist_ok=True)
         else:
-            kwargs["pool_pre_ping"] = True
+            kwargs.update(pool_pre_ping=True, pool_size=b.db_pool_size,
+                          max_overflow=b.db_pool_size, pool_timeout=b.db_pool_timeout)
+            if self.url.get_backend_name() == "postgresql":
+                kwargs["connect_args"] = _postgres_args(self.url, b)
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -101,6 +123,9 @@ class Database:
     def _run(self, fn, *args: Any) -> None:
         cfg = self.alembic_config()
         with self.engine.begin() as connection:
+            if self.url.get_backend_name() == "postgresql":  # a migration may take long
+                connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
+                connection.exec_driver_sql("SET LOCAL lock_timeout = 0")
             cfg.attributes["connection"] = connection
             fn(cfg, *args)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_LORA_RANK
+from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.cache import AdapterCache
 from loramux.registry.db import Database
 from loramux.registry.presets import PresetCheck
@@ -63,12 +64,14 @@ def build_store(
     s3_prefix: str = "",
     s3_region: str | None = None,
     data_dir: str | os.PathLike | None = None,
+    budgets: DependencyBudgets | None = None,
 ) -> ObjectStore:
     """``S3Store`` when a bucket is given, else a ``FileStore`` in ``<data dir>/objects``."""
     if s3_bucket:
         from loramux.registry.s3 import S3Store
 
-        return S3Store(s3_bucket, prefix=s3_prefix, region=s3_region, endpoint_url=s3_endpoint_url)
+        return S3Store(s3_bucket, prefix=s3_prefix, region=s3_region, endpoint_url=s3_endpoint_url,
+                       budgets=budgets)
     return FileStore(Path(data_dir or default_data_dir()) / "objects")
 
 
@@ -88,6 +91,7 @@ def build_registry(
     store: ObjectStore | None = None,
     preset_check: PresetCheck | None = None,
     default_quotas: Quotas | None = None,
+    budgets: DependencyBudgets | None = None,
 ) -> RegistryService:
     """The registry for these arguments; ``None`` ones fall back to the embedded layout
     (the service reads flags and environment in ``loramux.platform.settings``).
@@ -97,11 +101,12 @@ def build_registry(
     ``preset_check`` is the serving side's preset validator (see ``registry.presets``).
     ``auto_upgrade`` (default: only for SQLite) runs the migrations; otherwise the schema
     must already be at head (``loramux db upgrade``) or :class:`SchemaOutOfDate` is raised.
+    ``budgets`` bound every wait on the database and the object store.
     """
     data_dir = Path(data_dir or default_data_dir()).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
     database_url = database_url or default_database_url(data_dir)
-    db = Database(database_url)
+    db = Database(database_url, budgets=budgets)
     if auto_upgrade is None:
         auto_upgrade = db.is_sqlite
     if auto_upgrade:
@@ -115,6 +120,7 @@ def build_registry(
             s3_prefix=s3_prefix,
             s3_region=s3_region,
             data_dir=data_dir,
+            budgets=budgets,
         )
     config, name, folder = read_base_model(base_model)
     return RegistryService(

@@ -2,7 +2,10 @@
 
 Works with AWS S3 and S3-compatible servers (MinIO, Cloudflare R2, Ceph RGW) through
 ``endpoint_url``. Large files go up in parts (``multipart_threshold``); every object
-carries its sha256 as user metadata and every read is verified against it.
+carries its sha256 as user metadata and every read is verified against it. Connect and
+read timeouts and the retry budget come from
+:class:`~loramux.registry.budgets.DependencyBudgets` (botocore's own defaults, 60 s
+reads and 5 attempts, let a stalled store hold a request for minutes).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.errors import ObjectIntegrityError, ObjectNotFound, ObjectStoreError
 from loramux.registry.store import (
     ObjectInfo,
@@ -46,6 +50,7 @@ class S3Store(ObjectStore):
         multipart_threshold: int = 64 * 1024 * 1024,
         multipart_chunksize: int = 16 * 1024 * 1024,
         client: Any = None,
+        budgets: DependencyBudgets | None = None,
     ) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -56,6 +61,7 @@ class S3Store(ObjectStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
+        b = budgets or DependencyBudgets()
         if client is None:
             client = boto3.client(
                 "s3",
@@ -64,7 +70,9 @@ class S3Store(ObjectStore):
                 aws_access_key_id=aws_access_key_id,
                 aws_secret_access_key=aws_secret_access_key,
                 config=Config(
-                    retries={"max_attempts": 5, "mode": "standard"},
+                    connect_timeout=b.s3_connect_timeout,
+                    read_timeout=b.s3_read_timeout,
+                    retries={"total_max_attempts": b.s3_max_attempts, "mode": "standard"},
                     s3={"addressing_style": "path"} if endpoint_url else {},
                 ),
             )

@@ -1,8 +1,8 @@
 """The tenant adapter API's logic: upload (multipart or ``s3://``), list, get, patch,
 delete (which evicts the adapter from the engine), export (merged model to the store).
 
-Every registry call runs in a worker thread; every registry error becomes the HTTP
-error a client can act on. Another tenant's adapter is reported exactly like a
+Every registry call runs in a worker thread; registry errors are raised as they are
+(the error table makes each the HTTP error a client can act on). Another tenant's adapter is reported exactly like a
 missing one (the registry scopes every query to the caller's tenant).
 """
 
@@ -34,7 +34,7 @@ from loramux.platform.adapter_api.uploads import (
     parse_s3_uri,
     receive_multipart,
 )
-from loramux.platform.errors import BadRequest, Forbidden, to_api_error
+from loramux.platform.errors import BadRequest, Forbidden
 from loramux.platform.openai.params import validate_preset
 from loramux.platform.openai.resolver import Caller, ModelResolver
 
@@ -68,12 +68,8 @@ class AdapterService:
         self._export_lock = asyncio.Lock()
 
     async def _call(self, fn, *args, **kwargs):
-        try:
-            return await run_in_threadpool(fn, *args, **kwargs)
-        except BaseException as exc:
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
-                raise
-            raise to_api_error(exc) from None
+        """A registry call off the event loop; its errors go to the error table as raised."""
+        return await run_in_threadpool(fn, *args, **kwargs)
 
     @staticmethod
     def _actor(caller: Caller) -> str:

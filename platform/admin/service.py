@@ -29,7 +29,7 @@ from loramux.platform.admin.schemas import (
     TenantInfo,
     TenantList,
 )
-from loramux.platform.errors import BadRequest, NotFound, Unprocessable
+from loramux.platform.errors import BadRequest, NotFound
 from loramux.platform.openai.resolver import ModelResolver, engine_key
 
 if TYPE_CHECKING:
@@ -112,10 +112,7 @@ class AdminService:
         request = handle = None
         if not all(self.fleet.knows(v, key) for v in views):
             request, handle = await self._lora_request(key)
-        try:
-            outcomes = await self.fleet.act(engine, action, key, request)
-        except ValueError as e:  # LoRAError, AdapterValidationError
-            raise Unprocessable(str(e), param="name") from None
+        outcomes = await self.fleet.act(engine, action, key, request)  # LoRAError: 422
         done = any(o.done for o in outcomes)
         deferred = [o.engine for o in outcomes if o.deferred]
         detail = None

@@ -47,10 +47,9 @@ from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.cluster.state import ClusterEvent, ClusterState
 from loramux.platform.cluster.view import GatewayView
-from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized, to_api_error
+from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
 from loramux.platform.limits.tenant import (
     Admission,
-    LimitError,
     LimiterUnavailable,
     TenantLimiter,
 )
@@ -132,8 +131,6 @@ class Gateway:
         except LimiterUnavailable as e:
             logger.warning("gateway: tenant limits not applied (%s); serving on", e)
             return None
-        except LimitError as e:  # the error table's 429 (with Retry-After when it helps)
-            raise to_api_error(e) from None
 
     # --- model resolution ---------------------------------------------------------------
     def _registry_key(self, tenant_id: int, name: str) -> str | None:

@@ -13,14 +13,12 @@ registry's ``quotas_changed`` event drops the cache.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
-from loramux.platform.errors import to_api_error
 from loramux.platform.limits.request import RequestLimits, check_chat_template, check_request
 from loramux.platform.limits.templates import TemplateRenderer, template_variables
 from loramux.platform.limits.tenant import Admission, RequestCost, TenantLimiter
@@ -35,19 +33,6 @@ if TYPE_CHECKING:
 
 ANONYMOUS = "anonymous"
 """The limiter key of callers without a tenant (``--allow-anonymous``)."""
-
-
-def _api_errors(fn):
-    """Re-raise the limits' exceptions as their HTTP errors (the error table)."""
-    async def wrapper(*args, **kwargs):
-        try:
-            return await fn(*args, **kwargs)
-        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:
-            raise to_api_error(exc) from None
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
 
 
 class AdmissionControl:
@@ -97,13 +82,9 @@ class AdmissionControl:
 
     # --- the request -----------------------------------------------------------------
     def check(self, params: SamplingParams) -> None:
-        """The request's caps (HTTP 400 naming the field)."""
-        try:
-            check_request(params, self.limits)
-        except ValueError as exc:
-            raise to_api_error(exc) from None
+        """The request's caps (RequestLimitError: HTTP 400 naming the field)."""
+        check_request(params, self.limits)
 
-    @_api_errors
     async def render_template(self, template: str | None, conversation: list[dict[str, Any]],
                               tokenizer: Any, add_generation_prompt: bool,
                               kwargs: dict[str, Any] | None) -> str:
@@ -129,17 +110,8 @@ class AdmissionControl:
         cost = RequestCost(tokens, sequences * len(prompt_lengths))
         key = str(caller.tenant.id) if caller.tenant is not None else ANONYMOUS
         quotas = await self.quotas(caller)
-        entered = False
-        try:
-            async with self.limiter.admit(key, quotas, cost) as admission:
-                entered = True
-                yield admission
-        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
-            raise
-        except Exception as exc:
-            if entered:
-                raise
-            raise to_api_error(exc) from None
+        async with self.limiter.admit(key, quotas, cost) as admission:
+            yield admission
 
     async def aclose(self) -> None:
         """Stop the template workers and close the limiter's backend."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.lora_request import LoRARequest
-from loramux.platform.errors import ModelNotFound, ServiceUnavailable
+from loramux.platform.errors import ModelNotFound
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
@@ -158,17 +158,14 @@ class ModelResolver:
             (tenant_id, name), lambda: run_in_threadpool(self._lookup, tenant_id, name))
 
     def _lookup(self, tenant_id: int, name: str) -> ServedModel | None:
-        from loramux.registry import AdapterNotFound, InvalidName, ObjectStoreError
+        from loramux.registry import AdapterNotFound, InvalidName
 
         try:
             handle = self.registry.resolve(tenant_id, name)
         except (AdapterNotFound, InvalidName):
             return None
-        try:
-            path = handle.local_path()
-        except ObjectStoreError as e:
-            raise ServiceUnavailable(f"adapter {name!r} cannot be fetched: {e}") from None
-        return self.served_from_handle(handle, path)
+        # ObjectStoreError: the error table's 503, naming no bucket, key or endpoint
+        return self.served_from_handle(handle, handle.local_path())
 
     def served_from_handle(self, handle: AdapterHandle, path: Path | None) -> ServedModel:
         key = engine_key(handle.tenant_id, handle.name, handle.cache_key)

@@ -25,15 +25,13 @@ from starlette.concurrency import run_in_threadpool
 
 from loramux.adapters.errors import AdapterValidationError
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.engine import ContextLengthError, QueueFullError
+from loramux.engine.engine import QueueFullError
 from loramux.engine.lora.manager import LoRAError
 from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampling_params import SamplingParamError
 from loramux.platform.errors import (
     APIError,
     BadRequest,
     ServiceUnavailable,
-    Unprocessable,
     to_api_error,
 )
 from loramux.platform.metrics import Metrics
@@ -50,18 +48,16 @@ logger = logging.getLogger(__name__)
 
 def engine_error(exc: BaseException, retry_after: int, prompt_param: str) -> APIError:
     """The HTTP error for an exception raised by the engine while adding or running: the
-    error table, plus what only this request knows (the 429's ``Retry-After``, whether the
-    prompt is ``prompt`` or ``messages``), by the exception's class."""
-    if isinstance(exc, (LoRAError, AdapterValidationError)):
-        return Unprocessable(f"the adapter cannot be served: {exc}", param="model")
-    if isinstance(exc, ContextLengthError):
-        param = prompt_param if exc.param == "prompt" else exc.param
-        return BadRequest(str(exc), param=param, code="context_length_exceeded")
-    if isinstance(exc, SamplingParamError):
-        return BadRequest(str(exc), param=exc.param, code="invalid_parameter")
-    if isinstance(exc, ValueError):  # the prompt itself (empty, token ids out of range)
+    error table's, with what only this request knows: the prompt's field (``prompt`` or
+    ``messages``), the 429's ``Retry-After``. A plain ``ValueError`` from the engine is
+    about the prompt itself (empty, token ids out of range)."""
+    if type(exc) is ValueError:
         return BadRequest(str(exc), param=prompt_param, code="invalid_parameter")
+    if isinstance(exc, AdapterValidationError):  # an adapter that no longer loads
+        exc = LoRAError(str(exc))
     err = to_api_error(exc)
+    if err.param == "prompt":
+        err.param = prompt_param
     if isinstance(exc, QueueFullError):
         err.message = f"{exc}; retry after {retry_after} s"
         err.headers = {"Retry-After": str(retry_after)}

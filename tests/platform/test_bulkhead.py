@@ -1,0 +1,115 @@
+"""Bulkheads: a stalled dependency costs a caller its deadline, never more; a full pool
+and an open breaker answer at once; another dependency's bulkhead is untouched; the
+breaker closes again once the dependency answers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from loramux.platform.dependencies import (
+    Bulkhead,
+    Dependencies,
+    DependencyPolicy,
+    DependencyUnavailable,
+    dependency_kind,
+)
+
+
+def _bulkhead(**kw) -> Bulkhead:
+    args = dict(workers=2, timeout=0.3, retry_after=3, failures=2, reset_after=0.5)
+    args.update(kw)
+    return Bulkhead("database", **args)
+
+
+async def test_stalled_calls_time_out_then_fail_fast():
+    release = threading.Event()
+    b = _bulkhead()
+    t0 = time.monotonic()
+    with pytest.raises(DependencyUnavailable) as info:
+        await b.call(release.wait, 30)
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    assert info.value.kind == "database" and info.value.retry_after == 3
+    with pytest.raises(DependencyUnavailable):
+        await b.call(release.wait, 30)
+    assert b.is_open and b.status() == "down"
+    t0 = time.monotonic()
+    with pytest.raises(DependencyUnavailable, match="breaker open"):
+        await b.call(lambda: 1)
+    assert time.monotonic() - t0 < 0.1  # no wait behind the stalled calls
+    release.set()
+    await asyncio.sleep(0.6)  # past reset_after, the stuck threads have ended
+    assert await b.call(lambda: 42) == 42
+    assert b.status() == "ok" and b.in_flight == 0
+    b.shutdown()
+
+
+async def test_full_pool_refuses_at_once_and_other_bulkheads_serve():
+    release = threading.Event()
+    deps = Dependencies(DependencyPolicy(db_workers=1, db_call_timeout=5.0, breaker_failures=99))
+    stuck = [asyncio.ensure_future(deps.db.call(release.wait, 30)) for _ in range(2)]
+    await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    with pytest.raises(DependencyUnavailable, match="too many"):
+        await deps.db.call(lambda: 1)
+    assert time.monotonic() - t0 < 0.1
+    assert await deps.store.call(lambda: "fetched") == "fetched"  # its own threads
+    release.set()
+    assert await asyncio.gather(*stuck) == [True, True]
+    deps.shutdown()
+
+
+async def test_dependency_errors_count_and_others_do_not():
+    b = _bulkhead(failures=2)
+
+    def pg_down():
+        raise OperationalError("SELECT 1", {}, Exception("refused"))
+
+    with pytest.raises(KeyError):  # a missing row is not an outage
+        await b.call(lambda: {}["x"])
+    assert b.status() == "ok"
+    for _ in range(2):
+        with pytest.raises(OperationalError):
+            await b.call(pg_down)
+    assert b.is_open
+    b.shutdown()
+
+
+def test_call_sync_deadline():
+    b = _bulkhead(timeout=0.2)
+    release = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(DependencyUnavailable):
+        b.call_sync(release.wait, 30)
+    assert time.monotonic() - t0 < 1.5
+    release.set()
+    assert b.call_sync(lambda: 5, timeout=2) == 5
+    b.shutdown()
+
+
+def test_dependency_kind():
+    import redis
+
+    from loramux.registry.errors import ObjectNotFound, ObjectStoreError
+
+    assert dependency_kind(OperationalError("x", {}, Exception())) == "database"
+    assert dependency_kind(ObjectStoreError("x")) == "object store"
+    assert dependency_kind(ObjectNotFound("x")) is None
+    assert dependency_kind(redis.TimeoutError()) == "redis"
+    assert dependency_kind(ValueError()) is None
+
+
+def test_policy_and_budgets_are_settings():
+    from loramux.platform.settings import Settings, dependency_budgets, dependency_policy
+
+    s = Settings(s3_read_timeout=1.5, db_statement_timeout=2.0, db_workers=3,
+                 breaker_reset=9.0)
+    assert dependency_budgets(s).s3_read_timeout == 1.5
+    assert dependency_budgets(s).db_statement_timeout == 2.0
+    assert dependency_policy(s).db_workers == 3 and dependency_policy(s).breaker_reset == 9.0
+    with pytest.raises(ValueError):
+        DependencyPolicy(db_call_timeout=0)
