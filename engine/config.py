@@ -33,8 +33,14 @@ class ModelConfig:
     """Longest prompt + output in tokens; None = the model's max_position_embeddings."""
     seed: int = 0
     """Seed of the engine's generator for unseeded sampled requests."""
+    attention_backend: str = "auto"
+    """auto | torch. auto: on the CPU the compiled C kernel that reads the paged cache in
+    place (falls back to torch, logging why, when it cannot be built), Triton on CUDA;
+    torch: the torch path (gathers each context, then SDPA)."""
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"attention_backend must be auto or torch; got {self.attention_backend!r}")
         if self.dtype not in ("auto",) + _CUDA_DTYPES:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -123,7 +123,7 @@ class LLMEngine:
             self.model.lora = self.lora_manager
         num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, mc.attention_backend)
         adapters = self.lora_manager if self.lora_manager.enabled else None
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, adapters)
         self.generator = torch.Generator().manual_seed(mc.seed)

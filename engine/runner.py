@@ -17,6 +17,7 @@ import torch
 from loramux.engine.block_manager import pad_slot
 from loramux.engine.config import CacheConfig
 from loramux.engine.model.attention import build_attention_metadata
+from loramux.engine.model.cpu_attention import kernel_available
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.scheduler import SchedulerOutput
 from loramux.engine.sequence import Sequence
@@ -66,8 +67,16 @@ def plan_num_blocks(model: LlamaModel, cache: CacheConfig, max_model_len: int, m
 class ModelRunner:
     """Builds the step's tensors and runs the forward pass."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, attention_backend: str = "auto"
+    ) -> None:
         self.model = model
+        # CPU: the C kernel reads K/V blocks in place (built at start-up; logged fallback)
+        self.cpu_kernel = (
+            model.device.type == "cpu" and attention_backend == "auto" and kernel_available()
+        )
+        if model.device.type == "cpu":
+            logger.info("CPU attention: %s", "C paged kernel" if self.cpu_kernel else "torch")
         self.block_size = block_size
         self.num_blocks = num_blocks
         d = model.dims
@@ -125,6 +134,7 @@ class ModelRunner:
             self.model.dims.sliding_window,
             dev,
             pad_slot=self.pad_slot,
+            cpu_kernel=self.cpu_kernel,
         )
         ends = torch.cumsum(torch.tensor(batch.num_new_tokens), 0)
         rows = [ends - 1]

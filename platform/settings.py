@@ -101,6 +101,9 @@ class Settings(_LimitSettings):
     """auto | cpu | cuda[:N]."""
     seed: int = ModelConfig.seed
     """Seed of the engine's random generators."""
+    attention_backend: Literal["auto", "torch"] = ModelConfig.attention_backend
+    """auto: the C kernel reading the paged KV cache in place on the CPU (Triton on CUDA);
+    torch: gather each context, then SDPA (the reference path)."""
     max_model_len: int | None = ModelConfig.max_model_len
     """Longest prompt + output in tokens; None = the model's own limit."""
     max_num_seqs: int = SchedulerConfig.max_num_seqs

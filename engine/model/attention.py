@@ -7,8 +7,9 @@ paged cache after this step's keys and values are written. The work of a step is
 similar decodes, and its temporary memory is bounded by the tiles below, never by
 (number of sequences × longest length²).
 
-Two backends read the same :class:`AttentionMetadata`: plain torch (CPU, and the
-reference) and a Triton kernel (CUDA, ``triton_attention.py``).
+Three backends read the same :class:`AttentionMetadata`: plain torch (CPU, and the
+reference), a C kernel that reads the blocks in place (CPU, ``cpu_attention.py``) and a
+Triton kernel (CUDA, ``triton_attention.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class AttentionMetadata:
     prefills: list[PrefillItem] = field(default_factory=list)
     fresh_groups: list[FreshPrefillGroup] = field(default_factory=list)
     triton: object | None = None  # TritonAttentionMetadata on CUDA
+    cpu: object | None = None  # CpuAttentionMetadata: rows the C kernel attends (CPU)
 
 
 def build_attention_metadata(
@@ -77,12 +79,15 @@ def build_attention_metadata(
     device: torch.device,
     *,
     pad_slot: int,
+    cpu_kernel: bool = False,
 ) -> AttentionMetadata:
     """Per-step metadata; row ``i`` computes positions ``starts[i] .. starts[i] + num_new[i] - 1``
     of a sequence whose KV lives in ``block_tables[i]``. Called by the runner once a step.
     ``pad_slot`` is the cache's dedicated zeroed slot (``block_manager.pad_slot``): padded
     positions read it, never another sequence's cache (a masked NaN key or value still
-    turns ``scaled_dot_product_attention``'s output into NaN)."""
+    turns ``scaled_dot_product_attention``'s output into NaN). ``cpu_kernel``: on the CPU,
+    rows that read cached context go to the C kernel, which reads no padding (the caller
+    checked ``cpu_attention.kernel_available()``)."""
     tables = [torch.tensor(t, dtype=torch.long) for t in block_tables]
     slots = []
     for t, s, n in zip(tables, starts, num_new, strict=True):
@@ -93,6 +98,9 @@ def build_attention_metadata(
         from loramux.engine.model.triton_attention import build_triton_metadata
 
         meta.triton = build_triton_metadata(block_tables, starts, num_new, device, block_size)
+        return meta
+    if cpu_kernel and device.type == "cpu":
+        _plan_cpu_kernel(meta, block_tables, starts, num_new, num_decode, block_size, window)
         return meta
     arange_block = torch.arange(block_size)
 
@@ -112,6 +120,28 @@ def build_attention_metadata(
         row += n
     meta.fresh_groups = [FreshPrefillGroup(rows, n) for n, rows in fresh.items()]
     return meta
+
+
+def _plan_cpu_kernel(meta, block_tables, starts, num_new, num_decode, block_size, window) -> None:
+    """Fresh prompts (no cached prefix) as causal SDPA groups; every other row to the kernel."""
+    from loramux.engine.model.cpu_attention import build_cpu_metadata
+
+    fresh: dict[int, list[int]] = {}
+    picked: list[int] = []
+    row_starts: list[int] = []
+    row = 0
+    for i, (s, n) in enumerate(zip(starts, num_new, strict=True)):
+        if i >= num_decode and s == 0 and (window is None or n <= window):
+            fresh.setdefault(n, []).append(row)
+        else:
+            picked.append(i)
+            row_starts.append(row)
+        row += n
+    meta.fresh_groups = [FreshPrefillGroup(rows, n) for n, rows in fresh.items()]
+    meta.cpu = build_cpu_metadata(
+        [block_tables[i] for i in picked], row_starts, [starts[i] for i in picked],
+        [num_new[i] for i in picked], block_size, window,
+    )
 
 
 def _plan_decodes(meta: AttentionMetadata, starts: list[int], context_slots, device, pad: int) -> None:
@@ -167,6 +197,10 @@ def paged_attention(
     num_kv = k.shape[1]
     group = num_heads // num_kv
     out = q.new_empty(num_tokens, num_heads * head_dim)
+    if meta.cpu is not None:
+        from loramux.engine.model.cpu_attention import cpu_paged_attention
+
+        cpu_paged_attention(q, k_cache, v_cache, out, meta.cpu)
     for g in meta.decode_groups:
         b, length = g.kv_idx.shape
         flat = g.kv_idx.reshape(-1)

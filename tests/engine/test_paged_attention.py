@@ -126,3 +126,71 @@ def test_triton_kernel_equals_torch_path(dtype, tol, window):
     tmeta = build_triton_metadata(tables, [s for s, _ in ROWS], [n for _, n in ROWS], q.device, BLOCK)
     got = triton_paged_attention(q, k_cache, v_cache, tmeta, window)
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
+
+def _kernel_or_skip():
+    from loramux.engine.model.cpu_attention import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the CPU attention kernel does not build here (no C compiler)")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+def test_cpu_kernel_equals_torch_path(dtype, tol, window, heads, kv_heads):
+    """The C kernel reads blocks in place; same answer as the torch path (and the dense one)."""
+    _kernel_or_skip()
+    tables, q, k, v, k_cache, v_cache = make_case(dtype, heads=heads, kv_heads=kv_heads)
+    args = (tables, [s for s, _ in ROWS], [n for _, n in ROWS], NUM_DECODE, BLOCK, window,
+            torch.device("cpu"))
+    meta = build_attention_metadata(*args, pad_slot=PAD, cpu_kernel=True)
+    assert meta.cpu is not None and not meta.decode_groups and not meta.prefills
+    # the fresh prompt stays causal SDPA, unless it is longer than the window
+    assert (meta.cpu.num_seqs, len(meta.fresh_groups)) == ((3, 1) if window is None else (4, 0))
+    write_kv(k_cache, v_cache, k, v, meta)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta)
+    expected = paged_attention(q, k, v, k_cache, v_cache, build_attention_metadata(*args, pad_slot=PAD))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    dense = dense_reference(tables, q.float(), k_cache.float(), v_cache.float(), window)
+    torch.testing.assert_close(got.double(), dense, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_kernel_long_chunks_span_many_tiles_and_blocks(dtype, tol):
+    """Chunks longer than one query tile, odd head dim, q as a strided view, window on."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, block = 6, 2, 40, 8
+    rows = [(37, 1), (130, 1), (50, 75), (3, 29)]  # (computed, new)
+    blocks = iter(torch.randperm(200, generator=g).tolist())
+    tables = [[next(blocks) for _ in range(-(-(s + n) // block))] for s, n in rows]
+    total = sum(n for _, n in rows)
+    qk = torch.randn(total, heads + kv_heads, head_dim, generator=g).to(dtype)
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    for window in (None, 33):
+        # 200 blocks and the zeroed pad slot after them
+        k_cache = torch.randn(200 * block + 1, kv_heads, head_dim, generator=g).to(dtype)
+        v_cache = torch.randn(200 * block + 1, kv_heads, head_dim, generator=g).to(dtype)
+        k_cache[-1] = v_cache[-1] = 0
+        args = (tables, [s for s, _ in rows], [n for _, n in rows], 2, block, window, torch.device("cpu"))
+        meta = build_attention_metadata(*args, pad_slot=200 * block, cpu_kernel=True)
+        write_kv(k_cache, v_cache, k, v, meta)
+        got = paged_attention(q, k, v, k_cache, v_cache, meta)
+        expected = paged_attention(q, k, v, k_cache, v_cache,
+                                   build_attention_metadata(*args, pad_slot=200 * block))
+        torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_cpu_kernel_missing_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path, caplog):
+    from loramux.engine.model import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_cache", {})
+    monkeypatch.setenv("LORAMUX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        assert cpu_kernels.paged_attention_kernel() is None
+    assert "using torch attention" in caplog.text and "no-such-compiler" in caplog.text
+    assert not list(tmp_path.iterdir())  # nothing half-built left behind

@@ -1,0 +1,146 @@
+"""The CPU kernels in ``csrc/``: compiled with the machine's C compiler, loaded with ctypes.
+
+``make install`` builds them (``python -m loramux.engine.model.cpu_kernels``); otherwise the
+first engine start-up does (about a second). The shared library lands in
+``$LORAMUX_KERNEL_CACHE`` (default ``~/.cache/loramux/kernels``) under a name that hashes
+the source, the flags, the compiler and the CPU's feature flags, so a changed kernel or a
+different machine builds anew. When there is no compiler, the build fails or the library
+does not load, :func:`paged_attention_kernel` returns None and logs why once: callers fall
+back to the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+
+_lock = threading.Lock()
+_cache: dict[str, object] = {}
+
+
+class KernelBuildError(RuntimeError):
+    """A CPU kernel could not be compiled or loaded (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept."""
+    root = os.environ.get("LORAMUX_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "loramux" / "kernels"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise KernelBuildError("no C compiler found (install gcc, or set CC)")
+    return cc
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return sys.platform
+
+
+def library_path(name: str) -> Path:
+    """The cached library for kernel ``name`` (``csrc/<name>.c``) on this machine."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"C compiler {cc!r} does not run: {e}") from None
+    h = hashlib.sha256()
+    for part in ((CSRC / f"{name}.c").read_bytes(), " ".join(CFLAGS).encode(), version.encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+    return cache_dir() / f"{name}-{h.hexdigest()[:16]}.so"
+
+
+def build(name: str) -> Path:
+    """Compile ``csrc/<name>.c`` unless this machine's build is cached; returns the library."""
+    src = CSRC / f"{name}.c"
+    if not src.is_file():
+        raise KernelBuildError(f"kernel source {src} is missing from the installation")
+    path = library_path(name)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([_compiler(), *CFLAGS, "-o", tmp, str(src), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"compiling {src.name} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)  # atomic: concurrent builders never load a partial file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load(name: str) -> ctypes.CDLL:
+    """Build if needed and load kernel ``name``. Raises :class:`KernelBuildError`."""
+    import torch  # noqa: F401  (torch's libgomp must be the process's OpenMP runtime)
+
+    path = build(name)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"loading {path} failed: {e}") from None
+
+
+def paged_attention_kernel():
+    """The ``loramux_paged_attention`` C function, or None (reason logged once) when the
+    kernel cannot be built or loaded here. ``LORAMUX_CPU_KERNELS=0`` disables it."""
+    with _lock:
+        if "paged_attention" in _cache:
+            return _cache["paged_attention"]
+        fn = None
+        if os.environ.get("LORAMUX_CPU_KERNELS", "1") == "0":
+            logger.info("CPU attention kernel disabled (LORAMUX_CPU_KERNELS=0): torch attention")
+        else:
+            try:
+                lib = load("paged_attention")
+                fn = lib.loramux_paged_attention
+                vp, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+                fn.argtypes = [vp, i64, vp, vp, vp, vp, i64, vp, vp, vp,
+                               i, i, i, i, i, i, ctypes.c_float, i, i]
+                fn.restype = ctypes.c_int
+            except (KernelBuildError, OSError, AttributeError) as e:
+                logger.warning("CPU paged-attention kernel unavailable, using torch attention: %s", e)
+                fn = None
+        _cache["paged_attention"] = fn
+        return fn
+
+
+def main() -> int:
+    """``python -m loramux.engine.model.cpu_kernels``: build every kernel (``make install``).
+    Exits 0 even when a kernel does not build (the engine falls back, logging why)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for src in sorted(CSRC.glob("*.c")):
+        try:
+            print(f"{src.stem}: {build(src.stem)}")
+        except KernelBuildError as e:
+            print(f"{src.stem}: not built ({e}); the engine will use the torch path", file=sys.stderr)
+    return 0  # a machine without a compiler still installs; the engine falls back
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
