@@ -12,8 +12,7 @@ import hashlib
 import hmac
 from typing import TYPE_CHECKING
 
-from starlette.concurrency import run_in_threadpool
-
+from loramux.platform.dependencies import Dependencies
 from loramux.platform.errors import Forbidden, Unauthorized
 from loramux.platform.openai.resolver import Caller
 from loramux.platform.ttl_cache import TTLCache
@@ -40,12 +39,15 @@ class Authenticator:
     """Maps API keys to callers."""
 
     def __init__(self, registry: RegistryService | None, *, admin_key: str | None, allow_anonymous: bool,
-                 ttl: float = KEY_CACHE_TTL_S) -> None:
+                 ttl: float = KEY_CACHE_TTL_S, deps: Dependencies | None = None) -> None:
+        """``deps``: the database bulkhead the key lookups run in; while the database is
+        down a key seen before keeps working for ``outage_staleness`` seconds."""
         self.registry = registry
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
         self.allow_anonymous = allow_anonymous
         self.ttl = ttl
-        self._cache: TTLCache[bytes, Caller] = TTLCache(ttl, cache_none=False)
+        self.deps = deps or Dependencies()
+        self._cache: TTLCache[bytes, Caller] = self.deps.stale_cache(ttl, cache_none=False)
 
     def _lookup(self, key: str, digest: bytes) -> Caller | None:
         """Blocking: the admin key, else the registry (PBKDF2 + SQL)."""
@@ -58,12 +60,14 @@ class Authenticator:
         return None
 
     async def lookup(self, key: str | None) -> Caller | None:
-        """The caller a key belongs to (cache first, else a worker thread), or None."""
+        """The caller a key belongs to (cache first, else the database bulkhead), or None."""
         if key is None:
             return None
         digest = hashlib.sha256(key.encode()).digest()
+        if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
+            return Caller(None, is_admin=True)  # needs no database
         return await self._cache.aget_or_load(
-            digest, lambda: run_in_threadpool(self._lookup, key, digest))
+            digest, lambda: self.deps.db.call(self._lookup, key, digest))
 
     def forget(self) -> None:
         """Drop every cached key (a revoked key is refused from the next request on)."""

@@ -58,6 +58,9 @@ class DependencyPolicy:
     """Seconds an open breaker fails calls at once before it lets one through again."""
     dependency_retry_after: int = 5
     """The Retry-After (seconds) of a 503 caused by a failed dependency."""
+    outage_staleness: float = 300.0
+    """Seconds past their TTL that cached API keys, quotas and adapter resolutions keep
+    serving while the database is down (each use logged); 0 = fail at once."""
 
     def __post_init__(self) -> None:
         if min(self.db_workers, self.store_workers, self.breaker_failures) < 1:
@@ -65,6 +68,8 @@ class DependencyPolicy:
         if min(self.db_call_timeout, self.store_call_timeout, self.redis_socket_timeout,
                self.redis_connect_timeout, self.breaker_reset) <= 0:
             raise ValueError("dependency timeouts must be positive numbers of seconds")
+        if self.outage_staleness < 0:
+            raise ValueError("outage_staleness must be >= 0")
 
 
 class DependencyUnavailable(Exception):
@@ -78,6 +83,19 @@ class DependencyUnavailable(Exception):
         self.kind = kind
         self.reason = reason
         self.retry_after = retry_after
+
+
+@functools.cache
+def dependency_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes that mean "a dependency failed" (what caches may answer
+    with a stale value, what breakers count): :func:`dependency_kind` is not None."""
+    import redis
+    from sqlalchemy import exc as sa
+
+    from loramux.registry.errors import ObjectStoreError
+
+    return (DependencyUnavailable, sa.OperationalError, sa.InterfaceError, sa.TimeoutError,
+            sa.DisconnectionError, redis.RedisError, ObjectStoreError)
 
 
 def dependency_kind(exc: BaseException) -> str | None:
@@ -247,6 +265,30 @@ class Dependencies:
         self.store = Bulkhead("object store", workers=p.store_workers,
                               timeout=p.store_call_timeout, **common)
 
+    def stale_cache(self, ttl: float, **kwargs: Any):
+        """A :class:`~loramux.platform.ttl_cache.TTLCache` that answers from its last good
+        value for ``outage_staleness`` seconds while a dependency is down."""
+        from loramux.platform.ttl_cache import TTLCache
+
+        return TTLCache(ttl, stale_for=self.policy.outage_staleness,
+                        stale_on=dependency_errors(), **kwargs)
+
+    def health(self) -> dict[str, str]:
+        """``ok`` / ``degraded`` / ``down`` per bulkhead (what ``/ready`` reports)."""
+        return {"database": self.db.status(), "object store": self.store.status()}
+
     def shutdown(self) -> None:
         self.db.shutdown()
         self.store.shutdown()
+
+
+async def probe(bulkhead: Bulkhead, fn: Callable[[], Any], timeout: float) -> tuple[str, str | None]:
+    """``(status, reason)`` of one dependency for ``/ready``: ``down`` when the probe
+    fails (or the breaker is open), ``degraded`` when it answers but recent calls failed
+    or the pool is busy, else ``ok``. ``reason`` may name hosts: admins only."""
+    try:
+        await bulkhead.call(fn, timeout=timeout)
+    except Exception as exc:  # every failure is an answer here
+        return "down", f"{type(exc).__name__}: {exc}"
+    status = bulkhead.status()
+    return status, (bulkhead.last_error if status != "ok" else None)

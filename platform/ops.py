@@ -1,19 +1,35 @@
 """Operations routes: liveness (``/health``), readiness (``/ready``), Prometheus
-(``/metrics``)."""
+(``/metrics``).
+
+``/ready`` asks every dependency the server has (the database, the object store, Redis)
+through its bulkhead with a short deadline, so a stalled one answers "down" in about a
+second instead of hanging the probe. A failing dependency makes the server ``degraded``
+(200: base-model requests and cached callers are still served, and every replica shares
+the dependency, so leaving the rotation would not help); a stopped engine or a draining
+server is ``not ready`` (503). Why a dependency is down (which may name a host) is shown
+to the admin key only.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 
+from loramux.platform.auth import bearer_key
+from loramux.platform.dependencies import probe
 from loramux.platform.deps import MetricsReaderDep, StateDep
+from loramux.platform.state import AppState
 
 router = APIRouter(tags=["operations"])
+
+PROBE_TIMEOUT_S = 1.0
+"""Seconds each dependency probe of ``/ready`` may take (Kubernetes' probe default is 1 s
+for the whole request: the probes run concurrently)."""
 
 
 class Health(BaseModel):
@@ -23,9 +39,13 @@ class Health(BaseModel):
 
 class Readiness(BaseModel):
     status: str
-    """``ready`` or ``not ready``."""
+    """``ready``, ``degraded`` (a dependency fails; still serving) or ``not ready``."""
     checks: dict[str, bool]
-    """Each part asked (engine, registry) and whether it answered."""
+    """Each part asked and whether it answered."""
+    dependencies: dict[str, str] = {}
+    """``ok`` / ``degraded`` / ``down`` per dependency (database, object store, redis)."""
+    reasons: dict[str, str] | None = None
+    """Why each failing dependency failed: only with the admin key."""
 
 
 @router.get("/health", response_model=Health)
@@ -36,19 +56,56 @@ async def health(state: StateDep):
     return Health(status="ok")
 
 
-@router.get("/ready", response_model=Readiness)
-async def ready(state: StateDep):
-    """200 when requests can be served: the engine runs and the registry answers."""
-    checks = {"engine": state.engine.is_running}
+async def dependency_report(state: AppState) -> tuple[dict[str, str], dict[str, str]]:
+    """``(status per dependency, reason per failing one)``, the probes run concurrently."""
+    probes = {}
     if state.registry is not None:
-        try:
-            await run_in_threadpool(state.registry.list_tenants)
-            checks["registry"] = True
-        except Exception:
-            checks["registry"] = False
-    ok = all(checks.values())
-    body = Readiness(status="ready" if ok else "not ready", checks=checks)
-    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+        probes["database"] = probe(state.deps.db, state.registry.db.ping, PROBE_TIMEOUT_S)
+        store = state.registry.store
+        probes["object store"] = probe(state.deps.store, lambda: store.exists("health/probe"),
+                                       PROBE_TIMEOUT_S)
+    limiter = state.admission.limiter if state.admission is not None else None
+    backend = getattr(limiter, "backend", None)
+    if hasattr(backend, "ping"):
+        probes["redis"] = _redis_probe(backend.ping)
+    results = await asyncio.gather(*probes.values())
+    statuses = {name: status for name, (status, _) in zip(probes, results, strict=True)}
+    reasons = {name: why for name, (_, why) in zip(probes, results, strict=True) if why}
+    return statuses, reasons
+
+
+async def _redis_probe(ping) -> tuple[str, str | None]:
+    try:
+        await asyncio.wait_for(ping(), PROBE_TIMEOUT_S)
+    except Exception as exc:
+        return "down", f"{type(exc).__name__}: {exc}"
+    return "ok", None
+
+
+async def _is_admin(state: AppState, request: Request) -> bool:
+    key = bearer_key(request.headers.get("authorization"))
+    if key is None:
+        return False
+    with contextlib.suppress(Exception):
+        caller = await state.auth.lookup(key)
+        return bool(caller is not None and caller.is_admin)
+    return False
+
+
+@router.get("/ready", response_model=Readiness)
+async def ready(state: StateDep, request: Request):
+    """200 ``ready`` or ``degraded`` while requests can be served; 503 ``not ready`` when
+    the engine is stopped or the server is draining for shutdown."""
+    checks = {"engine": state.engine.is_running, "accepting": not state.draining}
+    deps, reasons = await dependency_report(state)
+    if "database" in deps:
+        checks["registry"] = deps["database"] != "down"
+    serving = checks["engine"] and checks["accepting"]
+    status = "not ready" if not serving else (
+        "ready" if all(s == "ok" for s in deps.values()) else "degraded")
+    body = Readiness(status=status, checks=checks, dependencies=deps,
+                     reasons=reasons if await _is_admin(state, request) else None)
+    return JSONResponse(body.model_dump(), status_code=200 if serving else 503)
 
 
 @router.get("/metrics")

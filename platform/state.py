@@ -18,6 +18,7 @@ from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
+from loramux.platform.dependencies import Dependencies
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.admission import AdmissionControl
@@ -27,6 +28,7 @@ from loramux.platform.settings import (
     DEFAULT_MODEL_ALIASES,
     Settings,
     default_quotas,
+    dependency_policy,
     request_limits,
 )
 
@@ -56,6 +58,10 @@ class AppState:
     cleanups: list[Callable[[], None]] = field(default_factory=list)
     admission: AdmissionControl | None = None
     """Request caps, chat-template rendering and tenant quotas (see openai/admission.py)."""
+    deps: Dependencies = field(default_factory=Dependencies)
+    """The database and object-store bulkheads every registry call runs in."""
+    draining: bool = False
+    """Set on SIGTERM: ``/ready`` says not ready and new requests get 503."""
 
 
 def base_model_names(settings: Settings, model_path: Path) -> list[str]:
@@ -99,6 +105,8 @@ def build_state(settings: Settings, engine: AsyncEngine,
         if engine.is_running:
             engine.call_sync(drop, timeout=30)
 
+    policy = dependency_policy(settings)
+    deps = Dependencies(policy)
     resolver = ModelResolver(
         base_model_names(settings, Path(llm.model_path)),
         static_modules=parse_lora_modules(settings.lora_modules),
@@ -106,6 +114,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
         lora_enabled=lora_enabled,
         ttl=settings.model_cache_ttl,
         drop_engine_key=drop_engine_key,
+        deps=deps,
     )
     fingerprint = "fp_" + hashlib.sha256(
         f"loramux-{VERSION}-{llm.model_path}-{llm.model.dtype}".encode()
@@ -113,12 +122,14 @@ def build_state(settings: Settings, engine: AsyncEngine,
     data_dir = registry.tmp_dir if registry is not None else settings.data_dir
     scratch = Path(data_dir) / "uploads" if data_dir else Path(tempfile.gettempdir()) / "loramux-uploads"
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-    auth = Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous)
+    auth = Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous,
+                         deps=deps)
     behind_gateway = settings.role == "engine"  # gateways hold the fleet-wide quotas
     admission = AdmissionControl(
-        build_limiter(None if behind_gateway else settings.redis_url), request_limits(settings),
-        registry, default_quotas(settings), quota_ttl=settings.quota_cache_ttl,
-        enforce_quotas=not behind_gateway,
+        build_limiter(None if behind_gateway else settings.redis_url,
+                      redis_timeouts=(policy.redis_socket_timeout, policy.redis_connect_timeout)),
+        request_limits(settings), registry, default_quotas(settings),
+        quota_ttl=settings.quota_cache_ttl, enforce_quotas=not behind_gateway, deps=deps,
     )
     openai = OpenAIServing(
         engine, resolver, metrics, fingerprint=fingerprint, admission=admission,
@@ -135,13 +146,14 @@ def build_state(settings: Settings, engine: AsyncEngine,
         dtype=str(llm.model.dtype).removeprefix("torch."), device=str(llm.model.device),
     )
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
-                     adapters, scratch, admission=admission)
+                     adapters, scratch, admission=admission, deps=deps)
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
         state.cleanups.append(registry.subscribe(auth.on_registry_event))
         state.cleanups.append(registry.subscribe(admission.on_registry_event))
     state.cleanups.append(engine.add_adapter_listener(metrics.on_adapter_event))
     state.cleanups.append(fleet.remove_listener)
+    state.cleanups.append(deps.shutdown)
     return state
 
 

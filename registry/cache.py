@@ -44,6 +44,11 @@ class AdapterCache:
     def path_for(self, sha256: str, config: dict[str, Any]) -> Path:
         return self.root / cache_entry_name(sha256, config)
 
+    def lookup(self, sha256: str, config: dict[str, Any]) -> Path | None:
+        """The local folder of an adapter when it is already cached, else None (no fetch)."""
+        target = self.path_for(sha256, config)
+        return target if (target / _MARKER).is_file() else None
+
     def fetch(self, store: ObjectStore, key: str, sha256: str, config: dict[str, Any]) -> Path:
         """Return the local folder of an adapter, downloading it first if needed."""
         target = self.path_for(sha256, config)

@@ -104,6 +104,11 @@ class Database:
         with self.sessionmaker() as session, session.begin():
             yield session
 
+    def ping(self) -> None:
+        """One round trip (``SELECT 1``); raises when the database does not answer."""
+        with self.engine.connect() as connection:
+            connection.exec_driver_sql("SELECT 1")
+
     def dispose(self) -> None:
         self.engine.dispose()
 

@@ -222,6 +222,10 @@ class RegistryService(TenantAccounts):
     def _fetch(self, handle: AdapterHandle) -> Path:
         return self.cache.fetch(self.store, handle.object_key, handle.sha256, handle.config)
 
+    def cached_path(self, handle: AdapterHandle) -> Path | None:
+        """The adapter's local folder when the disk cache holds it (no store call), else None."""
+        return self.cache.lookup(handle.sha256, handle.config)
+
     def _row(self, s: Session, tenant_id: int, name: str) -> Adapter:
         row = s.scalar(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name))
         if row is None:

@@ -1,7 +1,8 @@
 """The tenant adapter API's logic: upload (multipart or ``s3://``), list, get, patch,
 delete (which evicts the adapter from the engine), export (merged model to the store).
 
-Every registry call runs in a worker thread; registry errors are raised as they are
+Short registry calls run in the database bulkhead, uploads and exports in a worker
+thread; registry errors are raised as they are
 (the error table makes each the HTTP error a client can act on). Another tenant's adapter is reported exactly like a
 missing one (the registry scopes every query to the caller's tenant).
 """
@@ -68,7 +69,15 @@ class AdapterService:
         self._export_lock = asyncio.Lock()
 
     async def _call(self, fn, *args, **kwargs):
-        """A registry call off the event loop; its errors go to the error table as raised."""
+        """A short registry call (database) in the database bulkhead, within its deadline;
+        its errors go to the error table as raised."""
+        return await self.resolver.deps.db.call(fn, *args, **kwargs)
+
+    @staticmethod
+    async def _long(fn, *args, **kwargs):
+        """An upload or export step: bounded by its size and each dependency's own
+        timeouts (S3 read timeout and attempts, statement timeout), not by a deadline;
+        in the default worker pool, so a stalled store cannot starve the bulkheads."""
         return await run_in_threadpool(fn, *args, **kwargs)
 
     @staticmethod
@@ -121,7 +130,7 @@ class AdapterService:
                       replace: bool) -> Adapter:
         if preset is not None:
             validate_preset(preset)
-        handle = await self._call(
+        handle = await self._long(
             self.registry.upload, caller.tenant.id, name, received.source(),
             actor=self._actor(caller), replace=replace, default_preset=preset,
         )
@@ -170,7 +179,7 @@ class AdapterService:
             tmp = Path(tempfile.mkdtemp(prefix="export-", dir=self.scratch))
             try:
                 out = tmp / "merged"
-                await self._call(
+                await self._long(
                     self.registry.export, caller.tenant.id, name, out, check=check,
                     actor=self._actor(caller), progress=False,
                 )
@@ -178,7 +187,7 @@ class AdapterService:
                     f"exports/tenant-{handle.tenant_id}/{handle.name}/"
                     f"v{handle.version}-{handle.sha256[:12]}"
                 )
-                files = await self._call(_put_folder, self.registry.store, out, prefix)
+                files = await self._long(_put_folder, self.registry.store, out, prefix)
             finally:
                 await run_in_threadpool(shutil.rmtree, tmp, True)
         return AdapterExport(

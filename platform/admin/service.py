@@ -13,8 +13,6 @@ import logging
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from starlette.concurrency import run_in_threadpool
-
 from loramux.platform.admin.activity import Activity
 from loramux.platform.admin.fleet import ACTIONS, Fleet
 from loramux.platform.admin.schemas import (
@@ -87,7 +85,7 @@ class AdminService:
         for name, served in self.resolver.static.items():
             for row in place(served.lora.lora_name):
                 row.tenant, row.adapter, row.source = None, name, "static"
-        for key, handle, tenant in await run_in_threadpool(self._registry_rows):
+        for key, handle, tenant in await self.resolver.deps.db.call(self._registry_rows):
             for row in place(key):
                 row.tenant, row.adapter, row.source = tenant, handle.name, "registry"
                 row.version, row.size_bytes = handle.version, handle.size_bytes
@@ -133,9 +131,9 @@ class AdminService:
         for served in self.resolver.static.values():
             if served.lora.lora_name == key:
                 return served.lora, None
-        for k, handle, _ in await run_in_threadpool(self._registry_rows):
+        for k, handle, _ in await self.resolver.deps.db.call(self._registry_rows):
             if k == key:
-                path = await run_in_threadpool(handle.local_path)
+                path = await self.resolver.deps.store.call(handle.local_path)
                 served = self.resolver.served_from_handle(handle, path)
                 return served.lora, handle
         raise NotFound(f"adapter {key!r} not found", code="adapter_not_found")
@@ -143,12 +141,12 @@ class AdminService:
     async def _record(self, key: str, handle: AdapterHandle | None, kind: str) -> None:
         try:
             if handle is None:
-                for k, h, _ in await run_in_threadpool(self._registry_rows):
+                for k, h, _ in await self.resolver.deps.db.call(self._registry_rows):
                     if k == key:
                         handle = h
                         break
             if handle is not None:
-                await run_in_threadpool(self.registry.record_event, handle.id, kind,
+                await self.resolver.deps.db.call(self.registry.record_event, handle.id, kind,
                                         actor="admin")
         except Exception:
             logger.exception("could not record the %s of %s", kind, key)
@@ -181,7 +179,7 @@ class AdminService:
         return TenantList(data=out)
 
     async def tenants(self) -> TenantList:
-        return await run_in_threadpool(self._tenants)
+        return await self.resolver.deps.db.call(self._tenants)
 
     def _audit(self, tenant: str | None, kind: str | None, limit: int) -> AuditLog:
         reg = self.registry
@@ -208,4 +206,4 @@ class AdminService:
     async def audit(self, tenant: str | None = None, kind: str | None = None,
                     limit: int = 200) -> AuditLog:
         """Recent adapter and key events, newest first, optionally of one tenant / kind."""
-        return await run_in_threadpool(self._audit, tenant or None, kind or None, limit)
+        return await self.resolver.deps.db.call(self._audit, tenant or None, kind or None, limit)

@@ -32,8 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from starlette.concurrency import run_in_threadpool
-
 from loramux.platform.auth import KEY_CACHE_TTL_S, Authenticator
 from loramux.platform.cluster.state import (
     ActionReply,
@@ -43,6 +41,7 @@ from loramux.platform.cluster.state import (
     EngineRecord,
     EventSubscription,
 )
+from loramux.platform.dependencies import Dependencies
 from loramux.platform.openai.resolver import Caller, engine_key
 from loramux.platform.ttl_cache import TTLCache
 
@@ -77,13 +76,11 @@ class GatewayIdentityAuthenticator(Authenticator):
     Tenants are looked up by id (cached ``ttl`` seconds); anything else is no caller."""
 
     def __init__(self, registry, secret: str, *, allow_anonymous: bool,
-                 ttl: float = KEY_CACHE_TTL_S):
-        super().__init__(registry, admin_key=None, allow_anonymous=allow_anonymous, ttl=ttl)
+                 ttl: float = KEY_CACHE_TTL_S, deps: Dependencies | None = None):
+        super().__init__(registry, admin_key=None, allow_anonymous=allow_anonymous, ttl=ttl,
+                         deps=deps)
         self.secret = secret
-        self._tenants: TTLCache[int, object] = TTLCache(ttl)
-
-    def _tenant(self, tenant_id: int):
-        return self._tenants.get_or_load(tenant_id, lambda: self.registry.get_tenant(tenant_id))
+        self._tenants: TTLCache[int, object] = self.deps.stale_cache(ttl)
 
     async def lookup(self, key: str | None) -> Caller | None:
         if key is None or not key.startswith(IDENTITY_PREFIX):
@@ -96,9 +93,10 @@ class GatewayIdentityAuthenticator(Authenticator):
             return Caller(None, is_admin=admin == "1")
         if self.registry is None:
             return None
-        try:
-            tenant = await run_in_threadpool(self._tenant, int(tid))
-        except Exception:  # deleted tenant
+        try:  # a database outage is the error table's 503, not "no caller"
+            tenant = await self._tenants.aget_or_load(
+                int(tid), lambda: self.deps.db.call(self.registry.get_tenant, int(tid)))
+        except LookupError:  # a deleted tenant (TenantNotFound)
             return None
         return Caller(tenant, is_admin=admin == "1")
 
@@ -200,7 +198,8 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
     Every subscription it makes is undone through ``state.cleanups``."""
     started = time.time()
     auth = GatewayIdentityAuthenticator(state.registry, secret,
-                                        allow_anonymous=state.settings.allow_anonymous)
+                                        allow_anonymous=state.settings.allow_anonymous,
+                                        deps=state.deps)
     state.auth = auth
 
     def on_event(ev: ClusterEvent) -> None:

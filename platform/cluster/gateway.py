@@ -37,7 +37,6 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from loramux.platform.auth import Authenticator, bearer_key
@@ -47,6 +46,7 @@ from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.cluster.state import ClusterEvent, ClusterState
 from loramux.platform.cluster.view import GatewayView
+from loramux.platform.dependencies import Dependencies
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
 from loramux.platform.limits.tenant import (
     Admission,
@@ -105,16 +105,19 @@ class Gateway:
     limiter: TenantLimiter | None = None
     """The tenant limiter (Redis backend: shared by every gateway); None = no limits."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    deps: Dependencies = field(default_factory=Dependencies)
+    """The database bulkhead the registry reads run in (stale-on-error caches)."""
 
     def __post_init__(self) -> None:
-        self._resolved: TTLCache[tuple[int, str], str | None] = TTLCache(self.resolve_ttl)
-        self._quotas: TTLCache[int, Quotas] = TTLCache(self.quota_ttl)
+        self._resolved: TTLCache[tuple[int, str], str | None] = self.deps.stale_cache(
+            self.resolve_ttl)
+        self._quotas: TTLCache[int, Quotas] = self.deps.stale_cache(self.quota_ttl)
 
     # --- tenant limits ------------------------------------------------------------------
     async def quotas(self, tenant_id: int) -> Quotas:
         """The tenant's quotas in effect (cached ``quota_ttl`` seconds)."""
         return await self._quotas.aget_or_load(
-            tenant_id, lambda: run_in_threadpool(self.registry.get_quotas, tenant_id))
+            tenant_id, lambda: self.deps.db.call(self.registry.get_quotas, tenant_id))
 
     async def admit(self, caller: Caller, body: dict,
                     stack: contextlib.AsyncExitStack) -> Admission | None:
@@ -148,7 +151,7 @@ class Gateway:
         if caller.tenant is not None and self.registry is not None:
             tenant_id = caller.tenant.id
             key = await self._resolved.aget_or_load(
-                (tenant_id, name), lambda: run_in_threadpool(self._registry_key, tenant_id, name))
+                (tenant_id, name), lambda: self.deps.db.call(self._registry_key, tenant_id, name))
             if key is not None:
                 return key
         for v in self.view.live():

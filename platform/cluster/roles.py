@@ -32,7 +32,8 @@ def cluster_state(settings: Settings):
 
     from loramux.platform.cluster.state import ClusterState
 
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2,
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=settings.redis_socket_timeout,
+                                  socket_connect_timeout=settings.redis_connect_timeout,
                                   health_check_interval=10)
     return ClusterState(client, settings.redis_namespace, ttl=settings.heartbeat_ttl)
 
@@ -75,14 +76,17 @@ def build_gateway_app(settings: Settings):
     from loramux.platform.cluster.pool import EnginePool
     from loramux.platform.cluster.routing import AffinityRouter, RouterConfig
     from loramux.platform.cluster.view import GatewayView
+    from loramux.platform.dependencies import Dependencies
     from loramux.platform.limits.redis_backend import RedisBackend
     from loramux.platform.limits.tenant import TenantLimiter
-    from loramux.platform.settings import open_registry
+    from loramux.platform.settings import dependency_policy, open_registry
 
     secret = _require(settings)
     cluster = cluster_state(settings)
     registry = open_registry(settings)
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    policy = dependency_policy(settings)
+    deps = Dependencies(policy)
     view = GatewayView(cluster, pool=EnginePool(ttl=settings.heartbeat_ttl))
     router = AffinityRouter(RouterConfig(
         queue_threshold=settings.route_queue_threshold, load_factor=settings.route_load_factor,
@@ -91,16 +95,18 @@ def build_gateway_app(settings: Settings):
                              limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
     gw = Gateway(registry=registry,
                  auth=Authenticator(registry, admin_key=admin_key,
-                                    allow_anonymous=settings.allow_anonymous),
+                                    allow_anonymous=settings.allow_anonymous, deps=deps),
                  cluster=cluster, view=view, router=router, http=http, secret=secret,
                  gateway_id=node_id(settings), resolve_ttl=settings.model_cache_ttl,
                  quota_ttl=settings.quota_cache_ttl,
                  max_request_bytes=settings.max_request_bytes,
+                 deps=deps,
                  limiter=TenantLimiter(RedisBackend.from_url(
-                     settings.redis_url, prefix=f"{settings.redis_namespace}:limits:")))
+                     settings.redis_url, prefix=f"{settings.redis_namespace}:limits:",
+                     timeouts=(policy.redis_socket_timeout, policy.redis_connect_timeout))))
     ticker = view.start(settings.heartbeat_interval)
     events = cluster.subscribe(gw.on_event, name="gateway-events")
-    return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close),
+    return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close, deps.shutdown),
                               admin=gateway_admin_state(gw, settings))
 
 

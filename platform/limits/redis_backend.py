@@ -124,11 +124,19 @@ class RedisBackend:
         self._script = client.register_script(LUA)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "loramux:limits:") -> RedisBackend:
-        """A backend on its own connection pool for ``--redis-url``."""
+    def from_url(cls, url: str, prefix: str = "loramux:limits:", *,
+                 timeouts: tuple[float, float] | None = None) -> RedisBackend:
+        """A backend on its own connection pool for ``--redis-url``; ``timeouts`` are the
+        (socket, connect) timeouts in seconds (a stalled Redis fails a call, not hangs it)."""
         import redis.asyncio
 
-        return cls(redis.asyncio.Redis.from_url(url), prefix)
+        socket, connect = timeouts or (None, None)
+        return cls(redis.asyncio.Redis.from_url(url, socket_timeout=socket,
+                                                socket_connect_timeout=connect), prefix)
+
+    async def ping(self) -> None:
+        """Raise unless Redis answers (readiness)."""
+        await self.client.ping()
 
     def keys(self, key: str) -> list[str]:
         """The three Redis keys of one limiter key."""

@@ -193,14 +193,15 @@ class TenantLimiter:
         await self.backend.aclose()
 
 
-def build_limiter(redis_url: str | None = None, **kwargs) -> TenantLimiter:
+def build_limiter(redis_url: str | None = None, *,
+                  redis_timeouts: tuple[float, float] | None = None, **kwargs) -> TenantLimiter:
     """The limiter for ``--redis-url``: a :class:`RedisBackend` shared by every gateway
-    when a URL is given, else the in-process backend. ``kwargs`` go to
-    :class:`TenantLimiter`."""
+    when a URL is given (``redis_timeouts``: socket and connect timeouts), else the
+    in-process backend. ``kwargs`` go to :class:`TenantLimiter`."""
     if redis_url:
         from loramux.platform.limits.redis_backend import RedisBackend
 
-        return TenantLimiter(RedisBackend.from_url(redis_url), **kwargs)
+        return TenantLimiter(RedisBackend.from_url(redis_url, timeouts=redis_timeouts), **kwargs)
     from loramux.platform.limits.memory import InProcessBackend
 
     return TenantLimiter(InProcessBackend(), **kwargs)

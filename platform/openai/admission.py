@@ -17,8 +17,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from starlette.concurrency import run_in_threadpool
-
+from loramux.platform.dependencies import Dependencies
 from loramux.platform.limits.request import RequestLimits, check_chat_template, check_request
 from loramux.platform.limits.templates import TemplateRenderer, template_variables
 from loramux.platform.limits.tenant import Admission, RequestCost, TenantLimiter
@@ -48,9 +47,11 @@ class AdmissionControl:
         quota_ttl: float = setting_default("quota_cache_ttl"),
         renderer: TemplateRenderer | None = None,
         enforce_quotas: bool = True,
+        deps: Dependencies | None = None,
     ) -> None:
         """``enforce_quotas`` False: tenants' quotas are applied elsewhere (a cluster
-        engine behind gateways, which hold the fleet-wide limits), caps still apply here."""
+        engine behind gateways, which hold the fleet-wide limits), caps still apply here.
+        ``deps``: quota reads run in the database bulkhead (stale-on-error)."""
         self.limiter = limiter
         self.enforce_quotas = enforce_quotas
         self.limits = limits
@@ -58,7 +59,8 @@ class AdmissionControl:
         self.default_quotas = default_quotas
         self.quota_ttl = quota_ttl
         self.renderer = renderer or TemplateRenderer(limits)
-        self._quotas: TTLCache[int, Quotas] = TTLCache(quota_ttl)
+        self.deps = deps or Dependencies()
+        self._quotas: TTLCache[int, Quotas] = self.deps.stale_cache(quota_ttl)
 
     # --- quotas ----------------------------------------------------------------------
     async def quotas(self, caller: Caller) -> Quotas:
@@ -69,7 +71,7 @@ class AdmissionControl:
             return self.default_quotas
         tenant_id = caller.tenant.id
         return await self._quotas.aget_or_load(
-            tenant_id, lambda: run_in_threadpool(self.registry.get_quotas, tenant_id))
+            tenant_id, lambda: self.deps.db.call(self.registry.get_quotas, tenant_id))
 
     def forget_quotas(self) -> None:
         """Drop every cached quota (they were changed)."""

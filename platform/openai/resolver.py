@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from starlette.concurrency import run_in_threadpool
-
 from loramux.engine.lora_request import LoRARequest
+from loramux.platform.dependencies import Dependencies
 from loramux.platform.errors import ModelNotFound
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
@@ -119,7 +118,10 @@ class ModelResolver:
         lora_enabled: bool = True,
         ttl: float = setting_default("model_cache_ttl"),
         drop_engine_key: Callable[[str], None] | None = None,
+        deps: Dependencies | None = None,
     ) -> None:
+        """``deps``: registry lookups run in the database bulkhead, adapter fetches in the
+        store's; a resolution seen before serves on (``outage_staleness``) while they fail."""
         if not base_names:
             raise ValueError("the base model needs at least one name")
         self.base_names = list(base_names)
@@ -135,7 +137,9 @@ class ModelResolver:
             self.static[name] = ServedModel(
                 name, LoRARequest(key, _int_id(key), str(path)), {}, "loramux", self.created
             )
-        self._cache: TTLCache[tuple[int, str], ServedModel] = TTLCache(ttl, cache_none=False)
+        self.deps = deps or Dependencies()
+        self._cache: TTLCache[tuple[int, str], ServedModel] = self.deps.stale_cache(
+            ttl, cache_none=False)
         self._keys: dict[int, str] = {}  # adapter id -> engine key in use
         self._lock = threading.Lock()
 
@@ -154,18 +158,29 @@ class ModelResolver:
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 
     async def _tenant_adapter(self, tenant_id: int, name: str) -> ServedModel | None:
-        return await self._cache.aget_or_load(
-            (tenant_id, name), lambda: run_in_threadpool(self._lookup, tenant_id, name))
+        return await self._cache.aget_or_load((tenant_id, name),
+                                              lambda: self._lookup(tenant_id, name))
 
-    def _lookup(self, tenant_id: int, name: str) -> ServedModel | None:
+    async def _lookup(self, tenant_id: int, name: str) -> ServedModel | None:
+        """The row from the database bulkhead; the weights from the local cache, else
+        fetched in the store's bulkhead (ObjectStoreError, DependencyUnavailable: the
+        error table's 503, naming no bucket, key or endpoint)."""
+        found = await self.deps.db.call(self._row, tenant_id, name)
+        if found is None:
+            return None
+        handle, path = found
+        if path is None:
+            path = await self.deps.store.call(handle.local_path)
+        return self.served_from_handle(handle, path)
+
+    def _row(self, tenant_id: int, name: str) -> tuple[AdapterHandle, Path | None] | None:
         from loramux.registry import AdapterNotFound, InvalidName
 
         try:
             handle = self.registry.resolve(tenant_id, name)
         except (AdapterNotFound, InvalidName):
             return None
-        # ObjectStoreError: the error table's 503, naming no bucket, key or endpoint
-        return self.served_from_handle(handle, handle.local_path())
+        return handle, self.registry.cached_path(handle)
 
     def served_from_handle(self, handle: AdapterHandle, path: Path | None) -> ServedModel:
         key = engine_key(handle.tenant_id, handle.name, handle.cache_key)
@@ -189,7 +204,7 @@ class ModelResolver:
         cards = [self._card(self.base.name, self.created, "loramux", None)]
         seen = {self.base.name}
         if caller.tenant is not None and self.registry is not None and self.lora_enabled:
-            handles = await run_in_threadpool(self.registry.list, caller.tenant.id)
+            handles = await self.deps.db.call(self.registry.list, caller.tenant.id)
             for h in handles:
                 if h.status != "ready" or h.name in seen:
                     continue

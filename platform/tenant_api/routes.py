@@ -6,10 +6,9 @@ from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.deps import StateDep, TenantDep
-from loramux.platform.errors import ServiceUnavailable, to_api_error
+from loramux.platform.errors import ServiceUnavailable
 from loramux.platform.openai.protocol import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1", tags=["tenant"], responses=ERROR_RESPONSES)
@@ -46,10 +45,7 @@ async def get_quotas(caller: TenantDep, state: StateDep):
     Over a request limit the API answers 429 with ``Retry-After``."""
     if state.registry is None:
         raise ServiceUnavailable("this server runs without an adapter registry", code="no_registry")
-    try:
-        quotas = await run_in_threadpool(state.registry.get_quotas, caller.tenant.id)
-        usage = await run_in_threadpool(state.registry.get_usage, caller.tenant.id)
-    except Exception as exc:
-        raise to_api_error(exc) from None
+    quotas = await state.deps.db.call(state.registry.get_quotas, caller.tenant.id)
+    usage = await state.deps.db.call(state.registry.get_usage, caller.tenant.id)
     return TenantQuotas(tenant=caller.tenant.name, quotas=QuotaValues(**quotas.to_dict()),
                         usage=Usage(adapters=usage.adapters, stored_bytes=usage.stored_bytes))

@@ -108,4 +108,7 @@ async def test_prefix_cache_hit_rate_metric(client, env):
 async def test_health_and_ready(client):
     assert (await client.get("/health")).json() == {"status": "ok"}
     r = await client.get("/ready")
-    assert r.status_code == 200 and r.json()["checks"] == {"engine": True, "registry": True}
+    assert r.status_code == 200 and r.json()["checks"] == {"engine": True, "accepting": True,
+                                                           "registry": True}
+    assert r.json()["status"] == "ready"
+    assert r.json()["dependencies"] == {"database": "ok", "object store": "ok"}
