@@ -5,24 +5,35 @@ Each entry is a PEFT folder named after the content it holds
 their sha256 verified, and ``adapter_config.json`` written from the registry row.
 Entries appear atomically (built in a temporary folder, then renamed), so concurrent
 fetches of one adapter are safe.
+
+The cache is not trusted blindly: the entry's marker records each file's size and
+modification time. Every use compares them (two ``stat`` calls); on any difference the
+files are hashed again, and a copy that no longer matches its digests is discarded (and
+fetched again by :meth:`AdapterCache.fetch`), logged as an error. Temporary folders a
+killed process left behind are removed by :meth:`AdapterCache.remove_leftovers`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME
-from loramux.registry.store import ObjectStore
+from loramux.registry.store import ObjectStore, sha256_file
+
+logger = logging.getLogger(__name__)
 
 _MARKER = ".complete"
+_TMP_PREFIX = ".tmp-"
 
 
 def config_digest(config: dict[str, Any]) -> str:
@@ -33,8 +44,17 @@ def cache_entry_name(sha256: str, config: dict[str, Any]) -> str:
     return f"{sha256}-{config_digest(config)[:16]}"
 
 
+def _stamp(folder: Path) -> dict[str, list[int]]:
+    """``{file: [size, mtime_ns]}`` of an entry's two files."""
+    out = {}
+    for name in (WEIGHTS_NAME, CONFIG_NAME):
+        st = (folder / name).stat()
+        out[name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
 class AdapterCache:
-    """Fetch-on-first-use folders of adapters, keyed by content."""
+    """Fetch-on-first-use folders of adapters, keyed by content, verified on every use."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
@@ -45,21 +65,65 @@ class AdapterCache:
         return self.root / cache_entry_name(sha256, config)
 
     def lookup(self, sha256: str, config: dict[str, Any]) -> Path | None:
-        """The local folder of an adapter when it is already cached, else None (no fetch)."""
+        """The local folder of an adapter when the cache holds a good copy, else None (a
+        tampered or damaged copy is discarded here; no fetch)."""
         target = self.path_for(sha256, config)
-        return target if (target / _MARKER).is_file() else None
+        return target if self._verified(target, sha256, config) else None
+
+    def _verified(self, target: Path, sha256: str, config: dict[str, Any]) -> bool:
+        marker = target / _MARKER
+        try:
+            recorded = json.loads(marker.read_text())
+            if isinstance(recorded, dict) and recorded == _stamp(target):
+                return True
+        except FileNotFoundError:
+            if not target.exists():
+                return False
+            recorded = None
+        except (OSError, ValueError):
+            recorded = None
+        # the stamp differs (or is from an older loramux): hash the files again
+        try:
+            good = (sha256_file(target / WEIGHTS_NAME) == sha256 and
+                    config_digest(json.loads((target / CONFIG_NAME).read_text())) ==
+                    config_digest(config))
+        except (OSError, ValueError):
+            good = False
+        if good:
+            self._write_marker(target)
+            return True
+        logger.error("adapter cache entry %s does not match its digest (changed on disk); "
+                     "discarding it, it will be fetched again", target.name)
+        self._discard(target)
+        return False
+
+    @staticmethod
+    def _write_marker(folder: Path) -> None:
+        tmp = folder / f"{_MARKER}.{uuid.uuid4().hex}"
+        tmp.write_text(json.dumps(_stamp(folder)))
+        os.replace(tmp, folder / _MARKER)
+
+    def _discard(self, target: Path) -> None:
+        with self._lock:
+            aside = self.root / f"{_TMP_PREFIX}bad-{uuid.uuid4().hex}"
+            try:
+                target.rename(aside)  # out of the way at once, removed after
+            except OSError:
+                return
+        shutil.rmtree(aside, ignore_errors=True)
 
     def fetch(self, store: ObjectStore, key: str, sha256: str, config: dict[str, Any]) -> Path:
-        """Return the local folder of an adapter, downloading it first if needed."""
+        """Return the local folder of an adapter, downloading it first if needed (or if
+        the cached copy no longer matches its digests)."""
         target = self.path_for(sha256, config)
-        if (target / _MARKER).is_file():
+        if self._verified(target, sha256, config):
             return target
-        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        tmp = self.root / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
             store.get_file(key, tmp / WEIGHTS_NAME, sha256=sha256)
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            (tmp / _MARKER).write_text("ok\n")
+            self._write_marker(tmp)
             with self._lock:
                 if (target / _MARKER).is_file():
                     return target
@@ -87,3 +151,44 @@ class AdapterCache:
                 shutil.rmtree(self.root / name, ignore_errors=True)
                 removed.append(name)
         return removed
+
+    def remove_leftovers(self, min_age_s: float) -> list[str]:
+        """Remove temporary folders (a fetch a killed process never finished) older than
+        ``min_age_s``; return their names."""
+        return remove_old(self.root, min_age_s, prefix=_TMP_PREFIX)
+
+
+def remove_old(folder: Path, min_age_s: float, *, prefix: str = "") -> list[str]:
+    """Remove the entries of ``folder`` whose name starts with ``prefix`` and that nothing
+    touched for ``min_age_s`` seconds (crash leftovers); return their names."""
+    if not folder.is_dir():
+        return []
+    cutoff = time.time() - min_age_s
+    removed = []
+    for path in folder.iterdir():
+        if not path.name.startswith(prefix) or path.is_symlink():
+            continue
+        try:
+            if _newest_mtime(path) > cutoff:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError:
+            continue
+        removed.append(path.name)
+    return removed
+
+
+def _newest_mtime(path: Path) -> float:
+    """The latest modification time under ``path`` (an upload still being written is new)."""
+    newest = path.lstat().st_mtime
+    if path.is_dir():
+        for dirpath, _dirs, files in os.walk(path):
+            for name in files:
+                try:
+                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+                except OSError:
+                    continue
+    return newest

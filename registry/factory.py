@@ -16,6 +16,7 @@ the cache and scratch space.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from loramux.registry.presets import PresetCheck
 from loramux.registry.quotas import Quotas
 from loramux.registry.service import RegistryService
 from loramux.registry.store import FileStore, ObjectStore
+
+logger = logging.getLogger(__name__)
 
 
 def default_data_dir() -> Path:
@@ -123,7 +126,7 @@ def build_registry(
             budgets=budgets,
         )
     config, name, folder = read_base_model(base_model)
-    return RegistryService(
+    registry = RegistryService(
         db,
         store,
         AdapterCache(data_dir / "cache" / "adapters"),
@@ -136,3 +139,8 @@ def build_registry(
         preset_check=preset_check,
         default_quotas=default_quotas,
     )
+    try:  # what a process killed mid-upload left (scratch, temporary pieces)
+        registry.remove_leftovers()
+    except Exception as e:  # a store down at start must not keep the server down
+        logger.warning("could not remove crash leftovers at start: %s", e)
+    return registry

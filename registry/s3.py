@@ -183,6 +183,27 @@ class S3Store(ObjectStore):
         except (ClientError, BotoCoreError) as e:
             raise self._error("list", prefix or "/", e) from e
 
+    def remove_leftovers(self, min_age_s: float) -> list[str]:
+        """Abort multipart uploads under the prefix begun more than ``min_age_s`` ago."""
+        from datetime import datetime, timedelta, timezone
+
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=min_age_s)
+        aborted = []
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=f"{self.prefix}/" if self.prefix else "")
+            for page in pages:
+                for up in page.get("Uploads", []):
+                    if up["Initiated"] <= cutoff:
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                        aborted.append(up["Key"])
+        except (ClientError, BotoCoreError) as e:
+            raise self._error("multipart cleanup", "/", e) from e
+        return aborted
+
     def describe(self) -> str:
         where = f" at {self.endpoint_url}" if self.endpoint_url else ""
         return f"S3 bucket {self.bucket!r}{where} prefix {self.prefix!r}"

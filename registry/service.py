@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,15 @@ from loramux.registry.errors import (
     BaseModelNotConfigured,
     InvalidDescription,
 )
+from loramux.registry.gc import (
+    DEFAULT_GC_MIN_AGE_S,
+    LEFTOVER_AGE_S,
+    OBJECT_PREFIX,
+    GcReport,
+    collect,
+    pending_marker,
+    remove_leftovers,
+)
 from loramux.registry.models import (
     MAX_DESCRIPTION_CHARS,
     Adapter,
@@ -53,8 +62,6 @@ from loramux.registry.tenants import TenantAccounts, TenantRef
 
 logger = logging.getLogger(__name__)
 
-OBJECT_PREFIX = "adapters/sha256/"
-DEFAULT_GC_MIN_AGE_S = 3600.0
 
 Listener = Callable[[str, "AdapterHandle | None"], None]
 """``listener(kind, handle)``: an adapter change (handle set) or ``key_revoked`` (None)."""
@@ -125,12 +132,6 @@ class AdapterEventInfo:
     actor: str | None
     details: dict[str, Any] | None
     created_at: datetime
-
-
-@dataclass(frozen=True)
-class GcReport:
-    deleted_objects: list[str]
-    pruned_cache_entries: list[str]
 
 
 class RegistryService(TenantAccounts):
@@ -289,10 +290,6 @@ class RegistryService(TenantAccounts):
             del weights
             weights_path = folder / WEIGHTS_NAME
             digest = sha256_file(weights_path)
-            key = object_key(digest)
-            # Always (re)write: it refreshes the object's age, so a concurrent gc() pass
-            # with its grace period cannot collect it before the row commits.
-            self.store.put_file(key, weights_path, sha256=digest)
             fields = dict(
                 base_model=self.base_model_name or "unknown",
                 rank=spec.r,
@@ -301,12 +298,16 @@ class RegistryService(TenantAccounts):
                 config=spec.to_config(),
                 sha256=digest,
                 size_bytes=weights_path.stat().st_size,
-                object_key=key,
+                object_key=object_key(digest),
                 status="ready",
             )
             if preset is not None:
                 fields["default_preset"] = preset
-            handle, kind = self._commit_upload(tenant_id, name, fields, actor, replace)
+            # the marker keeps gc() off the object until the row is committed (or not)
+            with pending_marker(self.store, digest, self.tmp_dir):
+                # Always (re)write: it refreshes the object's age too.
+                self.store.put_file(fields["object_key"], weights_path, sha256=digest)
+                handle, kind = self._commit_upload(tenant_id, name, fields, actor, replace)
         self._notify(kind, handle)
         return handle
 
@@ -547,29 +548,16 @@ class RegistryService(TenantAccounts):
 
     # -- garbage collection ---------------------------------------------------------
 
-    def gc(self, *, min_age_seconds: float = DEFAULT_GC_MIN_AGE_S) -> GcReport:
-        """Delete stored objects no row references and older than ``min_age_seconds`` (the
-        grace period protects uploads between their object write and their commit), and
-        prune local cache entries of adapters that no longer exist."""
-        cutoff = datetime.now(timezone.utc) - timedelta(seconds=min_age_seconds)
-        with self.db.session() as s:
-            referenced = set(s.scalars(select(Adapter.object_key).distinct()))
-        deleted = []
-        for info in list(self.store.list(OBJECT_PREFIX)):
-            if info.key in referenced or info.last_modified > cutoff:
-                continue
-            with self.db.session() as s:
-                if s.scalar(select(Adapter.id).where(Adapter.object_key == info.key).limit(1)):
-                    continue
-            self.store.delete(info.key)
-            deleted.append(info.key)
-        keep = {h.cache_key for h in self.list_all()}
-        pruned = self.cache.prune(keep)
-        if deleted or pruned:
-            logger.info(
-                "gc: deleted %d objects, pruned %d cache entries", len(deleted), len(pruned)
-            )
-        return GcReport(deleted, pruned)
+    def gc(self, *, min_age_seconds: float = DEFAULT_GC_MIN_AGE_S,
+           leftover_age_s: float = LEFTOVER_AGE_S) -> GcReport:
+        """Delete stored objects no row references and no upload in progress marks (after
+        ``min_age_seconds``), stale pending markers and crash leftovers (older than
+        ``leftover_age_s``), and prune cache entries of adapters that no longer exist."""
+        return collect(self, min_age_seconds=min_age_seconds, leftover_age_s=leftover_age_s)
+
+    def remove_leftovers(self, min_age_s: float = LEFTOVER_AGE_S) -> list[str]:
+        """Remove what a killed process left (scratch folders, temporary pieces)."""
+        return remove_leftovers(self, min_age_s)
 
 
 __all__ = [

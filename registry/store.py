@@ -73,6 +73,11 @@ class ObjectStore(ABC):
     def describe(self) -> str:
         """A one-line description for logs and the CLI (no secrets)."""
 
+    def remove_leftovers(self, min_age_s: float) -> list[str]:
+        """Remove what a writer killed mid-way left (temporary pieces, unfinished multipart
+        uploads) older than ``min_age_s``; return what was removed. None by default."""
+        return []
+
 
 def discard(path: Path) -> None:
     """Remove a partial download (only ever a regular file)."""
@@ -165,6 +170,11 @@ class FileStore(ObjectStore):
                 yield ObjectInfo(
                     key, st.st_size, datetime.fromtimestamp(st.st_mtime, tz=timezone.utc)
                 )
+
+    def remove_leftovers(self, min_age_s: float) -> list[str]:
+        from loramux.registry.cache import remove_old
+
+        return [f".tmp/{n}" for n in remove_old(self._tmp, min_age_s)]
 
     def describe(self) -> str:
         return f"file store at {self.root}"

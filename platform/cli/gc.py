@@ -5,20 +5,28 @@ from __future__ import annotations
 import argparse
 
 from loramux.platform.cli.common import EXIT_OK, open_registry, registry_options
+from loramux.registry.gc import DEFAULT_GC_MIN_AGE_S, LEFTOVER_AGE_S
 
 
 def add_gc_command(sub: argparse._SubParsersAction) -> None:
     gc = sub.add_parser("gc", parents=[registry_options()], help="collect unreferenced objects")
     gc.add_argument(
-        "--min-age", type=float, default=3600.0, help="only objects older than this (seconds)"
-    )
+        "--min-age", type=float, default=DEFAULT_GC_MIN_AGE_S,
+        help="unreferenced objects without a pending upload: only those older than this "
+             "(seconds)")
+    gc.add_argument(
+        "--leftover-age", type=float, default=LEFTOVER_AGE_S,
+        help="scratch folders, temporary pieces and pending-upload markers older than this "
+             "(seconds) are crash leftovers")
     gc.set_defaults(func=cmd_gc)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = open_registry(args).gc(min_age_seconds=args.min_age)
+    report = open_registry(args).gc(min_age_seconds=args.min_age,
+                                    leftover_age_s=args.leftover_age)
     print(
         f"deleted {len(report.deleted_objects)} objects, "
-        f"pruned {len(report.pruned_cache_entries)} cache entries"
+        f"pruned {len(report.pruned_cache_entries)} cache entries, "
+        f"removed {len(report.removed_leftovers)} crash leftovers"
     )
     return EXIT_OK
