@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import random
 import statistics
@@ -180,7 +181,7 @@ def main() -> None:
             for n in (50, 700, args.max_prompt):  # first-use costs of the kernels' shapes
                 asyncio.run(_drain(engine, [(7 * j) % 9000 + 200 + n for j in range(n)], None, 0))
             results[name] = asyncio.run(run_config(engine, reqs, adapters))
-            results[name]["prefix_cache"] = engine.engine.stats()
+            results[name]["prefix_cache"] = dataclasses.asdict(engine.stats())
             engine.shutdown()
             del engine
             gc.collect()

@@ -22,14 +22,17 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine, PromptType
 from loramux.engine.lora.manager import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.outputs import EngineStats, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,20 +47,15 @@ class AdapterGoneError(LookupError):
     """A queued request's adapter was deleted or replaced before the request started."""
 
 
-@dataclass
-class EngineStats:
-    """A snapshot for metrics and readiness."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_hit_rate: float = 0.0
-    """Fraction of looked-up prompt blocks found in the prefix cache since start."""
+__all__ = ["AdapterGoneError", "AsyncEngine", "EngineDeadError", "EngineStats"]
 
 
 class AsyncEngine:
-    """Thread-backed asynchronous front of :class:`LLMEngine`."""
+    """Thread-backed asynchronous front of :class:`LLMEngine`.
+
+    The platform uses only the public methods and properties below (requests, stats,
+    adapter residency actions, read-only facts about the model); ``engine`` is the
+    engine-thread's own object, for the engine's tests and benchmarks."""
 
     def __init__(self, engine: LLMEngine, max_restarts: int = 100) -> None:
         self.engine = engine
@@ -153,20 +151,103 @@ class AsyncEngine:
         return self.engine.lora_manager.add_listener(listener)
 
     def stats(self) -> EngineStats:
-        s = self.engine.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.engine.kv.usage, s.num_preemptions,
-                           self.engine.kv.stats.hit_rate)
+        """The engine's counters (the same :class:`EngineStats` as ``LLMEngine.stats()``)."""
+        return self.engine.stats()
+
+    # --- adapter residency (each runs on the engine thread, between steps) ------------
+    async def register_adapter(self, request: LoRARequest) -> None:
+        """Make an adapter known to the engine (its folder is fetched on first load)."""
+        await self.call(lambda: self.engine.lora_manager.register(request))
+
+    async def evict_adapter(self, key: str) -> tuple[bool, bool]:
+        """Free the adapter's device slot: ``(done, deferred)``; deferred = it is in use
+        and leaves its slot once its running requests finish; done False = not in a slot."""
+        mgr = self.engine.lora_manager
+
+        def evict() -> tuple[bool, bool]:
+            freed = mgr.evict(key)
+            return freed, freed and key in mgr.evict_pending
+        return await self.call(evict)
+
+    async def pin_adapter(self, key: str) -> None:
+        """Keep the adapter resident (never evicted); starts its load."""
+        await self.call(lambda: self.engine.lora_manager.pin(key))
+
+    async def unpin_adapter(self, key: str) -> None:
+        """Let the adapter be evicted again."""
+        await self.call(lambda: self.engine.lora_manager.unpin(key))
+
+    async def warm_adapter(self, key: str, timeout: float = 30.0) -> bool:
+        """Load the adapter (in the background) and place it in a device slot; True once
+        it sits there, False when no slot came free within ``timeout`` seconds (it stays
+        in CPU memory). Asks the engine in short calls, so steps go on meanwhile."""
+        mgr = self.engine.lora_manager
+
+        def attempt() -> bool | None:  # one engine-thread call: no load can land between
+            if mgr.warm(key):
+                return True
+            return None if key in mgr.loading else False  # False: every slot busy or pinned
+
+        deadline = time.monotonic() + timeout
+        while True:
+            placed = await self.call(attempt)
+            if placed is not None:
+                return placed
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+
+    def drop_adapter(self, key: str, message: str, timeout: float = 30.0) -> list[str]:
+        """Blocking: a deleted or replaced adapter version leaves the engine. Its queued
+        requests fail now with :class:`AdapterGoneError` (``message``), running ones
+        finish on the weights they started with, then its weights are dropped. Returns
+        the failed request ids; nothing happens on an engine that is not ready."""
+        if not self.is_ready:
+            return []
+
+        def drop() -> list[str]:
+            failed = self.fail_waiting(key, message)
+            self.engine.lora_manager.drop(key)
+            return failed
+        return self.call_sync(drop, timeout=timeout)
+
+    # --- read-only facts -------------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_path(self) -> Path:
+        """The base model's folder."""
+        return Path(self.engine.model_path)
+
+    @property
+    def dtype(self) -> str:
+        """The model's dtype (``float32``, ``bfloat16``, ``float16``)."""
+        return str(self.engine.model.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        """The device the model runs on (``cpu``, ``cuda:0``)."""
+        return str(self.engine.model.device)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_manager.enabled
 
     @property
     def is_ready(self) -> bool:
         """True while the loop runs and takes requests (False after shutdown, while a dead
         loop restarts, and for good once it gave up); ``/ready`` reports it."""
         return self._thread.is_alive() and self._dead is None and not self._stop.is_set()
-
-    @property
-    def is_running(self) -> bool:
-        """Same as :attr:`is_ready` (the name the platform reads)."""
-        return self.is_ready
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; later calls, commands still queued and open streams fail with

@@ -22,7 +22,7 @@ from loramux.engine.lora.null import NoLoRA
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.output_processor import ModelOutput, OutputProcessor
-from loramux.engine.outputs import Logprob, RequestOutput
+from loramux.engine.outputs import EngineStats, Logprob, RequestOutput
 from loramux.engine.postprocess import Postprocessor
 from loramux.engine.request import Request
 from loramux.engine.runner import ModelRunner, plan_num_blocks
@@ -335,20 +335,16 @@ class LLMEngine:
         self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.scheduler.adapters)
 
-    def stats(self) -> dict[str, float]:
-        """Counters for the platform's metrics: prefix cache lookups (in blocks), hits, hit
-        rate and evictions, KV usage, preemptions and queue lengths. Cheap; call any time."""
+    def stats(self) -> EngineStats:
+        """Counters for the platform's metrics: queue lengths, KV usage, preemptions and the
+        prefix cache's lookups (in blocks), hits, hit rate and evictions. Cheap; call any time."""
         pc = self.kv.stats
-        return {
-            "prefix_cache_queries": pc.queries,
-            "prefix_cache_hits": pc.hits,
-            "prefix_cache_hit_rate": pc.hit_rate,
-            "prefix_cache_evictions": self.kv.pool.evictions,
-            "kv_cache_usage": self.kv.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
+        )
 
     def _fail_broken_adapters(self) -> list[Request]:
         """Finish the requests whose adapter failed to load, with the load error attached."""

@@ -61,3 +61,21 @@ class RequestOutput:
     lora_request: object | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    """The engine's counters, one shape for ``LLMEngine.stats()`` and ``AsyncEngine.stats()``
+    (metrics, readiness, the heartbeat and the dashboard read it)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of KV blocks in use (0-1)."""
+    num_preemptions: int
+    prefix_cache_hit_rate: float = 0.0
+    """Fraction of looked-up prompt blocks found in the prefix cache since start."""
+    prefix_cache_queries: int = 0
+    """Prompt blocks looked up in the prefix cache since start."""
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0

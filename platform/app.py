@@ -9,7 +9,6 @@ shuts the engine down at exit (see :mod:`loramux.platform.state`).
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -57,7 +56,7 @@ def create_app(
                 built_registry = registry
                 if built_registry is None:
                     built_registry = await run_in_threadpool(
-                        open_registry, settings, Path(built_engine.engine.model_path)
+                        open_registry, settings, built_engine.model_path
                     )
                 state = build_state(settings, built_engine, built_registry)
             except BaseException:

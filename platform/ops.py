@@ -51,7 +51,7 @@ class Readiness(BaseModel):
 @router.get("/health", response_model=Health)
 async def health(state: StateDep):
     """200 while the engine loop runs."""
-    if not state.engine.is_running:
+    if not state.engine.is_ready:
         return JSONResponse(Health(status="engine stopped").model_dump(), status_code=503)
     return Health(status="ok")
 
@@ -96,7 +96,7 @@ async def _is_admin(state: AppState, request: Request) -> bool:
 async def ready(state: StateDep, request: Request):
     """200 ``ready`` or ``degraded`` while requests can be served; 503 ``not ready`` when
     the engine is stopped or the server is draining for shutdown."""
-    checks = {"engine": state.engine.is_running, "accepting": not state.draining}
+    checks = {"engine": state.engine.is_ready, "accepting": not state.draining}
     deps, reasons = await dependency_report(state)
     if "database" in deps:
         checks["registry"] = deps["database"] != "down"
@@ -113,7 +113,7 @@ async def metrics(state: StateDep, reader: MetricsReaderDep):
     """Prometheus text format; needs the admin key unless the server runs with
     ``--metrics-public``."""
     snapshot = None
-    if state.engine.is_running:
+    if state.engine.is_ready:
         with contextlib.suppress(Exception):
             snapshot = await state.engine.lora_snapshot()
     state.metrics.update_engine(state.engine.stats(), snapshot)

@@ -85,45 +85,52 @@ def _own_s3_root(settings: Settings) -> str | None:
     return f"s3://{settings.s3_bucket}/{prefix + '/' if prefix else ''}"
 
 
+def build_authenticator(settings: Settings, registry: RegistryService | None,
+                        deps: Dependencies | None = None) -> Authenticator:
+    """Who a request's key says the caller is: tenant and admin keys, or behind gateways
+    (``--role engine``) only the gateways' signed identity tokens."""
+    if settings.role == "engine":
+        from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator
+
+        if settings.cluster_secret is None:
+            raise ValueError("--role engine needs --cluster-secret")
+        return GatewayIdentityAuthenticator(registry, settings.cluster_secret.get_secret_value(),
+                                            allow_anonymous=settings.allow_anonymous, deps=deps)
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    return Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous,
+                         deps=deps)
+
+
 def build_state(settings: Settings, engine: AsyncEngine,
                 registry: RegistryService | None) -> AppState:
     """Wire the services around one engine (and optionally a registry); subscribes to
     the engine's adapter events and the registry's changes (undone by close_state)."""
-    llm = engine.engine
     metrics = Metrics()
-    lora_enabled = llm.lora_manager.enabled
 
     def drop_engine_key(key: str) -> None:
         """A deleted or replaced version: its queued requests fail now, running ones finish."""
         message = (f"adapter {key.split('/', 1)[-1].rsplit('@', 1)[0]!r} was deleted or "
                    "replaced before this request started; send it again")
 
-        def drop() -> None:
-            engine.fail_waiting(key, message)
-            llm.lora_manager.drop(key)
-
-        if engine.is_running:
-            engine.call_sync(drop, timeout=30)
+        engine.drop_adapter(key, message, timeout=30)
 
     policy = dependency_policy(settings)
     deps = Dependencies(policy)
     resolver = ModelResolver(
-        base_model_names(settings, Path(llm.model_path)),
+        base_model_names(settings, engine.model_path),
         static_modules=parse_lora_modules(settings.lora_modules),
         registry=registry,
-        lora_enabled=lora_enabled,
+        lora_enabled=engine.lora_enabled,
         ttl=settings.model_cache_ttl,
         drop_engine_key=drop_engine_key,
         deps=deps,
     )
     fingerprint = "fp_" + hashlib.sha256(
-        f"loramux-{VERSION}-{llm.model_path}-{llm.model.dtype}".encode()
+        f"loramux-{VERSION}-{engine.model_path}-{engine.dtype}".encode()
     ).hexdigest()[:10]
     data_dir = registry.tmp_dir if registry is not None else settings.data_dir
     scratch = Path(data_dir) / "uploads" if data_dir else Path(tempfile.gettempdir()) / "loramux-uploads"
-    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-    auth = Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous,
-                         deps=deps)
+    auth = build_authenticator(settings, registry, deps)
     behind_gateway = settings.role == "engine"  # gateways hold the fleet-wide quotas
     admission = AdmissionControl(
         build_limiter(None if behind_gateway else settings.redis_url,
@@ -142,8 +149,8 @@ def build_state(settings: Settings, engine: AsyncEngine,
     ) if registry is not None else None
     fleet = LocalFleet(engine, metrics.activity)
     admin = AdminService(
-        fleet, registry, resolver, metrics.activity, base_model=Path(llm.model_path).name,
-        dtype=str(llm.model.dtype).removeprefix("torch."), device=str(llm.model.device),
+        fleet, registry, resolver, metrics.activity, base_model=engine.model_path.name,
+        dtype=engine.dtype, device=engine.device,
     )
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
                      adapters, scratch, admission=admission, deps=deps)

@@ -10,8 +10,6 @@ engine over the command channel, answering with what each engine did; nothing el
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,7 +18,7 @@ from loramux.platform.errors import NotFound, ServiceUnavailable
 
 if TYPE_CHECKING:
     from loramux.engine.async_engine import AsyncEngine
-    from loramux.engine.lora.request import LoRARequest
+    from loramux.engine.lora_request import LoRARequest
     from loramux.platform.admin.activity import Activity
 
 ACTIONS = ("evict", "pin", "unpin", "warm")
@@ -60,12 +58,6 @@ class Fleet(Protocol):
     def knows(self, view: EngineView, key: str) -> bool: ...
 
 
-def prefix_cache_hit_rate(engine: AsyncEngine) -> float | None:
-    """The engine's prefix-cache hit rate, or None (shown as "n/a") while the engine
-    publishes no prefix-cache counters. The one place to switch on when it does."""
-    return None
-
-
 class LocalFleet:
     """One engine in this process (``--role all``)."""
 
@@ -82,7 +74,7 @@ class LocalFleet:
             self.evict_pending.discard(key)
 
     def _check(self, engine_id: str | None) -> None:
-        if not self.engine.is_running:
+        if not self.engine.is_ready:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
         if engine_id not in (None, "", self.engine_id):
             raise NotFound(f"no engine {engine_id!r}; this server runs one engine, "
@@ -100,8 +92,8 @@ class LocalFleet:
             max_cpu_loras=snap.max_cpu_loras,
             cpu_used=sum(1 for r in snap.rows if r["tier"] in ("cpu", "gpu", "device")),
             evictions=snap.num_evictions, lora_enabled=snap.lora_enabled,
-            prefix_cache_hit_rate=prefix_cache_hit_rate(self.engine),
-            tokens_per_s=self.activity.tokens_per_s(), healthy=self.engine.is_running,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            tokens_per_s=self.activity.tokens_per_s(), healthy=self.engine.is_ready,
         )
         return [EngineView(summary, list(snap.rows), set(self.evict_pending))]
 
@@ -111,36 +103,20 @@ class LocalFleet:
     async def act(self, engine_id: str | None, action: str, key: str,
                   request: LoRARequest | None) -> list[Outcome]:
         self._check(engine_id)
-        mgr = self.engine.engine.lora_manager
         if request is not None:
             if action in ("evict", "unpin"):
                 return [Outcome(self.engine_id, False)]
-            await self.engine.call(lambda: mgr.register(request))
+            await self.engine.register_adapter(request)
         if action == "evict":
-            def evict() -> tuple[bool, bool]:
-                freed = mgr.evict(key)
-                return freed, freed and key in mgr.evict_pending
-            done, deferred = await self.engine.call(evict)
+            done, deferred = await self.engine.evict_adapter(key)
             if deferred:
                 self.evict_pending.add(key)
             return [Outcome(self.engine_id, done, deferred)]
-        fn = {"pin": mgr.pin, "unpin": mgr.unpin, "warm": mgr.warm}[action]
-        result = await self.engine.call(lambda: fn(key))
-        if action in ("pin", "warm"):
-            resident = await self._until_resident(key)
-            result = resident if action == "warm" else result
-        return [Outcome(self.engine_id, result is not False)]
-
-    async def _until_resident(self, key: str) -> bool:
-        """Ask the engine (one short call each) until the adapter's background load landed
-        and it sits in a device slot; False when no slot came free in time."""
-        mgr = self.engine.engine.lora_manager
-        deadline = time.monotonic() + WARM_TIMEOUT_S
-        while True:
-            if await self.engine.call(lambda: mgr.warm(key)):
-                return True
-            if not await self.engine.call(lambda: key in mgr.loading):
-                return False  # in CPU memory, but every slot is busy or pinned
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.02)
+        if action == "unpin":
+            await self.engine.unpin_adapter(key)
+            return [Outcome(self.engine_id, True)]
+        if action == "pin":
+            await self.engine.pin_adapter(key)
+            await self.engine.warm_adapter(key, WARM_TIMEOUT_S)
+            return [Outcome(self.engine_id, True)]
+        return [Outcome(self.engine_id, await self.engine.warm_adapter(key, WARM_TIMEOUT_S))]

@@ -59,7 +59,8 @@ class EngineSummary(BaseModel):
     evictions: int
     lora_enabled: bool
     prefix_cache_hit_rate: float | None = None
-    """None when the engine exposes no prefix-cache counters (shown as n/a)."""
+    """Fraction of looked-up prompt blocks found in the prefix cache (``EngineStats``);
+    None (shown as n/a) when the engine's report carries none."""
     tokens_per_s: float = 0.0
     healthy: bool = True
 

@@ -165,7 +165,7 @@ def engine_record(state: AppState, *, engine_id: str, url: str, started_at: floa
     stats = eng.stats()
     rows: list[dict] = []
     max_loras = 0
-    if eng.is_running:
+    if eng.is_ready:
         snap = asyncio.run(asyncio.wait_for(eng.lora_snapshot(), 5))
         rows, max_loras = snap.rows, snap.max_loras
     resident = tuple(sorted(r["name"] for r in rows if r["tier"] in ("gpu", "device")))
@@ -192,15 +192,12 @@ class EngineRole:
 
 
 def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str, url: str,
-                       secret: str, interval: float,
+                       interval: float,
                        prefixes: RecentPrefixes | None = None) -> EngineRole:
     """Register the engine and wire the fan-out (called once the app's state is built).
     Every subscription it makes is undone through ``state.cleanups``."""
     started = time.time()
-    auth = GatewayIdentityAuthenticator(state.registry, secret,
-                                        allow_anonymous=state.settings.allow_anonymous,
-                                        deps=state.deps)
-    state.auth = auth
+    auth = state.auth  # a GatewayIdentityAuthenticator (build_authenticator, role engine)
 
     def on_event(ev: ClusterEvent) -> None:
         if ev.origin == engine_id:
@@ -230,7 +227,6 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
             auth.forget()
 
     if state.registry is not None:
-        state.cleanups.append(state.registry.subscribe(auth.on_registry_event))
         state.cleanups.append(state.registry.subscribe(
             lambda kind, handle: publish_registry_event(cluster, kind, handle, origin=engine_id)))
     events = cluster.subscribe(on_event, name=f"events-{engine_id}")

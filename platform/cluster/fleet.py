@@ -15,7 +15,7 @@ from loramux.platform.cluster.state import ClusterEvent, ClusterState, EngineRec
 from loramux.platform.errors import NotFound, ServiceUnavailable
 
 if TYPE_CHECKING:
-    from loramux.engine.lora.request import LoRARequest
+    from loramux.engine.lora_request import LoRARequest
 
 ACTION_TIMEOUT_S = 35.0
 """How long an action waits for the engines' replies (engines give up on theirs at 30 s)."""

@@ -56,7 +56,7 @@ def build_engine_app(settings: Settings):
     prefixes = secure_app(app, secret)
 
     def on_ready(state) -> None:
-        attach_engine_role(state, cluster, engine_id=engine_id, url=url, secret=secret,
+        attach_engine_role(state, cluster, engine_id=engine_id, url=url,
                            interval=settings.heartbeat_interval, prefixes=prefixes)
         logger.info("engine %s registered at %s", engine_id, url)
 

@@ -83,13 +83,13 @@ class OpenAIServing:
         max_prompts: int = 64,
     ) -> None:
         self.engine = engine
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
         self.resolver = resolver
         self.metrics = metrics
         self.retry_after = retry_after
         self.admission = admission
-        self.prompts = PromptBuilder(engine.engine.tokenizer, max_prompts)
-        self.render = ResponseRenderer(engine.engine.tokenizer, fingerprint)
+        self.prompts = PromptBuilder(engine.tokenizer, max_prompts)
+        self.render = ResponseRenderer(engine.tokenizer, fingerprint)
 
     # --- entry points ---------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, caller: Caller, request: Request) -> Response:
@@ -109,7 +109,7 @@ class OpenAIServing:
         self.admission.check(built.params)
         if req.chat_template is not None:  # the caller's own: refused unless trusted
             text = await self.admission.render_template(
-                req.chat_template, self.prompts.conversation(req), self.engine.engine.tokenizer,
+                req.chat_template, self.prompts.conversation(req), self.engine.tokenizer,
                 bool(req.add_generation_prompt), req.chat_template_kwargs,
             )
             prompt = await self.prompts.rendered_prompt(text)
@@ -136,7 +136,7 @@ class OpenAIServing:
                 )
 
     async def _respond(self, ctx: RequestContext, req, request: Request, caller: Caller) -> Response:
-        if not self.engine.is_running:
+        if not self.engine.is_ready:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
         self._check_lengths(ctx)
         headers = ctx.built.headers()

@@ -72,7 +72,7 @@ def test_beam_search_rounds_reuse_the_cached_prefix(tiny_model_dir):
     llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
     # round 1 computes the prompt; later rounds only each beam's last partial block (< 2 x 4 tokens)
     assert plans[0] >= 36 and all(n <= 2 * 4 for n in plans[1:])
-    assert llm.llm_engine.stats()["prefix_cache_hits"] > 0
+    assert llm.llm_engine.stats().prefix_cache_hits > 0
 
 
 def test_async_use_beam_search_equals_offline_beam_search(tiny_model_dir):

@@ -87,12 +87,12 @@ def test_shared_prefix_hits_and_outputs_stay_exact(tiny_model_dir, adapters, ref
     suffixes = [[9], [10, 11, 12], [13, 14, 15, 16, 17]]
     outs = llm.generate([{"prompt_token_ids": system + s} for s in suffixes], params, lora_request=[lora] * 3)
     after = engine.stats()
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 3 * 10  # 10 full blocks each
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 3 * 10  # 10 full blocks each
     check(refs, first + outs, [lora] * 4)
     # the base model and the other adapter, same tokens: no hits, and still exact
     base_and_other = llm.generate([{"prompt_token_ids": system + [9]}] * 2, params,
                                   lora_request=[None, LoRARequest("a1", 2, str(adapters[1]))])
-    assert engine.stats()["prefix_cache_hits"] == after["prefix_cache_hits"]
+    assert engine.stats().prefix_cache_hits == after.prefix_cache_hits
     check(refs, base_and_other, [None, LoRARequest("a1", 2, str(adapters[1]))])
 
 
@@ -103,9 +103,9 @@ def test_two_versions_of_one_adapter_never_share_blocks(tiny_model_dir, adapters
     v1 = LoRARequest("same-name", 1, str(adapters[0]))
     v2 = LoRARequest("same-name", 1, str(adapters[1]))  # the name re-pointed at other weights
     out1 = llm.generate(prompt, params, lora_request=v1)
-    hits = llm.llm_engine.stats()["prefix_cache_hits"]
+    hits = llm.llm_engine.stats().prefix_cache_hits
     out2 = llm.generate(prompt, params, lora_request=v2)
-    assert llm.llm_engine.stats()["prefix_cache_hits"] == hits
+    assert llm.llm_engine.stats().prefix_cache_hits == hits
     check(refs, out1 + out2, [v1, v2])
 
 

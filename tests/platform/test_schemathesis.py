@@ -168,4 +168,4 @@ def test_no_server_errors_with_valid_sampling(fuzz_env):
         chats()
     assert not failures, "\n".join(failures[:10])
     assert sum(ok) >= 40, sum(ok)  # most bodies were served, so generation was exercised
-    assert app.state.loramux.engine.is_running
+    assert app.state.loramux.engine.is_ready
