@@ -9,6 +9,7 @@ shuts the engine down at exit (see :mod:`loramux.platform.state`).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -20,6 +21,7 @@ from loramux.platform.adapter_api import routes as adapter_routes
 from loramux.platform.admin import pages as admin_pages
 from loramux.platform.admin import routes as admin_routes
 from loramux.platform.admin.activity import record_rejection
+from loramux.platform.drain import Drain
 from loramux.platform.errors import install_error_handlers
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
@@ -65,6 +67,9 @@ def create_app(
             state.owns_engine = True
             state.owns_registry = registry is None
             app.state.loramux = state
+            # a drain that times out fails the engine's open requests (error events)
+            app.state.drain.on_timeout.append(lambda: threading.Thread(
+                target=built_engine.shutdown, name="drain-timeout", daemon=True).start())
             hook = getattr(app.state, "on_ready", None)
             if hook is not None:
                 await run_in_threadpool(hook, state)
@@ -86,10 +91,12 @@ def create_app(
     )
     install_error_handlers(app)
     app.state.rejection_listener = record_rejection
+    app.state.drain = Drain()
     app.add_middleware(
         RequestContextMiddleware,
         max_request_bytes=settings.max_request_bytes,
         unlimited_paths=("/v1/adapters",),
+        drain=app.state.drain,
     )
     app.include_router(openai_routes.router)
     app.include_router(adapter_routes.router)

@@ -3,6 +3,8 @@
 * :class:`RequestContextMiddleware` gives each request an id (``X-Request-Id`` in and
   out), logs one access line with status and duration, and refuses JSON bodies larger
   than ``max_request_bytes`` with 413 (adapter uploads have their own, larger cap).
+  It counts the requests in flight for a graceful shutdown and, while the server
+  drains (:mod:`loramux.platform.drain`), answers new ones 503 with ``Retry-After``.
   An exception no handler took is answered through the error table here (a 503 for a
   failed dependency, else a generic 500), so the client's connection is not reset.
 """
@@ -17,7 +19,8 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loramux.platform.errors import PayloadTooLarge, to_api_error
+from loramux.platform.drain import Drain
+from loramux.platform.errors import PayloadTooLarge, ServiceUnavailable, to_api_error
 from loramux.platform.logs import request_id_var
 
 logger = logging.getLogger("loramux.access")
@@ -25,11 +28,18 @@ logger = logging.getLogger("loramux.access")
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
+DRAIN_EXEMPT = ("/health", "/ready", "/metrics")
+"""Paths still answered while the server drains (probes and scrapes)."""
+
+
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, max_request_bytes: int, unlimited_paths: tuple[str, ...] = ()):
+    def __init__(self, app: ASGIApp, max_request_bytes: int, unlimited_paths: tuple[str, ...] = (),
+                 drain: Drain | None = None):
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.unlimited = set(unlimited_paths)
+        self.drain = drain
+        """Counts the requests in flight; while draining, new ones get 503."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -53,7 +63,15 @@ class RequestContextMiddleware:
                 message = {**message, "headers": raw}
             await send(message)
 
+        drain = self.drain
+        if drain is not None:
+            drain.active += 1
         try:
+            if drain is not None and drain.draining and path not in DRAIN_EXEMPT:
+                await self._send_json(send_wrapper, ServiceUnavailable(
+                    "the server is shutting down; retry (another replica will answer)",
+                    code="shutting_down", headers={"Retry-After": "1", "Connection": "close"}))
+                return
             if limited and scope.get("method") in ("POST", "PUT", "PATCH"):
                 length = headers.get(b"content-length")
                 if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
@@ -71,6 +89,8 @@ class RequestContextMiddleware:
                     raise  # a stream already under way: nothing left to answer with
                 await self._send_json(send_wrapper, to_api_error(exc))
         finally:
+            if drain is not None:
+                drain.active -= 1
             logger.info(
                 "%s %s %s",
                 scope.get("method"), path, status["code"],

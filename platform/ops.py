@@ -96,7 +96,9 @@ async def _is_admin(state: AppState, request: Request) -> bool:
 async def ready(state: StateDep, request: Request):
     """200 ``ready`` or ``degraded`` while requests can be served; 503 ``not ready`` when
     the engine is stopped or the server is draining for shutdown."""
-    checks = {"engine": state.engine.is_ready, "accepting": not state.draining}
+    drain = getattr(request.app.state, "drain", None)
+    checks = {"engine": state.engine.is_ready,
+              "accepting": not (drain is not None and drain.draining)}
     deps, reasons = await dependency_report(state)
     if "database" in deps:
         checks["registry"] = deps["database"] != "down"

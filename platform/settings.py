@@ -170,6 +170,9 @@ class Settings(_LimitSettings):
     allow_anonymous: bool = False
     """Requests without a valid key may use the base model and --lora-modules
     (like `vllm serve` without --api-key). Tenant adapters always need a key."""
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM waits for requests in flight (new ones get 503, /ready says not
+    ready); past it the rest end with an error. The Helm chart's grace period follows it."""
     model_cache_ttl: float = 5.0
     """Seconds a resolved (tenant, model) pair is cached."""
 

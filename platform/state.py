@@ -60,8 +60,6 @@ class AppState:
     """Request caps, chat-template rendering and tenant quotas (see openai/admission.py)."""
     deps: Dependencies = field(default_factory=Dependencies)
     """The database and object-store bulkheads every registry call runs in."""
-    draining: bool = False
-    """Set on SIGTERM: ``/ready`` says not ready and new requests get 503."""
 
 
 def base_model_names(settings: Settings, model_path: Path) -> list[str]:

@@ -51,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loramux.platform.app import create_app
+    from loramux.platform.drain import AFTER_TIMEOUT_S, DrainingServer
     from loramux.platform.logs import configure_logging
 
     settings = settings_from_args(args)
@@ -62,8 +63,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         app = create_app(settings)
         app.state.on_ready = lambda state: bootstrap(state, out=sys.stdout)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                access_log=False, log_level=settings.log_level.lower())
+    drain = getattr(app.state, "drain", None)  # the gateway app has none: uvicorn's own wait
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            access_log=False, log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=AFTER_TIMEOUT_S if drain is not None
+                            else settings.shutdown_timeout)
+    DrainingServer(config, drain=drain, shutdown_timeout=settings.shutdown_timeout).run()
     return 0
 
 

@@ -192,3 +192,14 @@ def test_cluster_secret_is_generated_and_settable(helm):
     docs = render(helm, sets=("clusterSecret=s3cret",))
     data = one(docs, "Secret", "lmx-loramux")["data"]
     assert base64.b64decode(data["cluster-secret"]) == b"s3cret"
+
+
+def test_grace_period_and_prestop_follow_the_shutdown_timeout(helm):
+    docs = render(helm, sets=("config.shutdownTimeout=45", "config.preStopSleepSeconds=7"))
+    assert one(docs, "ConfigMap", "lmx-loramux")["data"]["LORAMUX_SHUTDOWN_TIMEOUT"] == "45"
+    for kind, name in (("StatefulSet", "lmx-loramux-engine"),
+                       ("Deployment", "lmx-loramux-gateway")):
+        spec = one(docs, kind, name)["spec"]["template"]["spec"]
+        assert spec["terminationGracePeriodSeconds"] == 45 + 7 + 10
+        pre = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre == ["sleep", "7"]

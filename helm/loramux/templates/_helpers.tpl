@@ -125,3 +125,16 @@ readinessProbe:
   periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
   failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
 {{- end }}
+
+{{/* Pod grace period: the server's drain (shutdownTimeout), the preStop sleep, 10 s spare. */}}
+{{- define "loramux.gracePeriod" -}}
+{{ add .Values.config.shutdownTimeout .Values.config.preStopSleepSeconds 10 }}
+{{- end }}
+
+{{/* Keep serving a few seconds after the pod is marked terminating (endpoints update). */}}
+{{- define "loramux.preStop" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .Values.config.preStopSleepSeconds | quote }}]
+{{- end }}
