@@ -89,7 +89,9 @@ class SchedulerConfig:
     """Bound of the waiting queue (None = unbounded); the HTTP layer answers 429 past it to
     a fairness key that already holds its share of the queue (others still get in)."""
     starvation_steps: int = 64
-    """A waiting request skipped this many steps blocks admission of others until it runs."""
+    """An adapter whose waiting request was skipped this many steps for want of a slot is
+    starving: it gets the next slot, and a busy adapter is drained (then preempted after as
+    many steps) to free one (``engine/lora/admission.py``)."""
     fairness_policy: str = "vtc"
     """Admission and preemption order: ``vtc`` (fair share of tokens across fairness keys,
     the Virtual Token Counter) or ``fcfs`` (arrival order)."""

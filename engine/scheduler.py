@@ -5,9 +5,18 @@ running decode first (one token each), preempting the newest running sequences
 (recompute later) when KV blocks run out; then the next chunk of prompts that are
 part-way through their prefill; then waiting sequences in the order the
 :class:`~loramux.engine.fairness.AdmissionPolicy` gives (fair share across fairness keys
-by default, or FIFO) while the budget, ``max_num_seqs``, free blocks and the adapter limit
-allow; the policy also picks whom to preempt and is charged every scheduled token. With chunked prefill a prompt longer than
-what is left of the budget takes what is left and continues next step. A waiting
+by default, or FIFO) while the budget, ``max_num_seqs``, free blocks and the adapters
+allow; the policy also picks whom to preempt and is charged every scheduled token. With
+chunked prefill a prompt longer than what is left of the budget takes what is left and
+continues next step.
+
+Adapters under slot pressure (:class:`~loramux.engine.lora.admission.AdapterAdmission`):
+an adapter with running or queued sequences keeps its slot; free slots go to the waiting
+adapters with the most queued sequences (resident ones first, loading ones do not hold up
+the batch, the next ones are prefetched); an adapter skipped ``starvation_steps`` steps is
+starving and ranks first, and when no slot is free the busy adapter with the least queued
+work stops admitting, then is preempted ``starvation_steps`` later: a sequence whose adapter
+is loaded starts within ``2 * starvation_steps + 2`` steps of its first skip. A waiting
 sequence starts after its longest prefix found in the KV cache's prefix cache.
 It knows nothing of the model: it hands a plain-data :class:`SchedulerOutput` to
 the runner.
@@ -18,24 +27,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
 from loramux.engine.fairness import DECODE_COST, AdmissionPolicy, make_policy
+from loramux.engine.lora.admission import AdapterAdmission, AdapterGate
 from loramux.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-
-class AdapterGate(Protocol):
-    """What the scheduler asks of the adapter slot manager."""
-
-    max_loras: int
-
-    def acquire(self, lora_key: str, in_use: set[str]) -> bool:
-        """True when ``lora_key`` sits (or was just placed) in a device slot, evicting
-        nothing in ``in_use``; otherwise start loading it and return False."""
 
 
 @dataclass
@@ -85,6 +84,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
+        self.admission = AdapterAdmission(adapters, config.starvation_steps)
         # A key may displace another's running sequence once it is behind by more than one
         # full decode step's charge: small enough that a newcomer beside a flood that holds
         # every slot waits about a step, large enough that two busy keys do not swap
@@ -232,8 +232,12 @@ class Scheduler:
         )
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
+        for victim in self.admission.plan(self.waiting, self.running):
+            # a closed adapter that did not drain in time: its slot goes to a starving one
+            self.running.remove(victim)
+            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            self._preempt(victim, out, fair_share=True)
         in_use = {s.lora_key for s in self.running if s.lora_key is not None}
-        holding_for: Sequence | None = None
         admitted: list[Sequence] = []
         max_seqs = self.config.max_num_seqs
 
@@ -243,10 +247,8 @@ class Scheduler:
         for seq in self.policy.order(self.waiting):
             if not self._make_room(seq, out, has_place):
                 break
-            if not self._adapter_ok(seq, in_use, holding_for):
-                seq.skipped_steps += 1
-                if holding_for is None and seq.skipped_steps > self.config.starvation_steps:
-                    holding_for = seq  # aging: stop taking new adapters until it runs
+            if not self.admission.allows(seq, in_use):
+                seq.skipped_steps += 1  # its adapter's age (see AdapterAdmission)
                 continue
             cached = self.kv.lookup_prefix(seq)
             need = seq.num_tokens - len(cached) * self.kv.block_size
@@ -295,17 +297,3 @@ class Scheduler:
         if self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None:
             return budget
         return 0
-
-    def _adapter_ok(self, seq: Sequence, in_use: set[str], holding_for: Sequence | None) -> bool:
-        key = seq.lora_key
-        if key is None:
-            return True
-        if holding_for is not None and holding_for.lora_key != key:
-            return False  # aging: other adapters' requests wait so theirs can drain
-        if key in in_use:
-            return True
-        if self.adapters is None:
-            return False
-        if len(in_use) >= self.adapters.max_loras:
-            return False
-        return self.adapters.acquire(key, in_use)

@@ -63,6 +63,19 @@ class Metrics:
             "loramux_adapter_load_seconds", "Seconds the adapter's last load from disk took.",
             ["adapter"], registry=r,
         )
+        self.slot_seconds = Gauge(
+            "loramux_adapter_slot_seconds", "Seconds the adapter's last CPU tier to device slot "
+            "copy took.", ["adapter"], registry=r,
+        )
+        self.tier_loads = Gauge(
+            "loramux_adapter_tier_loads", "Adapter loads since start by tier (store: fetched "
+            "from the object store; disk: read into the CPU tier; cpu: copied into a slot).",
+            ["tier"], registry=r,
+        )
+        self.tier_load_seconds = Gauge(
+            "loramux_adapter_tier_load_seconds", "Seconds spent on adapter loads since start by "
+            "tier.", ["tier"], registry=r,
+        )
         self.evictions = Counter(
             "loramux_adapter_evictions", "Adapter slot evictions.", ["adapter"], registry=r
         )
@@ -144,6 +157,9 @@ class Metrics:
             self.evictions.labels(adapter).inc(n)
         if total_evictions is not None:
             self.engine_evictions.set(total_evictions)
+        for tier, row in (snapshot.load_stats if snapshot is not None else {}).items():
+            self.tier_loads.labels(tier).set(row["loads"])
+            self.tier_load_seconds.labels(tier).set(row["seconds"])
         if residency is None:
             return
         seen: set[tuple[str, str]] = set()
@@ -155,12 +171,15 @@ class Metrics:
             self.adapter_pinned.labels(name).set(1.0 if row.get("pinned") else 0.0)
             if row.get("load_seconds") is not None:
                 self.load_seconds.labels(name).set(row["load_seconds"])
+            if row.get("slot_seconds") is not None:
+                self.slot_seconds.labels(name).set(row["slot_seconds"])
         for name, tier in self._known_residency - seen:
             try:
                 self.residency.remove(name, tier)
                 if tier == _TIERS[0]:
                     self.adapter_pinned.remove(name)
                     self.load_seconds.remove(name)
+                    self.slot_seconds.remove(name)
             except KeyError:
                 pass
         self._known_residency = seen

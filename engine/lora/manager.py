@@ -4,11 +4,15 @@
   (a callable: name → local folder; the registry plugs in here).
 * CPU: an LRU of loaded :class:`LoraWeights` (``max_cpu_loras``), filled by a
   background thread so a cold adapter never stalls the engine loop.
-* Device: ``max_loras`` slots of stacked weights (:class:`SlotBuffers`).
+* Device: ``max_loras`` slots of stacked weights (:class:`SlotBuffers`), as many as the
+  memory holds unless ``max_loras`` is set (``capacity.py``). On the CPU device a slot is
+  written in the background too (``loader.py``): the slot is reserved meanwhile and no
+  step reads it; on CUDA the engine thread enqueues an asynchronous copy.
 
 A slot used by the running batch is never evicted, nor a pinned adapter. The
-engine calls :meth:`acquire` (through the scheduler) before admitting a
-request, :meth:`prepare_step` once per step, and every layer calls :meth:`add`.
+scheduler's admission (``admission.py``) calls :meth:`acquire` and :meth:`prefetch`,
+the engine :meth:`prepare_step` once per step, and every layer calls :meth:`add`.
+Loads are counted and timed per tier (``load_stats``: store, disk, cpu → slot).
 
 Others watch through public seams only: :meth:`add_listener` hears ``loaded`` (into
 CPU memory), ``evicted`` (out of a device slot) and ``dropped`` (forgotten), on the
@@ -19,75 +23,37 @@ engine thread (``AsyncEngine.lora_snapshot``).
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from loramux.adapters.arch import SUPPORTED_MODULES
 from loramux.adapters.errors import AdapterValidationError
-from loramux.adapters.format import (
-    CONFIG_NAME,
-    LoraWeights,
-    load_adapter,
-    parse_config,
-    read_config,
-)
+from loramux.adapters.format import CONFIG_NAME, LoraWeights, parse_config, read_config
 from loramux.engine.config import LoRAConfig
 from loramux.engine.lora import ops
 from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity
+from loramux.engine.lora.loader import AdapterLoader, LoadResult, LoadStats
 from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.operator import OperatorActions
 from loramux.engine.lora.slots import SlotBuffers
+from loramux.engine.lora.state import (
+    AdapterBrokenError,
+    AdapterListener,
+    AdapterState,
+    LoRAError,
+    ResidencySnapshot,
+)
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
-
-class LoRAError(ValueError):
-    """An adapter cannot be served (unknown, invalid, or incompatible with the base model)."""
-
-
-class AdapterBrokenError(LoRAError):
-    """The adapter was marked broken (its outputs became non-finite while serving); it is
-    refused until it is replaced (another path or id under its name)."""
-
-
-@dataclass
-class AdapterState:
-    """What the manager knows of one adapter."""
-
-    request: LoRARequest
-    rank: int
-    pinned: bool = False
-    load_seconds: float | None = None
-    error: Exception | None = None
-
-
-AdapterListener = Callable[[str, str], None]
-"""``listener(event, key)``; event is ``loaded`` | ``evicted`` | ``dropped`` | ``broken``."""
-
-
-@dataclass(frozen=True)
-class ResidencySnapshot:
-    """The adapters one engine knows, as of one moment (plain data, safe to share)."""
-
-    rows: list[dict] = field(default_factory=list)
-    """One per adapter, as :meth:`LoRAManager.residency`."""
-    max_loras: int = 0
-    """Device slots (derived from memory unless ``max_loras`` was set)."""
-    num_evictions: int = 0
-    lora_enabled: bool = False
-    max_cpu_loras: int | None = None
-    """Adapters the CPU tier holds."""
-
-    def knows(self, key: str) -> bool:
-        return any(r["name"] == key for r in self.rows)
+__all__ = ["AdapterBrokenError", "AdapterListener", "AdapterState", "LoRAError", "LoRAManager", "ResidencySnapshot"]
 
 
 def _device_free_bytes(device: torch.device, utilization: float) -> int | None:
@@ -98,7 +64,7 @@ def _device_free_bytes(device: torch.device, utilization: float) -> int | None:
     return int(total * utilization - (total - free) - GPU_RESERVE_BYTES)
 
 
-class LoRAManager:
+class LoRAManager(OperatorActions):
     """Places adapters in tiers and adds their deltas during the forward pass."""
 
     enabled = True
@@ -138,10 +104,14 @@ class LoRAManager:
         self.slot_lru: OrderedDict[str, None] = OrderedDict()  # device residency, oldest first
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, oldest first
         self.loading: dict[str, Future] = {}
+        self.reserved: dict[str, int] = {}  # slots being written in the background
+        self._stale: list[tuple[Future, int | None]] = []  # loads of dropped adapters
         self.evict_pending: set[str] = set()
         self.num_evictions = 0
+        self.load_stats = LoadStats()
         self._listeners: list[AdapterListener] = []
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
+        self._loader = AdapterLoader(self.slots, pin_memory=model.device.type == "cuda")
+        self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
         self._meta: LoRABatchMeta | None = None
         self._groups: frozenset[str] = frozenset()
         self._step_keys: set[str] = set()
@@ -212,12 +182,17 @@ class LoRAManager:
         else:
             self._free_slot(key)
         self.cpu.pop(key, None)
+        fut = self.loading.pop(key, None)
+        if fut is not None:  # its result is stale; a slot being written frees once it is done
+            self._stale.append((fut, self.reserved.pop(key, None)))
         if self.adapters.pop(key, None) is not None:
             self._emit("dropped", key)
 
     # --- scheduler gate --------------------------------------------------------------
     def acquire(self, key: str, in_use: set[str]) -> bool:
-        """True when ``key`` is in a device slot now; else start loading it and return False."""
+        """True when ``key`` is in a device slot now. Else start bringing it in (disk →
+        CPU tier → a free slot, or one of an idle adapter not in ``in_use``), in the
+        background, and return False: it is ready at a later step, the step never waits."""
         self.poll()
         state = self.adapters.get(key)
         if state is None or state.error is not None:
@@ -225,18 +200,42 @@ class LoRAManager:
         if key in self.slot_of:
             self.slot_lru.move_to_end(key)
             return True
+        if key in self.loading:
+            return False
         weights = self.cpu.get(key)
-        if weights is None:
-            self._start_load(key)
+        if weights is None:  # from disk, straight into an empty slot when there is one
+            self._start_load(key, self._empty_slot() if not self._write_on_loop else None)
             return False
         slot = self._free_or_evictable_slot(in_use | {key})
         if slot is None:
             return False
-        self.slots.write(slot, weights)
-        self.slot_of[key] = slot
-        self.slot_lru[key] = None
         self.cpu.move_to_end(key)
-        return True
+        if self._write_on_loop:
+            result = LoadResult(weights, slot, {})
+            self.slots.write(slot, weights)
+            self._place(key, state, result)
+            return True
+        self.reserved[key] = slot
+        self.loading[key] = self._loader.write(weights, slot)
+        return False
+
+    def is_resident(self, key: str) -> bool:
+        """True when ``key`` sits in a device slot, ready for a step."""
+        return key in self.slot_of
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Load these adapters (best first) from disk into the CPU tier in the background,
+        while the current batch runs; at most two loads in flight, never past the CPU tier."""
+        wanted = set(keys) | set(self.slot_of)  # CPU-tier copies prefetch must not push out
+        for key in keys:
+            room = self.max_cpu_loras - len(self.loading) - len(wanted.intersection(self.cpu))
+            if len(self.loading) >= 2 or room <= 0:
+                return
+            state = self.adapters.get(key)
+            if state is None or state.error is not None:
+                continue
+            if key not in self.slot_of and key not in self.cpu and key not in self.loading:
+                self._start_load(key, None)
 
     def failed(self) -> dict[str, Exception]:
         """Adapters whose load failed, with the error (the engine fails their requests)."""
@@ -257,11 +256,15 @@ class LoRAManager:
         self.evict(key)
         self._emit("broken", key)
 
+    def _empty_slot(self) -> int | None:
+        used = set(self.slot_of.values()) | set(self.reserved.values())
+        used |= {slot for _, slot in self._stale}
+        return next((s for s in range(self.max_loras) if s not in used), None)
+
     def _free_or_evictable_slot(self, protected: set[str]) -> int | None:
-        used = set(self.slot_of.values())
-        for slot in range(self.max_loras):
-            if slot not in used:
-                return slot
+        slot = self._empty_slot()
+        if slot is not None:
+            return slot
         busy = protected | self.running_keys() | self._step_keys
         for key in self.slot_lru:  # least recently used first
             state = self.adapters.get(key)
@@ -281,21 +284,17 @@ class LoRAManager:
             self._emit("evicted", key)
 
     # --- loading ---------------------------------------------------------------------
-    def _start_load(self, key: str) -> None:
-        if key in self.loading:
-            return
+    def _start_load(self, key: str, slot: int | None) -> None:
         request = self.adapters[key].request
-        self.loading[key] = self._loader.submit(self._load, request)
+        if slot is not None:
+            self.reserved[key] = slot
 
-    def _load(self, request: LoRARequest) -> tuple[LoraWeights, float]:
-        t0 = time.perf_counter()
-        weights = load_adapter(self._folder(request), dtype=self.slots.a[0]["qkv"].dtype)
-        self._check_shapes(request, weights)
-        if self.model.device.type == "cuda":
-            for modules in weights.layers.values():
-                for name, (a, b) in modules.items():
-                    modules[name] = (a.pin_memory(), b.pin_memory())
-        return weights, time.perf_counter() - t0
+        def folder() -> tuple[Path, bool]:
+            return self._folder(request), request.lora_path is None
+
+        self.loading[key] = self._loader.load(
+            folder, lambda w: self._check_shapes(request, w), slot
+        )
 
     def _check_shapes(self, request: LoRARequest, weights: LoraWeights) -> None:
         shapes = self.model.dims.module_shapes()
@@ -315,9 +314,13 @@ class LoRAManager:
                     )
 
     def poll(self, wait: float = 0.0) -> None:
-        """Move finished background loads into the CPU tier and run the evictions whose
-        requests finished (called between steps, and when idle after each command)."""
+        """Apply finished background loads (CPU tier, device slot) and run the evictions
+        whose requests finished (called between steps, and when idle after each command)."""
         self._run_pending_evictions()
+        for fut, slot in [x for x in self._stale if x[0].done()]:
+            self._stale.remove((fut, slot))
+            if slot is not None:
+                self.slots.clear(slot)
         if wait and self.loading and not any(f.done() for f in self.loading.values()):
             futures.wait(
                 list(self.loading.values()), timeout=wait, return_when=futures.FIRST_COMPLETED
@@ -326,10 +329,14 @@ class LoRAManager:
             if not fut.done():
                 continue
             del self.loading[key]
+            slot = self.reserved.pop(key, None)
             state = self.adapters.get(key)
+            exc = fut.exception()
+            if state is None or exc is not None:
+                if slot is not None:
+                    self.slots.clear(slot)  # dropped meanwhile, or failed: the slot is free
             if state is None:
                 continue
-            exc = fut.exception()
             if exc is not None:
                 state.error = (
                     exc
@@ -338,11 +345,24 @@ class LoRAManager:
                 )
                 logger.error("adapter %s failed to load: %s", key, exc)
                 continue
-            weights, seconds = fut.result()
-            state.load_seconds = seconds
-            self.cpu[key] = weights
-            self._trim_cpu()
-            self._emit("loaded", key)
+            result: LoadResult = fut.result()
+            if "disk" in result.seconds:
+                state.load_seconds = result.seconds["disk"]
+                self.cpu[key] = result.weights
+                self._trim_cpu()
+                self._emit("loaded", key)
+            if result.slot is not None:
+                self._place(key, state, result)
+            else:
+                self.load_stats.add(result.seconds)
+
+    def _place(self, key: str, state: AdapterState, result: LoadResult) -> None:
+        """``key`` now sits in ``result.slot``: count the load per tier."""
+        result.seconds.setdefault("cpu", 0.0)
+        state.slot_seconds = result.seconds["cpu"]
+        self.load_stats.add(result.seconds)
+        self.slot_of[key] = result.slot
+        self.slot_lru[key] = None
 
     def _trim_cpu(self) -> None:
         while len(self.cpu) > self.max_cpu_loras:
@@ -400,80 +420,3 @@ class LoRAManager:
             backend=self.backend,
             blockdiag=blockdiag,
         )
-
-    # --- operator actions (admin API) --------------------------------------------------
-    def evict(self, key: str) -> bool:
-        """Free the adapter's device slot now, or once no running request uses it.
-        Returns False when it was not in a slot. Pinned adapters are unpinned first."""
-        state = self._state(key)
-        state.pinned = False
-        if key not in self.slot_of:
-            return False
-        if key in self.running_keys() or key in self._step_keys:
-            self.evict_pending.add(key)
-        else:
-            self._free_slot(key)
-        return True
-
-    def pin(self, key: str) -> None:
-        """Keep the adapter resident (never evicted); loads it if needed."""
-        self._state(key).pinned = True
-        self.warm(key)
-
-    def unpin(self, key: str) -> None:
-        self._state(key).pinned = False
-
-    def warm(self, key: str) -> bool:
-        """Start loading the adapter into CPU memory (in the background: the engine loop
-        never waits on the disk) and, once it is there, place it in a free or evictable
-        device slot. Returns True once it sits in a device slot; call again until then."""
-        self._state(key)
-        if key in self.slot_of:
-            return True
-        self.poll()
-        if key not in self.cpu:
-            self._start_load(key)
-            return False
-        state = self.adapters[key]
-        if state.error is not None:
-            raise state.error
-        return self.acquire(key, set())
-
-    def _state(self, key: str) -> AdapterState:
-        state = self.adapters.get(key)
-        if state is None:
-            raise LoRAError(f"adapter {key!r} is not known to this engine")
-        return state
-
-    def snapshot(self) -> ResidencySnapshot:
-        """The residency as plain data (call on the engine thread)."""
-        return ResidencySnapshot(
-            self.residency(), self.max_loras, self.num_evictions, True, self.max_cpu_loras
-        )
-
-    def residency(self) -> list[dict]:
-        """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, in use."""
-        running = self.running_keys()
-        device_tier = "gpu" if self.model.device.type == "cuda" else "device"
-        rows = []
-        for key, state in self.adapters.items():
-            if key in self.slot_of:
-                tier = device_tier
-            elif key in self.cpu:
-                tier = "cpu"
-            else:
-                tier = "disk"
-            rows.append(
-                {
-                    "name": key,
-                    "tier": tier,
-                    "slot": self.slot_of.get(key),
-                    "pinned": state.pinned,
-                    "rank": state.rank,
-                    "in_use": key in running,
-                    "loading": key in self.loading,
-                    "load_seconds": state.load_seconds,
-                    "error": str(state.error) if state.error else None,
-                }
-            )
-        return rows

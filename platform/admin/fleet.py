@@ -92,6 +92,7 @@ class LocalFleet:
             max_cpu_loras=snap.max_cpu_loras,
             cpu_used=sum(1 for r in snap.rows if r["tier"] in ("cpu", "gpu", "device")),
             evictions=snap.num_evictions, lora_enabled=snap.lora_enabled,
+            adapter_loads=snap.load_stats,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             tokens_per_s=self.activity.tokens_per_s(), healthy=self.engine.is_ready,
         )

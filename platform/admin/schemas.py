@@ -24,6 +24,9 @@ class ResidencyRow(BaseModel):
     in_use: bool = False
     loading: bool = False
     load_seconds: float | None = None
+    """Seconds of the adapter's last disk → CPU tier load."""
+    slot_seconds: float | None = None
+    """Seconds of its last CPU tier → device slot copy."""
     error: str | None = None
     source: Literal["engine", "static", "registry"] = "engine"
     tenant: str | None = None
@@ -58,6 +61,9 @@ class EngineSummary(BaseModel):
     cpu_used: int = 0
     evictions: int
     lora_enabled: bool
+    adapter_loads: dict[str, dict[str, float]] = {}
+    """Adapter loads since start per tier (``store`` | ``disk`` | ``cpu`` → slot):
+    ``{"loads": n, "seconds": total}``."""
     prefix_cache_hit_rate: float | None = None
     """Fraction of looked-up prompt blocks found in the prefix cache (``EngineStats``);
     None (shown as n/a) when the engine's report carries none."""

@@ -256,20 +256,38 @@ def test_finish_of_a_waiting_sequence_removes_it():
 
 
 class FakeGate:
-    """Adapter slots: ``max_loras`` resident; ``cold`` adapters load for ``load_steps`` asks."""
+    """Adapter slots: ``max_loras`` of them (LRU); ``cold`` adapters load for ``load_steps``
+    asks. Records every ``acquire`` and every ``prefetch``."""
 
     def __init__(self, max_loras: int, cold: dict[str, int] | None = None) -> None:
         self.max_loras = max_loras
         self.cold = dict(cold or {})
+        self.resident: list[str] = []  # oldest first
         self.calls: list[tuple[str, frozenset]] = []
+        self.prefetched: list[str] = []
+        self.evicted: list[str] = []
 
     def acquire(self, lora_key: str, in_use: set[str]) -> bool:
         self.calls.append((lora_key, frozenset(in_use)))
-        assert len(in_use) < self.max_loras, "asked to place an adapter with every slot in use"
+        if lora_key in self.resident:
+            return True
         if self.cold.get(lora_key, 0) > 0:
             self.cold[lora_key] -= 1
             return False
+        if len(self.resident) >= self.max_loras:
+            idle = [k for k in self.resident if k not in in_use]
+            if not idle:
+                return False
+            self.resident.remove(idle[0])
+            self.evicted.append(idle[0])
+        self.resident.append(lora_key)
         return True
+
+    def is_resident(self, lora_key: str) -> bool:
+        return lora_key in self.resident
+
+    def prefetch(self, lora_keys: list[str]) -> None:
+        self.prefetched.extend(lora_keys)
 
 
 def adapters_of(plan: SchedulerOutput) -> set[str]:

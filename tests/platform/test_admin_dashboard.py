@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import httpx
 from support.platform_settings import ADMIN_KEY, BASE, settings
@@ -66,6 +67,11 @@ async def test_login_cookie_and_csrf(client, env, caplog):
     assert _row((await client.get("/admin/adapters")).json(), "b-only")["tier"] != "device"
     r = await client.post(f"/admin/adapters/{key}/warm", headers={"X-CSRF-Token": token})
     assert r.status_code == 200 and r.json()["done"] is True
+    overview = (await client.get("/admin")).text  # per-tier load counts and times
+    assert "loads disk → CPU" in overview and "loads CPU → slot" in overview
+    adapters_page = (await client.get("/admin/ui/adapters")).text
+    row_html = adapters_page.split(key, 1)[1].split("</tr>", 1)[0]
+    assert re.search(r"disk \d+ ms\s*<br>slot [\d.]+ ms", row_html)  # its load column
     r = await client.post(f"/admin/adapters/{key}/evict", headers={"X-CSRF-Token": token})
     assert r.status_code == 200
 

@@ -50,6 +50,9 @@ async def test_residency_and_actions(client, env):
     assert r.status_code == 200 and r.json()["done"] is True
     row = _row((await client.get("/admin/adapters", headers=ADMIN)).json(), "b-only")
     assert row["tier"] == "device" and row["slot"] is not None and row["load_seconds"] > 0
+    assert row["slot_seconds"] is not None  # CPU tier → slot, timed apart from the disk
+    loads = (await client.get("/admin/adapters", headers=ADMIN)).json()["engine"]["adapter_loads"]
+    assert loads["disk"]["loads"] >= 1 and loads["cpu"]["loads"] >= 1
 
     assert (await client.post(f"/admin/adapters/{key}/pin", headers=ADMIN)).status_code == 200
     assert _row((await client.get("/admin/adapters", headers=ADMIN)).json(), "b-only")["pinned"]
@@ -68,6 +71,9 @@ async def test_residency_and_actions(client, env):
     assert _metric(metrics, "loramux_adapter_residency", adapter=key, tier="cpu") == 1.0
     assert _metric(metrics, "loramux_adapter_residency", adapter=key, tier="device") == 0.0
     assert _metric(metrics, "loramux_adapter_load_seconds", adapter=key) > 0
+    assert _metric(metrics, "loramux_adapter_slot_seconds", adapter=key) >= 0
+    assert _metric(metrics, "loramux_adapter_tier_loads", tier="disk") >= 1
+    assert _metric(metrics, "loramux_adapter_tier_load_seconds", tier="disk") > 0
 
     assert (await client.post("/admin/adapters/9/none@x/warm", headers=ADMIN)).status_code == 404
     r = await client.post(f"/admin/adapters/{key}/evict", headers=env.headers(env.key_b))

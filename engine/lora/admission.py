@@ -1,0 +1,125 @@
+"""Adapter admission under slot pressure: which adapters get the step's free slots.
+
+The scheduler asks :meth:`AdapterAdmission.plan` once per step, before it admits waiting
+sequences, and then :meth:`AdapterAdmission.allows` per waiting sequence. The policy:
+
+* **Busy adapters keep their slots.** An adapter with running sequences is never evicted;
+  one that is resident with queued (waiting) sequences is not evicted either, unless
+  another adapter is *starving* (below). So a slot never flips back and forth between two
+  adapters that both have work (no thrash).
+* **Free slots go to queued work, then age.** The adapters of waiting sequences that are
+  not running are ranked: starving ones first (oldest first), then resident ones (no load
+  needed), then by queued work (waiting sequences: each is a row of the batch), ties to the
+  older. The step's ``max_loras - busy`` adapter places go down that list; an adapter that
+  is still loading does not take a place (the batch stays full with ready ones), it keeps
+  its reserved slot and starts once loaded.
+* **No starvation.** An adapter's age is the most steps one of its waiting sequences was
+  skipped for want of a slot (``Sequence.skipped_steps``). At ``bound`` steps it is
+  starving: when no slot is free for it, the busy adapter with the least queued work (then
+  the fewest running sequences) is *closed*: it admits no new sequence, so it drains; if it
+  still runs ``bound`` steps later its running sequences are preempted (recompute; their
+  full KV blocks stay in the prefix cache). The starving adapter then takes the slot. So a
+  sequence whose adapter is loaded (in the CPU tier) starts at most ``2 * bound + 2`` steps
+  after it was first skipped for its adapter, whatever the stream of requests for others.
+* **Prefetch.** The ranked adapters beyond this step's places are handed to the gate's
+  ``prefetch`` (disk → CPU tier in the background) so they are loaded by the time a slot
+  frees.
+
+It only sees plain sequences and the :class:`AdapterGate`, so it is tested with no model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Protocol
+
+from loramux.engine.sequence import Sequence
+
+
+class AdapterGate(Protocol):
+    """What admission asks of the adapter slot manager."""
+
+    max_loras: int
+
+    def acquire(self, lora_key: str, in_use: set[str]) -> bool:
+        """True when ``lora_key`` sits (or was just placed) in a device slot, evicting
+        nothing in ``in_use``; otherwise start loading it and return False."""
+
+    def is_resident(self, lora_key: str) -> bool:
+        """True when ``lora_key`` sits in a device slot, ready."""
+
+    def prefetch(self, lora_keys: list[str]) -> None:
+        """Start loading these adapters (best first) into the CPU tier in the background."""
+
+
+class AdapterAdmission:
+    """The adapter side of admission (the policy is the module docstring)."""
+
+    def __init__(self, gate: AdapterGate | None, bound: int, prefetch_depth: int = 4) -> None:
+        self.gate = gate
+        self.bound = bound
+        self.prefetch_depth = prefetch_depth
+        self.step = 0
+        self.closed: dict[str, int] = {}
+        """Busy adapters that admit nothing new until they drain (key → step closed)."""
+        self._places: set[str] = set()
+
+    def plan(self, waiting: Iterable[Sequence], running: Iterable[Sequence]) -> list[Sequence]:
+        """Decide this step's adapters; returns the running sequences to preempt (those of
+        a closed adapter that did not drain within ``bound`` steps)."""
+        self.step += 1
+        self._places = set()
+        running = list(running)
+        busy = Counter(s.lora_key for s in running if s.lora_key is not None)
+        for key in [k for k in self.closed if k not in busy]:
+            del self.closed[key]  # drained: its slot is free for the starving adapter
+        gate = self.gate
+        if gate is None:
+            return []
+        queued: Counter[str] = Counter()
+        age: dict[str, int] = {}
+        for seq in waiting:
+            if seq.lora_key is not None:
+                queued[seq.lora_key] += 1
+                age[seq.lora_key] = max(age.get(seq.lora_key, 0), seq.skipped_steps)
+        wanted = [k for k in queued if k not in busy]
+        resident = {k for k in wanted if gate.is_resident(k)}
+
+        def rank(key: str) -> tuple:
+            starving = age[key] >= self.bound
+            return (not starving, -age[key] if starving else 0, key not in resident,
+                    -queued[key], -age[key])
+
+        ranked = sorted(wanted, key=rank)
+        free = gate.max_loras - len(busy)
+        loads = 0
+        for key in ranked:
+            if free <= 0:
+                break
+            if key not in resident and loads >= free:
+                continue  # no more loads than places: the rest is prefetch's
+            keep = set(busy) | self._places
+            if age[key] < self.bound:
+                keep |= resident - {key}  # only a starving adapter displaces queued work
+            if gate.acquire(key, keep):
+                self._places.add(key)
+                free -= 1
+            else:
+                loads += 1
+        starving = [k for k in ranked if age[k] >= self.bound and k not in self._places]
+        if starving and free <= 0 and not self.closed and busy:
+            victim = min(busy, key=lambda k: (queued[k], busy[k], k))
+            self.closed[victim] = self.step
+        gate.prefetch([k for k in ranked if k not in self._places][: self.prefetch_depth])
+        return [s for s in running if s.lora_key in self.closed
+                and self.step - self.closed[s.lora_key] >= self.bound]
+
+    def allows(self, seq: Sequence, in_use: set[str]) -> bool:
+        """May ``seq`` be admitted this step as far as its adapter goes?"""
+        key = seq.lora_key
+        if key is None:
+            return True
+        if key in self.closed:
+            return False
+        return key in in_use or key in self._places

@@ -1,0 +1,55 @@
+"""Plain data the adapter manager shares: its error type, one adapter's state, the
+residency snapshot the admin API shows, and the listener signature."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loramux.engine.lora_request import LoRARequest
+
+
+class LoRAError(ValueError):
+    """An adapter cannot be served (unknown, invalid, or incompatible with the base model)."""
+
+
+class AdapterBrokenError(LoRAError):
+    """The adapter was marked broken (its outputs became non-finite while serving); it is
+    refused until it is replaced (another path or id under its name)."""
+
+
+@dataclass
+class AdapterState:
+    """What the manager knows of one adapter."""
+
+    request: LoRARequest
+    rank: int
+    pinned: bool = False
+    load_seconds: float | None = None
+    """Seconds of the last disk → CPU tier load."""
+    slot_seconds: float | None = None
+    """Seconds of the last CPU tier → device slot copy."""
+    error: Exception | None = None
+
+
+AdapterListener = Callable[[str, str], None]
+"""``listener(event, key)``; event is ``loaded`` | ``evicted`` | ``dropped`` | ``broken``."""
+
+
+@dataclass(frozen=True)
+class ResidencySnapshot:
+    """The adapters one engine knows, as of one moment (plain data, safe to share)."""
+
+    rows: list[dict] = field(default_factory=list)
+    """One per adapter, as :meth:`LoRAManager.residency`."""
+    max_loras: int = 0
+    """Device slots (derived from memory unless ``max_loras`` was set)."""
+    num_evictions: int = 0
+    lora_enabled: bool = False
+    max_cpu_loras: int | None = None
+    """Adapters the CPU tier holds."""
+    load_stats: dict = field(default_factory=dict)
+    """Loads per tier (``store`` | ``disk`` | ``cpu``): ``{"loads": n, "seconds": s}``."""
+
+    def knows(self, key: str) -> bool:
+        return any(r["name"] == key for r in self.rows)
