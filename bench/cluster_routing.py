@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_json  # noqa: E402
 
 from loramux.platform.cluster.pool import EnginePool  # noqa: E402
+from loramux.platform.cluster.protocol import EngineRecord  # noqa: E402
 from loramux.platform.cluster.routing import (  # noqa: E402
     AffinityRouter,
-    EngineView,
     LeastLoadedRouter,
     RoundRobinRouter,
     RouterConfig,
@@ -92,8 +92,8 @@ class SimEngine:
     cold_loads: int = 0
     busy: bool = False
 
-    def view(self) -> EngineView:
-        return EngineView(self.eid, capacity=self.max_num_seqs, max_loras=self.max_loras,
+    def view(self) -> EngineRecord:
+        return EngineRecord(self.eid, capacity=self.max_num_seqs, max_loras=self.max_loras,
                           running=len(self.running), waiting=len(self.waiting),
                           resident=frozenset(self.slots))
 

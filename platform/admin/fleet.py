@@ -21,13 +21,12 @@ if TYPE_CHECKING:
     from loramux.engine.lora_request import LoRARequest
     from loramux.platform.admin.activity import Activity
 
-ACTIONS = ("evict", "pin", "unpin", "warm")
 WARM_TIMEOUT_S = 120.0
 """How long ``warm`` / ``pin`` wait for an adapter's background load."""
 
 
 @dataclass
-class EngineView:
+class FleetEngine:
     """One engine as of one moment: its numbers and its adapters' residency rows."""
 
     summary: EngineSummary
@@ -47,7 +46,7 @@ class Outcome:
 class Fleet(Protocol):
     """The engines behind this server."""
 
-    async def engines(self) -> list[EngineView]: ...
+    async def engines(self) -> list[FleetEngine]: ...
 
     async def act(self, engine_id: str | None, action: str, key: str,
                   request: LoRARequest | None) -> list[Outcome]:
@@ -55,7 +54,7 @@ class Fleet(Protocol):
         registers an adapter an engine does not know yet (None: it must know it)."""
         ...
 
-    def knows(self, view: EngineView, key: str) -> bool: ...
+    def knows(self, view: FleetEngine, key: str) -> bool: ...
 
 
 class LocalFleet:
@@ -80,7 +79,7 @@ class LocalFleet:
             raise NotFound(f"no engine {engine_id!r}; this server runs one engine, "
                            f"{self.engine_id!r}", code="engine_not_found")
 
-    async def engines(self) -> list[EngineView]:
+    async def engines(self) -> list[FleetEngine]:
         self._check(None)
         snap = await self.engine.lora_snapshot()
         stats = self.engine.stats()
@@ -96,9 +95,9 @@ class LocalFleet:
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             tokens_per_s=self.activity.tokens_per_s(), healthy=self.engine.is_ready,
         )
-        return [EngineView(summary, list(snap.rows), set(self.evict_pending))]
+        return [FleetEngine(summary, list(snap.rows), set(self.evict_pending))]
 
-    def knows(self, view: EngineView, key: str) -> bool:
+    def knows(self, view: FleetEngine, key: str) -> bool:
         return any(r["name"] == key for r in view.rows)
 
     async def act(self, engine_id: str | None, action: str, key: str,

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Form, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.admin.schemas import ResidencyRow
 from loramux.platform.admin.session import COOKIE, Session, set_cookie
 from loramux.platform.deps import AdminDep, AdminServiceDep, StateDep
@@ -45,6 +46,7 @@ def sparkline(points: list[float], width: int = 120, height: int = 22) -> str:
 
 
 templates.env.globals["sparkline"] = sparkline
+templates.env.globals["ADMIN_ACTIONS"] = ACTIONS
 
 
 async def page_session(request: Request, state: StateDep) -> Session:

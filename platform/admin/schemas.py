@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
 from loramux.registry.tenants import ApiKeyInfo
+
+if TYPE_CHECKING:
+    from loramux.platform.cluster.protocol import EngineRecord
 
 
 class ResidencyRow(BaseModel):
@@ -69,6 +72,16 @@ class EngineSummary(BaseModel):
     None (shown as n/a) when the engine's report carries none."""
     tokens_per_s: float = 0.0
     healthy: bool = True
+
+    @classmethod
+    def of(cls, record: EngineRecord) -> EngineSummary:
+        """The card of a cluster engine, from its heartbeat record."""
+        return cls(
+            id=record.engine_id, role="engine", running=record.running, waiting=record.waiting,
+            kv_cache_usage=record.kv_usage, num_preemptions=0, max_loras=record.max_loras,
+            slots_used=len(record.resident), cpu_used=len(record.resident | record.cpu_resident),
+            evictions=0, lora_enabled=record.max_loras > 0,
+            prefix_cache_hit_rate=record.prefix_cache_hit_rate, healthy=True)
 
 
 class Residency(BaseModel):

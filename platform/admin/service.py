@@ -13,8 +13,9 @@ import logging
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.admin.activity import Activity
-from loramux.platform.admin.fleet import ACTIONS, Fleet
+from loramux.platform.admin.fleet import Fleet
 from loramux.platform.admin.schemas import (
     ActionResult,
     AuditEvent,

@@ -14,10 +14,9 @@ import json
 import sys
 from urllib.parse import quote
 
+from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.cli.common import EXIT_ERROR, EXIT_OK
 from loramux.platform.settings import add_settings_arguments, settings_from_args
-
-ACTIONS = ("evict", "pin", "unpin", "warm")
 
 
 def _client_options() -> argparse.ArgumentParser:

@@ -3,13 +3,13 @@
 :func:`attach_engine_role` is called once the app's state is built (engine loaded). It
   * takes the caller from the gateway: the gateway authenticates the client's key and
     sends a signed identity (``Authorization: Bearer lmxgw.<tenant id>.<admin>.<mac>``,
-    :func:`identity_token`), which :class:`GatewayIdentityAuthenticator` checks; client
+    :func:`~.protocol.identity_token`), which :class:`GatewayIdentityAuthenticator` checks; client
     keys themselves are never accepted by an engine;
   * requires ``X-LoRAMux-Cluster-Secret`` on every route but ``/health``, ``/ready`` and
     ``/metrics`` (:class:`ClusterSecretMiddleware`, added by :func:`secure_app` before the
     app starts);
   * publishes a heartbeat: capacity, load, KV use, resident adapters per tier, the names
-    it serves (:func:`engine_record`, from the engine's public residency snapshot), at
+    it serves (:func:`~.heartbeat.read_record`, from the engine's public residency snapshot), at
     once whenever the engine's adapter event hook reports a load, eviction or drop;
   * applies fanned-out admin actions (evict / pin / unpin / warm) and registry events
     (adapter deleted or replaced: drop its weights; key revoked: forget cached keys);
@@ -23,8 +23,6 @@ registry on first use, so adapters deleted meanwhile are never served.
 from __future__ import annotations
 
 import asyncio
-import collections
-import hashlib
 import hmac
 import json
 import logging
@@ -32,43 +30,31 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.auth import KEY_CACHE_TTL_S, Authenticator
-from loramux.platform.cluster.state import (
+from loramux.platform.cluster.heartbeat import (
+    EngineHeartbeat,
+    EventSubscription,
+    RecentPrefixes,
+    read_record,
+)
+from loramux.platform.cluster.protocol import (
+    OPEN_PATHS,
+    PREFIX_HEADER,
+    SECRET_HEADER,
     ActionReply,
     ClusterEvent,
-    ClusterState,
-    EngineHeartbeat,
-    EngineRecord,
-    EventSubscription,
+    read_identity,
 )
 from loramux.platform.dependencies import Dependencies
 from loramux.platform.openai.resolver import Caller, engine_key
 from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
+    from loramux.platform.cluster.redis_state import ClusterState
     from loramux.platform.state import AppState
 
 logger = logging.getLogger(__name__)
-
-SECRET_HEADER = "x-loramux-cluster-secret"
-PREFIX_HEADER = "x-loramux-prefixes"
-"""Comma-separated prompt-prefix hashes the gateway computed; the engine publishes the
-recent ones so later requests sharing the prefix find the engine that cached it."""
-OPEN_PATHS = ("/health", "/ready", "/metrics")
-ADMIN_KINDS = ("evict", "pin", "unpin", "warm")
-
-
-IDENTITY_PREFIX = "lmxgw."
-
-
-def _mac(secret: str, payload: str) -> str:
-    return hmac.new(secret.encode(), payload.encode(), hashlib.sha256).hexdigest()[:32]
-
-
-def identity_token(secret: str, tenant_id: int | None, is_admin: bool) -> str:
-    """The bearer token a gateway sends an engine for an authenticated caller."""
-    payload = f"{'' if tenant_id is None else tenant_id}.{int(is_admin)}"
-    return f"{IDENTITY_PREFIX}{payload}.{_mac(secret, payload)}"
 
 
 class GatewayIdentityAuthenticator(Authenticator):
@@ -83,41 +69,24 @@ class GatewayIdentityAuthenticator(Authenticator):
         self._tenants: TTLCache[int, object] = self.deps.stale_cache(ttl)
 
     async def lookup(self, key: str | None) -> Caller | None:
-        if key is None or not key.startswith(IDENTITY_PREFIX):
+        identity = read_identity(self.secret, key)
+        if identity is None:
             return None
-        payload, _, mac = key[len(IDENTITY_PREFIX):].rpartition(".")
-        if not hmac.compare_digest(mac, _mac(self.secret, payload)):
-            return None
-        tid, _, admin = payload.partition(".")
-        if not tid:
-            return Caller(None, is_admin=admin == "1")
+        tid, is_admin = identity
+        if tid is None:
+            return Caller(None, is_admin=is_admin)
         if self.registry is None:
             return None
         try:  # a database outage is the error table's 503, not "no caller"
             tenant = await self._tenants.aget_or_load(
-                int(tid), lambda: self.deps.db.call(self.registry.get_tenant, int(tid)))
+                tid, lambda: self.deps.db.call(self.registry.get_tenant, tid))
         except LookupError:  # a deleted tenant (TenantNotFound)
             return None
-        return Caller(tenant, is_admin=admin == "1")
+        return Caller(tenant, is_admin=is_admin)
 
     def forget(self) -> None:
         super().forget()
         self._tenants.clear()
-
-
-class RecentPrefixes:
-    """The last ``size`` prefix hashes seen, newest last (thread-safe enough: one deque)."""
-
-    def __init__(self, size: int = 512) -> None:
-        self._hashes: collections.deque[str] = collections.deque(maxlen=size)
-
-    def add(self, hashes: list[str]) -> None:
-        for h in hashes:
-            if h:
-                self._hashes.append(h)
-
-    def snapshot(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(reversed(self._hashes)))[::-1]
 
 
 class ClusterSecretMiddleware:
@@ -156,28 +125,6 @@ def secure_app(app, secret: str) -> RecentPrefixes:
     return prefixes
 
 
-def engine_record(state: AppState, *, engine_id: str, url: str, started_at: float,
-                  prefixes: tuple[str, ...] = ()) -> EngineRecord:
-    """The heartbeat of one engine, read from its AppState (called from the heartbeat
-    thread): load from ``AsyncEngine.stats``, residency from ``AsyncEngine.lora_snapshot``
-    (taken on the engine thread)."""
-    eng = state.engine
-    stats = eng.stats()
-    rows: list[dict] = []
-    max_loras = 0
-    if eng.is_ready:
-        snap = asyncio.run(asyncio.wait_for(eng.lora_snapshot(), 5))
-        rows, max_loras = snap.rows, snap.max_loras
-    resident = tuple(sorted(r["name"] for r in rows if r["tier"] in ("gpu", "device")))
-    cpu = tuple(sorted(r["name"] for r in rows if r["tier"] == "cpu"))
-    static = tuple(state.resolver.static)
-    return EngineRecord(
-        engine_id, url=url, capacity=state.settings.max_num_seqs, max_loras=max_loras,
-        running=stats.num_running, waiting=stats.num_waiting, kv_usage=stats.kv_cache_usage,
-        resident=resident, cpu_resident=cpu, models=(*state.resolver.base_names, *static),
-        static=static, prefixes=prefixes, started_at=started_at)
-
-
 @dataclass
 class EngineRole:
     """What :func:`attach_engine_role` started; :meth:`close` stops it and deregisters."""
@@ -202,7 +149,7 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
     def on_event(ev: ClusterEvent) -> None:
         if ev.origin == engine_id:
             return
-        if ev.kind in ADMIN_KINDS and ev.adapter_id:
+        if ev.kind in ACTIONS and ev.adapter_id:
             if ev.target not in (None, engine_id):
                 return
             reply = ActionReply(engine_id, False)
@@ -231,7 +178,7 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
             lambda kind, handle: publish_registry_event(cluster, kind, handle, origin=engine_id)))
     events = cluster.subscribe(on_event, name=f"events-{engine_id}")
     recent = prefixes or RecentPrefixes()
-    hb = EngineHeartbeat(cluster, lambda: engine_record(
+    hb = EngineHeartbeat(cluster, lambda: read_record(
         state, engine_id=engine_id, url=url, started_at=started, prefixes=recent.snapshot()),
         interval=interval)
     hb.start()

@@ -40,11 +40,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.responses import StreamingResponse
 
 from loramux.platform.auth import Authenticator, bearer_key
-from loramux.platform.cluster.engine_role import PREFIX_HEADER, SECRET_HEADER, identity_token
+from loramux.platform.cluster.protocol import (
+    ENGINE_HEADER,
+    PREFIX_HEADER,
+    SECRET_HEADER,
+    ClusterEvent,
+    identity_token,
+)
+from loramux.platform.cluster.redis_state import ClusterState
 from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.schemas import GatewayReadiness
-from loramux.platform.cluster.state import ClusterEvent, ClusterState
 from loramux.platform.cluster.view import GatewayView
 from loramux.platform.dependencies import Dependencies
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
@@ -62,7 +68,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENGINE_HEADER = "X-LoRAMux-Engine"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te",
         "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "content-encoding"}
 _FORWARD = ("authorization", "content-type", "accept", "x-request-id", "openai-organization")
@@ -155,10 +160,9 @@ class Gateway:
             if key is not None:
                 return key
         for v in self.view.live():
-            models, static = self.view.models.get(v.engine_id, ((), ()))
-            if name in static:
+            if name in v.static:
                 return f"static/{name}"
-            if name in models:
+            if name in v.models:
                 return None
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 

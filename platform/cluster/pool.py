@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from loramux.platform.cluster.routing import EngineView
+from loramux.platform.cluster.protocol import EngineRecord
 from loramux.platform.settings import setting_default
 
 
@@ -18,7 +18,7 @@ from loramux.platform.settings import setting_default
 class EnginePool:
     ttl: float = setting_default("heartbeat_ttl")
     """Seconds without a heartbeat after which an engine leaves the pool."""
-    _views: dict[str, EngineView] = field(default_factory=dict)
+    _views: dict[str, EngineRecord] = field(default_factory=dict)
     _seen: dict[str, float] = field(default_factory=dict)
     _inflight: dict[str, int] = field(default_factory=dict)
 
@@ -26,7 +26,7 @@ class EnginePool:
         if self.ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {self.ttl}")
 
-    def heartbeat(self, view: EngineView, seen_at: float) -> None:
+    def heartbeat(self, view: EngineRecord, seen_at: float) -> None:
         """Record an engine's state as of ``seen_at`` (an older record never wins)."""
         if seen_at >= self._seen.get(view.engine_id, float("-inf")):
             self._views[view.engine_id] = view
@@ -44,7 +44,7 @@ class EnginePool:
             self.remove(eid)
         return gone
 
-    def live(self, now: float) -> list[EngineView]:
+    def live(self, now: float) -> list[EngineRecord]:
         """Live engines, each with this gateway's in-flight requests folded into its load."""
         self.expire(now)
         out = []
@@ -55,7 +55,7 @@ class EnginePool:
             out.append(v)
         return out
 
-    def get(self, engine_id: str) -> EngineView | None:
+    def get(self, engine_id: str) -> EngineRecord | None:
         return self._views.get(engine_id)
 
     def started(self, engine_id: str) -> None:

@@ -30,7 +30,7 @@ def _require(settings: Settings) -> str:
 def cluster_state(settings: Settings):
     import redis
 
-    from loramux.platform.cluster.state import ClusterState
+    from loramux.platform.cluster.redis_state import ClusterState
 
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=settings.redis_socket_timeout,
                                   socket_connect_timeout=settings.redis_connect_timeout,

@@ -30,34 +30,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loramux.platform.cluster.protocol import EngineRecord
+
 
 class NoEngineAvailable(RuntimeError):
     """No live engine can take the request (all gone, or all excluded by retries)."""
-
-
-@dataclass(frozen=True)
-class EngineView:
-    """What a gateway knows about one engine (from its last heartbeat)."""
-
-    engine_id: str
-    url: str = ""
-    capacity: int = 1
-    """Requests the engine runs at once (its ``max_num_seqs``); more wait in its queue."""
-    max_loras: int = 1
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    """Fraction of KV-cache blocks in use, 0..1."""
-    resident: frozenset[str] = frozenset()
-    """Adapter ids in GPU slots."""
-    cpu_resident: frozenset[str] = frozenset()
-    """Adapter ids in the CPU tier (one copy away from a slot)."""
-    prefixes: frozenset[str] = frozenset()
-    """Recently cached prompt-prefix hashes (see :func:`prefix_hashes`)."""
-
-    @property
-    def load(self) -> int:
-        return self.running + self.waiting
 
 
 @dataclass(frozen=True)
@@ -131,12 +108,12 @@ class Router(Protocol):
     """Chooses an engine for one request. Called by the gateway once per attempt;
     ``exclude`` holds engines that already failed this request."""
 
-    def route(self, adapter_id: str | None, engines: Sequence[EngineView], *,
+    def route(self, adapter_id: str | None, engines: Sequence[EngineRecord], *,
               prefixes: Sequence[str] = (), exclude: Iterable[str] = (),
               now: float = 0.0) -> RouteDecision: ...
 
 
-def _candidates(engines: Sequence[EngineView], exclude: Iterable[str]) -> list[EngineView]:
+def _candidates(engines: Sequence[EngineRecord], exclude: Iterable[str]) -> list[EngineRecord]:
     excluded = set(exclude)
     out = [e for e in engines if e.engine_id not in excluded]
     if not out:
@@ -154,14 +131,14 @@ class AffinityRouter:
     config: RouterConfig = field(default_factory=RouterConfig)
     _placed: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)
 
-    def has_room(self, e: EngineView, mean_load: float = 0.0) -> bool:
+    def has_room(self, e: EngineRecord, mean_load: float = 0.0) -> bool:
         """Below the queue threshold, or within ``load_factor`` of the mean (one more
         request counted, so a lone busy engine is not always "within" its own mean)."""
         c = self.config
         return (e.load - e.capacity < c.queue_threshold
                 or e.load + 1 <= c.load_factor * (mean_load + 1))
 
-    def holders(self, adapter_id: str, engines: Sequence[EngineView], now: float) -> list[EngineView]:
+    def holders(self, adapter_id: str, engines: Sequence[EngineRecord], now: float) -> list[EngineRecord]:
         """Engines where ``adapter_id`` is resident or was placed within ``placement_ttl``."""
         ttl = self.config.placement_ttl
         return [e for e in engines if adapter_id in e.resident

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import redis
 
+from loramux.platform.cluster.heartbeat import Periodic
 from loramux.platform.cluster.pool import EnginePool
-from loramux.platform.cluster.routing import EngineView
-from loramux.platform.cluster.state import ClusterState, Periodic
+from loramux.platform.cluster.protocol import EngineRecord
+from loramux.platform.cluster.redis_state import ClusterState
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ class GatewayView:
     degraded: bool = False
     last_ok: float | None = None
     last_error: str = ""
-    models: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
-    """engine id -> (names it serves without the registry, which of them are static)."""
     _failed: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -55,8 +54,7 @@ class GatewayView:
                 if failed_at is not None and now - failed_at < self.state.ttl:
                     continue
                 self._failed.pop(rec.engine_id, None)
-                self.pool.heartbeat(rec.view(), now)
-                self.models[rec.engine_id] = (rec.models, rec.static)
+                self.pool.heartbeat(rec, now)
                 present.add(rec.engine_id)
             for v in self.pool.live(now):
                 if v.engine_id not in present:
@@ -74,7 +72,7 @@ class GatewayView:
     def _frozen_now(self) -> float:
         return self.last_ok if self.last_ok is not None else self.clock()
 
-    def live(self) -> list[EngineView]:
+    def live(self) -> list[EngineRecord]:
         """Engines to route over now (frozen at the last good read while degraded)."""
         with self._lock:
             return self.pool.live(self._frozen_now() if self.degraded else self.clock())

@@ -6,12 +6,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from loramux.platform.cluster.engine_role import (
-    PREFIX_HEADER,
-    SECRET_HEADER,
-    RecentPrefixes,
-    secure_app,
-)
+from loramux.platform.cluster.engine_role import secure_app
+from loramux.platform.cluster.heartbeat import RecentPrefixes
+from loramux.platform.cluster.protocol import PREFIX_HEADER, SECRET_HEADER
 
 
 def make_app():
@@ -62,7 +59,8 @@ class FakeRegistry:
 
 
 async def test_engines_take_the_caller_from_the_gateways_signed_identity():
-    from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator, identity_token
+    from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator
+    from loramux.platform.cluster.protocol import identity_token
 
     reg = FakeRegistry()
     auth = GatewayIdentityAuthenticator(reg, "s3cret", allow_anonymous=False)

@@ -22,8 +22,8 @@ import redis
 from support.adapters import write_random_adapter
 from support.server import free_port, parse_sse
 
+from loramux.platform.cluster.redis_state import ClusterState
 from loramux.platform.cluster.routing import rendezvous_order
-from loramux.platform.cluster.state import ClusterState
 from loramux.platform.openai.resolver import engine_key
 
 pytestmark = pytest.mark.timeout(300)

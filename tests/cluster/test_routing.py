@@ -8,9 +8,9 @@ import collections
 import pytest
 
 from loramux.platform.cluster.pool import EnginePool
+from loramux.platform.cluster.protocol import EngineRecord
 from loramux.platform.cluster.routing import (
     AffinityRouter,
-    EngineView,
     LeastLoadedRouter,
     NoEngineAvailable,
     RoundRobinRouter,
@@ -22,9 +22,9 @@ from loramux.platform.cluster.routing import (
 IDS = ["e0", "e1", "e2", "e3"]
 
 
-def fleet(**per_engine) -> list[EngineView]:
+def fleet(**per_engine) -> list[EngineRecord]:
     """Four idle engines (capacity 4); per_engine['e1'] = dict of overrides."""
-    return [EngineView(eid, capacity=4, max_loras=8, **per_engine.get(eid, {})) for eid in IDS]
+    return [EngineRecord(eid, capacity=4, max_loras=8, **per_engine.get(eid, {})) for eid in IDS]
 
 
 def test_rendezvous_is_stable_and_spreads_adapters():
@@ -133,9 +133,9 @@ def test_config_validation():
 
 def test_pool_expires_missed_heartbeats_and_counts_inflight():
     pool = EnginePool(ttl=3.0)
-    pool.heartbeat(EngineView("e0", capacity=4), seen_at=0.0)
-    pool.heartbeat(EngineView("e1", capacity=4, running=1), seen_at=1.0)
-    pool.heartbeat(EngineView("e1", capacity=4, running=7), seen_at=0.5)  # stale: ignored
+    pool.heartbeat(EngineRecord("e0", capacity=4), seen_at=0.0)
+    pool.heartbeat(EngineRecord("e1", capacity=4, running=1), seen_at=1.0)
+    pool.heartbeat(EngineRecord("e1", capacity=4, running=7), seen_at=0.5)  # stale: ignored
     assert [v.load for v in pool.live(2.0)] == [0, 1]
     for _ in range(3):
         pool.started("e1")
@@ -148,8 +148,8 @@ def test_pool_expires_missed_heartbeats_and_counts_inflight():
 
 def test_pool_residency_notes():
     pool = EnginePool()
-    pool.heartbeat(EngineView("e0", resident=frozenset({"a"})), 0.0)
-    pool.heartbeat(EngineView("e1"), 0.0)
+    pool.heartbeat(EngineRecord("e0", resident=frozenset({"a"})), 0.0)
+    pool.heartbeat(EngineRecord("e1"), 0.0)
     pool.note_resident("e1", "a")
     assert all("a" in v.resident for v in pool.live(0.0))
     pool.note_evicted("a")

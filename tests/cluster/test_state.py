@@ -9,13 +9,10 @@ import time
 import pytest
 import redis
 
+from loramux.platform.cluster.heartbeat import EngineHeartbeat
+from loramux.platform.cluster.protocol import ClusterEvent, EngineRecord
+from loramux.platform.cluster.redis_state import ClusterState
 from loramux.platform.cluster.routing import AffinityRouter
-from loramux.platform.cluster.state import (
-    ClusterEvent,
-    ClusterState,
-    EngineHeartbeat,
-    EngineRecord,
-)
 from loramux.platform.cluster.view import GatewayView
 
 
@@ -39,7 +36,7 @@ def test_records_round_trip_and_expire(redis_client, namespace):
     st.publish_engine(record("e1"))
     got = {r.engine_id: r for r in st.read_engines()}
     assert got["e0"] == rec and set(got) == {"e0", "e1"}
-    assert got["e0"].view().resident == frozenset({"a", "b"}) and got["e0"].view().load == 3
+    assert got["e0"].resident == frozenset({"a", "b"}) and got["e0"].load == 3
     time.sleep(0.25)
     st.publish_engine(record("e1"))  # e1 beats, e0 does not
     time.sleep(0.25)
@@ -169,6 +166,6 @@ def test_heartbeat_thread_keeps_state_current(redis_client, namespace):
     hb.start()
     with lock:
         resident.append("new")
-    assert wait_for(lambda: st.read_engines()[0].resident == ("new",), timeout=2.0)
+    assert wait_for(lambda: st.read_engines()[0].resident == {"new"}, timeout=2.0)
     hb.stop(engine_id="e0")
     assert st.read_engines() == []
