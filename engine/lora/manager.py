@@ -49,6 +49,7 @@ from loramux.engine.lora.state import (
     ResidencySnapshot,
 )
 from loramux.engine.lora_request import LoRARequest
+from loramux.engine.model.linear import matmul_dtype
 from loramux.engine.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,9 @@ class LoRAManager(OperatorActions):
         self.model = model
         self.source = adapter_source
         self.running_keys = running_keys or (lambda: set())
-        dtype = model.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+        # auto: the base projections' matmul dtype (fp32 for bf16 on CPUs without bf16 GEMMs)
+        dtype = (matmul_dtype(model.dtype, model.device) if config.lora_dtype == "auto"
+                 else getattr(torch, config.lora_dtype))
         self.backend = ops.resolve_backend(config.lora_backend, model.device)
         blockdiag = self.backend == "torch"
         self.capacity = plan_capacity(

@@ -67,6 +67,9 @@ class LoRABatchMeta:
     identity_tokens: bool  # additionally sorted_token_idx == arange(T_lora): LoRA tokens lead the batch
     chunk_slot_start: int | None  # chunk_slots == arange(start, start + NC): weights as a view
     _has_lora: bool = False
+    runs: tuple[tuple[int, int, int], ...] = ()
+    """(first token, end token, slot) of each run of consecutive batch tokens sharing one
+    slot with rank > 0, in batch order (host ints: the CPU path slices x and y by them)."""
 
     @classmethod
     def build(
@@ -128,6 +131,7 @@ class LoRABatchMeta:
         if chunk_slots.size and (chunk_slots == chunk_slots[0] + np.arange(chunk_slots.size)).all():
             slot_start = int(chunk_slots[0])
         active = pos[valid] if not covered else None
+        runs = _runs(slots, ranks)
 
         pack = [slots, sorted_idx, seg_starts, seg_lens, seg_slots, chunk_slots, pos, chunk_tokens]
         if padded:
@@ -162,6 +166,7 @@ class LoRABatchMeta:
             identity_tokens=identity_tokens,
             chunk_slot_start=slot_start,
             _has_lora=bool(seg_slots.size),
+            runs=runs,
         )
 
     @property
@@ -178,6 +183,21 @@ class LoRABatchMeta:
     def num_chunks(self) -> int:
         """NC, the number of padded chunks in the torch backend's layout."""
         return int(self.chunk_slots.shape[0])
+
+
+def _runs(slots: np.ndarray, ranks: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """Maximal runs of equal slot (with rank > 0) over the batch order."""
+    if slots.size == 0:
+        return ()
+    edges = np.flatnonzero(np.diff(slots)) + 1
+    starts = np.concatenate([[0], edges])
+    ends = np.concatenate([edges, [slots.size]])
+    run_slots = slots[starts]
+    keep = run_slots >= 0
+    keep[keep] = ranks[run_slots[keep]] > 0
+    return tuple(
+        (int(a), int(b), int(c)) for a, b, c in zip(starts[keep], ends[keep], run_slots[keep], strict=True)
+    )
 
 
 def _to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:

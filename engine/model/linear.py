@@ -39,6 +39,15 @@ def _packed_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def matmul_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype that matmuls of ``dtype`` operands should run in on ``device``: float32 for
+    bfloat16 on CPUs without oneDNN bf16 (there a bf16 GEMM is ~10x slower than fp32),
+    else ``dtype``. The LoRA slot buffers follow it."""
+    if torch.device(device).type == "cpu":
+        return _packed_dtype(dtype)
+    return dtype
+
+
 class Linear:
     """``y = x @ W.T + b`` for x [T, in]; W [out, in] as loaded from the checkpoint."""
 

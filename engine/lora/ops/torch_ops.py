@@ -21,6 +21,10 @@ __all__ = ["add_lora", "lora_expand", "lora_shrink"]
 
 # Expand in fp32 when the step has at most this many padded rows (decode-sized batches).
 _FP32_EXPAND_MAX_ROWS = 64
+# Up to this many runs of consecutive same-adapter tokens, the blockdiag path runs two
+# GEMMs per run on views of x, y and the slot's weights (no gathers, no padding); past
+# it, the padded chunk layout's constant number of ops wins.
+_MAX_RUNS = 8
 
 
 def _check_offsets(slice_offsets: Sequence[int], num_slices: int, n_total: int) -> list[int]:
@@ -192,6 +196,9 @@ def add_lora_blockdiag(
     if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
         _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)
         return
+    if scale is None and 0 < len(meta.runs) <= _MAX_RUNS:
+        _add_runs(y, x, a_stack, b_blockdiag, meta, num_slices * R)
+        return
     if scale is None:
         scale = torch.ones(a_stack.shape[0], dtype=torch.float32, device=x.device)
     vp = _mask_pads(_shrink_padded(x, a_stack, meta, scale), meta)  # [NC*C, slices, R] fp32
@@ -220,3 +227,20 @@ def _add_in_place(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> N
     v = torch.bmm(xs.to(a.dtype), a.transpose(1, 2))  # [NC, C, S*R]
     ys = y.narrow(0, 0, meta.num_lora_tokens).view(NC, C, -1)
     ys.baddbmm_(v.to(ys.dtype), b.to(ys.dtype))
+
+
+def _add_runs(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> None:
+    """Pre-scaled A, few runs: per run of tokens of one slot, ``y[run] += (x[run] @ A.T) @ B``
+    on views (the slot's weights are read in place, once per run); GEMMs in the slots'
+    dtype, accumulated into y in y's dtype."""
+    K = x.shape[1]
+    for start, end, slot in meta.runs:
+        a = a_stack[slot].view(sr, K)  # [S*R, K]
+        b = b_blockdiag[slot]  # [S*R, N]
+        xs = x[start:end]
+        v = torch.mm(xs if xs.dtype == a.dtype else xs.to(a.dtype), a.t())  # [n, S*R]
+        ys = y[start:end]
+        if ys.dtype == b.dtype:
+            ys.addmm_(v, b)
+        else:
+            ys.add_(torch.mm(v, b))

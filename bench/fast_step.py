@@ -1,0 +1,188 @@
+"""The fast step on a realistic serving shape: new path ÷ old path in the same run.
+
+Workload (the issue's shape, reduced for a shared 2-core machine): ``--num-prompts``
+requests arriving as a Poisson process (``--rate`` req/s), each a shared
+``--prefix-len``-token system prompt + ``--min-len``..``--max-len`` random tokens,
+``--new-tokens`` generated (greedy, ``ignore_eos``); once with the base model, once over
+4 adapters (ranks 8/16, all 7 projections, round-robin). The engine is stepped in this
+process (no HTTP): arrivals are admitted between steps at their arrival time.
+
+Paths: ``old`` = the torch attention (gathers each context, then SDPA), ``new`` = the C
+kernel that reads the paged cache in place. Reports per run output tok/s, TTFT p50, TPOT
+p50, output tokens per CPU-second (robust on a shared machine with ``--threads 1``), and
+the ratios new ÷ old and LoRA ÷ base. ``--profile`` adds a torch.profiler
+breakdown of a few steps of each run. Writes bench/results/fast_step.json and .png.
+
+    python bench/fast_step.py                 # default model, bf16, ~2-3 minutes
+    python bench/fast_step.py --quick         # fewer, shorter requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, write_json  # noqa: E402
+from lora_throughput import make_adapters  # noqa: E402
+
+PATHS = {"old": {"attention_backend": "torch"}, "new": {"attention_backend": "auto"}}
+
+
+def make_workload(tok, args) -> tuple[list[list[int]], list[float]]:
+    g = torch.Generator().manual_seed(0)
+    lo, hi = 1000, min(len(tok), 40000)
+    prefix = torch.randint(lo, hi, (args.prefix_len,), generator=g).tolist()
+    prompts, arrivals, t = [], [], 0.0
+    for _ in range(args.num_prompts):
+        n = int(torch.randint(args.min_len, args.max_len + 1, (1,), generator=g))
+        prompts.append(prefix + torch.randint(lo, hi, (n,), generator=g).tolist())
+        t += float(torch.empty(1).exponential_(args.rate, generator=g))
+        arrivals.append(t)
+    return prompts, arrivals
+
+
+def run(model, prompts, arrivals, loras, args, profile: bool, **options) -> dict:
+    from loramux.engine.config import EngineConfig
+    from loramux.engine.engine import LLMEngine
+    from loramux.engine.sampling_params import SamplingParams
+
+    cfg = EngineConfig.from_options(
+        model=str(model), dtype=args.dtype, max_model_len=1024, max_num_seqs=64,
+        enable_lora=bool(loras), **({"max_loras": 4} if loras else {}), **options)
+    eng = LLMEngine(cfg)
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
+                            ignore_eos=True)
+    for i, lr in enumerate(loras or [None]):  # warm-up: adapters resident, prefix cached
+        eng.add_request(f"warm{i}", {"prompt_token_ids": prompts[0][: args.prefix_len + 1]},
+                        SamplingParams(temperature=0, max_tokens=2), lora_request=lr)
+    while eng.has_unfinished_requests():
+        eng.step()
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    nxt = 0
+    prof = None
+    steps = 0
+    while nxt < len(prompts) or eng.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            lr = loras[nxt % len(loras)] if loras else None
+            eng.add_request(str(nxt), {"prompt_token_ids": prompts[nxt]}, params, lora_request=lr)
+            nxt += 1
+        if not eng.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[nxt] - now))
+            continue
+        if profile and steps == 10:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        outs = eng.step()
+        steps += 1
+        if prof is not None and steps == 20:
+            prof.__exit__(None, None, None)
+        t = time.perf_counter() - t0
+        for o in outs:
+            if o.request_id.startswith("warm"):
+                continue
+            first.setdefault(o.request_id, t)
+            if o.finished:
+                done[o.request_id] = t
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    ttft = [first[str(i)] - arrivals[i] for i in range(len(prompts))]
+    tpot = [(done[str(i)] - first[str(i)]) / max(1, args.new_tokens - 1) for i in range(len(prompts))]
+    res = {"tok_s": len(prompts) * args.new_tokens / wall, "ttft_p50_ms": 1e3 * statistics.median(ttft),
+           "tpot_p50_ms": 1e3 * statistics.median(tpot), "wall_s": wall, "steps": steps,
+           "cpu_s": cpu, "tok_per_cpu_s": len(prompts) * args.new_tokens / cpu}
+    if prof is not None:
+        res["profile_top"] = [
+            {"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+        ]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=1.5)
+    ap.add_argument("--prefix-len", type=int, default=128)
+    ap.add_argument("--min-len", type=int, default=150)
+    ap.add_argument("--max-len", type=int, default=300)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", default="old,new")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.new_tokens, args.min_len, args.max_len = 8, 16, 64, 160
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from loramux.engine.default_model import default_model_path
+    from loramux.engine.lora_request import LoRARequest
+
+    model = default_model_path()
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts, arrivals = make_workload(tok, args)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = make_adapters(model, Path(tmp), 4)
+        loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        for path in args.paths.split(","):
+            for kind, lr in (("base", None), ("lora", loras)):
+                name = f"{path}/{kind}"
+                results[name] = run(model, prompts, arrivals, lr, args, args.profile, **PATHS[path])
+                r = results[name]
+                print(f"{name:10s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                      f"TPOT p50 {r['tpot_p50_ms']:6.1f} ms  {r['tok_per_cpu_s']:6.1f} tok/cpu-s",
+                      flush=True)
+    ratios = {}
+    for path in args.paths.split(","):
+        b, lo = results[f"{path}/base"], results[f"{path}/lora"]
+        ratios[f"{path}: lora/base tok_s"] = lo["tok_s"] / b["tok_s"]
+        ratios[f"{path}: lora/base TPOT"] = lo["tpot_p50_ms"] / b["tpot_p50_ms"]
+        ratios[f"{path}: lora/base tok/cpu-s"] = lo["tok_per_cpu_s"] / b["tok_per_cpu_s"]
+    if "old/base" in results and "new/base" in results:
+        for kind in ("base", "lora"):
+            o, n = results[f"old/{kind}"], results[f"new/{kind}"]
+            ratios[f"{kind}: new/old tok_s"] = n["tok_s"] / o["tok_s"]
+            ratios[f"{kind}: old/new TPOT"] = o["tpot_p50_ms"] / n["tpot_p50_ms"]
+            ratios[f"{kind}: old/new TTFT"] = o["ttft_p50_ms"] / n["ttft_p50_ms"]
+            ratios[f"{kind}: new/old tok/cpu-s"] = n["tok_per_cpu_s"] / o["tok_per_cpu_s"]
+    for k, v in ratios.items():
+        print(f"{k:28s} {v:5.2f}")
+    out = write_json("fast_step", {"workload": vars(args), "results": results, "ratios": ratios})
+    print(f"wrote {out}")
+    _plot(results)
+
+
+def _plot(results: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key, label in zip(axes, ("tok_s", "ttft_p50_ms", "tpot_p50_ms"),
+                              ("output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"), strict=True):
+        ax.bar(names, [results[n][key] for n in names], color=["#999", "#bbb", "#37a", "#5ad"][: len(names)])
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "fast_step.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
