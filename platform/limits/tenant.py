@@ -94,6 +94,10 @@ class RequestCost:
         sequences = max(n, best_of or n)
         return cls(prompt_tokens + max_tokens * sequences, sequences)
 
+    def __add__(self, other: RequestCost) -> RequestCost:
+        """Two requests' costs together (one HTTP request with several prompts)."""
+        return RequestCost(self.tokens + other.tokens, self.sequences + other.sequences)
+
 
 class Admission:
     """An admitted request, inside ``TenantLimiter.admit``."""

@@ -14,6 +14,8 @@ registry's ``quotas_changed`` event drops the cache.
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -104,12 +106,10 @@ class AdmissionControl:
         """Hold the caller's quota for the request's life: 429 with ``Retry-After`` when a
         limit says no; 400 when the request alone is past a limit. The caller charges
         what it really used through ``Admission.charge``."""
-        sequences = max(params.n, params.best_of)
-        tokens = 0
-        for length in prompt_lengths:
-            max_tokens = params.max_tokens or max(0, max_model_len - length)
-            tokens += length + max_tokens * sequences
-        cost = RequestCost(tokens, sequences * len(prompt_lengths))
+        cost = functools.reduce(operator.add, (
+            RequestCost.estimate(length, params.max_tokens or max(0, max_model_len - length),
+                                 params.n, params.best_of)
+            for length in prompt_lengths))
         key = str(caller.tenant.id) if caller.tenant is not None else ANONYMOUS
         quotas = await self.quotas(caller)
         async with self.limiter.admit(key, quotas, cost) as admission:
