@@ -21,11 +21,12 @@ from loramux.platform.adapter_api import routes as adapter_routes
 from loramux.platform.admin import pages as admin_pages
 from loramux.platform.admin import routes as admin_routes
 from loramux.platform.admin.activity import record_rejection
+from loramux.platform.builders import engine_config, open_registry
 from loramux.platform.drain import Drain
 from loramux.platform.errors import install_error_handlers
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
-from loramux.platform.settings import Settings, engine_config, open_registry
+from loramux.platform.settings import Settings
 from loramux.platform.state import VERSION, AppState, aclose_state, build_state
 from loramux.platform.tenant_api import routes as tenant_routes
 

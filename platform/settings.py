@@ -5,20 +5,18 @@ text) and a ``LORAMUX_*`` environment variable (``LORAMUX_MAX_LORAS=8``); a flag
 over the variable, the variable over the default. The registry commands take the
 registry and model fields the same way. A new option is one field here.
 
-From the settings, :func:`engine_config` builds the engine's configuration and
-:func:`open_registry` the registry: the same limits (``max_lora_rank``,
-``max_adapter_bytes``) hold for ``serve`` and for ``loramux adapters upload``.
+What the settings build (the engine's config, the registry, request caps, default
+quotas) is in :mod:`loramux.platform.builders`; the flags are generated from the fields
+by :mod:`loramux.platform.cli.flags`.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
 import json
 import textwrap
-import types
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -28,7 +26,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from loramux.engine.config import (
     CacheConfig,
-    EngineConfig,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
@@ -40,7 +37,7 @@ from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas
 
 if TYPE_CHECKING:
-    from loramux.registry.service import RegistryService
+    pass
 
 DEFAULT_MODEL_ALIASES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
 QUOTA_PREFIX = "default_"
@@ -256,115 +253,7 @@ class Settings(_LimitSettings):
         return value
 
 
-GROUPS = {"max_stop": "request limits", QUOTA_PREFIX + "max_concurrent_requests": "tenant quotas",
-          "s3_connect_timeout": "dependencies (timeouts, bulkheads, breakers)",
-          "model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
-          "role": "cluster (see loramux.platform.cluster)", "quota_cache_ttl": "isolation"}
-"""The flag group that starts at each of these fields (in declaration order)."""
-REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
-                   "s3_region", *(f.name for f in dataclasses.fields(DependencyBudgets)))
-ENGINE_OPTIONS = tuple(f.name for part in (ModelConfig, CacheConfig, SchedulerConfig,
-                                          StructuredOutputConfig, LoRAConfig)
-                       for f in dataclasses.fields(part) if f.name in Settings.model_fields)
-"""The Settings fields that are engine options (same name, passed through as is)."""
-MODEL_FIELDS = ("model", "max_lora_rank", "max_adapter_bytes")
-
-
-def _flag_type(annotation: Any) -> tuple[Any, bool]:
-    """(argparse type, is a list) of a field's annotation."""
-    if typing.get_origin(annotation) is Annotated:
-        annotation = typing.get_args(annotation)[0]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if typing.get_origin(annotation) is list:
-        return str, True
-    if annotation in (int, float):
-        return annotation, False
-    return str, False
-
-
-def add_settings_arguments(parser: Any, names: typing.Iterable[str] | None = None, *,
-                           aliases: dict[str, list[str]] | None = None) -> None:
-    """One ``--flag`` per :class:`Settings` field (all, or ``names``), with the field's
-    docstring as help; a flag left out stays None, so the variable or default applies."""
-    wanted = set(names) if names is not None else None
-    group: Any = parser
-    for name, info in Settings.model_fields.items():
-        if name in GROUPS and wanted is None:
-            group = parser.add_argument_group(GROUPS[name])
-        if wanted is not None and name not in wanted:
-            continue
-        default = info.get_default(call_default_factory=True)
-        shown = default.get_secret_value() if isinstance(default, SecretStr) else default
-        help_text = (info.description or "").replace("%", "%%")
-        help_text += f" [env LORAMUX_{name.upper()}; default {shown!r}]"
-        flags = ["--" + name.replace("_", "-"), *(aliases or {}).get(name, ())]
-        if info.annotation is bool:
-            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
-            continue
-        kind, many = _flag_type(info.annotation)
-        group.add_argument(*flags, dest=name, type=kind, nargs="+" if many else None, default=None,
-                           help=help_text)
-
-
 def setting_default(name: str) -> Any:
     """The default of the :class:`Settings` field ``name``: what a component built outside
     ``Settings`` (tests, the offline API) uses, so the default is written once."""
     return Settings.model_fields[name].get_default(call_default_factory=True)
-
-
-def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
-    """Settings from the flags given (the rest from ``LORAMUX_*`` and the defaults)."""
-    values = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
-    values.update({k: v for k, v in extra.items() if v is not None})
-    return Settings(**values)
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    """The engine's configuration for these settings (every engine option, by name)."""
-    return EngineConfig.from_options(
-        **{name: getattr(settings, name) for name in ENGINE_OPTIONS}, enable_lora=settings.enable_lora)
-
-
-def request_limits(settings: Settings) -> RequestLimits:
-    """The per-request caps for these settings."""
-    return RequestLimits(**{f.name: getattr(settings, f.name)
-                            for f in dataclasses.fields(RequestLimits)})
-
-
-def default_quotas(settings: Settings) -> Quotas:
-    """The quotas of tenants without their own, for these settings."""
-    return Quotas(**{f.name: getattr(settings, QUOTA_PREFIX + f.name)
-                     for f in dataclasses.fields(Quotas)})
-
-
-def dependency_budgets(settings: Settings) -> DependencyBudgets:
-    """The registry's timeouts for these settings."""
-    return DependencyBudgets(**{f.name: getattr(settings, f.name)
-                                for f in dataclasses.fields(DependencyBudgets)})
-
-
-def dependency_policy(settings: Settings) -> DependencyPolicy:
-    """The bulkheads' sizes, deadlines and breakers for these settings."""
-    return DependencyPolicy(**{f.name: getattr(settings, f.name)
-                               for f in dataclasses.fields(DependencyPolicy)})
-
-
-def open_registry(settings: Settings, base_model: Any = None, *,
-                  auto_upgrade: bool | None = None) -> RegistryService:
-    """The registry for these settings. With ``base_model`` (a folder, or a config)
-    uploads are validated against it under the serving limits (``max_lora_rank``,
-    ``max_adapter_bytes``), so an adapter the registry accepts is one ``serve`` serves."""
-    from loramux.platform.openai.params import registry_preset_check
-    from loramux.registry import build_registry
-
-    s = settings
-    return build_registry(
-        database_url=s.database_url, s3_bucket=s.s3_bucket, s3_endpoint_url=s.s3_endpoint_url,
-        s3_prefix=s.s3_prefix, s3_region=s.s3_region, data_dir=s.data_dir,
-        base_model=str(base_model) if isinstance(base_model, Path) else base_model,
-        max_lora_rank=s.max_lora_rank, max_adapter_bytes=s.max_adapter_bytes,
-        auto_upgrade=auto_upgrade, preset_check=registry_preset_check,
-        default_quotas=default_quotas(s), budgets=dependency_budgets(s),
-    )

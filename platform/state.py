@@ -18,19 +18,14 @@ from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
+from loramux.platform.builders import default_quotas, dependency_policy, request_limits
 from loramux.platform.dependencies import Dependencies
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.admission import AdmissionControl
 from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
 from loramux.platform.openai.serving import OpenAIServing
-from loramux.platform.settings import (
-    DEFAULT_MODEL_ALIASES,
-    Settings,
-    default_quotas,
-    dependency_policy,
-    request_limits,
-)
+from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService

@@ -11,11 +11,11 @@ from loramux.platform.cli.common import (
     EXIT_OK,
     actor,
     model_options,
-    open_registry,
+    registry_from_args,
     registry_options,
     resolve_base_model,
 )
-from loramux.platform.settings import settings_from_args
+from loramux.platform.cli.flags import settings_from_args
 
 
 def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +90,7 @@ def _preset_arg(text: str | None) -> Any:
 
 
 def cmd_adapters_upload(args: argparse.Namespace) -> int:
-    registry = open_registry(args, with_model=True)
+    registry = registry_from_args(args, with_model=True)
     handle = registry.upload(
         args.tenant,
         args.name,
@@ -107,7 +107,7 @@ def cmd_adapters_upload(args: argparse.Namespace) -> int:
 
 
 def cmd_adapters_list(args: argparse.Namespace) -> int:
-    handles = open_registry(args).list(args.tenant)
+    handles = registry_from_args(args).list(args.tenant)
     for h in handles:
         if args.json:
             print(json.dumps(h.to_dict(), sort_keys=True))
@@ -122,13 +122,13 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
 
 
 def cmd_adapters_delete(args: argparse.Namespace) -> int:
-    open_registry(args).delete(args.tenant, args.name, actor=actor())
+    registry_from_args(args).delete(args.tenant, args.name, actor=actor())
     print(f"deleted {args.name!r}")
     return EXIT_OK
 
 
 def cmd_adapters_set_preset(args: argparse.Namespace) -> int:
-    handle = open_registry(args).set_preset(
+    handle = registry_from_args(args).set_preset(
         args.tenant, args.name, _preset_arg(args.preset), actor=actor()
     )
     print(json.dumps(handle.default_preset))

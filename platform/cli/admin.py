@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.cli.common import EXIT_ERROR, EXIT_OK
-from loramux.platform.settings import add_settings_arguments, settings_from_args
+from loramux.platform.cli.flags import add_settings_arguments, settings_from_args
 
 
 def _client_options() -> argparse.ArgumentParser:

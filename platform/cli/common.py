@@ -7,7 +7,7 @@ import argparse
 import getpass
 from pathlib import Path
 
-from loramux.platform.settings import (
+from loramux.platform.cli.flags import (
     MODEL_FIELDS,
     REGISTRY_FIELDS,
     add_settings_arguments,
@@ -41,13 +41,13 @@ def resolve_base_model(model: str | None) -> Path:
     return default_model_path()
 
 
-def open_registry(args: argparse.Namespace, *, with_model: bool = False):
+def registry_from_args(args: argparse.Namespace, *, with_model: bool = False):
     """The registry the flags (and ``LORAMUX_*``) describe; ``with_model`` validates
     uploads against the base model under the serving limits."""
-    from loramux.platform.settings import open_registry as _open
+    from loramux.platform.builders import open_registry
 
     settings = settings_from_args(args)
-    return _open(settings, resolve_base_model(settings.model) if with_model else None)
+    return open_registry(settings, resolve_base_model(settings.model) if with_model else None)
 
 
 def actor() -> str:

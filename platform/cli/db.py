@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from loramux.platform.cli.common import EXIT_OK, registry_options
-from loramux.platform.settings import settings_from_args
+from loramux.platform.cli.flags import settings_from_args
 
 
 def add_db_commands(sub: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ from loramux.platform.cli.common import (
     EXIT_OK,
     actor,
     model_options,
-    open_registry,
+    registry_from_args,
     registry_options,
 )
 
@@ -28,7 +28,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    registry = open_registry(args, with_model=True)
+    registry = registry_from_args(args, with_model=True)
     out = registry.export(
         args.tenant, args.name, args.out, check=args.check, actor=actor(), overwrite=args.overwrite
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loramux.platform.cli.common import EXIT_OK, open_registry, registry_options
+from loramux.platform.cli.common import EXIT_OK, registry_from_args, registry_options
 from loramux.registry.gc import DEFAULT_GC_MIN_AGE_S, LEFTOVER_AGE_S
 
 
@@ -22,7 +22,7 @@ def add_gc_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = open_registry(args).gc(min_age_seconds=args.min_age,
+    report = registry_from_args(args).gc(min_age_seconds=args.min_age,
                                     leftover_age_s=args.leftover_age)
     print(
         f"deleted {len(report.deleted_objects)} objects, "

@@ -16,8 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
-from loramux.platform import settings as _settings
-from loramux.platform.settings import Settings, add_settings_arguments
+from loramux.platform.cli.flags import add_settings_arguments, settings_from_args
+from loramux.platform.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +40,11 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+def serve_settings(args: argparse.Namespace) -> Settings:
     """Settings from the flags given (the positional MODEL too); the rest from
     ``LORAMUX_*`` and the defaults."""
     model = args.model_arg if getattr(args, "model", None) is None else None
-    return _settings.settings_from_args(args, model=model)
+    return settings_from_args(args, model=model)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loramux.platform.drain import AFTER_TIMEOUT_S, DrainingServer
     from loramux.platform.logs import configure_logging
 
-    settings = settings_from_args(args)
+    settings = serve_settings(args)
     configure_logging(settings.log_level, settings.log_format)
     if settings.role != "all":
         from loramux.platform.cluster.roles import build_role_app

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from loramux.platform.cli.common import EXIT_ERROR, EXIT_OK, open_registry, registry_options
+from loramux.platform.cli.common import EXIT_ERROR, EXIT_OK, registry_from_args, registry_options
 
 
 def add_tenant_commands(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +64,7 @@ def add_quota_command(tsub: argparse._SubParsersAction) -> None:
 
 
 def cmd_tenants_create(args: argparse.Namespace) -> int:
-    registry = open_registry(args)
+    registry = registry_from_args(args)
     tenant, key = registry.create_tenant(args.name, admin=args.admin)
     print(f"created tenant {tenant.name!r} (id {tenant.id})", file=sys.stderr)
     print("API key (shown only once, store it now):", file=sys.stderr)
@@ -73,20 +73,20 @@ def cmd_tenants_create(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_list(args: argparse.Namespace) -> int:
-    for tenant in open_registry(args).list_tenants():
+    for tenant in registry_from_args(args).list_tenants():
         print(f"{tenant.id}\t{tenant.name}\t{tenant.created_at:%Y-%m-%d %H:%M}")
     return EXIT_OK
 
 
 def cmd_tenants_add_key(args: argparse.Namespace) -> int:
-    key = open_registry(args).create_api_key(args.name, admin=args.admin, label=args.label)
+    key = registry_from_args(args).create_api_key(args.name, admin=args.admin, label=args.label)
     print("API key (shown only once, store it now):", file=sys.stderr)
     print(key)
     return EXIT_OK
 
 
 def cmd_tenants_revoke_key(args: argparse.Namespace) -> int:
-    if not open_registry(args).revoke_api_key(args.key):
+    if not registry_from_args(args).revoke_api_key(args.key):
         print("error: no such active key", file=sys.stderr)
         return EXIT_ERROR
     print("revoked")
@@ -96,7 +96,7 @@ def cmd_tenants_revoke_key(args: argparse.Namespace) -> int:
 def cmd_tenants_quota(args: argparse.Namespace) -> int:
     from loramux.registry.quotas import QUOTA_FIELDS, Quotas
 
-    registry = open_registry(args)
+    registry = registry_from_args(args)
     changes = {name: getattr(args, name) for name in QUOTA_FIELDS if hasattr(args, name)}
     if args.reset and changes:
         print("error: --reset takes no quota flags", file=sys.stderr)

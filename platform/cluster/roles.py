@@ -70,6 +70,7 @@ def build_gateway_app(settings: Settings):
     import httpx
 
     from loramux.platform.auth import Authenticator
+    from loramux.platform.builders import dependency_policy, open_registry
     from loramux.platform.cluster.gateway import Gateway
     from loramux.platform.cluster.gateway_admin import gateway_admin_state
     from loramux.platform.cluster.gateway_app import create_gateway_app
@@ -79,7 +80,6 @@ def build_gateway_app(settings: Settings):
     from loramux.platform.dependencies import Dependencies
     from loramux.platform.limits.redis_backend import RedisBackend
     from loramux.platform.limits.tenant import TenantLimiter
-    from loramux.platform.settings import dependency_policy, open_registry
 
     secret = _require(settings)
     cluster = cluster_state(settings)

@@ -104,7 +104,8 @@ def test_dependency_kind():
 
 
 def test_policy_and_budgets_are_settings():
-    from loramux.platform.settings import Settings, dependency_budgets, dependency_policy
+    from loramux.platform.builders import dependency_budgets, dependency_policy
+    from loramux.platform.settings import Settings
 
     s = Settings(s3_read_timeout=1.5, db_statement_timeout=2.0, db_workers=3,
                  breaker_reset=9.0)

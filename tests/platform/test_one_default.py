@@ -18,7 +18,8 @@ from loramux.engine.config import (
     StructuredOutputConfig,
 )
 from loramux.engine.llm import LLM
-from loramux.platform.settings import ENGINE_OPTIONS, Settings, engine_config, setting_default
+from loramux.platform.builders import ENGINE_OPTIONS, engine_config
+from loramux.platform.settings import Settings, setting_default
 
 PARTS = (ModelConfig, CacheConfig, SchedulerConfig, StructuredOutputConfig, LoRAConfig)
 DIFFERENT_ON_PURPOSE = {"max_waiting"}  # the service bounds its queue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from loramux.platform.cli import build_parser
-from loramux.platform.cli.serve import DEMO_ADAPTER, bootstrap, settings_from_args
+from loramux.platform.cli.serve import DEMO_ADAPTER, bootstrap, serve_settings
 from loramux.platform.settings import Settings
 
 
@@ -20,7 +20,7 @@ def test_flags_mirror_vllm_and_fall_back_to_env(monkeypatch, tmp_path):
         "--s3-bucket", "b", "--s3-endpoint-url", "http://minio:9000", "--data-dir", str(tmp_path),
         "--served-model-name", "llama", "meta-llama/Llama",
     ])
-    s = settings_from_args(args)
+    s = serve_settings(args)
     assert s.model == "/models/llama" and s.max_model_len == 1024 and s.max_num_seqs == 32
     assert s.dtype == "bfloat16" and s.enable_lora and s.max_lora_rank == 32 and s.max_cpu_loras == 16
     assert s.max_loras == 7 and s.port == 9001 and s.host == "127.0.0.1"

@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from loramux.platform.builders import default_quotas, request_limits
 from loramux.platform.cli import main
 from loramux.platform.limits.request import RequestLimits
-from loramux.platform.settings import Settings, default_quotas, request_limits
+from loramux.platform.settings import Settings
 from loramux.registry.quotas import Quotas
 
 

@@ -1,0 +1,81 @@
+"""What the service's :class:`~loramux.platform.settings.Settings` build: the engine's
+configuration, the registry, the request caps, the default quotas and the dependency
+budgets. The same limits (``max_lora_rank``, ``max_adapter_bytes``) hold for ``serve``
+and for ``loramux adapters upload``, because both build through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loramux.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    StructuredOutputConfig,
+)
+from loramux.platform.dependencies import DependencyPolicy
+from loramux.platform.limits.request import RequestLimits
+from loramux.platform.settings import QUOTA_PREFIX, Settings
+from loramux.registry.budgets import DependencyBudgets
+from loramux.registry.quotas import Quotas
+
+if TYPE_CHECKING:
+    from loramux.registry.service import RegistryService
+
+ENGINE_OPTIONS = tuple(f.name for part in (ModelConfig, CacheConfig, SchedulerConfig,
+                                          StructuredOutputConfig, LoRAConfig)
+                       for f in dataclasses.fields(part) if f.name in Settings.model_fields)
+"""The Settings fields that are engine options (same name, passed through as is)."""
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's configuration for these settings (every engine option, by name)."""
+    return EngineConfig.from_options(
+        **{name: getattr(settings, name) for name in ENGINE_OPTIONS}, enable_lora=settings.enable_lora)
+
+
+def request_limits(settings: Settings) -> RequestLimits:
+    """The per-request caps for these settings."""
+    return RequestLimits(**{f.name: getattr(settings, f.name)
+                            for f in dataclasses.fields(RequestLimits)})
+
+
+def default_quotas(settings: Settings) -> Quotas:
+    """The quotas of tenants without their own, for these settings."""
+    return Quotas(**{f.name: getattr(settings, QUOTA_PREFIX + f.name)
+                     for f in dataclasses.fields(Quotas)})
+
+
+def dependency_budgets(settings: Settings) -> DependencyBudgets:
+    """The registry's timeouts for these settings."""
+    return DependencyBudgets(**{f.name: getattr(settings, f.name)
+                                for f in dataclasses.fields(DependencyBudgets)})
+
+
+def dependency_policy(settings: Settings) -> DependencyPolicy:
+    """The bulkheads' sizes, deadlines and breakers for these settings."""
+    return DependencyPolicy(**{f.name: getattr(settings, f.name)
+                               for f in dataclasses.fields(DependencyPolicy)})
+
+
+def open_registry(settings: Settings, base_model: Any = None, *,
+                  auto_upgrade: bool | None = None) -> RegistryService:
+    """The registry for these settings. With ``base_model`` (a folder, or a config)
+    uploads are validated against it under the serving limits (``max_lora_rank``,
+    ``max_adapter_bytes``), so an adapter the registry accepts is one ``serve`` serves."""
+    from loramux.platform.openai.params import registry_preset_check
+    from loramux.registry import build_registry
+
+    s = settings
+    return build_registry(
+        database_url=s.database_url, s3_bucket=s.s3_bucket, s3_endpoint_url=s.s3_endpoint_url,
+        s3_prefix=s.s3_prefix, s3_region=s.s3_region, data_dir=s.data_dir,
+        base_model=str(base_model) if isinstance(base_model, Path) else base_model,
+        max_lora_rank=s.max_lora_rank, max_adapter_bytes=s.max_adapter_bytes,
+        auto_upgrade=auto_upgrade, preset_check=registry_preset_check,
+        default_quotas=default_quotas(s), budgets=dependency_budgets(s),
+    )
