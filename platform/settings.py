@@ -31,6 +31,7 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from loramux.platform.cluster.routing import RouterConfig
 from loramux.platform.dependencies import DependencyPolicy
 from loramux.platform.limits.request import RequestLimits
 from loramux.registry.budgets import DependencyBudgets
@@ -213,9 +214,9 @@ class Settings(_LimitSettings):
     """Engine: seconds between heartbeats. Gateway: seconds between reads of the pool."""
     heartbeat_ttl: float = 5.0
     """Seconds without a heartbeat after which an engine leaves the pool."""
-    route_queue_threshold: int = 4
+    route_queue_threshold: int = RouterConfig.queue_threshold
     """Gateway: queued requests past an engine's ``max_num_seqs`` before it spills over."""
-    route_load_factor: float = 1.25
+    route_load_factor: float = RouterConfig.load_factor
     """Gateway: an engine past the queue threshold keeps its adapters while its load is
     within this multiple of the fleet's mean."""
 

@@ -60,6 +60,7 @@ from loramux.platform.limits.tenant import (
     TenantLimiter,
 )
 from loramux.platform.openai.resolver import Caller, engine_key
+from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class Gateway:
     """Seconds a (tenant, model) resolution is cached (``model_cache_ttl``)."""
     quota_ttl: float
     """Seconds a tenant's quotas are cached (``quota_cache_ttl``)."""
-    max_request_bytes: int = 8 * 1024 * 1024
+    max_request_bytes: int = setting_default("max_request_bytes")
     limiter: TenantLimiter | None = None
     """The tenant limiter (Redis backend: shared by every gateway); None = no limits."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from loramux.platform.cluster.protocol import ClusterEvent, EngineRecord
+from loramux.platform.settings import setting_default
 
 if TYPE_CHECKING:
     from loramux.platform.cluster.redis_state import ClusterState
@@ -160,7 +161,7 @@ class EngineHeartbeat:
 
     state: ClusterState
     snapshot: Callable[[], EngineRecord]
-    interval: float = 1.0
+    interval: float = setting_default("heartbeat_interval")
     ok: bool = False
     _ticker: Periodic | None = None
 
