@@ -3,7 +3,8 @@
 :func:`attach_engine_role` is called once the app's state is built (engine loaded). It
   * takes the caller from the gateway: the gateway authenticates the client's key and
     sends a signed identity (``Authorization: Bearer lmxgw.<tenant id>.<admin>.<mac>``,
-    :func:`~.protocol.identity_token`), which :class:`GatewayIdentityAuthenticator` checks; client
+    :func:`~.protocol.identity_token`), which :class:`GatewayIdentityAuthenticator` checks
+    (``state.auth`` of an engine-role server, built by ``build_authenticator``); client
     keys themselves are never accepted by an engine;
   * requires ``X-LoRAMux-Cluster-Secret`` on every route but ``/health``, ``/ready`` and
     ``/metrics`` (:class:`ClusterSecretMiddleware`, added by :func:`secure_app` before the

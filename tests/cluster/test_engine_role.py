@@ -76,3 +76,26 @@ async def test_engines_take_the_caller_from_the_gateways_signed_identity():
     assert await auth.lookup(good.replace(".0.", ".1.")) is None
     assert await auth.lookup("lmx_live_clientkey") is None
     assert await auth.lookup(identity_token("s3cret", 8, False)) is None  # unknown tenant
+
+
+def test_the_engine_role_builds_its_authenticator_once():
+    """Role engine: the state is built with the identity authenticator (no swap that
+    would leave a client-key authenticator subscribed to the registry)."""
+    from loramux.platform.auth import Authenticator
+    from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator
+    from loramux.platform.settings import Settings
+    from loramux.platform.state import build_authenticator
+
+    engine = build_authenticator(Settings(role="engine", cluster_secret="s3cret"), None)
+    assert isinstance(engine, GatewayIdentityAuthenticator) and engine.secret == "s3cret"
+    alone = build_authenticator(Settings(admin_key="k"), None)
+    assert type(alone) is Authenticator
+
+
+def test_identity_tokens_read_back():
+    from loramux.platform.cluster.protocol import identity_token, read_identity
+
+    assert read_identity("s", identity_token("s", 7, False)) == (7, False)
+    assert read_identity("s", identity_token("s", None, True)) == (None, True)
+    assert read_identity("other", identity_token("s", 7, True)) is None
+    assert read_identity("s", None) is None and read_identity("s", "lmx_key") is None
