@@ -11,7 +11,7 @@ Paths: ``old`` = the torch attention (gathers each context, then SDPA), ``new`` 
 kernel that reads the paged cache in place. Reports per run output tok/s, TTFT p50, TPOT
 p50, output tokens per CPU-second (robust on a shared machine with ``--threads 1``), and
 the ratios new ÷ old and LoRA ÷ base. ``--profile`` adds a torch.profiler
-breakdown of a few steps of each run. Writes bench/results/fast_step.json and .png.
+breakdown of steps 3-8 of each run. Writes bench/results/fast_step.json and .png.
 
     python bench/fast_step.py                 # default model, bf16, ~2-3 minutes
     python bench/fast_step.py --quick         # fewer, shorter requests
@@ -79,12 +79,12 @@ def run(model, prompts, arrivals, loras, args, profile: bool, **options) -> dict
         if not eng.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[nxt] - now))
             continue
-        if profile and steps == 10:
+        if profile and steps == 2:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
         outs = eng.step()
         steps += 1
-        if prof is not None and steps == 20:
+        if prof is not None and steps == 8:
             prof.__exit__(None, None, None)
         t = time.perf_counter() - t0
         for o in outs:
