@@ -193,11 +193,11 @@ def add_lora_blockdiag(
     if y.shape != (meta.num_tokens, n_total):
         raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
-    if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
-        _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)
-        return
     if scale is None and 0 < len(meta.runs) <= _MAX_RUNS:
         _add_runs(y, x, a_stack, b_blockdiag, meta, num_slices * R)
+        return
+    if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
+        _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)
         return
     if scale is None:
         scale = torch.ones(a_stack.shape[0], dtype=torch.float32, device=x.device)
@@ -216,8 +216,8 @@ def add_lora_blockdiag(
 
 
 def _add_in_place(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> None:
-    """Pre-scaled A, LoRA tokens at rows 0..T_lora-1 in consecutive slots: two GEMMs,
-    the second accumulating into y (in y's dtype)."""
+    """Pre-scaled A, LoRA tokens at rows 0..T_lora-1 in consecutive slots: two batched
+    GEMMs in the slots' dtype, the second accumulating into y when the dtypes agree."""
     NC, C = meta.num_chunks, meta.chunk_len
     K = x.shape[1]
     start = meta.chunk_slot_start
@@ -226,7 +226,10 @@ def _add_in_place(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> N
     xs = x.narrow(0, 0, meta.num_lora_tokens).view(NC, C, K)
     v = torch.bmm(xs.to(a.dtype), a.transpose(1, 2))  # [NC, C, S*R]
     ys = y.narrow(0, 0, meta.num_lora_tokens).view(NC, C, -1)
-    ys.baddbmm_(v.to(ys.dtype), b.to(ys.dtype))
+    if ys.dtype == b.dtype:
+        ys.baddbmm_(v, b)
+    else:  # GEMMs in the slots' dtype (fp32 slots for a bf16 model on AVX2): never cast B
+        ys.add_(torch.bmm(v, b))
 
 
 def _add_runs(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> None:
