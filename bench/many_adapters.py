@@ -87,11 +87,18 @@ def pick(u: float, n: int, skew: bool, alpha: float) -> int:
 
 
 def make_adapters(model: Path, root: Path, count: int) -> list[Path]:
+    """``count`` random adapters under ``root``, reusing the ones a previous run wrote."""
     from support.adapters import write_random_adapter
 
-    return [write_random_adapter(model, root / f"a{i}", r=RANKS[i % len(RANKS)], seed=i,
-                                 std=0.02, target_modules=ALL_MODULES, lora_alpha=16.0)
-            for i in range(count)]
+    paths = []
+    for i in range(count):
+        path = root / f"a{i}"
+        if not (path / "adapter_model.safetensors").is_file():
+            write_random_adapter(model, path, r=RANKS[i % len(RANKS)], seed=i, std=0.02,
+                                 target_modules=ALL_MODULES, lora_alpha=16.0,
+                                 dtype=torch.bfloat16)
+        paths.append(path)
+    return paths
 
 
 async def run_config(engine, reqs: list[dict], adapters: list[Path], cfg: dict, alpha: float) -> dict:
@@ -196,6 +203,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--quick", action="store_true", help="a tiny random model (seconds)")
+    ap.add_argument("--adapter-dir", default=str(Path.home() / ".cache/loramux/bench-adapters"),
+                    help="where the random adapters are kept between runs ('' = a temp dir)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from loramux.engine.default_model import default_model_path
@@ -210,10 +219,12 @@ def main() -> None:
             from support.tiny_models import make_tiny_llama
 
             model = make_tiny_llama(Path(tmp) / "tiny", model)
-        adapters = make_adapters(model, Path(tmp), max(CONFIGS[n]["adapters"] for n in names))
+        root = Path(args.adapter_dir) if args.adapter_dir and not args.quick else Path(tmp)
+        adapters = make_adapters(model, root, max(CONFIGS[n]["adapters"] for n in names))
         reqs = None
         for name in names:
             cfg = CONFIGS[name]
+            print(f"{name}: {cfg['adapters']} adapters, flags {cfg['lora'] or 'default'}", flush=True)
             engine = engine_for(args, model, cfg["lora"])
             manager = engine.engine.lora_manager
             reqs = reqs or workload(args, engine.engine.model.dims.vocab_size)
