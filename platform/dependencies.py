@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+PROBE_TIMEOUT_S = 1.0
+"""Seconds each dependency probe of ``/ready`` may take (Kubernetes' probe default is 1 s
+for the whole request: the probes run concurrently)."""
+
 
 @dataclass(frozen=True)
 class DependencyPolicy:
@@ -292,3 +296,30 @@ async def probe(bulkhead: Bulkhead, fn: Callable[[], Any], timeout: float) -> tu
         return "down", f"{type(exc).__name__}: {exc}"
     status = bulkhead.status()
     return status, (bulkhead.last_error if status != "ok" else None)
+
+
+async def dependency_report(deps: Dependencies, registry: Any = None,
+                            redis_ping: Callable[[], Any] | None = None,
+                            timeout: float = PROBE_TIMEOUT_S) -> tuple[dict[str, str], dict[str, str]]:
+    """``(status per dependency, reason per failing one)`` of a server: the registry's
+    database and store through their bulkheads, Redis through ``redis_ping`` (an async
+    ping), all probed concurrently within ``timeout``."""
+    probes = {}
+    if registry is not None:
+        store = registry.store
+        probes["database"] = probe(deps.db, registry.db.ping, timeout)
+        probes["object store"] = probe(deps.store, lambda: store.exists("health/probe"), timeout)
+    if redis_ping is not None:
+        probes["redis"] = _async_probe(redis_ping, timeout)
+    results = await asyncio.gather(*probes.values())
+    statuses = {name: status for name, (status, _) in zip(probes, results, strict=True)}
+    reasons = {name: why for name, (_, why) in zip(probes, results, strict=True) if why}
+    return statuses, reasons
+
+
+async def _async_probe(ping: Callable[[], Any], timeout: float) -> tuple[str, str | None]:
+    try:
+        await asyncio.wait_for(ping(), timeout)
+    except Exception as exc:  # every failure is an answer here
+        return "down", f"{type(exc).__name__}: {exc}"
+    return "ok", None

@@ -12,7 +12,6 @@ to the admin key only.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from fastapi import APIRouter, Request
@@ -21,16 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from loramux.platform.auth import bearer_key
-from loramux.platform.dependencies import probe
+from loramux.platform.dependencies import dependency_report
 from loramux.platform.deps import MetricsReaderDep, StateDep
 from loramux.platform.state import AppState
 
 router = APIRouter(tags=["operations"])
-
-PROBE_TIMEOUT_S = 1.0
-"""Seconds each dependency probe of ``/ready`` may take (Kubernetes' probe default is 1 s
-for the whole request: the probes run concurrently)."""
-
 
 class Health(BaseModel):
     status: str
@@ -56,30 +50,10 @@ async def health(state: StateDep):
     return Health(status="ok")
 
 
-async def dependency_report(state: AppState) -> tuple[dict[str, str], dict[str, str]]:
-    """``(status per dependency, reason per failing one)``, the probes run concurrently."""
-    probes = {}
-    if state.registry is not None:
-        probes["database"] = probe(state.deps.db, state.registry.db.ping, PROBE_TIMEOUT_S)
-        store = state.registry.store
-        probes["object store"] = probe(state.deps.store, lambda: store.exists("health/probe"),
-                                       PROBE_TIMEOUT_S)
-    limiter = state.admission.limiter if state.admission is not None else None
-    backend = getattr(limiter, "backend", None)
-    if hasattr(backend, "ping"):
-        probes["redis"] = _redis_probe(backend.ping)
-    results = await asyncio.gather(*probes.values())
-    statuses = {name: status for name, (status, _) in zip(probes, results, strict=True)}
-    reasons = {name: why for name, (_, why) in zip(probes, results, strict=True) if why}
-    return statuses, reasons
-
-
-async def _redis_probe(ping) -> tuple[str, str | None]:
-    try:
-        await asyncio.wait_for(ping(), PROBE_TIMEOUT_S)
-    except Exception as exc:
-        return "down", f"{type(exc).__name__}: {exc}"
-    return "ok", None
+def _redis_ping(state: AppState):
+    """The limiter's Redis ping, when the limits live in Redis."""
+    backend = getattr(state.admission.limiter, "backend", None) if state.admission else None
+    return getattr(backend, "ping", None)
 
 
 async def _is_admin(state: AppState, request: Request) -> bool:
@@ -99,7 +73,7 @@ async def ready(state: StateDep, request: Request):
     drain = getattr(request.app.state, "drain", None)
     checks = {"engine": state.engine.is_ready,
               "accepting": not (drain is not None and drain.draining)}
-    deps, reasons = await dependency_report(state)
+    deps, reasons = await dependency_report(state.deps, state.registry, _redis_ping(state))
     if "database" in deps:
         checks["registry"] = deps["database"] != "down"
     serving = checks["engine"] and checks["accepting"]

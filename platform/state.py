@@ -5,6 +5,7 @@ how :func:`close_state` takes it down."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import tempfile
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
 from loramux.platform.builders import default_quotas, dependency_policy, request_limits
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.dependencies import Dependencies, dependency_report
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.admission import AdmissionControl
@@ -145,6 +146,8 @@ def build_state(settings: Settings, engine: AsyncEngine,
         fleet, registry, resolver, metrics.activity, base_model=engine.model_path.name,
         dtype=engine.dtype, device=engine.device,
     )
+    redis_ping = getattr(admission.limiter.backend, "ping", None)
+    admin.health = functools.partial(dependency_report, deps, registry, redis_ping)
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
                      adapters, scratch, admission=admission, deps=deps)
     if registry is not None:

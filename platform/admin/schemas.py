@@ -96,6 +96,10 @@ class Overview(BaseModel):
     dtype: str
     device: str
     engines: list[EngineSummary]
+    dependencies: dict[str, str] = {}
+    """``ok`` / ``degraded`` / ``down`` per dependency (database, object store, redis)."""
+    dependency_reasons: dict[str, str] = {}
+    """Why each failing dependency failed (the admin sees addresses)."""
 
 
 class ActionResult(BaseModel):

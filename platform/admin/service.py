@@ -10,6 +10,7 @@ engines first. Registry reads run in worker threads, never on the event loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,8 @@ class AdminService:
         self.resolver = resolver
         self.activity = activity
         self.base_model, self.dtype, self.device = base_model, dtype, device
+        self.health: Callable[[], Awaitable[tuple[dict[str, str], dict[str, str]]]] | None = None
+        """The server's dependency report for the overview (``dependency_report``)."""
 
     def _registry_rows(self) -> list[tuple[str, AdapterHandle, str]]:
         if self.registry is None:
@@ -63,8 +66,10 @@ class AdminService:
 
     async def overview(self) -> Overview:
         views = await self.fleet.engines()
+        deps, reasons = await self.health() if self.health is not None else ({}, {})
         return Overview(base_model=self.base_model, dtype=self.dtype, device=self.device,
-                        engines=[v.summary for v in views])
+                        engines=[v.summary for v in views], dependencies=deps,
+                        dependency_reasons=reasons)
 
     async def adapters(self) -> Residency:
         """Every adapter per engine (and the registry's not loaded anywhere)."""

@@ -52,7 +52,7 @@ from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.cluster.view import GatewayView
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.dependencies import Dependencies, probe
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
 from loramux.platform.limits.tenant import (
     Admission,
@@ -297,5 +297,16 @@ class Gateway:
             status = "no engines"
         body = GatewayReadiness(
             status=status, engines=[v.engine_id for v in live],
-            redis="unreachable: " + self.view.last_error if self.view.degraded else "ok")
+            redis="unreachable" if self.view.degraded else "ok",
+            dependencies={"redis": "down" if self.view.degraded else "ok"})
         return (200 if live else 503), body
+
+    async def probe_database(self, body: GatewayReadiness, timeout: float) -> None:
+        """Add the registry database's state to a readiness body (a failing one makes a
+        ready gateway ``degraded``: cached keys and routes still serve)."""
+        if self.registry is None:
+            return
+        db, _ = await probe(self.deps.db, self.registry.db.ping, timeout)
+        body.dependencies["database"] = db
+        if db != "ok" and body.status == "ready":
+            body.status = "degraded"

@@ -11,6 +11,7 @@ to all, answered by each acting engine through a Redis reply list."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from loramux.platform.auth import Authenticator
 from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.protocol import ClusterEvent, EngineRecord
 from loramux.platform.cluster.redis_state import ClusterState
+from loramux.platform.dependencies import dependency_report
 from loramux.platform.errors import NotFound, ServiceUnavailable
 from loramux.platform.openai.resolver import ModelResolver
 from loramux.platform.settings import Settings
@@ -113,7 +115,10 @@ def gateway_admin_state(gw: Gateway, settings: Settings) -> GatewayAdminState:
     base = settings.model or ""  # a gateway may run without --model (engines load it);
     # the resolver only lists static adapters here (none at a gateway)
     resolver = ModelResolver([base or "base"], registry=gw.registry,
-                             ttl=settings.model_cache_ttl)
+                             ttl=settings.model_cache_ttl, deps=gw.deps)
     admin = AdminService(fleet, gw.registry, resolver, Activity(), base_model=base,
                          dtype=settings.dtype, device=settings.device)
+    backend = getattr(gw.limiter, "backend", None)
+    admin.health = functools.partial(dependency_report, gw.deps, gw.registry,
+                                     getattr(backend, "ping", None))
     return GatewayAdminState(settings, gw.auth, admin)

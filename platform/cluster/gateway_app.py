@@ -18,6 +18,7 @@ from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.request_body import prompt_text
 from loramux.platform.cluster.routing import prefix_hashes
 from loramux.platform.cluster.schemas import GatewayReadiness
+from loramux.platform.dependencies import PROBE_TIMEOUT_S
 from loramux.platform.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -93,6 +94,7 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
     @app.get("/ready", response_model=GatewayReadiness)
     async def ready():
         status, body = gw.ready()
+        await gw.probe_database(body, PROBE_TIMEOUT_S)
         return JSONResponse(body.model_dump(), status_code=status)
 
     @app.get("/metrics")

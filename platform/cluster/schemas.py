@@ -14,5 +14,7 @@ class GatewayReadiness(BaseModel):
     engines: list[str]
     """The live engines routed over."""
     redis: str
-    """``ok``, or ``unreachable: <error>``."""
+    """``ok`` or ``unreachable`` (why: in the log)."""
+    dependencies: dict[str, str] = {}
+    """``ok`` / ``degraded`` / ``down`` per dependency (database, redis)."""
 

@@ -53,4 +53,7 @@ def test_limiter_redis_down_serves_on(limited):
     with gateway(data, f"redis://127.0.0.1:{free_port()}/0", "lmx-down") as gw:
         for _ in range(4):  # past the limit, but nobody can count: served (and logged)
             assert ask(gw, key).status_code == 404
-        assert gw.get("/ready").json()["status"] in ("degraded", "no engines")
+        ready = gw.get("/ready").json()
+        assert ready["status"] in ("degraded", "no engines")
+        assert ready["dependencies"] == {"redis": "down", "database": "ok"}
+        assert ready["redis"] == "unreachable"  # the address only in the log

@@ -69,6 +69,7 @@ async def test_login_cookie_and_csrf(client, env, caplog):
     assert r.status_code == 200 and r.json()["done"] is True
     overview = (await client.get("/admin")).text  # per-tier load counts and times
     assert "loads disk → CPU" in overview and "loads CPU → slot" in overview
+    assert 'data-dependency="database"' in overview  # the dependencies' state
     adapters_page = (await client.get("/admin/ui/adapters")).text
     row_html = adapters_page.split(key, 1)[1].split("</tr>", 1)[0]
     assert re.search(r"disk \d+ ms\s*<br>slot [\d.]+ ms", row_html)  # its load column
@@ -101,6 +102,7 @@ async def test_overview_tenants_and_keys(client, env):
     assert o["dtype"] == "float32" and o["device"] == "cpu"
     (engine,) = o["engines"]
     assert engine["max_loras"] == 2 and 0.0 <= engine["prefix_cache_hit_rate"] <= 1.0
+    assert o["dependencies"] == {"database": "ok", "object store": "ok"}
 
     r = await client.post("/v1/completions", headers=env.headers(env.key_a),
                           json={"model": "a-only", "prompt": "x", "max_tokens": 4, "temperature": 0})
