@@ -34,6 +34,7 @@ class LLM:
         device: str = ModelConfig.device,
         seed: int = ModelConfig.seed,
         max_model_len: int | None = ModelConfig.max_model_len,
+        attention_backend: str = ModelConfig.attention_backend,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
         max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
         enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
@@ -57,7 +58,8 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(ignored)}")
         config = EngineConfig.from_options(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, attention_backend=attention_backend,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching, block_size=block_size,

@@ -1,0 +1,30 @@
+"""The engine on both CPU attention paths (the C kernel, the torch path) against
+transformers by teacher forcing, with chunked prompts continuing a cached prefix."""
+
+from __future__ import annotations
+
+import pytest
+from support.lora_fixtures import peft_reference, teacher_forcing_gaps
+
+from loramux.engine import LLM, SamplingParams
+from loramux.engine.model.cpu_attention import kernel_available
+
+TOL = 2e-3
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_both_attention_paths_match_transformers(tiny_model_dir, backend):
+    if backend == "auto" and not kernel_available():
+        pytest.skip("the CPU attention kernel does not build here (no C compiler)")
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=24,
+              attention_backend=backend)
+    assert llm.llm_engine.runner.cpu_kernel == (backend == "auto")
+    prefix = list(range(1000, 1040))  # shared: later prompts continue its cached blocks
+    prompts = [{"prompt_token_ids": prefix + list(range(2000 + 50 * i, 2013 + 50 * i + i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts[:1], params)  # the prefix is cached before the batch
+    outs = llm.generate(prompts, params)
+    ref = peft_reference(tiny_model_dir, None)
+    for out in outs:
+        gaps, _ = teacher_forcing_gaps(ref, out.prompt_token_ids, out.outputs[0].token_ids)
+        assert max(gaps) <= TOL, (out.request_id, gaps)
