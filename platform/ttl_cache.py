@@ -11,7 +11,10 @@ error propagates. Other exceptions always propagate.
 
 The cache is bounded (``maxsize`` entries; expired entries are dropped first, then the
 oldest) and safe to share between the event loop and worker threads. Loaders run outside
-the lock; two concurrent misses may both load, the later store wins.
+the lock. Concurrent misses of one key in one event loop share one load
+(:meth:`TTLCache.aget_or_load`): a burst of requests with a cold key costs the database
+one call, not one per request (which would fill its bulkhead). Blocking
+:meth:`TTLCache.get_or_load` calls do not share; the later store wins.
 
     cache = TTLCache(ttl=5.0)
     quotas = await cache.aget_or_load(tenant_id, lambda: run_in_threadpool(get, tenant_id))
@@ -19,6 +22,7 @@ the lock; two concurrent misses may both load, the later store wins.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -62,6 +66,7 @@ class TTLCache(Generic[K, V]):
         self.stale_on = tuple(stale_on)
         self._clock = clock
         self._entries: dict[K, tuple[float, V]] = {}  # key -> (stored at, value), oldest first
+        self._loading: dict[K, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
 
     # --- plain mapping ---------------------------------------------------------------
@@ -117,16 +122,46 @@ class TTLCache(Generic[K, V]):
         return value
 
     async def aget_or_load(self, key: K, loader: Callable[[], Awaitable[V]]) -> V:
-        """:meth:`get_or_load` with an async loader (e.g. ``run_in_threadpool(...)``)."""
+        """:meth:`get_or_load` with an async loader (e.g. ``run_in_threadpool(...)``);
+        concurrent misses of ``key`` wait for the first one's load and share its outcome."""
         value = self._fresh(key)
         if value is not _MISSING:
             return value
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            pending = self._loading.get(key)
+            shared = pending is not None and pending[0] is loop
+            if not shared:
+                fut: asyncio.Future = loop.create_future()
+                fut.add_done_callback(_consume)
+                self._loading[key] = (loop, fut)
+        if shared:
+            try:
+                return await asyncio.shield(pending[1])
+            except asyncio.CancelledError:
+                if pending[1].cancelled():  # the loading caller went away: load ourselves
+                    return await self.aget_or_load(key, loader)
+                raise
         try:
-            value = await loader()
-        except self.stale_on as exc:
-            return self._stale_or_raise(key, exc)
-        self._store(key, value)
-        return value
+            try:
+                value = await loader()
+            except self.stale_on as exc:
+                value = self._stale_or_raise(key, exc)
+            else:
+                self._store(key, value)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        else:
+            fut.set_result(value)
+            return value
+        finally:
+            with self._lock:
+                if self._loading.get(key, (None, None))[1] is fut:
+                    del self._loading[key]
 
     # --- internals -------------------------------------------------------------------
     def _fresh(self, key: object):
@@ -155,3 +190,9 @@ class TTLCache(Generic[K, V]):
             del self._entries[key]
         while len(self._entries) >= self.maxsize:
             del self._entries[next(iter(self._entries))]
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Mark a shared load's exception as seen (nobody else may wait for it)."""
+    if not fut.cancelled():
+        fut.exception()

@@ -154,3 +154,64 @@ def test_async_read_through_and_stale_on_error():
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError):
         TTLCache(**kwargs)
+
+
+def test_concurrent_misses_share_one_load():
+    cache = TTLCache(ttl=10.0)
+    calls = []
+
+    async def slow():
+        calls.append(1)
+        await asyncio.sleep(0.05)
+        return "v"
+
+    async def scenario():
+        got = await asyncio.gather(*(cache.aget_or_load("k", slow) for _ in range(50)))
+        assert got == ["v"] * 50 and len(calls) == 1
+        other = await asyncio.gather(cache.aget_or_load("a", slow), cache.aget_or_load("b", slow))
+        assert other == ["v", "v"] and len(calls) == 3  # other keys load on their own
+
+    asyncio.run(scenario())
+
+
+def test_a_shared_load_failure_reaches_every_waiter_and_is_not_cached():
+    cache = TTLCache(ttl=10.0)
+    calls = []
+
+    async def broken():
+        calls.append(1)
+        await asyncio.sleep(0.02)
+        raise DependencyDown("db")
+
+    async def good():
+        return "ok"
+
+    async def scenario():
+        got = await asyncio.gather(*(cache.aget_or_load("k", broken) for _ in range(5)),
+                                   return_exceptions=True)
+        assert all(isinstance(g, DependencyDown) for g in got) and len(calls) == 1
+        assert await cache.aget_or_load("k", good) == "ok"
+
+    asyncio.run(scenario())
+
+
+def test_waiters_load_themselves_when_the_loading_caller_is_cancelled():
+    cache = TTLCache(ttl=10.0)
+    started = []
+
+    async def slow():
+        started.append(1)
+        await asyncio.sleep(0.2 if len(started) == 1 else 0)
+        return len(started)
+
+    async def scenario():
+        first = asyncio.create_task(cache.aget_or_load("k", slow))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(cache.aget_or_load("k", slow))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        assert await second == 2  # not the first caller's cancellation
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    asyncio.run(scenario())
