@@ -15,6 +15,7 @@ breakdown of steps 3-8 of each run. Writes bench/results/fast_step.json and .png
 
     python bench/fast_step.py                 # default model, bf16, ~2-3 minutes
     python bench/fast_step.py --quick         # fewer, shorter requests
+    python bench/fast_step.py --uniform --dtype float32   # the uniform shape, no regression
 """
 
 from __future__ import annotations
@@ -121,9 +122,16 @@ def main() -> None:
     ap.add_argument("--paths", default="old,new")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens")
+    ap.add_argument("--uniform", action="store_true",
+                    help="the uniform offline shape instead: all arrive at once, no shared prefix, "
+                         "32-token prompts, 32 new tokens (results in fast_step_uniform.*)")
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.new_tokens, args.min_len, args.max_len = 8, 16, 64, 160
+    name = "fast_step"
+    if args.uniform:
+        args.rate, args.prefix_len, args.min_len, args.max_len, args.new_tokens = 1e9, 0, 32, 32, 32
+        name = "fast_step_uniform"
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -160,12 +168,12 @@ def main() -> None:
             ratios[f"{kind}: new/old tok/cpu-s"] = n["tok_per_cpu_s"] / o["tok_per_cpu_s"]
     for k, v in ratios.items():
         print(f"{k:28s} {v:5.2f}")
-    out = write_json("fast_step", {"workload": vars(args), "results": results, "ratios": ratios})
+    out = write_json(name, {"workload": vars(args), "results": results, "ratios": ratios})
     print(f"wrote {out}")
-    _plot(results)
+    _plot(results, name)
 
 
-def _plot(results: dict) -> None:
+def _plot(results: dict, name: str) -> None:
     try:
         import matplotlib
 
@@ -181,7 +189,7 @@ def _plot(results: dict) -> None:
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
-    fig.savefig(RESULTS / "fast_step.png", dpi=100)
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
 
 
 if __name__ == "__main__":
