@@ -66,8 +66,8 @@ class Authenticator:
         digest = hashlib.sha256(key.encode()).digest()
         if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
             return Caller(None, is_admin=True)  # needs no database
-        return await self._cache.aget_or_load(
-            digest, lambda: self.deps.db.call(self._lookup, key, digest))
+        return await self.deps.read_through(
+            self._cache, digest, lambda: self.deps.db.call(self._lookup, key, digest))
 
     def forget(self) -> None:
         """Drop every cached key (a revoked key is refused from the next request on)."""

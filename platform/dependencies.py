@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_MISSING = object()
 
 PROBE_TIMEOUT_S = 1.0
 """Seconds each dependency probe of ``/ready`` may take (Kubernetes' probe default is 1 s
@@ -268,6 +269,8 @@ class Dependencies:
         self.db = Bulkhead("database", workers=p.db_workers, timeout=p.db_call_timeout, **common)
         self.store = Bulkhead("object store", workers=p.store_workers,
                               timeout=p.store_call_timeout, **common)
+        self._refreshing: set[tuple[int, Any]] = set()
+        self._tasks: set[asyncio.Future] = set()
 
     def stale_cache(self, ttl: float, **kwargs: Any):
         """A :class:`~loramux.platform.ttl_cache.TTLCache` that answers from its last good
@@ -276,6 +279,40 @@ class Dependencies:
 
         return TTLCache(ttl, stale_for=self.policy.outage_staleness,
                         stale_on=dependency_errors(), **kwargs)
+
+    async def read_through(self, cache: Any, key: Any, loader: Callable[[], Any]) -> Any:
+        """``cache.aget_or_load(key, loader)`` (loader: a database call), except while the
+        database is failing (its bulkhead not ``ok``): a value still within the stale
+        window is answered at once, so the hot path waits on no dependency, and refreshed
+        in the background (one refresh per key at a time)."""
+        if self.db.status() != "ok":
+            hit = cache.usable(key, _MISSING)
+            if hit is not _MISSING:
+                self._refresh(cache, key, loader)
+                return hit
+        return await cache.aget_or_load(key, loader)
+
+    def _refresh(self, cache: Any, key: Any, loader: Callable[[], Any]) -> None:
+        marker = (id(cache), key)
+        if marker in self._refreshing:
+            return
+        self._refreshing.add(marker)
+
+        async def refresh() -> None:
+            try:
+                value = await loader()
+                if value is None and not cache.cache_none:
+                    cache.pop(key)
+                else:
+                    cache.put(key, value)
+            except Exception as exc:  # still down: the stale value stays until its bound
+                logger.debug("background refresh of %r failed: %s", key, exc)
+            finally:
+                self._refreshing.discard(marker)
+
+        task = asyncio.ensure_future(refresh())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def health(self) -> dict[str, str]:
         """``ok`` / ``degraded`` / ``down`` per bulkhead (what ``/ready`` reports)."""

@@ -82,6 +82,15 @@ class TTLCache(Generic[K, V]):
         with self._lock:
             return len(self._entries)
 
+    def usable(self, key: K, default: V | None = None) -> V | None:
+        """The value under ``key`` while it is fresh or within the stale window
+        (``ttl + stale_for``), else ``default``; no loader runs."""
+        with self._lock:
+            hit = self._entries.get(key)
+        if hit is not None and self._clock() - hit[0] < self.ttl + self.stale_for:
+            return hit[1]
+        return default
+
     def put(self, key: K, value: V) -> None:
         """Store ``value`` under ``key``, fresh from now."""
         now = self._clock()

@@ -79,8 +79,8 @@ class GatewayIdentityAuthenticator(Authenticator):
         if self.registry is None:
             return None
         try:  # a database outage is the error table's 503, not "no caller"
-            tenant = await self._tenants.aget_or_load(
-                tid, lambda: self.deps.db.call(self.registry.get_tenant, tid))
+            tenant = await self.deps.read_through(
+                self._tenants, tid, lambda: self.deps.db.call(self.registry.get_tenant, tid))
         except LookupError:  # a deleted tenant (TenantNotFound)
             return None
         return Caller(tenant, is_admin=is_admin)

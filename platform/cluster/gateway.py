@@ -122,8 +122,8 @@ class Gateway:
     # --- tenant limits ------------------------------------------------------------------
     async def quotas(self, tenant_id: int) -> Quotas:
         """The tenant's quotas in effect (cached ``quota_ttl`` seconds)."""
-        return await self._quotas.aget_or_load(
-            tenant_id, lambda: self.deps.db.call(self.registry.get_quotas, tenant_id))
+        return await self.deps.read_through(
+            self._quotas, tenant_id, lambda: self.deps.db.call(self.registry.get_quotas, tenant_id))
 
     async def admit(self, caller: Caller, body: dict,
                     stack: contextlib.AsyncExitStack) -> Admission | None:
@@ -156,8 +156,8 @@ class Gateway:
         or None for the base model; ModelNotFound when no live engine serves it."""
         if caller.tenant is not None and self.registry is not None:
             tenant_id = caller.tenant.id
-            key = await self._resolved.aget_or_load(
-                (tenant_id, name), lambda: self.deps.db.call(self._registry_key, tenant_id, name))
+            key = await self.deps.read_through(
+                self._resolved, (tenant_id, name), lambda: self.deps.db.call(self._registry_key, tenant_id, name))
             if key is not None:
                 return key
         for v in self.view.live():

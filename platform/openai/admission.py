@@ -72,8 +72,8 @@ class AdmissionControl:
         if caller.tenant is None or self.registry is None:
             return self.default_quotas
         tenant_id = caller.tenant.id
-        return await self._quotas.aget_or_load(
-            tenant_id, lambda: self.deps.db.call(self.registry.get_quotas, tenant_id))
+        return await self.deps.read_through(
+            self._quotas, tenant_id, lambda: self.deps.db.call(self.registry.get_quotas, tenant_id))
 
     def forget_quotas(self) -> None:
         """Drop every cached quota (they were changed)."""

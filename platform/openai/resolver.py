@@ -158,8 +158,8 @@ class ModelResolver:
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 
     async def _tenant_adapter(self, tenant_id: int, name: str) -> ServedModel | None:
-        return await self._cache.aget_or_load((tenant_id, name),
-                                              lambda: self._lookup(tenant_id, name))
+        return await self.deps.read_through(self._cache, (tenant_id, name),
+                                            lambda: self._lookup(tenant_id, name))
 
     async def _lookup(self, tenant_id: int, name: str) -> ServedModel | None:
         """The row from the database bulkhead; the weights from the local cache, else

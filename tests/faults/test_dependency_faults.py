@@ -28,7 +28,7 @@ from support.server import make_engine, serve_in_thread
 from support.services import require_service
 
 from loramux.platform.app import create_app
-from loramux.platform.settings import open_registry
+from loramux.platform.builders import open_registry
 from loramux.platform.state import close_state
 from loramux.registry.quotas import Quotas
 
@@ -231,7 +231,7 @@ def test_kill_9_mid_upload_leaves_nothing_after_gc(stack, tmp_path):
             tar.add(f, arcname=f.name)
     code = (
         "import sys; from pathlib import Path\n"
-        "from loramux.platform.settings import Settings, open_registry\n"
+        "from loramux.platform.builders import open_registry\nfrom loramux.platform.settings import Settings\n"
         f"s = Settings(**{json.dumps({k: str(v) for k, v in s.model_dump().items() if k in ('database_url', 's3_bucket', 's3_endpoint_url', 'data_dir')})})\n"
         f"r = open_registry(s, Path({str(stack['model_dir'])!r}), auto_upgrade=False)\n"
         "print('ready', flush=True)\n"

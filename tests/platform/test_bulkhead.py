@@ -114,3 +114,40 @@ def test_policy_and_budgets_are_settings():
     assert dependency_policy(s).db_workers == 3 and dependency_policy(s).breaker_reset == 9.0
     with pytest.raises(ValueError):
         DependencyPolicy(db_call_timeout=0)
+
+
+async def test_read_through_answers_stale_at_once_while_the_database_fails():
+    deps = Dependencies(DependencyPolicy(outage_staleness=60, breaker_failures=99))
+    cache = deps.stale_cache(0.0)  # every entry is expired at once
+    calls = []
+    release = threading.Event()
+
+    async def load():
+        calls.append(1)
+        return await deps.db.call(lambda: f"v{len(calls)}" if release.wait(5) else None)
+
+    release.set()
+    assert await deps.read_through(cache, "k", load) == "v1"
+    release.clear()
+    deps.db.record_failure("the database stalled")  # the bulkhead is degraded now
+    t0 = time.monotonic()
+    assert await deps.read_through(cache, "k", load) == "v1"  # stale, not waited for
+    assert time.monotonic() - t0 < 0.1
+    await asyncio.sleep(0.01)
+    assert len(calls) == 2  # one background refresh started ...
+    assert await deps.read_through(cache, "k", load) == "v1"
+    assert len(calls) == 2  # ... and only one per key at a time
+    release.set()
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        if cache.usable("k") == "v2":
+            break
+    assert cache.usable("k") == "v2"  # the refresh landed
+    with pytest.raises(DependencyUnavailable):  # nothing cached: the error, not a guess
+        deps.db.record_failure("x")
+        await deps.read_through(cache, "other", lambda: deps.db.call(_raise_unavailable))
+    deps.shutdown()
+
+
+def _raise_unavailable():
+    raise DependencyUnavailable("database", "down", 5)
