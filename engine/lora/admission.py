@@ -23,7 +23,8 @@ sequences, and then :meth:`AdapterAdmission.allows` per waiting sequence. The po
   after it was first skipped for its adapter, whatever the stream of requests for others.
 * **Prefetch.** The ranked adapters beyond this step's places are handed to the gate's
   ``prefetch`` (disk → CPU tier in the background) so they are loaded by the time a slot
-  frees.
+  frees; those of the tenants (fairness keys) placed this step first, so a tenant's
+  adapters that arrive together load together.
 
 It only sees plain sequences and the :class:`AdapterGate`, so it is tested with no model.
 """
@@ -79,9 +80,11 @@ class AdapterAdmission:
             return []
         queued: Counter[str] = Counter()
         age: dict[str, int] = {}
+        tenant: dict[str, str | None] = {}
         for seq in waiting:
             if seq.lora_key is not None:
                 queued[seq.lora_key] += 1
+                tenant.setdefault(seq.lora_key, seq.fairness_key)
                 age[seq.lora_key] = max(age.get(seq.lora_key, 0), seq.skipped_steps)
         wanted = [k for k in queued if k not in busy]
         resident = {k for k in wanted if gate.is_resident(k)}
@@ -94,11 +97,13 @@ class AdapterAdmission:
         ranked = sorted(wanted, key=rank)
         free = gate.max_loras - len(busy)
         loads = 0
+        tried: set[str] = set()
         for key in ranked:
             if free <= 0:
                 break
             if key not in resident and loads >= free:
                 continue  # no more loads than places: the rest is prefetch's
+            tried.add(key)
             keep = set(busy) | self._places
             if age[key] < self.bound:
                 keep |= resident - {key}  # only a starving adapter displaces queued work
@@ -111,7 +116,12 @@ class AdapterAdmission:
         if starving and free <= 0 and not self.closed and busy:
             victim = min(busy, key=lambda k: (queued[k], busy[k], k))
             self.closed[victim] = self.step
-        gate.prefetch([k for k in ranked if k not in self._places][: self.prefetch_depth])
+        # a tenant's adapters that arrive together load together: those of the tenants
+        # being placed now are prefetched first
+        placing = {tenant[k] for k in tried}
+        rest = sorted((k for k in ranked if k not in self._places),
+                      key=lambda k: tenant[k] not in placing)
+        gate.prefetch(rest[: self.prefetch_depth])
         return [s for s in running if s.lora_key in self.closed
                 and self.step - self.closed[s.lora_key] >= self.bound]
 

@@ -91,3 +91,22 @@ def test_a_loading_adapter_does_not_hold_up_the_batch():
     run_step(sched)
     plan = run_step(sched)
     assert adapters_of(plan) == {"cold"}
+
+
+def test_a_tenants_adapters_that_arrive_together_are_prefetched_together():
+    gate = FakeGate(max_loras=1)
+    sched = make_scheduler(num_blocks=256, adapters=gate)
+
+    def seq(name, key, tenant):
+        s = make_seq(name, max_tokens=2, lora=key)
+        s.fairness_key = tenant
+        return s
+
+    sched.add(seq("a", "a", "acme"))  # acme's first adapter takes the only slot
+    for i, (key, tenant) in enumerate([("x", "other"), ("y", "other"), ("b", "acme"),
+                                       ("c", "acme")]):
+        sched.add(seq(f"s{i}", key, tenant))
+    plan = run_step(sched)
+    assert adapters_of(plan) == {"a"}
+    assert gate.prefetched[:2] == ["b", "c"]  # acme's others, before the older x and y
+    assert set(gate.prefetched[2:4]) == {"x", "y"}
