@@ -86,12 +86,14 @@ def plan_capacity(
     device_type: str,
     blockdiag: bool,
     device_free_bytes: int | None = None,
+    cpu_element_size: int | None = None,
 ) -> LoRACapacity:
     """Resolve ``max_loras`` / ``max_cpu_loras`` for this model and device.
 
     ``device_free_bytes`` (CUDA): the memory the engine may still use after the weights
     (``total * gpu_memory_utilization - used - reserve``); required when ``device_type`` is
-    ``cuda`` and ``max_loras`` is unset."""
+    ``cuda`` and ``max_loras`` is unset. ``cpu_element_size``: bytes per value of the CPU-tier
+    copies (None = ``element_size``, the slots')."""
     per_slot = slot_bytes(dims, config.max_lora_rank, element_size, blockdiag=blockdiag)
     if config.max_loras is not None:
         cpu = config.max_cpu_loras if config.max_cpu_loras is not None else 2 * config.max_loras
@@ -106,7 +108,8 @@ def plan_capacity(
         per_adapter = per_slot
     else:
         budget = config.lora_memory if config.lora_memory is not None else DEFAULT_CPU_LORA_MEMORY
-        per_adapter = per_slot + adapter_bytes(dims, config.max_lora_rank, element_size)
+        cpu_size = cpu_element_size if cpu_element_size is not None else element_size
+        per_adapter = per_slot + adapter_bytes(dims, config.max_lora_rank, cpu_size)
     slots = min(budget // per_adapter, cap)
     if slots < 1:
         raise ValueError(

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from loramux.adapters.format import LoraWeights, load_adapter
 from loramux.engine.lora.slots import SlotBuffers
 
@@ -57,8 +59,9 @@ class LoadStats:
 class AdapterLoader:
     """Runs disk loads and slot writes on their own threads."""
 
-    def __init__(self, slots: SlotBuffers, pin_memory: bool) -> None:
+    def __init__(self, slots: SlotBuffers, cpu_dtype: torch.dtype, pin_memory: bool) -> None:
         self.slots = slots
+        self.cpu_dtype = cpu_dtype
         self.pin_memory = pin_memory
         self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-disk")
         self._slot = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-slot")
@@ -84,7 +87,7 @@ class AdapterLoader:
         t1 = time.perf_counter()
         if fetched:
             seconds["store"] = t1 - t0
-        weights = load_adapter(path, dtype=self.slots.a[0]["qkv"].dtype)
+        weights = load_adapter(path, dtype=self.cpu_dtype)
         check(weights)
         if self.pin_memory:
             for modules in weights.layers.values():

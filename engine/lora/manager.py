@@ -85,10 +85,13 @@ class LoRAManager(OperatorActions):
         # auto: the base projections' matmul dtype (fp32 for bf16 on CPUs without bf16 GEMMs)
         dtype = (matmul_dtype(model.dtype, model.device) if config.lora_dtype == "auto"
                  else getattr(torch, config.lora_dtype))
+        # the CPU tier keeps adapters in the model's dtype (bf16: half of fp32 slots' memory)
+        cpu_dtype = model.dtype if config.lora_dtype == "auto" else dtype
         self.backend = ops.resolve_backend(config.lora_backend, model.device)
         blockdiag = self.backend == "torch"
         self.capacity = plan_capacity(
-            config, model.dims, torch.finfo(dtype).bits // 8, device_type=model.device.type,
+            config, model.dims, torch.finfo(dtype).bits // 8,
+            cpu_element_size=torch.finfo(cpu_dtype).bits // 8, device_type=model.device.type,
             blockdiag=blockdiag, device_free_bytes=_device_free_bytes(model.device, gpu_utilization),
         )
         self.max_loras = self.capacity.num_slots
@@ -113,7 +116,7 @@ class LoRAManager(OperatorActions):
         self.num_evictions = 0
         self.load_stats = LoadStats()
         self._listeners: list[AdapterListener] = []
-        self._loader = AdapterLoader(self.slots, pin_memory=model.device.type == "cuda")
+        self._loader = AdapterLoader(self.slots, cpu_dtype, pin_memory=model.device.type == "cuda")
         self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
         self._meta: LoRABatchMeta | None = None
         self._groups: frozenset[str] = frozenset()

@@ -39,20 +39,24 @@ class SlotBuffers:
             for m in modules:
                 offs.append(offs[-1] + shapes[m][1])
             self.slice_offsets[group] = offs
+        # The torch backend on the CPU: slots start uninitialised, so a capacity derived from
+        # memory costs pages only as slots fill (``_write`` zeroes a slot before filling it,
+        # and no kernel reads a slot that is not in the step's segments).
+        alloc = torch.empty if blockdiag and torch.device(device).type == "cpu" else torch.zeros
         for _ in range(dims.num_layers):
             a_layer, b_layer = {}, {}
             for group, modules in PROJECTION_GROUPS.items():
                 k = shapes[modules[0]][0]
                 n = self.slice_offsets[group][-1]
-                a_layer[group] = torch.zeros(
+                a_layer[group] = alloc(
                     max_loras, len(modules), max_rank, k, dtype=dtype, device=device
                 )
                 if blockdiag:
-                    b_layer[group] = torch.zeros(
+                    b_layer[group] = alloc(
                         max_loras, len(modules) * max_rank, n, dtype=dtype, device=device
                     )
                 else:
-                    b_layer[group] = torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
+                    b_layer[group] = alloc(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
@@ -104,7 +108,7 @@ class SlotBuffers:
                         continue
                     wa, wb = pair
                     if self.blockdiag:  # the torch backend reads A pre-scaled
-                        wa = wa * weights.spec.scale
+                        wa = wa.to(a.dtype) * weights.spec.scale
                     a[s, :r].copy_(wa, non_blocking=True)
                     if self.blockdiag:
                         rows = slice(s * self.max_rank, s * self.max_rank + r)

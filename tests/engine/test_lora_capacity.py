@@ -109,3 +109,21 @@ def test_engine_without_max_loras_gives_every_cpu_tier_adapter_a_slot(tiny_model
     assert llm.llm_engine.scheduler.adapters.max_loras == 40
     snap = manager.snapshot()
     assert snap.max_loras == 40 and snap.max_cpu_loras == 40
+
+
+def test_cpu_tier_keeps_the_model_dtype_and_is_counted_so(tiny_model_dir):
+    """Slots run in the projections' matmul dtype (fp32 for bf16 on AVX2-only CPUs); the CPU
+    tier keeps bf16 copies and the capacity counts them at 2 bytes."""
+    from loramux.engine import LLM
+    from loramux.engine.model.linear import matmul_dtype
+
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", max_model_len=64, enable_lora=True,
+              max_lora_rank=8, max_loras=2)
+    manager = llm.llm_engine.lora_manager
+    slot_dtype = matmul_dtype(torch.bfloat16, torch.device("cpu"))
+    assert manager.slots.a[0]["qkv"].dtype == slot_dtype
+    assert manager._loader.cpu_dtype == torch.bfloat16
+    per = slot_bytes(SMOL, 32, 4, blockdiag=True) + adapter_bytes(SMOL, 32, 2)
+    cap = plan_capacity(LoRAConfig(max_lora_rank=32), SMOL, 4, cpu_element_size=2,
+                        device_type="cpu", blockdiag=True)
+    assert cap.num_slots == DEFAULT_CPU_LORA_MEMORY // per >= 32  # fp32 slots: still 32+
