@@ -400,25 +400,17 @@ def test_blockdiag_add_matches_reference():
         ops.add_lora(y, x, a, bd, meta, scale, offs, backend="torch", blockdiag=True)
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     assert sum(widths) == offs[-1]
-    # Pre-scaled A, LoRA tokens leading the batch in consecutive slots: the per-run path,
-    # and the in-place batched path (taken past _MAX_RUNS runs), also with a bf16 y over
-    # fp32 slots (B never cast to y's dtype).
-    from loramux.engine.lora.ops import torch_ops
-
+    # Pre-scaled A, LoRA tokens leading the batch in consecutive slots: the in-place batched
+    # path, also with a bf16 y over fp32 slots (B never cast to y's dtype).
     meta = LoRABatchMeta.build([0, 0, 1, 1, -1], ranks)
     assert meta.identity_tokens and meta.chunk_slot_start == 0
-    for max_runs, y_dtype in ((torch_ops._MAX_RUNS, torch.float32), (0, torch.float32),
-                              (0, torch.bfloat16)):
+    for y_dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(5, K, generator=g).to(y_dtype)
         y = torch.randn(5, offs[-1], generator=g).to(y_dtype)
         expected = y.float()
         reference_expand(reference_shrink(x.float(), a, meta, scale), b, meta, expected, offs)
-        saved, torch_ops._MAX_RUNS = torch_ops._MAX_RUNS, max_runs
-        try:
-            ops.add_lora(y, x, a * scale.view(-1, 1, 1, 1), bd, meta, None, offs, backend="torch",
-                         blockdiag=True)
-        finally:
-            torch_ops._MAX_RUNS = saved
+        ops.add_lora(y, x, a * scale.view(-1, 1, 1, 1), bd, meta, None, offs, backend="torch",
+                     blockdiag=True)
         tol = 1e-5 if y_dtype == torch.float32 else 3e-2
         torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol)
 

@@ -23,7 +23,8 @@ __all__ = ["add_lora", "lora_expand", "lora_shrink"]
 _FP32_EXPAND_MAX_ROWS = 64
 # Up to this many runs of consecutive same-adapter tokens, the blockdiag path runs two
 # GEMMs per run on views of x, y and the slot's weights (no gathers, no padding); past
-# it, the padded chunk layout's constant number of ops wins.
+# it, the padded chunk layout's constant number of ops wins. Equal runs leading the batch
+# in consecutive slots (uniform decodes) take two batched GEMMs instead.
 _MAX_RUNS = 8
 
 
@@ -193,11 +194,11 @@ def add_lora_blockdiag(
     if y.shape != (meta.num_tokens, n_total):
         raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
+    if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
+        _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)  # 2 batched GEMMs
+        return
     if scale is None and 0 < len(meta.runs) <= _MAX_RUNS:
         _add_runs(y, x, a_stack, b_blockdiag, meta, num_slices * R)
-        return
-    if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
-        _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)
         return
     if scale is None:
         scale = torch.ones(a_stack.shape[0], dtype=torch.float32, device=x.device)
