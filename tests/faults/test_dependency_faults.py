@@ -126,9 +126,11 @@ def test_stalled_and_killed_store(stack):
     try:
         r, took = _complete(c, h, "cold")
         _unavailable(r, "object_store_unavailable", 2.0 + 1.0, took)
+        print(f"S3 stalled: cold adapter 503 in {took:.2f} s")
         for model, idle in ((BASE, idle_base), ("hot", idle_hot)):
             r, took = _complete(c, h, model)
             assert r.status_code == 200 and took < 3 * idle + 0.5, (model, took, idle)
+            print(f"S3 stalled: {model} {took * 1000:.0f} ms (idle {idle * 1000:.0f} ms)")
         assert c.get("/v1/adapters", headers=h).status_code == 200
         ready = c.get("/ready")
         assert ready.status_code == 200 and ready.json()["dependencies"]["object store"] == "down"
@@ -155,11 +157,13 @@ def test_stalled_and_killed_database(stack):
     try:
         r, took = _complete(c, h)  # a cached key: served stale, no database call
         assert r.status_code == 200 and took < 3 * idle + 0.5, (took, idle)
+        print(f"PostgreSQL stalled: base model {took * 1000:.0f} ms (idle {idle * 1000:.0f} ms)")
         r, took = _complete(c, h, "hot")  # a cached resolution, a resident adapter
         assert r.status_code == 200, r.text
         t0 = time.monotonic()
         r = c.get("/v1/adapters", headers=h)
         _unavailable(r, "database_unavailable", 1.0 + 1.0, time.monotonic() - t0)
+        print(f"PostgreSQL stalled: GET /v1/adapters 503 in {time.monotonic() - t0:.2f} s")
         t0 = time.monotonic()
         r = c.post("/v1/completions", headers=stack["unseen"],
                    json={"model": BASE, "prompt": "x", "max_tokens": 1})
