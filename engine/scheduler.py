@@ -33,6 +33,7 @@ from loramux.engine.config import SchedulerConfig
 from loramux.engine.fairness import DECODE_COST, AdmissionPolicy, make_policy
 from loramux.engine.lora.admission import AdapterAdmission, AdapterGate
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.step_budget import StepBudget, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.budget = StepBudget(config.target_step_ms) if config.enable_step_budget else None
+        """The step-time budget (None = token/sequence limits only)."""
+        self._prefill_cap: int | None = None  # this step's prompt tokens (step budget)
 
     # --- queue ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -152,8 +156,9 @@ class Scheduler:
         admission policy gives, each taking as much of the remaining token budget as
         it needs (a chunk of it when chunked prefill is on)."""
         out = SchedulerOutput()
+        self._prefill_cap = None
         self._schedule_running(out)
-        self._continue_prefills(out, self._budget(out))
+        self._continue_prefills(out)
         if not out.preempted:
             self._admit_waiting(out)
         for s in out.scheduled:
@@ -169,10 +174,14 @@ class Scheduler:
         preempting the policy's victims (FIFO: the newest) when blocks run out."""
         kept: list[Sequence] = []
         queue = list(self.running)  # oldest first
+        run_now = self._budget_decodes()
         while queue:
             seq = queue.pop(0)
             if seq.num_computed_tokens < seq.num_tokens - 1:
                 kept.append(seq)  # still prefilling: _continue_prefills plans it
+                continue
+            if run_now is not None and id(seq) not in run_now:
+                kept.append(seq)  # the step budget rotates it out of this step
                 continue
             while not self.kv.can_allocate(seq, 1):
                 victim = self.policy.victim([*kept, seq, *queue])
@@ -190,11 +199,12 @@ class Scheduler:
                 kept.append(seq)
         self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
 
-    def _continue_prefills(self, out: SchedulerOutput, budget: int) -> int:
+    def _continue_prefills(self, out: SchedulerOutput) -> None:
         """Give the next chunk to running sequences whose prompt is part-way computed."""
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below for an older prompt
+            budget = self._budget(out, seq)
             if seq.num_computed_tokens >= seq.num_tokens - 1 or budget <= 0:
                 continue
             n = self._chunk(seq, budget)
@@ -207,8 +217,6 @@ class Scheduler:
                 continue
             self.kv.allocate(seq, n, out.copies)
             out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
-        return budget
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, fair_share: bool = False) -> None:
         mine = set(seq.block_table)
@@ -241,11 +249,11 @@ class Scheduler:
         admitted: list[Sequence] = []
         max_seqs = self.config.max_num_seqs
 
-        def has_place() -> bool:
-            return len(self.running) + len(admitted) < max_seqs and self._budget(out) > 0
+        def has_place(seq: Sequence) -> bool:
+            return len(self.running) + len(admitted) < max_seqs and self._budget(out, seq) > 0
 
         for seq in self.policy.order(self.waiting):
-            if not self._make_room(seq, out, has_place):
+            if not self._make_room(seq, out, lambda s=seq: has_place(s)):
                 break
             if not self.admission.allows(seq, in_use):
                 seq.skipped_steps += 1  # its adapter's age (see AdapterAdmission)
@@ -253,8 +261,8 @@ class Scheduler:
             cached = self.kv.lookup_prefix(seq)
             need = seq.num_tokens - len(cached) * self.kv.block_size
             want = min(need, self.max_num_batched_tokens)
-            self._make_room(seq, out, lambda w=want: self._budget(out) >= w)  # else a chunk
-            n = self._chunk_of(seq, need, self._budget(out))
+            self._make_room(seq, out, lambda w=want, s=seq: self._budget(out, s) >= w)  # else a chunk
+            n = self._chunk_of(seq, need, self._budget(out, seq))
             # a preempted sequence that grew past the token budget is recomputed alone
             if n == 0 and not out.scheduled and need > self.max_num_batched_tokens:
                 n = need
@@ -273,9 +281,40 @@ class Scheduler:
             self.waiting.remove(seq)
         self.running.extend(admitted)
 
-    def _budget(self, out: SchedulerOutput) -> int:
-        """Tokens of the step's budget not yet planned."""
-        return self.max_num_batched_tokens - out.num_batched_tokens
+    def _budget(self, out: SchedulerOutput, seq: Sequence | None = None) -> int:
+        """Tokens of the step's budget not yet planned; for a prompt (``seq``) that can be
+        chunked, also within the step-time budget's prompt tokens."""
+        left = self.max_num_batched_tokens - out.num_batched_tokens
+        if self._prefill_cap is None or (seq is not None and not self._chunkable(seq)):
+            return left
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        return min(left, self._prefill_cap - prefill)
+
+    def _chunkable(self, seq: Sequence) -> bool:
+        return self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None
+
+    # --- step-time budget --------------------------------------------------------------
+    def _budget_decodes(self) -> set[int] | None:
+        """Ids of the running decodes the step budget lets in (None = all); sets this
+        step's prompt-token cap."""
+        if self.budget is None:
+            return None
+        decodes = [s for s in self.running if s.num_computed_tokens >= s.num_tokens - 1]
+        prompts = {s.fairness_key for s in self.waiting}
+        prompts |= {s.fairness_key for s in self.running if s.num_computed_tokens < s.num_tokens - 1}
+        adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
+        limits = self.budget.plan(decodes, prompts, adapters)
+        self._prefill_cap = limits.prefill_tokens
+        return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
+
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """Feed the step budget's cost model the measured wall time of ``plan``'s step."""
+        if self.budget is None or plan.is_empty:
+            return
+        prefill = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
+        decode = sum(1 for s in plan.scheduled if not s.is_prefill)
+        adapters = len({s.seq.lora_key for s in plan.scheduled if s.seq.lora_key is not None})
+        self.budget.observe(StepShape(decode, prefill, adapters), seconds)
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput, fits) -> bool:
         """True once ``fits()``, preempting the running sequences the policy displaces for

@@ -64,6 +64,9 @@ class Sequence:
     skipped_steps: int = 0
     """Steps this sequence waited while others were admitted (aging)."""
     num_preemptions: int = 0
+    budget_ran: int = 0
+    """Last step (the step budget's count) this sequence's decode row ran: a key's rows
+    rotate by it when the budget caps them."""
     detok_state: object | None = None
     grammar: object | None = None
     """xgrammar matcher when the request has structured_outputs."""

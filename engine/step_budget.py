@@ -1,0 +1,180 @@
+"""A step-time budget (Sarathi-Serve's idea, adapted to tenants sharing one engine).
+
+On the CPU a step's cost grows with every row in it: a flooder's 256 decode sequences
+make every step ~1 s, and a neighbour's short request pays that per token even though
+fair share admitted it at once. So each step is filled up to a *target step time*
+instead of a fixed token/sequence count:
+
+* :class:`StepCostModel` fits ``seconds ≈ c0 + c_decode · decode rows + c_prefill ·
+  prompt tokens + c_adapter · adapters`` online (least squares with forgetting) from the
+  measured wall time of every step.
+* :class:`StepBudget` turns the target into limits for the next step. While more than
+  one fairness key has work, decode rows are capped to what fits the target and shared
+  fairly across keys (water-filling; within a key the least recently scheduled rows
+  first, so a flooder's surplus rotates and a small key always gets its rows in), with
+  room kept for waiting keys' prompts. Prompt chunks that run beside decodes shrink to
+  what is left of the target (never below :data:`MIN_CHUNK_TOKENS`, nor below
+  :data:`CHUNK_SHARE` of the decodes' own cost, so prompts always progress); a step with
+  no decode keeps the full token budget (no one's inter-token latency is at stake).
+  One key alone keeps all its decode rows: its throughput is today's.
+
+The target is ``SchedulerConfig.target_step_ms``; unset, it is :data:`DEFAULT_MULTIPLE`
+times the model's predicted single-row decode step (it follows the machine).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from loramux.engine.sequence import Sequence
+
+DEFAULT_MULTIPLE = 2.0
+"""Derived target step time = this × the predicted cost of a one-row decode step."""
+MIN_CHUNK_TOKENS = 16
+"""Fewest prompt tokens a step beside decodes still computes (prompts always progress)."""
+CHUNK_SHARE = 0.5
+"""A prompt chunk beside decodes may cost at least this fraction of the decodes' own cost."""
+WARM_STEPS = 8
+"""Steps observed before the cost model is trusted (until then nothing is capped)."""
+FORGET = 0.97
+"""Weight of past observations per new step (recent steps count most)."""
+_RIDGE = 1e-6
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step carries, as the cost model sees it."""
+
+    decode_rows: int
+    prefill_tokens: int
+    adapters: int
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.decode_rows, self.prefill_tokens, self.adapters])
+
+
+class StepCostModel:
+    """Online least squares of a step's wall time over :class:`StepShape` features."""
+
+    def __init__(self, forget: float = FORGET) -> None:
+        self.forget = forget
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
+        self.num_observed = 0
+        self.coef = np.zeros(4)
+        """[c0, c_decode, c_prefill, c_adapter] in seconds (non-negative)."""
+
+    @property
+    def warm(self) -> bool:
+        return self.num_observed >= WARM_STEPS
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Add one measured step and refit (4×4 solve: microseconds)."""
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        x = shape.features()
+        self._xtx = self.forget * self._xtx + np.outer(x, x)
+        self._xty = self.forget * self._xty + x * seconds
+        self.num_observed += 1
+        ridge = _RIDGE * np.diag(np.diag(self._xtx) + 1e-12)  # scale-free; solves unseen features
+        coef = np.linalg.solve(self._xtx + ridge, self._xty)
+        self.coef = np.maximum(coef, 0.0)
+
+    def predict(self, shape: StepShape) -> float:
+        return float(shape.features() @ self.coef)
+
+
+@dataclass
+class StepLimits:
+    """The next step's caps (None = no cap from the budget)."""
+
+    decode: list[Sequence]
+    """The decode rows to run (all candidates when uncapped)."""
+    prefill_tokens: int | None
+    """Most prompt tokens beside them (None = only the token budget applies)."""
+
+
+class StepBudget:
+    """Fills a step up to the target step time; the scheduler asks it once per step."""
+
+    def __init__(self, target_step_ms: float | None = None, model: StepCostModel | None = None) -> None:
+        self.target_s = target_step_ms / 1000.0 if target_step_ms else None
+        self.model = model or StepCostModel()
+        self.steps = 0
+
+    def target(self, adapters: int = 0) -> float:
+        """Seconds one step may take: the configured target, or the derived one."""
+        if self.target_s is not None:
+            return self.target_s
+        return DEFAULT_MULTIPLE * self.model.predict(StepShape(1, 0, adapters))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        self.model.observe(shape, seconds)
+
+    def plan(self, candidates: list[Sequence], keys_with_prompts: set, adapters: int) -> StepLimits:
+        """Which of the running decode ``candidates`` (oldest first) run this step, and how
+        many prompt tokens may join them. ``keys_with_prompts``: fairness keys with a
+        waiting or part-way prompt (their share of the rows is kept for it)."""
+        self.steps += 1
+        if not self.model.warm:
+            return StepLimits(candidates, None)
+        m = self.model
+        c0, c_dec, c_pre, c_ad = m.coef
+        target = self.target(adapters)
+        keys = {s.fairness_key for s in candidates} | keys_with_prompts
+        decode = candidates
+        if len(keys) > 1 and c_dec > 0:
+            fixed = c0 + c_ad * adapters
+            reserve = c_pre * MIN_CHUNK_TOKENS if keys_with_prompts else 0.0
+            max_rows = max(1, int((target - fixed - reserve) / c_dec))
+            if max_rows < len(candidates):
+                decode = fair_rows(candidates, max_rows, keys_with_prompts)
+        for seq in decode:
+            seq.budget_ran = self.steps
+        if not decode or c_pre <= 0:
+            return StepLimits(decode, None)
+        decode_cost = c_dec * len(decode)
+        left = max(target - (c0 + c_ad * adapters) - decode_cost, CHUNK_SHARE * decode_cost)
+        return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
+
+
+def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set) -> list[Sequence]:
+    """``max_rows`` of ``candidates`` shared across fairness keys by weighted
+    water-filling (a key that needs less than its share leaves the rest to the others; a
+    key with only a waiting prompt holds one share for it), each key's least recently run
+    rows first. Returned in ``candidates`` order."""
+    by_key: dict = defaultdict(list)
+    for seq in candidates:
+        by_key[seq.fairness_key].append(seq)
+    weight = {k: seqs[0].fairness_weight for k, seqs in by_key.items()}
+    need = {k: len(seqs) for k, seqs in by_key.items()}
+    for k in waiting_keys:
+        if k not in need:
+            weight[k], need[k] = 1.0, 1  # a prompt's share: kept out of the decode rows
+    give = {k: 0 for k in need}
+    left = max_rows
+    open_keys = set(need)
+    while left > 0 and open_keys:
+        total = sum(weight[k] for k in open_keys)
+        spent = 0
+        for k in sorted(open_keys, key=lambda k: (give[k], str(k))):
+            share = max(1, int(left * weight[k] / total))
+            take = min(share, need[k] - give[k], left - spent)
+            give[k] += take
+            spent += take
+            if give[k] >= need[k]:
+                open_keys.discard(k)
+            if spent >= left:
+                break
+        if spent == 0:
+            break
+        left -= spent
+    chosen: set[int] = set()
+    for k, seqs in by_key.items():
+        rotation = sorted(seqs, key=lambda s: s.budget_ran)  # least recently run first
+        chosen.update(id(s) for s in rotation[: give[k]])
+    return [s for s in candidates if id(s) in chosen]

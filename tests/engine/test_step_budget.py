@@ -1,0 +1,136 @@
+"""The step-time budget with a fake clock: a known linear step cost stands in for the
+machine; every planned step is 'measured' with it and fed back to the scheduler."""
+
+from __future__ import annotations
+
+from loramux.engine.block_manager import KVCacheManager
+from loramux.engine.config import SchedulerConfig
+from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.scheduler import Scheduler, SchedulerOutput
+from loramux.engine.sequence import Sequence
+from loramux.engine.step_budget import (
+    DEFAULT_MULTIPLE,
+    WARM_STEPS,
+    StepBudget,
+    StepCostModel,
+    StepShape,
+    fair_rows,
+)
+
+C0, C_DEC, C_PRE, C_AD = 0.010, 0.002, 0.0005, 0.003
+
+
+def fake_seconds(plan: SchedulerOutput) -> float:
+    """The fake machine: a step's wall time from what it carries."""
+    decode = sum(1 for s in plan.scheduled if not s.is_prefill)
+    prefill = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
+    adapters = len({s.seq.lora_key for s in plan.scheduled if s.seq.lora_key is not None})
+    return C0 + C_DEC * decode + C_PRE * prefill + C_AD * adapters
+
+
+def make_seq(name: str, key: str, prompt_len: int = 8, max_tokens: int = 10_000) -> Sequence:
+    return Sequence(name, 0, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                    fairness_key=key)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """Plan a step, 'run' it on the fake clock, feed the measurement back."""
+    plan = sched.schedule()
+    for s in plan.scheduled:
+        seq = s.seq
+        seq.num_computed_tokens += s.num_new_tokens
+        if seq.num_computed_tokens >= seq.num_tokens:
+            seq.append_token(101)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq)
+    sched.observe_step(plan, fake_seconds(plan))
+    return plan
+
+
+def make_scheduler(**config) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=512, **config), KVCacheManager(4096, 16), 4096)
+
+
+def test_cost_model_learns_a_linear_machine():
+    model = StepCostModel()
+    shapes = [StepShape(d, p, a) for d in (1, 7, 30, 64) for p in (0, 100) for a in (0, 2)]
+    for shape in shapes * 3:
+        model.observe(shape, C0 + C_DEC * shape.decode_rows + C_PRE * shape.prefill_tokens
+                      + C_AD * shape.adapters)
+    assert model.warm
+    for got, want in zip(model.coef, (C0, C_DEC, C_PRE, C_AD), strict=True):
+        assert abs(got - want) < 1e-4
+    budget = StepBudget(None, model)
+    assert abs(budget.target() - DEFAULT_MULTIPLE * (C0 + C_DEC)) < 1e-4
+
+
+def test_never_plans_past_the_budget_and_fair_share_holds():
+    target_ms = 40.0
+    sched = make_scheduler(target_step_ms=target_ms)
+    flood = [make_seq(f"f{i}", "flood") for i in range(64)]
+    for seq in flood:
+        sched.add(seq)
+    for _ in range(WARM_STEPS + 12):  # the flood alone: every row runs (one key: no cap)
+        plan = step(sched)
+    assert sum(1 for s in plan.scheduled if not s.is_prefill) == 64
+    assert sched.budget.model.warm
+
+    quiet = make_seq("q", "quiet", prompt_len=40)
+    sched.add(quiet)
+    ran: dict[str, int] = {}
+    over = []
+    for i in range(60):
+        plan = step(sched)
+        seconds = fake_seconds(plan)
+        if i >= 8:  # the model has seen capped steps by now
+            over.append(seconds * 1000 / target_ms)
+            assert quiet in [s.seq for s in plan.scheduled]  # the small key always runs
+        for s in plan.scheduled:
+            ran[s.seq.request_id] = ran.get(s.seq.request_id, 0) + 1
+    assert max(over) <= 1.05, over
+    assert quiet.num_output_tokens >= 50
+    flood_runs = [ran.get(f"f{i}", 0) for i in range(64)]
+    assert min(flood_runs) >= 0.5 * max(flood_runs)  # the flooder's surplus rotates evenly
+
+
+def test_prompt_chunks_beside_decodes_shrink_to_the_budget():
+    sched = make_scheduler(target_step_ms=30.0)
+    for i in range(4):
+        sched.add(make_seq(f"d{i}", "a"))
+    for _ in range(WARM_STEPS + 4):
+        step(sched)
+    for i in range(4):  # vary the shape so prompt tokens are learnt too
+        sched.add(make_seq(f"p{i}", "a", prompt_len=100 + 50 * i, max_tokens=2))
+        step(sched)
+    long = make_seq("long", "a", prompt_len=600)
+    sched.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        plan = step(sched)
+        chunks += [s.num_new_tokens for s in plan.scheduled if s.seq is long]
+        assert fake_seconds(plan) <= 0.030 * 1.05
+    assert len(chunks) > 1 and max(chunks) < 600 and sum(chunks) == 600
+
+
+def test_budget_off_keeps_token_budget():
+    sched = make_scheduler(enable_step_budget=False)
+    assert sched.budget is None
+    for i in range(64):
+        sched.add(make_seq(f"f{i}", "flood"))
+    sched.add(make_seq("q", "quiet"))
+    for _ in range(WARM_STEPS + 4):
+        plan = step(sched)
+    assert len(plan.scheduled) == 65
+
+
+def test_fair_rows_water_fills_by_weight_and_rotates():
+    seqs = [make_seq(f"a{i}", "a") for i in range(10)] + [make_seq("b0", "b")]
+    got = fair_rows(seqs, 4, set())
+    assert [s.request_id for s in got].count("b0") == 1 and len(got) == 4
+    got = fair_rows(seqs, 4, {"c"})  # a waiting prompt of key c holds one share
+    assert len(got) == 3 and "b0" in [s.request_id for s in got]
+    for s in got:
+        s.budget_ran = 1
+    again = fair_rows(seqs, 4, set())
+    assert {s.request_id for s in again if s.fairness_key == "a"}.isdisjoint(
+        {s.request_id for s in got if s.fairness_key == "a"})
