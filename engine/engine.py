@@ -265,10 +265,11 @@ class LLMEngine:
             self.lora_manager.poll(wait=0.005)
             return failed
         t0 = time.perf_counter()
+        forks = sum(len(s.seq.pending_forks) for s in plan.scheduled)
         out = self.execute(plan)
         done = self.update_from_output(plan, out)
         if out.error is None:
-            self.scheduler.observe_step(plan, time.perf_counter() - t0)
+            self.scheduler.observe_step(plan, time.perf_counter() - t0, extra_rows=forks)
         seen = {r.request_id for r in done}
         return [*(r for r in failed if r.request_id not in seen), *done]
 

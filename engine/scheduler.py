@@ -307,12 +307,13 @@ class Scheduler:
         self._prefill_cap = limits.prefill_tokens
         return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
 
-    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
-        """Feed the step budget's cost model the measured wall time of ``plan``'s step."""
+    def observe_step(self, plan: SchedulerOutput, seconds: float, extra_rows: int = 0) -> None:
+        """Feed the step budget's cost model the measured wall time of ``plan``'s step;
+        ``extra_rows``: sequences sampled beyond the plan's rows (forks of ``n`` siblings)."""
         if self.budget is None or plan.is_empty:
             return
         prefill = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
-        decode = sum(1 for s in plan.scheduled if not s.is_prefill)
+        decode = sum(1 for s in plan.scheduled if not s.is_prefill) + extra_rows
         adapters = len({s.seq.lora_key for s in plan.scheduled if s.seq.lora_key is not None})
         self.budget.observe(StepShape(decode, prefill, adapters), seconds)
 

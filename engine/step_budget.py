@@ -9,14 +9,16 @@ instead of a fixed token/sequence count:
   prompt tokens + c_adapter · adapters`` online (least squares with forgetting) from the
   measured wall time of every step.
 * :class:`StepBudget` turns the target into limits for the next step. While more than
-  one fairness key has work, decode rows are capped to what fits the target and shared
+  one fairness key has work (or had, within :data:`RECENT_S`), decode rows are capped to what fits the target and shared
   fairly across keys (water-filling; within a key the least recently scheduled rows
   first, so a flooder's surplus rotates and a small key always gets its rows in), with
   room kept for waiting keys' prompts. Prompt chunks that run beside decodes shrink to
   what is left of the target (never below :data:`MIN_CHUNK_TOKENS`, nor below
   :data:`CHUNK_SHARE` of the decodes' own cost, so prompts always progress); a step with
   no decode keeps the full token budget (no one's inter-token latency is at stake).
-  One key alone keeps all its decode rows: its throughput is today's.
+  One key alone keeps the fewest rows that still give :data:`ALONE_EFFICIENCY` of the
+  throughput of running them all (so its throughput stays within a few percent of the
+  uncapped engine's, and a newcomer never waits behind a step of every row).
 
 The target is ``SchedulerConfig.target_step_ms``; unset, it is :data:`DEFAULT_MULTIPLE`
 times the model's predicted single-row decode step (it follows the machine).
@@ -25,6 +27,7 @@ times the model's predicted single-row decode step (it follows the machine).
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -32,14 +35,23 @@ import numpy as np
 
 from loramux.engine.sequence import Sequence
 
-DEFAULT_MULTIPLE = 2.0
+DEFAULT_MULTIPLE = 1.5
 """Derived target step time = this × the predicted cost of a one-row decode step."""
 MIN_CHUNK_TOKENS = 16
 """Fewest prompt tokens a step beside decodes still computes (prompts always progress)."""
 CHUNK_SHARE = 0.5
 """A prompt chunk beside decodes may cost at least this fraction of the decodes' own cost."""
+ALONE_EFFICIENCY = 0.95
+"""Outside contention a step keeps the fewest decode rows whose predicted throughput
+(rows per second) is still this share of running them all: a newcomer then waits for a
+shorter step, and the tenant alone loses at most the rest."""
+RECENT_S = 2.0
+"""A key that had work this many seconds ago still counts as competing (interactive
+tenants send their next request right after the last one ends)."""
 WARM_STEPS = 8
 """Steps observed before the cost model is trusted (until then nothing is capped)."""
+SKIP_FIRST = 2
+"""First steps not observed at all (one-off costs: lazy initialisation, first allocations)."""
 FORGET = 0.97
 """Weight of past observations per new step (recent steps count most)."""
 _RIDGE = 1e-6
@@ -65,6 +77,7 @@ class StepCostModel:
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
         self.num_observed = 0
+        self._skipped = 0
         self.coef = np.zeros(4)
         """[c0, c_decode, c_prefill, c_adapter] in seconds (non-negative)."""
 
@@ -75,6 +88,9 @@ class StepCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Add one measured step and refit (4×4 solve: microseconds)."""
         if not math.isfinite(seconds) or seconds < 0:
+            return
+        if self._skipped < SKIP_FIRST:
+            self._skipped += 1
             return
         x = shape.features()
         self._xtx = self.forget * self._xtx + np.outer(x, x)
@@ -105,6 +121,9 @@ class StepBudget:
         self.target_s = target_step_ms / 1000.0 if target_step_ms else None
         self.model = model or StepCostModel()
         self.steps = 0
+        self._last_seen: dict = {}  # fairness key -> clock time it last had work
+        self.clock = time.monotonic
+        """Seconds (monotonic); tests put a fake clock here."""
 
     def target(self, adapters: int = 0) -> float:
         """Seconds one step may take: the configured target, or the derived one."""
@@ -120,18 +139,27 @@ class StepBudget:
         many prompt tokens may join them. ``keys_with_prompts``: fairness keys with a
         waiting or part-way prompt (their share of the rows is kept for it)."""
         self.steps += 1
+        now = self.clock()
+        keys = {s.fairness_key for s in candidates} | keys_with_prompts
+        for key in keys:
+            self._last_seen[key] = now
+        for key in [k for k, t in self._last_seen.items() if now - t > RECENT_S]:
+            del self._last_seen[key]
         if not self.model.warm:
             return StepLimits(candidates, None)
         m = self.model
         c0, c_dec, c_pre, c_ad = m.coef
         target = self.target(adapters)
-        keys = {s.fairness_key for s in candidates} | keys_with_prompts
         decode = candidates
-        if len(keys) > 1 and c_dec > 0:
+        n = len(candidates)
+        if n > 1 and c_dec > 0:
             fixed = c0 + c_ad * adapters
             reserve = c_pre * MIN_CHUNK_TOKENS if keys_with_prompts else 0.0
             max_rows = max(1, int((target - fixed - reserve) / c_dec))
-            if max_rows < len(candidates):
+            if len(self._last_seen) <= 1:  # alone: only as many rows as its throughput needs
+                e = ALONE_EFFICIENCY
+                max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * c_dec)))
+            if max_rows < n:
                 decode = fair_rows(candidates, max_rows, keys_with_prompts)
         for seq in decode:
             seq.budget_ran = self.steps

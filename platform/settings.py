@@ -114,6 +114,13 @@ class Settings(_LimitSettings):
     """Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."""
     fairness_policy: Literal["vtc", "fcfs"] = SchedulerConfig.fairness_policy
     """Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival order."""
+    enable_step_budget: bool = SchedulerConfig.enable_step_budget
+    """Fill each engine step up to a target step time from a measured cost model: while
+    tenants compete their decode rows share it fairly (a flooder's surplus rotates), and
+    prompt chunks beside decodes shrink to fit it."""
+    target_step_ms: float | None = Field(default=SchedulerConfig.target_step_ms, gt=0)
+    """Target engine step time in milliseconds; None = derived from the measured cost of
+    a one-row decode step (a small multiple of it)."""
     grammar_compile_timeout: float = StructuredOutputConfig.grammar_compile_timeout
     """Seconds a request's structured-output grammar may take to compile (off the engine
     thread); past it the request fails."""

@@ -9,7 +9,9 @@ from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler, SchedulerOutput
 from loramux.engine.sequence import Sequence
 from loramux.engine.step_budget import (
+    ALONE_EFFICIENCY,
     DEFAULT_MULTIPLE,
+    RECENT_S,
     WARM_STEPS,
     StepBudget,
     StepCostModel,
@@ -35,6 +37,10 @@ def make_seq(name: str, key: str, prompt_len: int = 8, max_tokens: int = 10_000)
 
 def step(sched: Scheduler) -> SchedulerOutput:
     """Plan a step, 'run' it on the fake clock, feed the measurement back."""
+    budget = sched.budget
+    if budget is not None and not hasattr(budget, "fake_now"):
+        budget.fake_now = 0.0
+        budget.clock = lambda: budget.fake_now
     plan = sched.schedule()
     for s in plan.scheduled:
         seq = s.seq
@@ -44,6 +50,8 @@ def step(sched: Scheduler) -> SchedulerOutput:
             if seq.num_output_tokens >= seq.params.max_tokens:
                 sched.finish(seq)
     sched.observe_step(plan, fake_seconds(plan))
+    if budget is not None:
+        budget.fake_now += fake_seconds(plan)
     return plan
 
 
@@ -70,10 +78,14 @@ def test_never_plans_past_the_budget_and_fair_share_holds():
     flood = [make_seq(f"f{i}", "flood") for i in range(64)]
     for seq in flood:
         sched.add(seq)
-    for _ in range(WARM_STEPS + 12):  # the flood alone: every row runs (one key: no cap)
+    for _ in range(WARM_STEPS + 12):  # the flood alone
         plan = step(sched)
-    assert sum(1 for s in plan.scheduled if not s.is_prefill) == 64
     assert sched.budget.model.warm
+    rows = sum(1 for s in plan.scheduled if not s.is_prefill)
+    # alone it keeps the rows its throughput needs (>= ALONE_EFFICIENCY of all 64 at once)
+    alone = rows / fake_seconds(plan)
+    everything = 64 / (C0 + C_DEC * 64)
+    assert rows < 64 and alone >= (ALONE_EFFICIENCY - 0.005) * everything, (rows, alone / everything)
 
     quiet = make_seq("q", "quiet", prompt_len=40)
     sched.add(quiet)
@@ -89,6 +101,12 @@ def test_never_plans_past_the_budget_and_fair_share_holds():
             ran[s.seq.request_id] = ran.get(s.seq.request_id, 0) + 1
     assert max(over) <= 1.05, over
     assert quiet.num_output_tokens >= 50
+    sched.finish(quiet)
+    plan = step(sched)  # the quiet key had work a moment ago: it may come back, rows stay few
+    assert sum(1 for s in plan.scheduled if not s.is_prefill) < rows
+    for _ in range(int(RECENT_S / 0.04) + 2):  # beyond RECENT_S alone again: as many rows as before
+        plan = step(sched)
+    assert sum(1 for s in plan.scheduled if not s.is_prefill) == rows
     flood_runs = [ran.get(f"f{i}", 0) for i in range(64)]
     assert min(flood_runs) >= 0.5 * max(flood_runs)  # the flooder's surplus rotates evenly
 

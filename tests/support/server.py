@@ -28,6 +28,7 @@ def make_engine(
     dtype: str = "float32",
     device: str = "cpu",
     num_gpu_blocks: int | None = None,
+    enable_step_budget: bool = True,
 ) -> AsyncEngine:
     from loramux.engine.config import (
         CacheConfig,
@@ -42,7 +43,8 @@ def make_engine(
         model=ModelConfig(model=str(model_dir) if model_dir else None, dtype=dtype, device=device,
                           max_model_len=max_model_len),
         cache=CacheConfig(num_gpu_blocks_override=num_gpu_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                  enable_step_budget=enable_step_budget),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
                         max_cpu_loras=max_cpu_loras) if enable_lora else None,
     )
