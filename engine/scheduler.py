@@ -303,7 +303,7 @@ class Scheduler:
         prompts = {s.fairness_key for s in self.waiting}
         prompts |= {s.fairness_key for s in self.running if s.num_computed_tokens < s.num_tokens - 1}
         adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
-        limits = self.budget.plan(decodes, prompts, adapters)
+        limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc")
         self._prefill_cap = limits.prefill_tokens
         return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
 

@@ -134,13 +134,15 @@ class StepBudget:
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.model.observe(shape, seconds)
 
-    def plan(self, candidates: list[Sequence], keys_with_prompts: set, adapters: int) -> StepLimits:
+    def plan(self, candidates: list[Sequence], keys_with_prompts: set, adapters: int,
+             fair: bool = True) -> StepLimits:
         """Which of the running decode ``candidates`` (oldest first) run this step, and how
         many prompt tokens may join them. ``keys_with_prompts``: fairness keys with a
-        waiting or part-way prompt (their share of the rows is kept for it)."""
+        waiting or part-way prompt (their share of the rows is kept for it). ``fair`` False
+        (FCFS admission): every row counts as one key's."""
         self.steps += 1
         now = self.clock()
-        keys = {s.fairness_key for s in candidates} | keys_with_prompts
+        keys = {s.fairness_key for s in candidates} | keys_with_prompts if fair else {None}
         for key in keys:
             self._last_seen[key] = now
         for key in [k for k, t in self._last_seen.items() if now - t > RECENT_S]:
@@ -155,12 +157,14 @@ class StepBudget:
         if n > 1 and c_dec > 0:
             fixed = c0 + c_ad * adapters
             reserve = c_pre * MIN_CHUNK_TOKENS if keys_with_prompts else 0.0
-            max_rows = max(1, int((target - fixed - reserve) / c_dec))
+            # every key with decodes keeps at least one row: nobody stops
+            max_rows = max(len({s.fairness_key for s in candidates}),
+                           int((target - fixed - reserve) / c_dec))
             if len(self._last_seen) <= 1:  # alone: only as many rows as its throughput needs
                 e = ALONE_EFFICIENCY
                 max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * c_dec)))
             if max_rows < n:
-                decode = fair_rows(candidates, max_rows, keys_with_prompts)
+                decode = fair_rows(candidates, max_rows, keys_with_prompts, by_key=fair)
         for seq in decode:
             seq.budget_ran = self.steps
         if not decode or c_pre <= 0:
@@ -170,39 +174,32 @@ class StepBudget:
         return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
 
 
-def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set) -> list[Sequence]:
+def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,
+              by_key: bool = True) -> list[Sequence]:
     """``max_rows`` of ``candidates`` shared across fairness keys by weighted
-    water-filling (a key that needs less than its share leaves the rest to the others; a
-    key with only a waiting prompt holds one share for it), each key's least recently run
-    rows first. Returned in ``candidates`` order."""
-    by_key: dict = defaultdict(list)
+    water-filling (small demands first; a key that needs less than its share leaves the
+    rest to the others; a key with only a waiting prompt holds one share for it), each
+    key's least recently run rows first (``by_key`` False: all rows as one key's).
+    Returned in ``candidates`` order."""
+    groups: dict = defaultdict(list)
     for seq in candidates:
-        by_key[seq.fairness_key].append(seq)
-    weight = {k: seqs[0].fairness_weight for k, seqs in by_key.items()}
-    need = {k: len(seqs) for k, seqs in by_key.items()}
+        groups[seq.fairness_key if by_key else None].append(seq)
+    if not by_key:
+        waiting_keys = set()
+    weight = {k: seqs[0].fairness_weight for k, seqs in groups.items()}
+    need = {k: len(seqs) for k, seqs in groups.items()}
     for k in waiting_keys:
         if k not in need:
             weight[k], need[k] = 1.0, 1  # a prompt's share: kept out of the decode rows
-    give = {k: 0 for k in need}
+    give = {}
     left = max_rows
-    open_keys = set(need)
-    while left > 0 and open_keys:
-        total = sum(weight[k] for k in open_keys)
-        spent = 0
-        for k in sorted(open_keys, key=lambda k: (give[k], str(k))):
-            share = max(1, int(left * weight[k] / total))
-            take = min(share, need[k] - give[k], left - spent)
-            give[k] += take
-            spent += take
-            if give[k] >= need[k]:
-                open_keys.discard(k)
-            if spent >= left:
-                break
-        if spent == 0:
-            break
-        left -= spent
+    todo = sorted(need, key=lambda k: (need[k] / weight[k], str(k)))  # small demands first
+    for i, k in enumerate(todo):
+        rest = sum(weight[j] for j in todo[i:])
+        give[k] = min(need[k], left, max(1, int(left * weight[k] / rest)))
+        left -= give[k]
     chosen: set[int] = set()
-    for k, seqs in by_key.items():
+    for k, seqs in groups.items():
         rotation = sorted(seqs, key=lambda s: s.budget_ran)  # least recently run first
         chosen.update(id(s) for s in rotation[: give[k]])
     return [s for s in candidates if id(s) in chosen]
