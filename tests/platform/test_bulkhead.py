@@ -43,7 +43,7 @@ async def test_stalled_calls_time_out_then_fail_fast():
     assert time.monotonic() - t0 < 0.1  # no wait behind the stalled calls
     release.set()
     await asyncio.sleep(0.6)  # past reset_after, the stuck threads have ended
-    assert await b.call(lambda: 42) == 42
+    assert await b.call(lambda: 42, timeout=10) == 42
     assert b.status() == "ok" and b.in_flight == 0
     b.shutdown()
 
@@ -64,7 +64,7 @@ async def test_full_pool_refuses_at_once_and_other_bulkheads_serve():
 
 
 async def test_dependency_errors_count_and_others_do_not():
-    b = _bulkhead(failures=2)
+    b = _bulkhead(failures=2, timeout=10.0)  # no deadline under test here
 
     def pg_down():
         raise OperationalError("SELECT 1", {}, Exception("refused"))
