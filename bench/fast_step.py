@@ -147,10 +147,10 @@ def main() -> None:
         loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         for path in args.paths.split(","):
             for kind, lr in (("base", None), ("lora", loras)):
-                name = f"{path}/{kind}"
-                results[name] = run(model, prompts, arrivals, lr, args, args.profile, **PATHS[path])
-                r = results[name]
-                print(f"{name:10s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
+                key = f"{path}/{kind}"
+                results[key] = run(model, prompts, arrivals, lr, args, args.profile, **PATHS[path])
+                r = results[key]
+                print(f"{key:10s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
                       f"TPOT p50 {r['tpot_p50_ms']:6.1f} ms  {r['tok_per_cpu_s']:6.1f} tok/cpu-s",
                       flush=True)
     ratios = {}
