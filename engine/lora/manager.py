@@ -338,9 +338,9 @@ class LoRAManager(OperatorActions):
             slot = self.reserved.pop(key, None)
             state = self.adapters.get(key)
             exc = fut.exception()
-            if state is None or exc is not None:
-                if slot is not None:
-                    self.slots.clear(slot)  # dropped meanwhile, or failed: the slot is free
+            if state is None or exc is not None or state.error is not None:
+                if slot is not None:  # dropped or marked broken meanwhile, or failed
+                    self.slots.clear(slot)
             if state is None:
                 continue
             if exc is not None:
@@ -350,6 +350,8 @@ class LoRAManager(OperatorActions):
                     else LoRAError(f"adapter {key!r} failed to load: {exc}")
                 )
                 logger.error("adapter %s failed to load: %s", key, exc)
+                continue
+            if state.error is not None:  # marked broken while it loaded: it stays out
                 continue
             result: LoadResult = fut.result()
             if "disk" in result.seconds:
