@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import gc
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -168,6 +169,22 @@ def plot(results: dict, ratios: dict, path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def measure(engine, reqs: list[dict], adapters: list[Path], cfg: dict, alpha: float) -> dict:
+    """Warm the engine up (no adapter), run the workload, add the adapter load counts."""
+    manager = engine.engine.lora_manager
+    asyncio.run(warm_up(engine, reqs[0]["prompt"]))  # first-use costs
+    res = asyncio.run(run_config(engine, reqs, adapters, cfg, alpha))
+    stats = manager.load_stats
+    res["max_loras"] = manager.max_loras
+    res["loads_per_1k_requests"] = {t: 1000 * n / len(reqs) for t, n in stats.loads.items()}
+    res["load_ms_avg"] = {t: 1000 * stats.seconds[t] / n for t, n in stats.loads.items() if n}
+    res["evictions"] = manager.num_evictions
+    res["preemptions"] = engine.engine.scheduler.num_preemptions
+    engine.shutdown()
+    gc.collect()
+    return res
+
+
 def engine_for(args, model: Path, lora: dict):
     from loramux.engine.async_engine import AsyncEngine
     from loramux.engine.config import (
@@ -202,6 +219,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="alternate the configurations this many times; ratios are medians")
     ap.add_argument("--quick", action="store_true", help="a tiny random model (seconds)")
     ap.add_argument("--adapter-dir", default=str(Path.home() / ".cache/loramux/bench-adapters"),
                     help="where the random adapters are kept between runs ('' = a temp dir)")
@@ -212,7 +231,6 @@ def main() -> None:
     names = args.configs.split(",")
     if "N4" not in names:
         names.insert(0, "N4")  # the baseline is always measured in the same run
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = default_model_path()
         if args.quick:
@@ -222,43 +240,34 @@ def main() -> None:
         root = Path(args.adapter_dir) if args.adapter_dir and not args.quick else Path(tmp)
         adapters = make_adapters(model, root, max(CONFIGS[n]["adapters"] for n in names))
         reqs = None
-        for name in names:
-            cfg = CONFIGS[name]
-            print(f"{name}: {cfg['adapters']} adapters, flags {cfg['lora'] or 'default'}", flush=True)
-            engine = engine_for(args, model, cfg["lora"])
-            manager = engine.engine.lora_manager
-            reqs = reqs or workload(args, engine.engine.model.dims.vocab_size)
-            asyncio.run(warm_up(engine, reqs[0]["prompt"]))  # first-use costs, no adapter
-            res = asyncio.run(run_config(engine, reqs, adapters, cfg, args.alpha))
-            res["max_loras"] = manager.max_loras
-            res["loads_per_1k_requests"] = {
-                t: 1000 * n / len(reqs) for t, n in manager.load_stats.loads.items()}
-            res["load_ms_avg"] = {
-                t: 1000 * manager.load_stats.seconds[t] / n
-                for t, n in manager.load_stats.loads.items() if n}
-            res["evictions"] = manager.num_evictions
-            res["preemptions"] = engine.engine.scheduler.num_preemptions
-            results[name] = res
-            engine.shutdown()
-            del engine, manager
-            gc.collect()
-            print(f"{name:10s} slots {res['max_loras']:3d}  {res['output_tok_s']:6.1f} tok/s  "
-                  f"TTFT p50/p99 {res['ttft_s']['p50']:.2f}/{res['ttft_s']['p99']:.2f} s  "
-                  f"TPOT p50 {res['tpot_s']['p50'] * 1e3:.0f} ms  wall {res['wall_s']:.0f} s  "
-                  f"loads/1k {res['loads_per_1k_requests']}", flush=True)
-    base = results["N4"]
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for rep in range(args.repeat):  # N4, N32, ..., N4, N32, ...: a shared machine's load
+            for name in names:          # changes hit every configuration alike
+                engine = engine_for(args, model, CONFIGS[name]["lora"])
+                reqs = reqs or workload(args, engine.engine.model.dims.vocab_size)
+                res = measure(engine, reqs, adapters, CONFIGS[name], args.alpha)
+                runs[name].append(res)
+                print(f"[{rep}] {name:10s} slots {res['max_loras']:3d}  "
+                      f"{res['output_tok_s']:6.1f} tok/s  TTFT p50/p99 {res['ttft_s']['p50']:.2f}/"
+                      f"{res['ttft_s']['p99']:.2f} s  TPOT p50 {res['tpot_s']['p50'] * 1e3:.0f} ms"
+                      f"  wall {res['wall_s']:.0f} s  loads/1k {res['loads_per_1k_requests']}",
+                      flush=True)
+    results = {n: runs[n][-1] for n in names}
     ratios = {}
-    for name, res in results.items():
+    for name in names:
         if name == "N4":
             continue
-        r = {"tok_s": res["output_tok_s"] / base["output_tok_s"],
-             "ttft_p50": res["ttft_s"]["p50"] / base["ttft_s"]["p50"]}
+        pairs = list(zip(runs[name], runs["N4"], strict=True))  # each against its own rep's N4
+        r = {"tok_s": statistics.median(a["output_tok_s"] / b["output_tok_s"] for a, b in pairs),
+             "ttft_p50": statistics.median(a["ttft_s"]["p50"] / b["ttft_s"]["p50"]
+                                           for a, b in pairs)}
         goal = GOALS.get(name, {})
         r["meets_goal"] = (r["tok_s"] >= goal.get("tok_s", 0.0)
                            and r["ttft_p50"] <= goal.get("ttft_p50", float("inf")))
         ratios[name] = r
     print("ratios to N4", ratios)
-    payload = {"args": vars(args), "results": results, "ratios": ratios, "goals": GOALS,
+    payload = {"args": vars(args), "results": results, "runs": runs, "ratios": ratios,
+               "goals": GOALS,
                "peak_rss_mb": peak_rss_mb()}
     out = write_json("many_adapters" + ("_quick" if args.quick else ""), payload)
     plot(results, ratios, out.with_suffix(".png"))
