@@ -513,8 +513,11 @@ def validate_adapter(
     max_bytes: int = DEFAULT_MAX_ADAPTER_BYTES,
     base_model_name: str | None = None,
     dtype: torch.dtype = torch.float32,
+    serving_dtype: torch.dtype = torch.bfloat16,
 ) -> LoraWeights:
     """Fully validate an adapter folder or archive against a base model; return its weights.
+    Last, :func:`~loramux.adapters.probe.probe_adapter` in ``serving_dtype`` (its range is
+    float32's for bfloat16) refuses adapters whose outputs overflow, naming the module.
 
     ``base_config`` is a transformers ``PretrainedConfig`` or the dict of ``config.json``.
     Checks: ``peft_type`` LORA; ``r`` ≤ ``max_lora_rank``; target modules supported; every
@@ -556,7 +559,11 @@ def validate_adapter(
                 f"is {base_model_name or dims.name_or_path!r}; the shapes match"
             )
             logger.warning("%s: %s", Path(path).name, warnings[-1])
-        return LoraWeights(spec, _load_layers(weights_path, found, dtype), warnings)
+        weights = LoraWeights(spec, _load_layers(weights_path, found, dtype), warnings)
+    from loramux.adapters.probe import probe_adapter  # the probe reads LoraWeights
+
+    probe_adapter(weights, serving_dtype)
+    return weights
 
 
 def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:

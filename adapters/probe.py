@@ -1,0 +1,50 @@
+"""The upload probe: refuse adapters whose outputs overflow in the serving dtype.
+
+NaN/Inf values are refused by validation; finite but huge ones (``lora_B`` × 1e30) are
+not, and at serving time they turn their requests' hidden states into NaN. So after
+validation every module is checked twice, at a cost of microseconds per module:
+
+* its weights, times the adapter's scale, must be representable in the serving dtype;
+* a short probe forward of :data:`PROBE_TOKENS` unit-RMS tokens through ``B @ A · scale``
+  in the serving dtype must stay finite and below :data:`PROBE_MAX_ABS` (a delta that
+  large on a normalized input overflows the layers after it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loramux.adapters.errors import AdapterValidationError
+from loramux.adapters.format import LoraWeights
+
+PROBE_TOKENS = 4
+"""Tokens of the probe forward (random, unit RMS like a normalized hidden state)."""
+PROBE_MAX_ABS = 1e4
+"""Largest |delta| a module may add to a unit-RMS input (trained adapters add O(1))."""
+
+
+def probe_adapter(weights: LoraWeights, dtype: torch.dtype = torch.float32) -> None:
+    """Raise :class:`AdapterValidationError` naming the first module (layer and name) whose
+    scaled weights cannot be represented in ``dtype`` or whose probe output overflows."""
+    limit = torch.finfo(dtype).max
+    scale = weights.spec.scale
+    gen = torch.Generator().manual_seed(0)
+    for layer in sorted(weights.layers):
+        for module, (a, b) in sorted(weights.layers[layer].items()):
+            where = f"layer {layer} {module}"
+            for name, t, s in (("lora_A", a, 1.0), ("lora_B", b, scale)):
+                peak = float(t.detach().abs().max()) * abs(s) if t.numel() else 0.0
+                if not peak <= limit:
+                    raise AdapterValidationError(
+                        f"weights: {where} {name} has values up to {peak:.3g} (scaled), beyond "
+                        f"what {str(dtype).removeprefix('torch.')} can represent ({limit:.3g})",
+                        field="weights")
+            x = torch.randn(PROBE_TOKENS, a.shape[1], generator=gen).to(dtype)
+            y = (x @ a.to(dtype).T) @ b.to(dtype).T * scale
+            top = float(y.abs().max()) if y.numel() else 0.0
+            if not top <= PROBE_MAX_ABS:
+                raise AdapterValidationError(
+                    f"weights: {where} overflows: a probe forward in "
+                    f"{str(dtype).removeprefix('torch.')} gives outputs up to {top:.3g} for a "
+                    f"unit-scale input (limit {PROBE_MAX_ABS:g}); the adapter would break its "
+                    f"requests' numbers", field="weights")
