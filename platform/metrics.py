@@ -26,7 +26,9 @@ _TIERS = ("gpu", "device", "cpu", "disk")
 class Metrics:
     """All series of one server."""
 
-    def __init__(self) -> None:
+    def __init__(self, goodput_ttft_s: float = 2.0, goodput_tpot_s: float = 0.25) -> None:
+        """``goodput_*``: the per-request targets (Settings ``goodput_ttft_ms``/``_tpot_ms``)."""
+        self.goodput_ttft_s, self.goodput_tpot_s = goodput_ttft_s, goodput_tpot_s
         self.activity = Activity()
         """The rolling in-process window the dashboard reads (in flight, last minute)."""
         r = self.registry = CollectorRegistry()
@@ -48,6 +50,20 @@ class Metrics:
             "loramux_time_per_output_token_seconds", "Mean time between output tokens per request.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.goodput = Counter(
+            "loramux_goodput_requests", "Finished requests that met both goodput targets "
+            "(TTFT and TPOT); the share is this over loramux_goodput_eligible_requests.",
+            ["adapter"], registry=r,
+        )
+        self.goodput_eligible = Counter(
+            "loramux_goodput_eligible_requests", "Finished requests checked against the "
+            "goodput targets (those with a first token).", ["adapter"], registry=r,
+        )
+        self.goodput_share = Gauge(
+            "loramux_goodput_share", "Share of checked requests that met both goodput targets.",
+            registry=r,
+        )
+        self._goodput = [0, 0]  # met, checked
         self.e2e = Histogram(
             "loramux_e2e_request_latency_seconds", "Time from arrival to the last token.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
@@ -130,6 +146,19 @@ class Metrics:
             self.tpot.labels(adapter).observe(tpot)
         if e2e is not None:
             self.e2e.labels(adapter).observe(e2e)
+        if ttft is not None and status == "ok":
+            met = ttft <= self.goodput_ttft_s and (tpot is None or tpot <= self.goodput_tpot_s)
+            self.goodput_eligible.labels(adapter).inc()
+            self._goodput[1] += 1
+            if met:
+                self.goodput.labels(adapter).inc()
+                self._goodput[0] += 1
+            self.goodput_share.set(self._goodput[0] / self._goodput[1])
+
+    def goodput_share_value(self) -> float | None:
+        """Share of checked requests that met both targets (None before any)."""
+        met, checked = self._goodput
+        return met / checked if checked else None
 
     def on_adapter_event(self, event: str, adapter: str) -> None:
         """The engine's adapter listener (engine thread): counts evictions; safe from any

@@ -121,6 +121,11 @@ class Settings(_LimitSettings):
     target_step_ms: float | None = Field(default=SchedulerConfig.target_step_ms, gt=0)
     """Target engine step time in milliseconds; None = derived from the measured cost of
     a one-row decode step (a small multiple of it)."""
+    goodput_ttft_ms: float = Field(default=2000.0, gt=0)
+    """Goodput target: a request meets it when its time to first token is at most this
+    (and its time per output token at most goodput_tpot_ms); /metrics exports the share."""
+    goodput_tpot_ms: float = Field(default=250.0, gt=0)
+    """Goodput target: the most mean time per output token a request may take."""
     grammar_compile_timeout: float = StructuredOutputConfig.grammar_compile_timeout
     """Seconds a request's structured-output grammar may take to compile (off the engine
     thread); past it the request fails."""

@@ -99,7 +99,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
                 registry: RegistryService | None) -> AppState:
     """Wire the services around one engine (and optionally a registry); subscribes to
     the engine's adapter events and the registry's changes (undone by close_state)."""
-    metrics = Metrics()
+    metrics = Metrics(settings.goodput_ttft_ms / 1000, settings.goodput_tpot_ms / 1000)
 
     def drop_engine_key(key: str) -> None:
         """A deleted or replaced version: its queued requests fail now, running ones finish."""
