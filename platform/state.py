@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ from loramux.platform.openai.admission import AdmissionControl
 from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -155,9 +159,32 @@ def build_state(settings: Settings, engine: AsyncEngine,
         state.cleanups.append(registry.subscribe(auth.on_registry_event))
         state.cleanups.append(registry.subscribe(admission.on_registry_event))
     state.cleanups.append(engine.add_adapter_listener(metrics.on_adapter_event))
+    if registry is not None:
+        state.cleanups.append(engine.add_adapter_listener(_broken_audit(registry, resolver)))
     state.cleanups.append(fleet.remove_listener)
     state.cleanups.append(deps.shutdown)
     return state
+
+
+def _broken_audit(registry: RegistryService, resolver) -> Callable[[str, str], None]:
+    """An adapter listener that records a ``broken`` audit event (its outputs became
+    non-finite while serving) in the registry, off the engine thread."""
+
+    def record(key: str) -> None:
+        adapter_id = resolver.adapter_id_of(key)
+        if adapter_id is None:
+            return
+        try:
+            registry.record_event(adapter_id, "broken", actor="engine",
+                                  details={"reason": "non-finite outputs (adapter_numerics)"})
+        except Exception:
+            logger.exception("could not record the broken event of %s", key)
+
+    def on_event(event: str, key: str) -> None:
+        if event == "broken":
+            threading.Thread(target=record, args=(key,), name="broken-audit", daemon=True).start()
+
+    return on_event
 
 
 async def aclose_state(state: AppState) -> None:

@@ -143,6 +143,12 @@ class ModelResolver:
         self._keys: dict[int, str] = {}  # adapter id -> engine key in use
         self._lock = threading.Lock()
 
+    def adapter_id_of(self, key: str) -> int | None:
+        """The registry id of the adapter version served under engine key ``key`` (None
+        when no resolution in use has it, e.g. a static ``--lora-modules`` adapter)."""
+        with self._lock:
+            return next((aid for aid, k in self._keys.items() if k == key), None)
+
     # --- resolution ----------------------------------------------------------------
     async def resolve(self, caller: Caller, name: str) -> ServedModel:
         """The model ``name`` means for ``caller``; ModelNotFound when it means nothing

@@ -1,0 +1,46 @@
+"""Goodput metrics (the share of requests that met both the TTFT and TPOT targets) and the
+broken-adapter audit listener."""
+
+from __future__ import annotations
+
+from loramux.platform.metrics import Metrics
+
+
+def test_goodput_share_counts_requests_that_met_both_targets():
+    m = Metrics(goodput_ttft_s=1.0, goodput_tpot_s=0.1)
+    assert m.goodput_share_value() is None
+    m.observe_request("a", "completions", "ok", ttft=0.5, tpot=0.05)  # met both
+    m.observe_request("a", "completions", "ok", ttft=1.5, tpot=0.05)  # TTFT missed
+    m.observe_request("b", "completions", "ok", ttft=0.2, tpot=0.3)  # TPOT missed
+    m.observe_request("b", "completions", "ok", ttft=0.2)  # one token: TTFT decides
+    m.observe_request("b", "completions", "cancelled", ttft=0.2, tpot=0.01)  # not checked
+    assert m.goodput_share_value() == 0.5
+    text = m.render().decode()
+    assert "loramux_goodput_share 0.5" in text
+    assert 'loramux_goodput_requests_total{adapter="a"} 1.0' in text
+    assert 'loramux_goodput_eligible_requests_total{adapter="b"} 2.0' in text
+
+
+def test_a_broken_adapter_is_audited_off_the_engine_thread():
+    import threading
+
+    from loramux.platform.state import _broken_audit
+
+    recorded = threading.Event()
+    calls = []
+
+    class Registry:
+        def record_event(self, adapter_id, kind, *, actor=None, details=None):
+            calls.append((adapter_id, kind, actor, threading.current_thread().name))
+            recorded.set()
+
+    class Resolver:
+        def adapter_id_of(self, key):
+            return 7 if key == "3/sql@abc" else None
+
+    listener = _broken_audit(Registry(), Resolver())
+    listener("evicted", "3/sql@abc")  # not audited here
+    listener("broken", "static/x@def")  # no registry row: nothing to record
+    listener("broken", "3/sql@abc")
+    assert recorded.wait(5)
+    assert calls == [(7, "broken", "engine", "broken-audit")]
