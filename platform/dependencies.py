@@ -63,6 +63,9 @@ class DependencyPolicy:
     """Seconds an open breaker fails calls at once before it lets one through again."""
     dependency_retry_after: int = 5
     """The Retry-After (seconds) of a 503 caused by a failed dependency."""
+    stale_hedge: float = 0.2
+    """Seconds a request waits for the refresh of an expired cached key, quota or model
+    resolution before it is answered with the last good value (the refresh goes on)."""
     outage_staleness: float = 300.0
     """Seconds past their TTL that cached API keys, quotas and adapter resolutions keep
     serving while the database is down (each use logged); 0 = fail at once."""
@@ -73,8 +76,8 @@ class DependencyPolicy:
         if min(self.db_call_timeout, self.store_call_timeout, self.redis_socket_timeout,
                self.redis_connect_timeout, self.breaker_reset) <= 0:
             raise ValueError("dependency timeouts must be positive numbers of seconds")
-        if self.outage_staleness < 0:
-            raise ValueError("outage_staleness must be >= 0")
+        if self.outage_staleness < 0 or self.stale_hedge < 0:
+            raise ValueError("outage_staleness and stale_hedge must be >= 0")
 
 
 class DependencyUnavailable(Exception):
@@ -269,8 +272,7 @@ class Dependencies:
         self.db = Bulkhead("database", workers=p.db_workers, timeout=p.db_call_timeout, **common)
         self.store = Bulkhead("object store", workers=p.store_workers,
                               timeout=p.store_call_timeout, **common)
-        self._refreshing: set[tuple[int, Any]] = set()
-        self._tasks: set[asyncio.Future] = set()
+        self._refreshing: dict[tuple[int, Any], asyncio.Future] = {}
 
     def stale_cache(self, ttl: float, **kwargs: Any):
         """A :class:`~loramux.platform.ttl_cache.TTLCache` that answers from its last good
@@ -281,38 +283,54 @@ class Dependencies:
                         stale_on=dependency_errors(), **kwargs)
 
     async def read_through(self, cache: Any, key: Any, loader: Callable[[], Any]) -> Any:
-        """``cache.aget_or_load(key, loader)`` (loader: a database call), except while the
-        database is failing (its bulkhead not ``ok``): a value still within the stale
-        window is answered at once, so the hot path waits on no dependency, and refreshed
-        in the background (one refresh per key at a time)."""
-        if self.db.status() != "ok":
-            hit = cache.usable(key, _MISSING)
-            if hit is not _MISSING:
-                self._refresh(cache, key, loader)
-                return hit
-        return await cache.aget_or_load(key, loader)
+        """``cache.aget_or_load(key, loader)`` (loader: a database call) that never holds
+        the hot path on a slow or failing database once a value was seen: an expired
+        entry still within the stale window is refreshed in the background, and the
+        request waits for that refresh at most ``stale_hedge`` seconds (not at all while
+        the database bulkhead is failing) before it is answered with the last good value
+        (logged). One refresh per key runs at a time."""
+        fresh = cache.get(key, _MISSING)
+        if fresh is not _MISSING:
+            return fresh
+        stale = cache.usable(key, _MISSING)
+        if stale is _MISSING:
+            return await cache.aget_or_load(key, loader)
+        task = self._refresh(cache, key, loader)
+        if self.db.status() == "ok":
+            done, _ = await asyncio.wait({task}, timeout=self.policy.stale_hedge)
+            if task in done:
+                exc = task.exception()
+                if exc is None:
+                    return task.result()
+                if not isinstance(exc, dependency_errors()):
+                    raise exc
+        logger.warning("serving a stale cached value for %r: the database is slow or down", key)
+        return stale
 
-    def _refresh(self, cache: Any, key: Any, loader: Callable[[], Any]) -> None:
+    def _refresh(self, cache: Any, key: Any, loader: Callable[[], Any]) -> asyncio.Future:
         marker = (id(cache), key)
-        if marker in self._refreshing:
-            return
-        self._refreshing.add(marker)
+        running = self._refreshing.get(marker)
+        if running is not None:
+            return running
 
-        async def refresh() -> None:
-            try:
-                value = await loader()
-                if value is None and not cache.cache_none:
-                    cache.pop(key)
-                else:
-                    cache.put(key, value)
-            except Exception as exc:  # still down: the stale value stays until its bound
-                logger.debug("background refresh of %r failed: %s", key, exc)
-            finally:
-                self._refreshing.discard(marker)
+        async def refresh() -> Any:
+            value = await loader()
+            if value is None and not cache.cache_none:
+                cache.pop(key)
+            else:
+                cache.put(key, value)
+            return value
 
         task = asyncio.ensure_future(refresh())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._refreshing[marker] = task
+
+        def done(t: asyncio.Future) -> None:
+            self._refreshing.pop(marker, None)
+            if not t.cancelled() and t.exception() is not None:  # retrieved: no warning
+                logger.debug("background refresh of %r failed: %s", key, t.exception())
+
+        task.add_done_callback(done)
+        return task
 
     def health(self) -> dict[str, str]:
         """``ok`` / ``degraded`` / ``down`` per bulkhead (what ``/ready`` reports)."""

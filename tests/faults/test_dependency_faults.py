@@ -81,6 +81,7 @@ def stack(tiny_model_dir, tmp_path_factory):
     registry.db.dispose()
     for svc in services.values():
         svc.kill()
+        svc.log.unlink(missing_ok=True)
     shutil.rmtree(pg_root, ignore_errors=True)
     mp.undo()
 

@@ -151,3 +151,21 @@ async def test_read_through_answers_stale_at_once_while_the_database_fails():
 
 def _raise_unavailable():
     raise DependencyUnavailable("database", "down", 5)
+
+
+async def test_read_through_hedges_a_slow_refresh():
+    deps = Dependencies(DependencyPolicy(stale_hedge=0.2, breaker_failures=99))
+    cache = deps.stale_cache(0.0)
+    cache.put("k", "old")
+    assert await deps.read_through(cache, "k", lambda: _later("fast", 0.0)) == "fast"
+    t0 = time.monotonic()
+    assert await deps.read_through(cache, "k", lambda: _later("slow", 1.0)) == "fast"
+    assert time.monotonic() - t0 < 0.6  # the hedge, not the 1 s refresh
+    await asyncio.sleep(1.1)
+    assert cache.usable("k") == "slow"  # the refresh landed in the background
+    deps.shutdown()
+
+
+async def _later(value, delay):
+    await asyncio.sleep(delay)
+    return value
