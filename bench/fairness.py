@@ -11,6 +11,12 @@ TTFT p50/p99 (a request with no token by the end counts with its wait so far) an
 output tokens/s, with ratios vtc ÷ fcfs. Writes bench/results/fairness.json and .png.
 
     python bench/fairness.py [--window 30] [--quiet-rate 0.6] [--ratio 10] [--max-num-seqs 16]
+
+``--flood``: the flood-with-256-sequences case instead (``bench/fairness_flood.py``): one
+key keeps ``--flood-streams`` × ``--flood-n`` sequences running, the quiet key's 8-token
+request p99 ÷ its idle latency, step budget on ÷ off. Writes bench/results/fairness_flood.json.
+
+    python bench/fairness.py --flood [--flood-streams 8] [--flood-n 32] [--flood-tokens 400]
 """
 
 from __future__ import annotations
@@ -90,8 +96,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flood", action="store_true", help="the flood case (step budget on ÷ off)")
+    ap.add_argument("--flood-streams", type=int, default=8)
+    ap.add_argument("--flood-n", type=int, default=32)
+    ap.add_argument("--flood-tokens", type=int, default=400)
+    ap.add_argument("--quiet-requests", type=int, default=5)
+    ap.add_argument("--model", default=None, help="model folder (default: the default model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.flood:
+        from fairness_flood import flood_case
+
+        write_json("fairness_flood", {"args": vars(args), **flood_case(args)})
+        return
 
     from loramux.engine.async_engine import AsyncEngine
     from loramux.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
