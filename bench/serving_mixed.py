@@ -4,7 +4,7 @@ Workload (same requests, same arrival times for every configuration): Poisson ar
 prompts of ~50..1,500 tokens of which those longer than a system prompt start with
 their adapter's shared ~512-token system prompt, requests spread over several adapters (and
 the base model), ``ignore_eos`` outputs of 64..256 tokens. Reports TTFT and inter-token
-latency p50/p90/p99 and output tokens/s per configuration, the ratios on ÷ off, and the
+latency p50/p90/p99 (and ITL p99 ÷ TPOT p50) and output tokens/s per configuration, the ratios on ÷ off, and the
 TTFT of requests whose system prompt was already cached against uncached ones. Writes
 bench/results/serving_mixed.json and .png.
 
@@ -90,6 +90,7 @@ async def run_config(engine, reqs, adapters) -> dict:
     wall = max(r["done"] for r in records) - start
     ttft = [r["ttft"] for r in records]
     itl = [x for r in records for x in r["itl"]]
+    tpot = [sum(r["itl"]) / len(r["itl"]) for r in records if r["itl"]]
     seen_systems: set[int] = set()
     cached, uncached = [], []
     for r in sorted(records, key=lambda r: r["arrival"]):
@@ -102,6 +103,8 @@ async def run_config(engine, reqs, adapters) -> dict:
         "ttft_s": {f"p{p}": pct(ttft, p) for p in (50, 90, 99)},
         "itl_s": {f"p{p}": pct(itl, p) for p in (50, 90, 99)},
         "itl_p99_over_p50": pct(itl, 99) / pct(itl, 50),
+        # the step budget's goal: ITL p99 <= 3x the median request's time per output token
+        "itl_p99_over_tpot_p50": pct(itl, 99) / pct(tpot, 50),
         "ttft_system_prompt_seen_before_p50": statistics.median(cached) if cached else None,
         "ttft_system_prompt_first_time_p50": statistics.median(uncached) if uncached else None,
         "wall_s": wall,
