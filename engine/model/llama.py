@@ -198,8 +198,14 @@ class LlamaModel:
                 lora.add(i, "down", m, dn)
             residual = residual + dn
         last = residual.index_select(0, logits_rows)
-        last = _rms_norm(last, self.norm, d.rms_norm_eps)
-        return self.lm_head(last).float()
+        # A hidden state that overflowed (its squared norm is not finite) would normalize to
+        # zeros and serve garbage as if fine: its logits row reads NaN instead, so the engine
+        # fails that request alone (adapter_numerics).
+        overflow = ~torch.isfinite(last.float().pow(2).sum(-1))
+        logits = self.lm_head(_rms_norm(last, self.norm, d.rms_norm_eps)).float()
+        if bool(overflow.any()):
+            logits[overflow] = float("nan")
+        return logits
 
     def kv_bytes_per_token(self) -> int:
         d = self.dims
