@@ -92,6 +92,7 @@ class Scheduler:
         # sequences (and recompute them) every step.
         slack = DECODE_COST * config.max_num_seqs
         self.policy = policy or make_policy(config.fairness_policy, slack)
+        self._full_slack = slack
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -305,6 +306,9 @@ class Scheduler:
         adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
         limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc")
         self._prefill_cap = limits.prefill_tokens
+        if hasattr(self.policy, "slack"):  # "one full decode step's charge" of the budget's step
+            capped = len(limits.decode) < len(decodes)
+            self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
         return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
 
     def observe_step(self, plan: SchedulerOutput, seconds: float, extra_rows: int = 0) -> None:
