@@ -198,6 +198,8 @@ def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,
         rest = sum(weight[j] for j in todo[i:])
         give[k] = min(need[k], left, max(1, int(left * weight[k] / rest)))
         left -= give[k]
+    for k in groups:  # a key with decodes never stops (a waiting prompt's share cannot starve it)
+        give[k] = max(give[k], 1)
     chosen: set[int] = set()
     for k, seqs in groups.items():
         rotation = sorted(seqs, key=lambda s: s.budget_ran)  # least recently run first
