@@ -160,6 +160,12 @@ class Metrics:
         met, checked = self._goodput
         return met / checked if checked else None
 
+    def goodput_report(self) -> dict[str, float | int | None]:
+        """The targets, the counts and the share, for the dashboard's overview."""
+        met, checked = self._goodput
+        return {"ttft_ms": 1000 * self.goodput_ttft_s, "tpot_ms": 1000 * self.goodput_tpot_s,
+                "met": met, "checked": checked, "share": self.goodput_share_value()}
+
     def on_adapter_event(self, event: str, adapter: str) -> None:
         """The engine's adapter listener (engine thread): counts evictions; safe from any
         thread."""

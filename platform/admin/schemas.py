@@ -91,6 +91,16 @@ class Residency(BaseModel):
     """The first engine (all-in-one: the only one)."""
 
 
+class Goodput(BaseModel):
+    """Finished requests of this server checked against the goodput targets."""
+    ttft_ms: float
+    tpot_ms: float
+    met: int
+    checked: int
+    share: float | None
+    """``met / checked``; None before the first checked request."""
+
+
 class Overview(BaseModel):
     base_model: str
     dtype: str
@@ -100,6 +110,8 @@ class Overview(BaseModel):
     """``ok`` / ``degraded`` / ``down`` per dependency (database, object store, redis)."""
     dependency_reasons: dict[str, str] = {}
     """Why each failing dependency failed (the admin sees addresses)."""
+    goodput: Goodput | None = None
+    """Share of requests that met both the TTFT and the TPOT target (this server's)."""
 
 
 class ActionResult(BaseModel):

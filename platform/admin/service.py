@@ -54,6 +54,8 @@ class AdminService:
         self.base_model, self.dtype, self.device = base_model, dtype, device
         self.health: Callable[[], Awaitable[tuple[dict[str, str], dict[str, str]]]] | None = None
         """The server's dependency report for the overview (``dependency_report``)."""
+        self.goodput: Callable[[], dict[str, float | int | None]] | None = None
+        """The server's goodput against its targets (``Metrics.goodput_report``)."""
 
     def _registry_rows(self) -> list[tuple[str, AdapterHandle, str]]:
         if self.registry is None:
@@ -69,7 +71,8 @@ class AdminService:
         deps, reasons = await self.health() if self.health is not None else ({}, {})
         return Overview(base_model=self.base_model, dtype=self.dtype, device=self.device,
                         engines=[v.summary for v in views], dependencies=deps,
-                        dependency_reasons=reasons)
+                        dependency_reasons=reasons,
+                        goodput=self.goodput() if self.goodput is not None else None)
 
     async def adapters(self) -> Residency:
         """Every adapter per engine (and the registry's not loaded anywhere)."""

@@ -70,6 +70,7 @@ async def test_login_cookie_and_csrf(client, env, caplog):
     overview = (await client.get("/admin")).text  # per-tier load counts and times
     assert "loads disk → CPU" in overview and "loads CPU → slot" in overview
     assert 'data-dependency="database"' in overview  # the dependencies' state
+    assert re.search(r"goodput \(TTFT ≤ [\d.]+ ms and TPOT ≤ [\d.]+ ms\)", overview)
     adapters_page = (await client.get("/admin/ui/adapters")).text
     row_html = adapters_page.split(key, 1)[1].split("</tr>", 1)[0]
     assert re.search(r"disk \d+ ms\s*<br>slot [\d.]+ ms", row_html)  # its load column
@@ -107,6 +108,9 @@ async def test_overview_tenants_and_keys(client, env):
     r = await client.post("/v1/completions", headers=env.headers(env.key_a),
                           json={"model": "a-only", "prompt": "x", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200
+    goodput = (await client.get("/admin/overview", headers=ADMIN)).json()["goodput"]
+    assert goodput["checked"] >= 1 and goodput["met"] <= goodput["checked"]
+    assert goodput["share"] == goodput["met"] / goodput["checked"]
     tenants = {t["name"]: t for t in (await client.get("/admin/tenants", headers=ADMIN)).json()["data"]}
     alpha = tenants["alpha"]
     quotas = {q["name"]: q for q in alpha["quotas"]}
