@@ -41,8 +41,13 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "loramux" / "kernels"
 
 
+def find_compiler() -> str | None:
+    """The C compiler kernels are built with (``$CC``, else ``cc`` or ``gcc`` on PATH), or None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = find_compiler()
     if not cc:
         raise KernelBuildError("no C compiler found (install gcc, or set CC)")
     return cc

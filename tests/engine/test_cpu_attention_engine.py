@@ -4,18 +4,18 @@ transformers by teacher forcing, with chunked prompts continuing a cached prefix
 from __future__ import annotations
 
 import pytest
+from support.cpu_kernel import require_cpu_kernel
 from support.lora_fixtures import peft_reference, teacher_forcing_gaps
 
 from loramux.engine import LLM, SamplingParams
-from loramux.engine.model.cpu_attention import kernel_available
 
 TOL = 2e-3
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_both_attention_paths_match_transformers(tiny_model_dir, backend):
-    if backend == "auto" and not kernel_available():
-        pytest.skip("the CPU attention kernel does not build here (no C compiler)")
+    if backend == "auto":
+        require_cpu_kernel()
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=24,
               attention_backend=backend)
     assert llm.llm_engine.runner.cpu_kernel == (backend == "auto")

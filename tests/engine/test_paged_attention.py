@@ -129,10 +129,9 @@ def test_triton_kernel_equals_torch_path(dtype, tol, window):
 
 
 def _kernel_or_skip():
-    from loramux.engine.model.cpu_attention import kernel_available
+    from support.cpu_kernel import require_cpu_kernel
 
-    if not kernel_available():
-        pytest.skip("the CPU attention kernel does not build here (no C compiler)")
+    require_cpu_kernel()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
