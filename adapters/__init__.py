@@ -2,7 +2,9 @@
 
 - :mod:`~loramux.adapters.format` ``load_adapter`` (read, no base-model checks; the engine's
   loader), ``validate_adapter`` (every upload check against a base model config),
-  ``LoraSpec``, ``LoraWeights``, ``save_adapter``, ``AdapterValidationError``
+  ``LoraWeights``, ``save_adapter``, ``AdapterValidationError``
+- :mod:`~loramux.adapters.spec` ``adapter_config.json`` → ``LoraSpec`` (read size-capped,
+  checked field by field, features that change the math refused); ``DEFAULT_MAX_LORA_RANK``
 - :mod:`~loramux.adapters.archive` folders and ``.tar.gz`` / ``.zip`` uploads, extracted
   safely (no absolute paths, ``..``, links or devices; member count and size caps)
 - :mod:`~loramux.adapters.safetensors_io` safetensors header checks before any tensor is

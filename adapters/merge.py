@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
-from loramux.adapters.format import DEFAULT_MAX_LORA_RANK, validate_adapter
+from loramux.adapters.format import validate_adapter
+from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
 
 logger = logging.getLogger(__name__)
 

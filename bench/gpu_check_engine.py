@@ -133,7 +133,8 @@ def write_random_adapters(
 ) -> list[Path]:
     """``count`` distinct PEFT adapters of rank ``rank`` on all 7 projections."""
     from loramux.adapters.arch import base_dims
-    from loramux.adapters.format import LoraSpec, LoraWeights, save_adapter
+    from loramux.adapters.format import LoraWeights, save_adapter
+    from loramux.adapters.spec import LoraSpec
 
     dims = base_dims(dict(cfg, model_type="llama"))
     spec = LoraSpec(r=rank, lora_alpha=2.0 * rank, target_modules=MODULES)

@@ -40,7 +40,8 @@ ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def make_adapters(base_dir: Path, root: Path, count: int) -> list[Path]:
     """``count`` random PEFT adapters (ranks alternate 8/16) written without loading the base."""
-    from loramux.adapters.format import LoraSpec, LoraWeights, save_adapter
+    from loramux.adapters.format import LoraWeights, save_adapter
+    from loramux.adapters.spec import LoraSpec
     from loramux.engine.model.weights import dims_from_config, read_hf_config
 
     dims = dims_from_config(read_hf_config(base_dir))

@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, DEFAULT_MAX_LORA_RANK
+from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES
+from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.cache import AdapterCache
 from loramux.registry.db import Database

@@ -23,13 +23,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
-from loramux.adapters.format import (
-    DEFAULT_MAX_ADAPTER_BYTES,
-    DEFAULT_MAX_LORA_RANK,
-    MAX_CONFIG_BYTES,
-    LoraWeights,
-    validate_adapter,
-)
+from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, LoraWeights, validate_adapter
+from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK, MAX_CONFIG_BYTES
 from loramux.registry.cache import AdapterCache, cache_entry_name
 from loramux.registry.db import Database
 from loramux.registry.errors import (

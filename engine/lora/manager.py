@@ -32,8 +32,10 @@ from pathlib import Path
 import torch
 
 from loramux.adapters.arch import SUPPORTED_MODULES
+from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError
-from loramux.adapters.format import CONFIG_NAME, LoraWeights, parse_config, read_config
+from loramux.adapters.format import LoraWeights
+from loramux.adapters.spec import parse_config, read_config
 from loramux.engine.config import LoRAConfig
 from loramux.engine.lora import ops
 from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity

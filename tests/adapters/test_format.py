@@ -11,12 +11,11 @@ from support.adapters import random_lora
 from loramux.adapters.arch import SUPPORTED_MODULES, base_dims
 from loramux.adapters.format import (
     AdapterValidationError,
-    LoraSpec,
     load_adapter,
-    parse_config,
     save_adapter,
     validate_adapter,
 )
+from loramux.adapters.spec import LoraSpec, parse_config
 
 
 def test_scale():

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from loramux.adapters.format import DEFAULT_MAX_LORA_RANK
+from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
 from loramux.engine.config import (
     CacheConfig,
     EngineConfig,

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from loramux.adapters.arch import base_dims
-from loramux.adapters.format import LoraSpec, LoraWeights, save_adapter
+from loramux.adapters.format import LoraWeights, save_adapter
+from loramux.adapters.spec import LoraSpec
 
 
 def random_lora(
