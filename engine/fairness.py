@@ -27,6 +27,10 @@ DECODE_COST = 2.0
 class AdmissionPolicy(Protocol):
     """What the scheduler asks of a fairness policy (all calls on the engine thread)."""
 
+    slack: float
+    """How far behind a waiting key must be before :meth:`displace` preempts for it
+    (weighted tokens); the scheduler sets it each step from the step budget."""
+
     def order(self, waiting: deque[Sequence]) -> list[Sequence]:
         """Waiting sequences, first to admit first; called once per step."""
 
@@ -49,6 +53,8 @@ class AdmissionPolicy(Protocol):
 
 class FifoPolicy:
     """Arrival order (preempted sequences return to the front); preempts the newest."""
+
+    slack = 0.0  # never displaces, so the slack has no effect
 
     def order(self, waiting: deque[Sequence]) -> list[Sequence]:
         return list(waiting)

@@ -306,9 +306,8 @@ class Scheduler:
         adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
         limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc")
         self._prefill_cap = limits.prefill_tokens
-        if hasattr(self.policy, "slack"):  # "one full decode step's charge" of the budget's step
-            capped = len(limits.decode) < len(decodes)
-            self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
+        capped = len(limits.decode) < len(decodes)  # slack: one full step's charge of this step
+        self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
         return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
 
     def observe_step(self, plan: SchedulerOutput, seconds: float, extra_rows: int = 0) -> None:
