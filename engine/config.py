@@ -37,6 +37,11 @@ class ModelConfig:
     """auto | torch. auto: on the CPU the compiled C kernel that reads the paged cache in
     place (falls back to torch, logging why, when it cannot be built), Triton on CUDA;
     torch: the torch path (gathers each context, then SDPA)."""
+    enforce_eager: bool = False
+    """vLLM's flag: run the layer's small ops (residual add + RMSNorm, rotary embedding,
+    SiLU-and-mul) as separate torch ops. False: on the CPU each runs as one fused C kernel
+    (``engine/model/small_ops.py``; falls back to eager, logging why, when it cannot be
+    built); CUDA always runs them eagerly."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch"):

@@ -103,7 +103,7 @@ class LLMEngine:
         self.model_path = model_path
         self.device = resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, self.device, model_path)
-        self.model = LlamaModel(model_path, dtype, self.device)
+        self.model = LlamaModel(model_path, dtype, self.device, enforce_eager=mc.enforce_eager)
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_path)
         dims = self.model.dims
         self.max_model_len = mc.max_model_len or dims.max_position_embeddings

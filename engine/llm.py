@@ -35,6 +35,7 @@ class LLM:
         seed: int = ModelConfig.seed,
         max_model_len: int | None = ModelConfig.max_model_len,
         attention_backend: str = ModelConfig.attention_backend,
+        enforce_eager: bool = ModelConfig.enforce_eager,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
         max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
         enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
@@ -61,6 +62,7 @@ class LLM:
         config = EngineConfig.from_options(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
             max_model_len=max_model_len, attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
@@ -176,6 +178,6 @@ def _per_prompt(value, n: int, name: str) -> list:
 
 # vLLM constructor arguments that are accepted and have no effect here.
 _VLLM_ACCEPTED = {
-    "trust_remote_code", "tensor_parallel_size", "enforce_eager", "disable_log_stats",
+    "trust_remote_code", "tensor_parallel_size", "disable_log_stats",
     "swap_space", "quantization", "revision", "tokenizer_mode", "download_dir",
 }

@@ -102,6 +102,9 @@ class Settings(_LimitSettings):
     attention_backend: Literal["auto", "torch"] = ModelConfig.attention_backend
     """auto: the C kernel reading the paged KV cache in place on the CPU (Triton on CUDA);
     torch: gather each context, then SDPA (the reference path)."""
+    enforce_eager: bool = ModelConfig.enforce_eager
+    """vLLM's flag: the layer's small ops as separate torch ops instead of the fused CPU
+    kernels (engine/model/small_ops.py)."""
     max_model_len: int | None = ModelConfig.max_model_len
     """Longest prompt + output in tokens; None = the model's own limit."""
     max_num_seqs: int = SchedulerConfig.max_num_seqs

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# glibc's vector math (expf on AVX2 lanes) where the x86-64 kernels call it
+LIBS = ("-lm", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ("-lm",)
 
 _lock = threading.Lock()
 _cache: dict[str, object] = {}
@@ -71,7 +74,7 @@ def library_path(name: str) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"C compiler {cc!r} does not run: {e}") from None
     h = hashlib.sha256()
-    for part in ((CSRC / f"{name}.c").read_bytes(), " ".join(CFLAGS).encode(), version.encode(),
+    for part in ((CSRC / f"{name}.c").read_bytes(), " ".join(CFLAGS + LIBS).encode(), version.encode(),
                  _cpu_flags().encode()):
         h.update(part)
     return cache_dir() / f"{name}-{h.hexdigest()[:16]}.so"
@@ -89,7 +92,7 @@ def build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([_compiler(), *CFLAGS, "-o", tmp, str(src), "-lm"],
+        proc = subprocess.run([_compiler(), *CFLAGS, "-o", tmp, str(src), *LIBS],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelBuildError(f"compiling {src.name} failed: {proc.stderr.strip()[-2000:]}")
@@ -111,28 +114,54 @@ def load(name: str) -> ctypes.CDLL:
         raise KernelBuildError(f"loading {path} failed: {e}") from None
 
 
-def paged_attention_kernel():
-    """The ``loramux_paged_attention`` C function, or None (reason logged once) when the
-    kernel cannot be built or loaded here. ``LORAMUX_CPU_KERNELS=0`` disables it."""
+def kernel_function(name: str, symbol: str, argtypes: list, purpose: str):
+    """C function ``symbol`` of kernel ``name`` with its ctypes signature (returns int), or
+    None when it cannot be built or loaded here; the reason is logged once, naming
+    ``purpose`` (what falls back to torch). ``LORAMUX_CPU_KERNELS=0`` disables every kernel."""
     with _lock:
-        if "paged_attention" in _cache:
-            return _cache["paged_attention"]
+        if symbol in _cache:
+            return _cache[symbol]
         fn = None
         if os.environ.get("LORAMUX_CPU_KERNELS", "1") == "0":
-            logger.info("CPU attention kernel disabled (LORAMUX_CPU_KERNELS=0): torch attention")
+            logger.info("CPU kernels disabled (LORAMUX_CPU_KERNELS=0): torch %s", purpose)
         else:
             try:
-                lib = load("paged_attention")
-                fn = lib.loramux_paged_attention
-                vp, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-                fn.argtypes = [vp, i64, vp, vp, vp, vp, i64, vp, vp, vp,
-                               i, i, i, i, i, i, ctypes.c_float, i, i]
+                fn = getattr(load(name), symbol)
+                fn.argtypes = argtypes
                 fn.restype = ctypes.c_int
             except (KernelBuildError, OSError, AttributeError) as e:
-                logger.warning("CPU paged-attention kernel unavailable, using torch attention: %s", e)
+                logger.warning("CPU kernel %s unavailable, using torch %s: %s", name, purpose, e)
                 fn = None
-        _cache["paged_attention"] = fn
+        _cache[symbol] = fn
         return fn
+
+
+_vp, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def paged_attention_kernel():
+    """The ``loramux_paged_attention`` C function, or None (reason logged once)."""
+    return kernel_function(
+        "paged_attention", "loramux_paged_attention",
+        [_vp, _i64, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _i, _i, _i, _i, _i, _i, _f, _i, _i],
+        "attention",
+    )
+
+
+FUSED_OPS_SIGNATURES = {
+    "loramux_add_rms_norm": [_vp, _i64, _vp, _i64, _i, _vp, _vp, _i, _i64, _i64, _f, _i, _i],
+    "loramux_rope": [_vp, _i64, _vp, _vp, _vp, _i64, _i, _i, _i, _i],
+    "loramux_silu_mul": [_vp, _i64, _vp, _i, _i64, _i64, _i, _i],
+    "loramux_lora_sgmv": [_vp, _i64, _i, _vp, _vp, _i, _vp, _i64, _i, _vp, _i, _vp, _i, _i, _i, _i, _i],
+}
+_KERNEL_OF = {"loramux_lora_sgmv": "lora_sgmv"}
+
+
+def fused_op(symbol: str):
+    """One of the fused CPU ops (``FUSED_OPS_SIGNATURES``: the small ops of
+    ``csrc/fused_ops.c``, the LoRA SGMV of ``csrc/lora_sgmv.c``), or None (reason logged once)."""
+    name = _KERNEL_OF.get(symbol, "fused_ops")
+    return kernel_function(name, symbol, FUSED_OPS_SIGNATURES[symbol], f"path for {symbol}")
 
 
 def main() -> int:

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
-from loramux.engine.model.linear import Linear
+from loramux.engine.model.linear import Linear, matmul_dtype
+from loramux.engine.model.small_ops import select_small_ops
 from loramux.engine.model.weights import (
     ModelDims,
     ModelLoadError,
@@ -56,7 +57,9 @@ class LayerWeights:
 class LlamaModel:
     """The base model's weights and forward pass (no autograd, no nn.Module overhead)."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, path: str | Path, dtype: torch.dtype, device: torch.device, *, enforce_eager: bool = False
+    ) -> None:
         path = Path(path)
         self.path = path
         self.hf_config = read_hf_config(path)
@@ -66,6 +69,10 @@ class LlamaModel:
         self.lora: LoRAHook | None = None
         self._load(load_state_dict(path, dtype, device))
         self._build_rope()
+        # residual add + norm, rope, activation: fused CPU kernels unless enforce_eager
+        self.ops = select_small_ops(
+            self.cos, self.sin, self.dims.rms_norm_eps, matmul_dtype(dtype, device), enforce_eager
+        )
 
     # --- loading ---------------------------------------------------------------
     def _load(self, sd: dict[str, torch.Tensor]) -> None:
@@ -163,20 +170,18 @@ class LlamaModel:
     ) -> torch.Tensor:  # [B, V] fp32
         d = self.dims
         lora = self.lora if self.lora is not None and self.lora.active() else None
-        h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        residual = h
+        ops = self.ops
+        residual = F.embedding(input_ids, self.embed)  # [T, H], updated in place by each layer
+        rope = ops.rope_state(positions)
         qs, kvs = d.q_size, d.kv_size
+        delta = None  # what the previous layer's MLP adds to the residual
         for i, w in enumerate(self.layers):
-            x = _rms_norm(residual, w.input_norm, d.rms_norm_eps)
+            x = ops.add_rms_norm(residual, delta, w.input_norm)
             qkv = w.qkv(x)  # [T, q + 2 kv]
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
             # RoPE on q and k together: [T, H + Hkv, D]
-            qk = _rope(
-                qkv[:, : qs + kvs].view(-1, d.num_heads + d.num_kv_heads, d.head_dim), cos, sin
-            )
+            qk = ops.rope(qkv[:, : qs + kvs].view(-1, d.num_heads + d.num_kv_heads, d.head_dim), rope)
             q = qk[:, : d.num_heads]
             k = qk[:, d.num_heads :]
             v = qkv[:, qs + kvs :].reshape(-1, d.num_kv_heads, d.head_dim)
@@ -186,23 +191,22 @@ class LlamaModel:
             o = w.o(a)
             if lora is not None:
                 lora.add(i, "o", a, o)
-            residual = residual + o
-            x = _rms_norm(residual, w.post_norm, d.rms_norm_eps)
+            x = ops.add_rms_norm(residual, o, w.post_norm)
             gu = w.gate_up(x)  # [T, 2 I]
             if lora is not None:
                 lora.add(i, "gate_up", x, gu)
-            gate, up = gu.chunk(2, dim=-1)
-            m = F.silu(gate) * up
-            dn = w.down(m)
+            m = ops.silu_mul(gu)
+            delta = w.down(m)
             if lora is not None:
-                lora.add(i, "down", m, dn)
-            residual = residual + dn
+                lora.add(i, "down", m, delta)
+        if delta is not None:
+            residual.add_(delta)
         last = residual.index_select(0, logits_rows)
         # A hidden state that overflowed (its squared norm is not finite) would normalize to
         # zeros and serve garbage as if fine: its logits row reads NaN instead, so the engine
         # fails that request alone (adapter_numerics).
         overflow = ~torch.isfinite(last.float().pow(2).sum(-1))
-        logits = self.lm_head(_rms_norm(last, self.norm, d.rms_norm_eps)).float()
+        logits = self.lm_head(ops.add_rms_norm(last, None, self.norm)).float()
         if bool(overflow.any()):
             logits[overflow] = float("nan")
         return logits
@@ -218,18 +222,3 @@ class LlamaModel:
             tensors += [w.input_norm, w.post_norm]
             linears += [w.qkv, w.o, w.gate_up, w.down]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(x.nbytes for x in linears)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # Hugging Face order for low precision: normalize in fp32, cast, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

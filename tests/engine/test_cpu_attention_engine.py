@@ -1,5 +1,6 @@
-"""The engine on both CPU attention paths (the C kernel, the torch path) against
-transformers by teacher forcing, with chunked prompts continuing a cached prefix."""
+"""The engine on both CPU attention paths (the C kernel, the torch path) and both small-op
+paths (fused kernels, ``enforce_eager``) against transformers by teacher forcing, with
+chunked prompts continuing a cached prefix."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from loramux.engine import LLM, SamplingParams
 TOL = 2e-3
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_both_attention_paths_match_transformers(tiny_model_dir, backend):
-    if backend == "auto":
+@pytest.mark.parametrize("backend,eager", [("auto", False), ("auto", True), ("torch", True)])
+def test_both_attention_paths_match_transformers(tiny_model_dir, backend, eager):
+    if backend == "auto" or not eager:
         require_cpu_kernel()
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=24,
-              attention_backend=backend)
+              attention_backend=backend, enforce_eager=eager)
     assert llm.llm_engine.runner.cpu_kernel == (backend == "auto")
+    assert llm.llm_engine.model.ops.name == ("eager" if eager else "fused")
     prefix = list(range(1000, 1040))  # shared: later prompts continue its cached blocks
     prompts = [{"prompt_token_ids": prefix + list(range(2000 + 50 * i, 2013 + 50 * i + i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

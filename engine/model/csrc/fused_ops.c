@@ -1,0 +1,216 @@
+/* The small ops of a decoder layer, fused: one pass over each row instead of one torch op
+ * (and one temporary) per arithmetic step.
+ *
+ *   loramux_add_rms_norm  residual += delta (optional), out = rms_norm(residual) * weight
+ *   loramux_rope          rotary embedding (rotate-half, Llama/NeoX layout) in place on q|k heads
+ *   loramux_silu_mul      out = silu(gate) * up over a [T, 2I] gate|up row
+ *
+ * Numerics follow the eager torch ops they replace, rounding where those round: in bf16
+ * (dtype 1) every elementwise result is rounded to bf16 as torch does after each op (the
+ * norm in fp32, Hugging Face's order: normalize, round, then scale by the weight); in fp32
+ * (dtype 0) the same expressions without rounding. Outputs may be written as fp32 holding
+ * bf16-rounded values (out_dtype 0 under dtype 1) for a matmul that runs in fp32.
+ *
+ * Rows are split over OpenMP threads (the process's libgomp, the one torch uses) when a call
+ * has enough work. Layouts take a row stride in elements; the rows themselves are dense.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float round_bf16(float f) { /* f rounded to bf16 (nearest even), as a float */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        u |= 0x00400000u; /* quiet NaN */
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+    }
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* f must already be bf16-rounded */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load(const void *base, int dtype, int64_t i) {
+    return dtype == 0 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+static inline void store(void *base, int dtype, int64_t i, float v) {
+    if (dtype == 0) {
+        ((float *)base)[i] = v;
+    } else {
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    }
+}
+
+/* r = round(r + round(delta)) in bf16; r + delta in fp32 */
+static inline float rnd(float v, int dtype) { return dtype == 0 ? v : round_bf16(v); }
+
+#define PARALLEL_MIN_ELEMS 32768 /* below this a call runs on one thread */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VEC 8
+/* glibc's libmvec: expf on 8 lanes (same accuracy class as scalar expf) */
+__m256 _ZGVdN8v_expf(__m256 x);
+
+static inline __m256 vload(const void *base, int dtype, int64_t i) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)base + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 vround_bf16(__m256 v) { /* as round_bf16, 8 lanes */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)),
+                                   _mm256_set1_epi32((int)0xffff0000u));
+    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan), isnan);
+}
+
+static inline __m256 vrnd(__m256 v, int dtype) { return dtype == 0 ? v : vround_bf16(v); }
+
+static inline void vstore(void *base, int dtype, int64_t i, __m256 v) { /* v bf16-rounded */
+    if (dtype == 0) {
+        _mm256_storeu_ps((float *)base + i, v);
+        return;
+    }
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)base + i), packed);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* residual[T, H] (row stride res_stride) += delta[T, H] (delta_dtype, stride delta_stride;
+ * NULL = no add); out[T, H] (dense, out_dtype) = rms_norm(residual) * weight[H]. */
+int loramux_add_rms_norm(void *residual, int64_t res_stride, const void *delta,
+                         int64_t delta_stride, int delta_dtype, const void *weight, void *out,
+                         int out_dtype, int64_t T, int64_t H, float eps, int dtype, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t r0 = t * res_stride, d0 = t * delta_stride, o0 = t * H, h = 0;
+        float sum = 0.0f;
+#ifdef VEC
+        __m256 acc = _mm256_setzero_ps();
+        for (; h + VEC <= H; h += VEC) {
+            __m256 r = vload(residual, dtype, r0 + h);
+            if (delta != NULL) {
+                __m256 d = vrnd(vload(delta, delta_dtype, d0 + h), dtype);
+                r = vrnd(_mm256_add_ps(r, d), dtype);
+                vstore(residual, dtype, r0 + h, r);
+            }
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(r, r));
+        }
+        sum = hsum(acc);
+#endif
+        for (; h < H; h++) {
+            float r = load(residual, dtype, r0 + h);
+            if (delta != NULL) {
+                r = rnd(r + rnd(load(delta, delta_dtype, d0 + h), dtype), dtype);
+                store(residual, dtype, r0 + h, r);
+            }
+            sum += r * r;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        h = 0;
+#ifdef VEC
+        __m256 vinv = _mm256_set1_ps(inv);
+        for (; h + VEC <= H; h += VEC) {
+            __m256 n = vrnd(_mm256_mul_ps(vload(residual, dtype, r0 + h), vinv), dtype);
+            vstore(out, out_dtype, o0 + h, vrnd(_mm256_mul_ps(vload(weight, dtype, h), n), dtype));
+        }
+#endif
+        for (; h < H; h++) {
+            float n = rnd(load(residual, dtype, r0 + h) * inv, dtype);
+            store(out, out_dtype, o0 + h, rnd(load(weight, dtype, h) * n, dtype));
+        }
+    }
+    return 0;
+}
+
+/* x[t, h, :] for h < nheads (token stride tok_stride, heads dense, D each) rotated in place:
+ * x * cos + rotate_half(x) * sin with cos/sin rows [P, D] picked by positions[t]. */
+int loramux_rope(void *x, int64_t tok_stride, const int64_t *positions, const void *cos,
+                 const void *sin, int64_t T, int nheads, int D, int dtype, int nthreads) {
+    int half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * nheads * D >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t p = positions[t] * D;
+        for (int h = 0; h < nheads; h++) {
+            int64_t b = t * tok_stride + (int64_t)h * D;
+            int i = 0;
+#ifdef VEC
+            for (; i + VEC <= half; i += VEC) {
+                __m256 x1 = vload(x, dtype, b + i), x2 = vload(x, dtype, b + half + i);
+                __m256 c1 = vload(cos, dtype, p + i), s1 = vload(sin, dtype, p + i);
+                __m256 c2 = vload(cos, dtype, p + half + i), s2 = vload(sin, dtype, p + half + i);
+                __m256 nx2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
+                __m256 o1 = vrnd(_mm256_add_ps(vrnd(_mm256_mul_ps(x1, c1), dtype),
+                                               vrnd(_mm256_mul_ps(nx2, s1), dtype)), dtype);
+                __m256 o2 = vrnd(_mm256_add_ps(vrnd(_mm256_mul_ps(x2, c2), dtype),
+                                               vrnd(_mm256_mul_ps(x1, s2), dtype)), dtype);
+                vstore(x, dtype, b + i, o1);
+                vstore(x, dtype, b + half + i, o2);
+            }
+#endif
+            for (; i < half; i++) {
+                float x1 = load(x, dtype, b + i), x2 = load(x, dtype, b + half + i);
+                float c1 = load(cos, dtype, p + i), s1 = load(sin, dtype, p + i);
+                float c2 = load(cos, dtype, p + half + i), s2 = load(sin, dtype, p + half + i);
+                float o1 = rnd(rnd(x1 * c1, dtype) + rnd(-x2 * s1, dtype), dtype);
+                float o2 = rnd(rnd(x2 * c2, dtype) + rnd(x1 * s2, dtype), dtype);
+                store(x, dtype, b + i, o1);
+                store(x, dtype, b + half + i, o2);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[T, I] (dense, out_dtype) = silu(gu[t, :I]) * gu[t, I:] for gu [T, 2I] (row stride). */
+int loramux_silu_mul(const void *gu, int64_t gu_stride, void *out, int out_dtype, int64_t T,
+                     int64_t I, int dtype, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t g0 = t * gu_stride, o0 = t * I;
+        int64_t i = 0;
+#ifdef VEC
+        __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+        for (; i + VEC <= I; i += VEC) {
+            __m256 g = vload(gu, dtype, g0 + i);
+            __m256 e = _ZGVdN8v_expf(_mm256_xor_ps(g, neg));
+            __m256 sl = vrnd(_mm256_div_ps(g, _mm256_add_ps(one, e)), dtype);
+            vstore(out, out_dtype, o0 + i, vrnd(_mm256_mul_ps(sl, vload(gu, dtype, g0 + I + i)), dtype));
+        }
+#endif
+        for (; i < I; i++) {
+            float g = load(gu, dtype, g0 + i);
+            float s = rnd(g / (1.0f + expf(-g)), dtype);
+            store(out, out_dtype, o0 + i, rnd(s * load(gu, dtype, g0 + I + i), dtype));
+        }
+    }
+    return 0;
+}
