@@ -70,6 +70,8 @@ class LoRABatchMeta:
     runs: tuple[tuple[int, int, int], ...] = ()
     """(first token, end token, slot) of each run of consecutive batch tokens sharing one
     slot with rank > 0, in batch order (host ints: the CPU path slices x and y by them)."""
+    run_table: torch.Tensor | None = None
+    """``runs`` as a host int64 ``[num_runs, 3]`` tensor (the CPU SGMV kernel's input)."""
 
     @classmethod
     def build(
@@ -167,6 +169,7 @@ class LoRABatchMeta:
             chunk_slot_start=slot_start,
             _has_lora=bool(seg_slots.size),
             runs=runs,
+            run_table=torch.tensor(runs, dtype=torch.int64).reshape(-1, 3),
         )
 
     @property

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from support.cpu_kernel import require_cpu_kernel
 from support.lora_reference import reference_expand, reference_shrink
 from support.services import IN_CI
 
@@ -374,7 +375,20 @@ def test_triton_kernels_compile_for_hopper_bf16():
     assert proc.stdout.count("compiled") == 3
 
 
-def test_blockdiag_add_matches_reference():
+@pytest.fixture(params=["sgmv", "torch"])
+def cpu_lora_path(request, monkeypatch):
+    """Both CPU paths of pre-scaled block-diagonal slots: the SGMV C kernel for short runs
+    (where a compiler exists it must build) and the torch GEMMs it falls back to."""
+    from loramux.engine.lora.ops import cpu_sgmv
+
+    if request.param == "sgmv":
+        require_cpu_kernel()
+    else:
+        monkeypatch.setattr(cpu_sgmv, "usable", lambda *args: False)
+    return request.param
+
+
+def test_blockdiag_add_matches_reference(cpu_lora_path):
     """The torch engine path (``ops.add_lora`` with the block-diagonal layout): one expand
     GEMM over a block-diagonal B equals the reference."""
     g = torch.Generator().manual_seed(7)
@@ -416,7 +430,7 @@ def test_blockdiag_add_matches_reference():
 
 
 @pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
-def test_blockdiag_runs_path_matches_reference(y_dtype):
+def test_blockdiag_runs_path_matches_reference(y_dtype, cpu_lora_path):
     """Mixed traffic (decodes of several adapters, base rows, then prompt chunks of other
     adapters): few runs take the per-run GEMMs on views; equal to the reference, also with
     a bf16 y and fp32 slot weights (CPUs without bf16 GEMMs); many runs take the padded path."""
@@ -434,9 +448,12 @@ def test_blockdiag_runs_path_matches_reference(y_dtype):
     for s in range(3):
         bd[:, s * R : (s + 1) * R, offs[s] : offs[s + 1]] = b[:, offs[s] : offs[s + 1]].transpose(1, 2)
     scale = torch.tensor([0.5, 2.0, 1.0, 1.5])
-    few = [0, 1, 3, -1, -1] + [3] * 9 + [2] * 3 + [0] * 6  # 5 runs with rank > 0
+    from loramux.engine.lora.ops.cpu_sgmv import SGMV_MAX_RUN
+
+    # 6 runs with rank > 0, the last longer than the kernel takes (GEMMs beside it)
+    few = [0, 1, 3, -1, -1] + [3] * 9 + [2] * 3 + [0] * 6 + [1] * (SGMV_MAX_RUN + 7)
     many = [0, 1] * (torch_ops._MAX_RUNS + 1)
-    for slots, expect_runs in ((few, 5), (many, 2 * torch_ops._MAX_RUNS + 2)):
+    for slots, expect_runs in ((few, 6), (many, 2 * torch_ops._MAX_RUNS + 2)):
         meta = LoRABatchMeta.build(slots, ranks)
         assert len(meta.runs) == expect_runs and not meta.identity_tokens
         x = torch.randn(len(slots), K, generator=g).to(y_dtype)
@@ -447,3 +464,40 @@ def test_blockdiag_runs_path_matches_reference(y_dtype):
                      blockdiag=True)
         tol = 1e-5 if y_dtype == torch.float32 else 3e-2
         torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("w_dtype,x_dtype,y_dtype", [
+    (torch.float32, torch.float32, torch.float32), (torch.float32, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32, torch.bfloat16),
+])
+def test_sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
+    """The CPU SGMV kernel against the per-run GEMMs it replaces: mixed ranks in padded slots
+    (rows past an adapter's rank are not read: filled with NaN here), column counts off the
+    kernel's tile and vector widths, base rows between runs left untouched."""
+    from loramux.engine.lora.ops import cpu_sgmv
+
+    require_cpu_kernel()
+    g = torch.Generator().manual_seed(5)
+    S, R, K, N = 3, 8, 45, 150
+    ranks = [8, 3, 5]
+    a = torch.full((3, S, R, K), float("nan"))
+    b = torch.full((3, S * R, N), float("nan"))
+    clean_a, clean_b = torch.zeros_like(a), torch.zeros_like(b)
+    for slot, r in enumerate(ranks):
+        for s in range(S):
+            lo, hi = s * N // S, (s + 1) * N // S
+            wa = torch.randn(r, K, generator=g) * 0.2
+            wb = torch.randn(r, hi - lo, generator=g) * 0.2
+            a[slot, s, :r], clean_a[slot, s, :r] = wa, wa
+            b[slot, s * R : s * R + r] = 0
+            b[slot, s * R : s * R + r, lo:hi], clean_b[slot, s * R : s * R + r, lo:hi] = wb, wb
+    runs = [(0, 1, 2), (1, 4, 0), (6, 7, 1), (7, 12, 2)]  # rows 4-5 and 12 are base rows
+    x = torch.randn(13, K, generator=g).to(x_dtype)
+    y = torch.randn(13, N, generator=g).to(y_dtype)
+    expected = y.clone()
+    torch_ops._add_runs(expected, x, clean_a.to(w_dtype), clean_b.to(w_dtype), runs, S * R)
+    got = y.clone()
+    cpu_sgmv.add_runs_sgmv(got, x, a.to(w_dtype), b.to(w_dtype), torch.tensor(runs), torch.tensor(ranks))
+    assert torch.equal(got[[4, 5, 12]], y[[4, 5, 12]])
+    tol = 1e-5 if y_dtype == torch.float32 and w_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.ops import cpu_sgmv
 
 __all__ = ["add_lora", "lora_expand", "lora_shrink"]
 
@@ -194,11 +195,16 @@ def add_lora_blockdiag(
     if y.shape != (meta.num_tokens, n_total):
         raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
+    if scale is None and meta.runs and cpu_sgmv.usable(x, a_stack, b_blockdiag, y):
+        short, long = cpu_sgmv.split_runs(meta)  # short runs: one SGMV kernel call
+        cpu_sgmv.add_runs_sgmv(y, x, a_stack, b_blockdiag, short, meta.slot_ranks)
+        _add_runs(y, x, a_stack, b_blockdiag, long, num_slices * R)
+        return
     if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
         _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)  # 2 batched GEMMs
         return
     if scale is None and 0 < len(meta.runs) <= _MAX_RUNS:
-        _add_runs(y, x, a_stack, b_blockdiag, meta, num_slices * R)
+        _add_runs(y, x, a_stack, b_blockdiag, meta.runs, num_slices * R)
         return
     if scale is None:
         scale = torch.ones(a_stack.shape[0], dtype=torch.float32, device=x.device)
@@ -233,12 +239,12 @@ def _add_in_place(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> N
         ys.add_(torch.bmm(v, b))
 
 
-def _add_runs(y, x, a_stack, b_blockdiag, meta: LoRABatchMeta, sr: int) -> None:
+def _add_runs(y, x, a_stack, b_blockdiag, runs, sr: int) -> None:
     """Pre-scaled A, few runs: per run of tokens of one slot, ``y[run] += (x[run] @ A.T) @ B``
     on views (the slot's weights are read in place, once per run); GEMMs in the slots'
     dtype, accumulated into y in y's dtype."""
     K = x.shape[1]
-    for start, end, slot in meta.runs:
+    for start, end, slot in runs:
         a = a_stack[slot].view(sr, K)  # [S*R, K]
         b = b_blockdiag[slot]  # [S*R, N]
         xs = x[start:end]

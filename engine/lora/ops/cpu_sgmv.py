@@ -1,0 +1,66 @@
+"""Multi-LoRA on the CPU through the SGMV C kernel (``engine/model/csrc/lora_sgmv.c``).
+
+The runs of a step's tokens that share an adapter slot and are short (decode rows, small
+prompt chunks) go through one kernel call per projection group, reading each slot's A and
+B in place and only as many rows as the adapter's rank; long runs (prompt chunks) keep two
+GEMMs each, where oneDNN's blocking wins. Slots are pre-scaled and block-diagonal (the
+torch backend's layout, ``SlotBuffers``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.model.cpu_kernels import fused_op
+
+# Runs of at most this many tokens go through the kernel; longer runs through GEMMs.
+SGMV_MAX_RUN = 32
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def sgmv_kernel():
+    """The C function, or None where it cannot be built (reason logged once)."""
+    return fused_op("loramux_lora_sgmv")
+
+
+def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether these tensors fit the kernel (CPU, fp32/bf16, dense rows and slots)."""
+    return (
+        x.device.type == "cpu"
+        and all(t.dtype in _CODES for t in (x, a_stack, b_blockdiag, y))
+        and a_stack.dtype == b_blockdiag.dtype
+        and a_stack.is_contiguous() and b_blockdiag.is_contiguous()
+        and x.stride(1) == 1 and y.stride(1) == 1
+        and sgmv_kernel() is not None
+    )
+
+
+def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """(short runs as the kernel's table, long runs) of the step."""
+    short = [r for r in meta.runs if r[1] - r[0] <= SGMV_MAX_RUN]
+    if len(short) == len(meta.runs) and meta.run_table is not None:
+        return meta.run_table, []
+    table = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
+    return table, [r for r in meta.runs if r[1] - r[0] > SGMV_MAX_RUN]
+
+
+def add_runs_sgmv(
+    y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor,
+    runs: torch.Tensor, slot_ranks: torch.Tensor,
+) -> None:
+    """``y[t] += (x[t] @ A[slot].T) @ B[slot]`` for every token of ``runs`` ([n, 3] int64:
+    start, end, slot); A ``[slots, S, R, K]`` pre-scaled, B ``[slots, S * R, N]``."""
+    if runs.shape[0] == 0:
+        return
+    _, num_slices, max_rank, k = a_stack.shape
+    n = b_blockdiag.shape[2]
+    ranks = slot_ranks if slot_ranks.dtype == torch.int64 and slot_ranks.is_contiguous() else (
+        slot_ranks.to(torch.int64).contiguous())
+    rc = sgmv_kernel()(
+        x.data_ptr(), x.stride(0), _CODES[x.dtype], a_stack.data_ptr(), b_blockdiag.data_ptr(),
+        _CODES[a_stack.dtype], y.data_ptr(), y.stride(0), _CODES[y.dtype], runs.data_ptr(),
+        runs.shape[0], ranks.data_ptr(), num_slices, max_rank, k, n, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("the CPU LoRA kernel could not allocate its work buffer")

@@ -1,0 +1,173 @@
+/* Multi-LoRA shrink + expand on the CPU for runs of tokens sharing an adapter slot (SGMV).
+ *
+ * For each run (start, end, slot) of a step's tokens: y[t] += (x[t] @ A[slot].T) @ B[slot]
+ * for t in [start, end), with A pre-scaled ([S * R, K] per slot: S slices of R rows) and B
+ * block-diagonal ([S * R, N] per slot: slice s's B.T in rows s*R.. and its own columns).
+ * Only the first rank[slot] rows of each slice are read: an adapter of rank 8 in rank-32
+ * slots costs rank 8. One call covers every run of a projection group, so a decode step of
+ * many adapters costs one call per group instead of two GEMMs per adapter.
+ *
+ * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v.
+ * Expand: columns of y split over threads; per column tile, each token's tile accumulates
+ * sum_j v[t, j] * B[j, tile] in fp32 and is added to y once (a bf16 y rounds once, as a
+ * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
+ * Returns 0, or -1 when the work buffer cannot be allocated.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load(const void *base, int dtype, int64_t i) {
+    return dtype == 0 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+#define TILE 64 /* output columns per expand work item */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VEC 8
+static inline __m256 vload(const void *base, int dtype, int64_t i) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)base + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static float dot(const void *x, int xd, int64_t xo, const void *a, int ad, int64_t ao, int K) {
+    int k = 0;
+    float s = 0.0f;
+#ifdef VEC
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; k + 2 * VEC <= K; k += 2 * VEC) {
+        acc0 = _mm256_fmadd_ps(vload(x, xd, xo + k), vload(a, ad, ao + k), acc0);
+        acc1 = _mm256_fmadd_ps(vload(x, xd, xo + k + VEC), vload(a, ad, ao + k + VEC), acc1);
+    }
+    for (; k + VEC <= K; k += VEC) acc0 = _mm256_fmadd_ps(vload(x, xd, xo + k), vload(a, ad, ao + k), acc0);
+    s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; k < K; k++) s += load(x, xd, xo + k) * load(a, ad, ao + k);
+    return s;
+}
+
+/* acc[0 .. c1-c0) = sum over slices s and j < rank of vi[s*R + j] * B[s*R + j, c0..c1) */
+static void expand_tile(const float *vi, const void *b, int bd, int64_t b0, int S, int R, int rank,
+                        int N, int c0, int c1, float *acc) {
+#ifdef VEC
+    if (c1 - c0 == TILE) { /* a full tile: 8 accumulators in registers */
+        __m256 r[TILE / VEC];
+#pragma GCC unroll 8
+        for (int k = 0; k < TILE / VEC; k++) r[k] = _mm256_setzero_ps();
+        for (int s = 0; s < S; s++) {
+            for (int j = 0; j < rank; j++) {
+                __m256 vv = _mm256_set1_ps(vi[s * R + j]);
+                int64_t bo = b0 + (int64_t)(s * R + j) * N + c0;
+#pragma GCC unroll 8
+                for (int k = 0; k < TILE / VEC; k++) r[k] = _mm256_fmadd_ps(vv, vload(b, bd, bo + k * VEC), r[k]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < TILE / VEC; k++) _mm256_storeu_ps(acc + k * VEC, r[k]);
+        return;
+    }
+#endif
+    for (int c = 0; c < c1 - c0; c++) acc[c] = 0.0f;
+    for (int s = 0; s < S; s++) {
+        for (int j = 0; j < rank; j++) {
+            float vj = vi[s * R + j];
+            int64_t bo = b0 + (int64_t)(s * R + j) * N;
+            for (int c = c0; c < c1; c++) acc[c - c0] += vj * load(b, bd, bo + c);
+        }
+    }
+}
+
+int loramux_lora_sgmv(const void *x, int64_t x_stride, int x_dtype, const void *a,
+                      const void *b, int w_dtype, void *y, int64_t y_stride, int y_dtype,
+                      const int64_t *runs, int nruns, const int64_t *ranks, int S, int R,
+                      int K, int N, int nthreads) {
+    int64_t ntok = 0;
+    for (int r = 0; r < nruns; r++) ntok += runs[3 * r + 1] - runs[3 * r];
+    if (ntok == 0) return 0;
+    int SR = S * R;
+    float *v = malloc((size_t)ntok * SR * sizeof(float)); /* v[row, s*R + i] */
+    int64_t *row_of_run = malloc((size_t)nruns * sizeof(int64_t));
+    if (v == NULL || row_of_run == NULL) {
+        free(v);
+        free(row_of_run);
+        return -1;
+    }
+    int64_t row = 0;
+    for (int r = 0; r < nruns; r++) {
+        row_of_run[r] = row;
+        row += runs[3 * r + 1] - runs[3 * r];
+    }
+    int64_t w_slot_a = (int64_t)SR * K, w_slot_b = (int64_t)SR * N;
+    int big = ntok * (int64_t)SR * (K + N) >= 65536;
+
+#pragma omp parallel num_threads(nthreads) if (big)
+    {
+        /* shrink: one (run, token) per iteration */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < ntok; i++) {
+            int r = 0;
+            while (r + 1 < nruns && row_of_run[r + 1] <= i) r++;
+            int64_t t = runs[3 * r] + (i - row_of_run[r]);
+            int64_t slot = runs[3 * r + 2];
+            int rank = (int)ranks[slot];
+            float *vi = v + i * SR;
+            for (int s = 0; s < S; s++) {
+                for (int j = 0; j < R; j++) {
+                    int64_t ao = slot * w_slot_a + (int64_t)(s * R + j) * K;
+                    vi[s * R + j] = j < rank ? dot(x, x_dtype, t * x_stride, a, w_dtype, ao, K) : 0.0f;
+                }
+            }
+        }
+        /* expand: (run, column tile) per iteration; rows of B beyond the rank are skipped */
+        int ntiles = (N + TILE - 1) / TILE;
+#pragma omp for schedule(static) collapse(2)
+        for (int r = 0; r < nruns; r++) {
+            for (int tile = 0; tile < ntiles; tile++) {
+                int64_t slot = runs[3 * r + 2];
+                int rank = (int)ranks[slot];
+                int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
+                for (int64_t t = runs[3 * r]; t < runs[3 * r + 1]; t++) {
+                    const float *vi = v + (row_of_run[r] + t - runs[3 * r]) * SR;
+                    float acc[TILE];
+                    expand_tile(vi, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, c1, acc);
+                    for (int c = c0; c < c1; c++) {
+                        int64_t yi = t * y_stride + c;
+                        if (y_dtype == 0) {
+                            ((float *)y)[yi] += acc[c - c0];
+                        } else {
+                            uint16_t *yp = (uint16_t *)y + yi;
+                            *yp = f32_to_bf16(bf16_to_f32(*yp) + acc[c - c0]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(v);
+    free(row_of_run);
+    return 0;
+}
