@@ -7,8 +7,10 @@ requests arriving as a Poisson process (``--rate`` req/s), each a shared
 4 adapters (ranks 8/16, all 7 projections, round-robin). The engine is stepped in this
 process (no HTTP): arrivals are admitted between steps at their arrival time.
 
-Paths: ``old`` = the torch attention (gathers each context, then SDPA), ``new`` = the C
-kernel that reads the paged cache in place. Reports per run output tok/s, TTFT p50, TPOT
+Paths: ``old`` = every part on torch ops (``--enforce-eager`` small ops, the torch attention
+that gathers each context then runs SDPA, LoRA as GEMMs; ``LORAMUX_CPU_KERNELS=0``), ``new``
+= the defaults (fused small ops, the C attention kernel reading the paged cache in place,
+the LoRA SGMV kernel). Reports per run output tok/s, TTFT p50, TPOT
 p50, output tokens per CPU-second (robust on a shared machine with ``--threads 1``), and
 the ratios new ÷ old and LoRA ÷ base. ``--profile`` adds a torch.profiler
 breakdown of steps 3-8 of each run. Writes bench/results/fast_step.json and .png.
@@ -21,6 +23,7 @@ breakdown of steps 3-8 of each run. Writes bench/results/fast_step.json and .png
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_json  # noqa: E402
 from lora_throughput import make_adapters  # noqa: E402
 
-PATHS = {"old": {"attention_backend": "torch"}, "new": {"attention_backend": "auto"}}
+# old: every part of the step on torch ops (eager small ops, gather + SDPA attention, LoRA
+# GEMMs; LORAMUX_CPU_KERNELS=0 turns off the C kernels); new: the defaults.
+PATHS = {"old": {"attention_backend": "torch", "enforce_eager": True, "cpu_kernels": "0"},
+         "new": {"attention_backend": "auto", "enforce_eager": False, "cpu_kernels": "1"},
+         "nobudget": {"enable_step_budget": False}}
 
 
 def make_workload(tok, args) -> tuple[list[list[int]], list[float]]:
@@ -49,7 +56,8 @@ def make_workload(tok, args) -> tuple[list[list[int]], list[float]]:
     return prompts, arrivals
 
 
-def run(model, prompts, arrivals, loras, args, profile: bool, **options) -> dict:
+def run(model, prompts, arrivals, loras, args, profile: bool, cpu_kernels: str = "1", **options) -> dict:
+    os.environ["LORAMUX_CPU_KERNELS"] = cpu_kernels  # read per kernel call
     from loramux.engine.config import EngineConfig
     from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ instead of a fixed token/sequence count:
   fairly across keys (water-filling; within a key the least recently scheduled rows
   first, so a flooder's surplus rotates and a small key always gets its rows in), with
   room kept for waiting keys' prompts. Prompt chunks that run beside decodes shrink to
-  what is left of the target (never below :data:`MIN_CHUNK_TOKENS`, nor below
+  what is left of the target while keys compete (never below :data:`MIN_CHUNK_TOKENS`, nor below
   :data:`CHUNK_SHARE` of the decodes' own cost, so prompts always progress); a step with
   no decode keeps the full token budget (no one's inter-token latency is at stake).
   One key alone keeps the fewest rows that still give :data:`ALONE_EFFICIENCY` of the
@@ -167,7 +167,10 @@ class StepBudget:
                 decode = fair_rows(candidates, max_rows, keys_with_prompts, by_key=fair)
         for seq in decode:
             seq.budget_ran = self.steps
-        if not decode or c_pre <= 0:
+        if not decode or c_pre <= 0 or len(self._last_seen) <= 1:
+            # alone, a key's prompts join its decodes in full (as vLLM's chunked prefill):
+            # no other tenant's inter-token latency is at stake, and small chunks cost it
+            # ~40% of its throughput and ~4x its TTFT (bench/fast_step.py)
             return StepLimits(decode, None)
         decode_cost = c_dec * len(decode)
         left = max(target - (c0 + c_ad * adapters) - decode_cost, CHUNK_SHARE * decode_cost)

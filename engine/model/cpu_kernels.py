@@ -5,8 +5,12 @@ first engine start-up does (about a second). The shared library lands in
 ``$LORAMUX_KERNEL_CACHE`` (default ``~/.cache/loramux/kernels``) under a name that hashes
 the source, the flags, the compiler and the CPU's feature flags, so a changed kernel or a
 different machine builds anew. When there is no compiler, the build fails or the library
-does not load, :func:`paged_attention_kernel` returns None and logs why once: callers fall
+does not load, :func:`kernel_function` returns None and logs why once: callers fall
 back to the torch path.
+
+The kernels: ``paged_attention`` (decode rows and prompt chunks over a cached prefix),
+``fused_ops`` (residual add + RMSNorm, rope, SiLU-and-mul) and ``lora_sgmv`` (multi-LoRA
+shrink + expand over runs of same-adapter tokens).
 """
 
 from __future__ import annotations
@@ -118,20 +122,21 @@ def kernel_function(name: str, symbol: str, argtypes: list, purpose: str):
     """C function ``symbol`` of kernel ``name`` with its ctypes signature (returns int), or
     None when it cannot be built or loaded here; the reason is logged once, naming
     ``purpose`` (what falls back to torch). ``LORAMUX_CPU_KERNELS=0`` disables every kernel."""
+    if os.environ.get("LORAMUX_CPU_KERNELS", "1") == "0":  # read per call: benches toggle it
+        if f"off:{symbol}" not in _cache:
+            _cache[f"off:{symbol}"] = None
+            logger.info("CPU kernels disabled (LORAMUX_CPU_KERNELS=0): torch %s", purpose)
+        return None
     with _lock:
         if symbol in _cache:
             return _cache[symbol]
-        fn = None
-        if os.environ.get("LORAMUX_CPU_KERNELS", "1") == "0":
-            logger.info("CPU kernels disabled (LORAMUX_CPU_KERNELS=0): torch %s", purpose)
-        else:
-            try:
-                fn = getattr(load(name), symbol)
-                fn.argtypes = argtypes
-                fn.restype = ctypes.c_int
-            except (KernelBuildError, OSError, AttributeError) as e:
-                logger.warning("CPU kernel %s unavailable, using torch %s: %s", name, purpose, e)
-                fn = None
+        try:
+            fn = getattr(load(name), symbol)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+        except (KernelBuildError, OSError, AttributeError) as e:
+            logger.warning("CPU kernel %s unavailable, using torch %s: %s", name, purpose, e)
+            fn = None
         _cache[symbol] = fn
         return fn
 

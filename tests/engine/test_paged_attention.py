@@ -191,5 +191,8 @@ def test_cpu_kernel_missing_compiler_falls_back_with_a_logged_reason(monkeypatch
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
         assert cpu_kernels.paged_attention_kernel() is None
+        assert cpu_kernels.fused_op("loramux_rope") is None
+        assert cpu_kernels.fused_op("loramux_lora_sgmv") is None
     assert "using torch attention" in caplog.text and "no-such-compiler" in caplog.text
+    assert "using torch path for loramux_lora_sgmv" in caplog.text
     assert not list(tmp_path.iterdir())  # nothing half-built left behind

@@ -120,7 +120,7 @@ def test_prompt_chunks_beside_decodes_shrink_to_the_budget():
     for i in range(4):  # vary the shape so prompt tokens are learnt too
         sched.add(make_seq(f"p{i}", "a", prompt_len=100 + 50 * i, max_tokens=2))
         step(sched)
-    long = make_seq("long", "a", prompt_len=600)
+    long = make_seq("long", "b", prompt_len=600)  # another key's prompt beside a's decodes
     sched.add(long)
     chunks = []
     while long.num_output_tokens == 0:
@@ -128,6 +128,26 @@ def test_prompt_chunks_beside_decodes_shrink_to_the_budget():
         chunks += [s.num_new_tokens for s in plan.scheduled if s.seq is long]
         assert fake_seconds(plan) <= 0.030 * 1.05
     assert len(chunks) > 1 and max(chunks) < 600 and sum(chunks) == 600
+
+
+def test_a_key_alone_prefills_beside_its_decodes_in_full():
+    """No other tenant's latency at stake: a lone key's prompt joins its own decodes with the
+    whole token budget (vLLM's chunked prefill), not a chunk shrunk to the target."""
+    sched = make_scheduler(target_step_ms=30.0)
+    for i in range(4):
+        sched.add(make_seq(f"d{i}", "a"))
+    for _ in range(WARM_STEPS + 4):
+        step(sched)
+    for i in range(4):
+        sched.add(make_seq(f"p{i}", "a", prompt_len=100 + 50 * i, max_tokens=2))
+        step(sched)
+    for _ in range(int(RECENT_S / 0.04) + 2):  # only key a seen recently
+        step(sched)
+    long = make_seq("long", "a", prompt_len=600)
+    sched.add(long)
+    plan = step(sched)
+    assert [s.num_new_tokens for s in plan.scheduled if s.seq is long] == [600]
+    assert sum(1 for s in plan.scheduled if not s.is_prefill) >= 1  # decodes ran beside it
 
 
 def test_budget_off_keeps_token_budget():
