@@ -32,7 +32,7 @@ def test_wheel_contains_every_module(tmp_path):
     for asset in (ROOT / "platform" / "admin").glob("*/*.*"):  # templates/, static/
         if asset.parent.name in ("templates", "static"):
             expected.add(f"loramux/platform/{asset.relative_to(ROOT / 'platform').as_posix()}")
-    for src in (ROOT / "engine" / "model" / "csrc").glob("*.c"):  # CPU kernels, built on site
+    for src in (ROOT / "engine" / "model" / "csrc").glob("*.[ch]"):  # CPU kernels, built on site
         expected.add(f"loramux/engine/model/csrc/{src.name}")
     missing = sorted(expected - names)
     assert not missing, f"modules missing from the wheel: {missing}"

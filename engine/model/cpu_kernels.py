@@ -4,7 +4,7 @@
 first engine start-up does (about a second). The shared library lands in
 ``$LORAMUX_KERNEL_CACHE`` (default ``~/.cache/loramux/kernels``) under a name that hashes
 the source, the flags, the compiler and the CPU's feature flags, so a changed kernel or a
-different machine builds anew. When there is no compiler, the build fails or the library
+different machine builds anew (the shared header ``csrc/bf16.h`` counts as source). When there is no compiler, the build fails or the library
 does not load, :func:`kernel_function` returns None and logs why once: callers fall
 back to the torch path.
 
@@ -78,8 +78,9 @@ def library_path(name: str) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"C compiler {cc!r} does not run: {e}") from None
     h = hashlib.sha256()
-    for part in ((CSRC / f"{name}.c").read_bytes(), " ".join(CFLAGS + LIBS).encode(), version.encode(),
-                 _cpu_flags().encode()):
+    headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]
+    for part in ((CSRC / f"{name}.c").read_bytes(), *headers, " ".join(CFLAGS + LIBS).encode(),
+                 version.encode(), _cpu_flags().encode()):
         h.update(part)
     return cache_dir() / f"{name}-{h.hexdigest()[:16]}.so"
 

@@ -18,12 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h"
 
 static inline float round_bf16(float f) { /* f rounded to bf16 (nearest even), as a float */
     uint32_t u;
@@ -38,16 +33,6 @@ static inline float round_bf16(float f) { /* f rounded to bf16 (nearest even), a
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* f must already be bf16-rounded */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float load(const void *base, int dtype, int64_t i) {
-    return dtype == 0 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
-}
-
 static inline void store(void *base, int dtype, int64_t i, float v) {
     if (dtype == 0) {
         ((float *)base)[i] = v;
@@ -56,22 +41,14 @@ static inline void store(void *base, int dtype, int64_t i, float v) {
     }
 }
 
-/* r = round(r + round(delta)) in bf16; r + delta in fp32 */
+/* v rounded to the model dtype (bf16), or v itself (fp32) */
 static inline float rnd(float v, int dtype) { return dtype == 0 ? v : round_bf16(v); }
 
 #define PARALLEL_MIN_ELEMS 32768 /* below this a call runs on one thread */
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VEC 8
 /* glibc's libmvec: expf on 8 lanes (same accuracy class as scalar expf) */
 __m256 _ZGVdN8v_expf(__m256 x);
-
-static inline __m256 vload(const void *base, int dtype, int64_t i) {
-    if (dtype == 0) return _mm256_loadu_ps((const float *)base + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 static inline __m256 vround_bf16(__m256 v) { /* as round_bf16, 8 lanes */
     __m256i u = _mm256_castps_si256(v);
@@ -96,12 +73,6 @@ static inline void vstore(void *base, int dtype, int64_t i, __m256 v) { /* v bf1
     _mm_storeu_si128((__m128i *)((uint16_t *)base + i), packed);
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 /* residual[T, H] (row stride res_stride) += delta[T, H] (delta_dtype, stride delta_stride;
@@ -116,20 +87,20 @@ int loramux_add_rms_norm(void *residual, int64_t res_stride, const void *delta,
 #ifdef VEC
         __m256 acc = _mm256_setzero_ps();
         for (; h + VEC <= H; h += VEC) {
-            __m256 r = vload(residual, dtype, r0 + h);
+            __m256 r = vload8(residual, dtype, r0 + h);
             if (delta != NULL) {
-                __m256 d = vrnd(vload(delta, delta_dtype, d0 + h), dtype);
+                __m256 d = vrnd(vload8(delta, delta_dtype, d0 + h), dtype);
                 r = vrnd(_mm256_add_ps(r, d), dtype);
                 vstore(residual, dtype, r0 + h, r);
             }
             acc = _mm256_add_ps(acc, _mm256_mul_ps(r, r));
         }
-        sum = hsum(acc);
+        sum = hsum8(acc);
 #endif
         for (; h < H; h++) {
-            float r = load(residual, dtype, r0 + h);
+            float r = load_elem(residual, dtype, r0 + h);
             if (delta != NULL) {
-                r = rnd(r + rnd(load(delta, delta_dtype, d0 + h), dtype), dtype);
+                r = rnd(r + rnd(load_elem(delta, delta_dtype, d0 + h), dtype), dtype);
                 store(residual, dtype, r0 + h, r);
             }
             sum += r * r;
@@ -139,13 +110,13 @@ int loramux_add_rms_norm(void *residual, int64_t res_stride, const void *delta,
 #ifdef VEC
         __m256 vinv = _mm256_set1_ps(inv);
         for (; h + VEC <= H; h += VEC) {
-            __m256 n = vrnd(_mm256_mul_ps(vload(residual, dtype, r0 + h), vinv), dtype);
-            vstore(out, out_dtype, o0 + h, vrnd(_mm256_mul_ps(vload(weight, dtype, h), n), dtype));
+            __m256 n = vrnd(_mm256_mul_ps(vload8(residual, dtype, r0 + h), vinv), dtype);
+            vstore(out, out_dtype, o0 + h, vrnd(_mm256_mul_ps(vload8(weight, dtype, h), n), dtype));
         }
 #endif
         for (; h < H; h++) {
-            float n = rnd(load(residual, dtype, r0 + h) * inv, dtype);
-            store(out, out_dtype, o0 + h, rnd(load(weight, dtype, h) * n, dtype));
+            float n = rnd(load_elem(residual, dtype, r0 + h) * inv, dtype);
+            store(out, out_dtype, o0 + h, rnd(load_elem(weight, dtype, h) * n, dtype));
         }
     }
     return 0;
@@ -164,9 +135,9 @@ int loramux_rope(void *x, int64_t tok_stride, const int64_t *positions, const vo
             int i = 0;
 #ifdef VEC
             for (; i + VEC <= half; i += VEC) {
-                __m256 x1 = vload(x, dtype, b + i), x2 = vload(x, dtype, b + half + i);
-                __m256 c1 = vload(cos, dtype, p + i), s1 = vload(sin, dtype, p + i);
-                __m256 c2 = vload(cos, dtype, p + half + i), s2 = vload(sin, dtype, p + half + i);
+                __m256 x1 = vload8(x, dtype, b + i), x2 = vload8(x, dtype, b + half + i);
+                __m256 c1 = vload8(cos, dtype, p + i), s1 = vload8(sin, dtype, p + i);
+                __m256 c2 = vload8(cos, dtype, p + half + i), s2 = vload8(sin, dtype, p + half + i);
                 __m256 nx2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
                 __m256 o1 = vrnd(_mm256_add_ps(vrnd(_mm256_mul_ps(x1, c1), dtype),
                                                vrnd(_mm256_mul_ps(nx2, s1), dtype)), dtype);
@@ -177,9 +148,9 @@ int loramux_rope(void *x, int64_t tok_stride, const int64_t *positions, const vo
             }
 #endif
             for (; i < half; i++) {
-                float x1 = load(x, dtype, b + i), x2 = load(x, dtype, b + half + i);
-                float c1 = load(cos, dtype, p + i), s1 = load(sin, dtype, p + i);
-                float c2 = load(cos, dtype, p + half + i), s2 = load(sin, dtype, p + half + i);
+                float x1 = load_elem(x, dtype, b + i), x2 = load_elem(x, dtype, b + half + i);
+                float c1 = load_elem(cos, dtype, p + i), s1 = load_elem(sin, dtype, p + i);
+                float c2 = load_elem(cos, dtype, p + half + i), s2 = load_elem(sin, dtype, p + half + i);
                 float o1 = rnd(rnd(x1 * c1, dtype) + rnd(-x2 * s1, dtype), dtype);
                 float o2 = rnd(rnd(x2 * c2, dtype) + rnd(x1 * s2, dtype), dtype);
                 store(x, dtype, b + i, o1);
@@ -200,16 +171,16 @@ int loramux_silu_mul(const void *gu, int64_t gu_stride, void *out, int out_dtype
 #ifdef VEC
         __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
         for (; i + VEC <= I; i += VEC) {
-            __m256 g = vload(gu, dtype, g0 + i);
+            __m256 g = vload8(gu, dtype, g0 + i);
             __m256 e = _ZGVdN8v_expf(_mm256_xor_ps(g, neg));
             __m256 sl = vrnd(_mm256_div_ps(g, _mm256_add_ps(one, e)), dtype);
-            vstore(out, out_dtype, o0 + i, vrnd(_mm256_mul_ps(sl, vload(gu, dtype, g0 + I + i)), dtype));
+            vstore(out, out_dtype, o0 + i, vrnd(_mm256_mul_ps(sl, vload8(gu, dtype, g0 + I + i)), dtype));
         }
 #endif
         for (; i < I; i++) {
-            float g = load(gu, dtype, g0 + i);
+            float g = load_elem(gu, dtype, g0 + i);
             float s = rnd(g / (1.0f + expf(-g)), dtype);
-            store(out, out_dtype, o0 + i, rnd(s * load(gu, dtype, g0 + I + i), dtype));
+            store(out, out_dtype, o0 + i, rnd(s * load_elem(gu, dtype, g0 + I + i), dtype));
         }
     }
     return 0;

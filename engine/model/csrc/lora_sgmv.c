@@ -17,42 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float load(const void *base, int dtype, int64_t i) {
-    return dtype == 0 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
-}
+#include "bf16.h"
 
 #define TILE 64 /* output columns per expand work item */
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VEC 8
-static inline __m256 vload(const void *base, int dtype, int64_t i) {
-    if (dtype == 0) return _mm256_loadu_ps((const float *)base + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 static float dot(const void *x, int xd, int64_t xo, const void *a, int ad, int64_t ao, int K) {
     int k = 0;
@@ -60,13 +27,13 @@ static float dot(const void *x, int xd, int64_t xo, const void *a, int ad, int64
 #ifdef VEC
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (; k + 2 * VEC <= K; k += 2 * VEC) {
-        acc0 = _mm256_fmadd_ps(vload(x, xd, xo + k), vload(a, ad, ao + k), acc0);
-        acc1 = _mm256_fmadd_ps(vload(x, xd, xo + k + VEC), vload(a, ad, ao + k + VEC), acc1);
+        acc0 = _mm256_fmadd_ps(vload8(x, xd, xo + k), vload8(a, ad, ao + k), acc0);
+        acc1 = _mm256_fmadd_ps(vload8(x, xd, xo + k + VEC), vload8(a, ad, ao + k + VEC), acc1);
     }
-    for (; k + VEC <= K; k += VEC) acc0 = _mm256_fmadd_ps(vload(x, xd, xo + k), vload(a, ad, ao + k), acc0);
-    s = hsum(_mm256_add_ps(acc0, acc1));
+    for (; k + VEC <= K; k += VEC) acc0 = _mm256_fmadd_ps(vload8(x, xd, xo + k), vload8(a, ad, ao + k), acc0);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
-    for (; k < K; k++) s += load(x, xd, xo + k) * load(a, ad, ao + k);
+    for (; k < K; k++) s += load_elem(x, xd, xo + k) * load_elem(a, ad, ao + k);
     return s;
 }
 
@@ -83,7 +50,7 @@ static void expand_tile(const float *vi, const void *b, int bd, int64_t b0, int 
                 __m256 vv = _mm256_set1_ps(vi[s * R + j]);
                 int64_t bo = b0 + (int64_t)(s * R + j) * N + c0;
 #pragma GCC unroll 8
-                for (int k = 0; k < TILE / VEC; k++) r[k] = _mm256_fmadd_ps(vv, vload(b, bd, bo + k * VEC), r[k]);
+                for (int k = 0; k < TILE / VEC; k++) r[k] = _mm256_fmadd_ps(vv, vload8(b, bd, bo + k * VEC), r[k]);
             }
         }
 #pragma GCC unroll 8
@@ -96,7 +63,7 @@ static void expand_tile(const float *vi, const void *b, int bd, int64_t b0, int 
         for (int j = 0; j < rank; j++) {
             float vj = vi[s * R + j];
             int64_t bo = b0 + (int64_t)(s * R + j) * N;
-            for (int c = c0; c < c1; c++) acc[c - c0] += vj * load(b, bd, bo + c);
+            for (int c = c0; c < c1; c++) acc[c - c0] += vj * load_elem(b, bd, bo + c);
         }
     }
 }

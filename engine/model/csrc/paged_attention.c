@@ -17,22 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_TILE_QUERIES 64 /* query vectors (rows x heads of a group) per work item */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch */
-    return (uint16_t)(u >> 16);
-}
 
 static inline void load_row(const void *base, int dtype, int64_t off, int D, float *dst) {
     if (dtype == 0) {
@@ -49,12 +36,6 @@ static inline void load_row(const void *base, int dtype, int64_t off, int D, flo
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* s[j] = q . k[j] for j < cnt: four keys share each load of q */
 static void scores(const float *q, const float *const *k, int cnt, int D, float *s) {
