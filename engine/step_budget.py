@@ -16,9 +16,11 @@ instead of a fixed token/sequence count:
   what is left of the target while keys compete (never below :data:`MIN_CHUNK_TOKENS`, nor below
   :data:`CHUNK_SHARE` of the decodes' own cost, so prompts always progress); a step with
   no decode keeps the full token budget (no one's inter-token latency is at stake).
-  One key alone keeps the fewest rows that still give :data:`ALONE_EFFICIENCY` of the
-  throughput of running them all (so its throughput stays within a few percent of the
-  uncapped engine's, and a newcomer never waits behind a step of every row).
+  One key alone with only decodes keeps the fewest rows that still give
+  :data:`ALONE_EFFICIENCY` of the throughput of running them all (so its throughput stays
+  within a few percent of the uncapped engine's, and a newcomer never waits behind a step
+  of every row); alone with prompts to compute, it runs every row and its prompts join with
+  the whole token budget (vLLM's chunked prefill: the step is long anyway).
 
 The target is ``SchedulerConfig.target_step_ms``; unset, it is :data:`DEFAULT_MULTIPLE`
 times the model's predicted single-row decode step (it follows the machine).
@@ -160,7 +162,11 @@ class StepBudget:
             # every key with decodes keeps at least one row: nobody stops
             max_rows = max(len({s.fairness_key for s in candidates}),
                            int((target - fixed - reserve) / c_dec))
-            if len(self._last_seen) <= 1:  # alone: only as many rows as its throughput needs
+            if len(self._last_seen) <= 1 and keys_with_prompts:
+                # alone with prompts to compute: its prompts join in full (below), so the step
+                # is long anyway, and capping its decodes cost it ~10% throughput and ~2x TTFT
+                max_rows = n
+            elif len(self._last_seen) <= 1:  # alone, decodes only: the rows its throughput needs
                 e = ALONE_EFFICIENCY
                 max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * c_dec)))
             if max_rows < n:

@@ -31,7 +31,7 @@ def _engine_defaults() -> dict:
 
 def test_settings_engine_options_default_to_the_engines():
     defaults = _engine_defaults()
-    assert set(ENGINE_OPTIONS) >= {"dtype", "max_num_seqs", "max_lora_rank", "fairness_policy"}
+    assert set(ENGINE_OPTIONS) >= {"dtype", "max_num_seqs", "max_lora_rank", "fairness_policy", "enforce_eager"}
     for name in set(ENGINE_OPTIONS) - DIFFERENT_ON_PURPOSE:
         assert setting_default(name) == defaults[name], name
 
