@@ -501,3 +501,16 @@ def test_sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
     assert torch.equal(got[[4, 5, 12]], y[[4, 5, 12]])
     tol = 1e-5 if y_dtype == torch.float32 and w_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_sgmv_takes_short_runs_and_long_runs_of_heavily_padded_slots():
+    from loramux.engine.lora.ops.cpu_sgmv import PADDING_FOR_KERNEL, SGMV_MAX_RUN, split_runs
+
+    max_rank = 32
+    ranks = torch.tensor([max_rank // PADDING_FOR_KERNEL, max_rank // 2, 0])
+    long = SGMV_MAX_RUN + 5
+    slots = [1] * 3 + [0] * long + [1] * long + [-1]
+    meta = LoRABatchMeta.build(slots, ranks)
+    table, gemm_runs = split_runs(meta, max_rank)
+    assert table.tolist() == [[0, 3, 1], [3, 3 + long, 0]]  # short; long but rank 8 of 32
+    assert gemm_runs == [(3 + long, 3 + 2 * long, 1)]  # long, rank 16 of 32: GEMMs

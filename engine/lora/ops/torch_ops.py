@@ -196,7 +196,7 @@ def add_lora_blockdiag(
         raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
     if scale is None and meta.runs and cpu_sgmv.usable(x, a_stack, b_blockdiag, y):
-        short, long = cpu_sgmv.split_runs(meta)  # short runs: one SGMV kernel call
+        short, long = cpu_sgmv.split_runs(meta, R)  # short runs: one SGMV kernel call
         cpu_sgmv.add_runs_sgmv(y, x, a_stack, b_blockdiag, short, meta.slot_ranks)
         _add_runs(y, x, a_stack, b_blockdiag, long, num_slices * R)
         return
