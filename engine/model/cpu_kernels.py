@@ -36,6 +36,7 @@ LIBS = ("-lm", "-lmvec") if sys.platform == "linux" and platform.machine() == "x
 
 _lock = threading.Lock()
 _cache: dict[str, object] = {}
+_MISSING = object()
 
 
 class KernelBuildError(RuntimeError):
@@ -123,7 +124,11 @@ def kernel_function(name: str, symbol: str, argtypes: list, purpose: str):
     """C function ``symbol`` of kernel ``name`` with its ctypes signature (returns int), or
     None when it cannot be built or loaded here; the reason is logged once, naming
     ``purpose`` (what falls back to torch). ``LORAMUX_CPU_KERNELS=0`` disables every kernel."""
-    if os.environ.get("LORAMUX_CPU_KERNELS", "1") == "0":  # read per call: benches toggle it
+    fn = _cache.get(symbol, _MISSING)
+    disabled = os.environ.get("LORAMUX_CPU_KERNELS", "1") == "0"  # per call: benches toggle it
+    if fn is not _MISSING and not disabled:
+        return fn
+    if disabled:
         if f"off:{symbol}" not in _cache:
             _cache[f"off:{symbol}"] = None
             logger.info("CPU kernels disabled (LORAMUX_CPU_KERNELS=0): torch %s", purpose)
@@ -158,7 +163,7 @@ FUSED_OPS_SIGNATURES = {
     "loramux_add_rms_norm": [_vp, _i64, _vp, _i64, _i, _vp, _vp, _i, _i64, _i64, _f, _i, _i],
     "loramux_rope": [_vp, _i64, _vp, _vp, _vp, _i64, _i, _i, _i, _i],
     "loramux_silu_mul": [_vp, _i64, _vp, _i, _i64, _i64, _i, _i],
-    "loramux_lora_sgmv": [_vp, _i64, _i, _vp, _vp, _i, _vp, _i64, _i, _vp, _i, _vp, _i, _i, _i, _i, _i],
+    "loramux_lora_sgmv": [_vp, _i64, _i, _vp, _vp, _i, _vp, _i64, _i, _vp, _i, _vp, _i, _i, _i, _i, _vp, _i],
 }
 _KERNEL_OF = {"loramux_lora_sgmv": "lora_sgmv"}
 

@@ -122,7 +122,7 @@ def add_lora(
     if blockdiag:
         if name != "torch":
             raise ValueError("the block-diagonal slot layout is the torch backend's")
-        torch_ops.add_lora_blockdiag(y, x, a_stack, b_stack, meta, scale)
+        torch_ops.add_lora_blockdiag(y, x, a_stack, b_stack, meta, scale, slice_offsets)
         return
     if name == "torch":
         torch_ops.add_lora(y, x, a_stack, b_stack, meta, scale, slice_offsets)

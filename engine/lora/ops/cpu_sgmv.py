@@ -32,11 +32,10 @@ def sgmv_kernel():
 def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether these tensors fit the kernel (CPU, fp32/bf16, dense rows and slots)."""
     return (
-        x.device.type == "cpu"
-        and all(t.dtype in _CODES for t in (x, a_stack, b_blockdiag, y))
-        and a_stack.dtype == b_blockdiag.dtype
-        and a_stack.is_contiguous() and b_blockdiag.is_contiguous()
+        x.dtype in _CODES and y.dtype in _CODES and a_stack.dtype in _CODES
+        and a_stack.dtype == b_blockdiag.dtype and x.device.type == "cpu"
         and x.stride(1) == 1 and y.stride(1) == 1
+        and a_stack.is_contiguous() and b_blockdiag.is_contiguous()
         and sgmv_kernel() is not None
     )
 
@@ -55,22 +54,40 @@ def split_runs(meta: LoRABatchMeta, max_rank: int) -> tuple[torch.Tensor, list[t
     return table, [r for r in meta.runs if r not in taken]
 
 
+_offsets_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _offsets(slice_offsets, num_slices: int, n: int) -> torch.Tensor:
+    """``slice_offsets`` as the kernel's int64 array (checked and made once per value)."""
+    key = (*map(int, slice_offsets), num_slices, n)
+    t = _offsets_cache.get(key)
+    if t is None:
+        offs = key[:-2]
+        if len(offs) != num_slices + 1 or offs[0] != 0 or offs[-1] != n or list(offs) != sorted(offs):
+            raise ValueError(f"slice_offsets must be {num_slices + 1} ints from 0 to {n}; got {list(offs)}")
+        t = _offsets_cache[key] = torch.tensor(offs, dtype=torch.int64)
+    return t
+
+
 def add_runs_sgmv(
     y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor,
-    runs: torch.Tensor, slot_ranks: torch.Tensor,
+    runs: torch.Tensor, slot_ranks: torch.Tensor, slice_offsets,
 ) -> None:
     """``y[t] += (x[t] @ A[slot].T) @ B[slot]`` for every token of ``runs`` ([n, 3] int64:
-    start, end, slot); A ``[slots, S, R, K]`` pre-scaled, B ``[slots, S * R, N]``."""
+    start, end, slot); A ``[slots, S, R, K]`` pre-scaled, B ``[slots, S * R, N]`` with slice
+    ``s`` in rows ``s*R..`` and columns ``slice_offsets[s]..slice_offsets[s+1]`` only."""
     if runs.shape[0] == 0:
         return
     _, num_slices, max_rank, k = a_stack.shape
     n = b_blockdiag.shape[2]
+    offs = _offsets(slice_offsets, num_slices, n)
     ranks = slot_ranks if slot_ranks.dtype == torch.int64 and slot_ranks.is_contiguous() else (
         slot_ranks.to(torch.int64).contiguous())
     rc = sgmv_kernel()(
         x.data_ptr(), x.stride(0), _CODES[x.dtype], a_stack.data_ptr(), b_blockdiag.data_ptr(),
         _CODES[a_stack.dtype], y.data_ptr(), y.stride(0), _CODES[y.dtype], runs.data_ptr(),
-        runs.shape[0], ranks.data_ptr(), num_slices, max_rank, k, n, torch.get_num_threads(),
+        runs.shape[0], ranks.data_ptr(), num_slices, max_rank, k, n, offs.data_ptr(),
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise MemoryError("the CPU LoRA kernel could not allocate its work buffer")

@@ -178,6 +178,7 @@ def add_lora_blockdiag(
     b_blockdiag: torch.Tensor,
     meta: LoRABatchMeta,
     scale: torch.Tensor | None,
+    slice_offsets: Sequence[int] | None = None,
 ) -> None:
     """Fused shrink + expand with every slice's expand in one GEMM.
 
@@ -195,9 +196,10 @@ def add_lora_blockdiag(
     if y.shape != (meta.num_tokens, n_total):
         raise ValueError(f"y must be [{meta.num_tokens}, {n_total}]; got {list(y.shape)}")
     NC, C = meta.num_chunks, meta.chunk_len
-    if scale is None and meta.runs and cpu_sgmv.usable(x, a_stack, b_blockdiag, y):
+    if (scale is None and meta.runs and slice_offsets is not None
+            and cpu_sgmv.usable(x, a_stack, b_blockdiag, y)):
         short, long = cpu_sgmv.split_runs(meta, R)  # short runs: one SGMV kernel call
-        cpu_sgmv.add_runs_sgmv(y, x, a_stack, b_blockdiag, short, meta.slot_ranks)
+        cpu_sgmv.add_runs_sgmv(y, x, a_stack, b_blockdiag, short, meta.slot_ranks, slice_offsets)
         _add_runs(y, x, a_stack, b_blockdiag, long, num_slices * R)
         return
     if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:

@@ -9,7 +9,7 @@
  *
  * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v.
  * Expand: columns of y split over threads; per column tile, each token's tile accumulates
- * sum_j v[t, j] * B[j, tile] in fp32 and is added to y once (a bf16 y rounds once, as a
+ * sum_j v[t, j] * B[j, tile] in fp32 over the slices whose columns (slice_off) meet the tile and is added to y once (a bf16 y rounds once, as a
  * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
  * Returns 0, or -1 when the work buffer cannot be allocated.
  */
@@ -37,15 +37,17 @@ static float dot(const void *x, int xd, int64_t xo, const void *a, int ad, int64
     return s;
 }
 
-/* acc[0 .. c1-c0) = sum over slices s and j < rank of vi[s*R + j] * B[s*R + j, c0..c1) */
+/* acc[0 .. c1-c0) = sum over slices s and j < rank of vi[s*R + j] * B[s*R + j, c0..c1);
+ * slices whose columns [off[s], off[s+1]) miss the tile are skipped (their B rows are zero there) */
 static void expand_tile(const float *vi, const void *b, int bd, int64_t b0, int S, int R, int rank,
-                        int N, int c0, int c1, float *acc) {
+                        int N, int c0, int c1, const int64_t *off, float *acc) {
 #ifdef VEC
     if (c1 - c0 == TILE) { /* a full tile: 8 accumulators in registers */
         __m256 r[TILE / VEC];
 #pragma GCC unroll 8
         for (int k = 0; k < TILE / VEC; k++) r[k] = _mm256_setzero_ps();
         for (int s = 0; s < S; s++) {
+            if (off[s + 1] <= c0 || off[s] >= c1) continue;
             for (int j = 0; j < rank; j++) {
                 __m256 vv = _mm256_set1_ps(vi[s * R + j]);
                 int64_t bo = b0 + (int64_t)(s * R + j) * N + c0;
@@ -60,6 +62,7 @@ static void expand_tile(const float *vi, const void *b, int bd, int64_t b0, int 
 #endif
     for (int c = 0; c < c1 - c0; c++) acc[c] = 0.0f;
     for (int s = 0; s < S; s++) {
+        if (off[s + 1] <= c0 || off[s] >= c1) continue;
         for (int j = 0; j < rank; j++) {
             float vj = vi[s * R + j];
             int64_t bo = b0 + (int64_t)(s * R + j) * N;
@@ -68,10 +71,85 @@ static void expand_tile(const float *vi, const void *b, int bd, int64_t b0, int 
     }
 }
 
+/* out[0..3] = x . A rows 0..3 (rows K apart from ao): one load of x serves four rows */
+static void dot4(const void *x, int xd, int64_t xo, const void *a, int ad, int64_t ao, int K, float *out) {
+    int k = 0;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#ifdef VEC
+    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+    for (; k + VEC <= K; k += VEC) {
+        __m256 xv = vload8(x, xd, xo + k);
+        c0 = _mm256_fmadd_ps(xv, vload8(a, ad, ao + k), c0);
+        c1 = _mm256_fmadd_ps(xv, vload8(a, ad, ao + K + k), c1);
+        c2 = _mm256_fmadd_ps(xv, vload8(a, ad, ao + 2 * (int64_t)K + k), c2);
+        c3 = _mm256_fmadd_ps(xv, vload8(a, ad, ao + 3 * (int64_t)K + k), c3);
+    }
+    s0 = hsum8(c0), s1 = hsum8(c1), s2 = hsum8(c2), s3 = hsum8(c3);
+#endif
+    for (; k < K; k++) {
+        float xk = load_elem(x, xd, xo + k);
+        s0 += xk * load_elem(a, ad, ao + k);
+        s1 += xk * load_elem(a, ad, ao + K + k);
+        s2 += xk * load_elem(a, ad, ao + 2 * (int64_t)K + k);
+        s3 += xk * load_elem(a, ad, ao + 3 * (int64_t)K + k);
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* y[row, c0..c1) += acc (a bf16 y rounds once, as a torch add of an fp32 delta) */
+static void add_tile(void *y, int yd, int64_t y0, int c0, int c1, const float *acc) {
+    int c = c0;
+#ifdef VEC
+    if (yd == 0) {
+        float *yr = (float *)y + y0;
+        for (; c + VEC <= c1; c += VEC)
+            _mm256_storeu_ps(yr + c, _mm256_add_ps(_mm256_loadu_ps(yr + c), _mm256_loadu_ps(acc + c - c0)));
+    }
+#endif
+    for (; c < c1; c++) {
+        if (yd == 0) {
+            ((float *)y)[y0 + c] += acc[c - c0];
+        } else {
+            uint16_t *yp = (uint16_t *)y + y0 + c;
+            *yp = f32_to_bf16(bf16_to_f32(*yp) + acc[c - c0]);
+        }
+    }
+}
+
+#ifdef VEC
+/* expand_tile for two tokens over a full tile, in halves of 32 columns: 2 x 4 accumulators,
+ * each load of B feeding two FMAs */
+static void expand_tile2(const float *va, const float *vb, const void *b, int bd, int64_t b0, int S,
+                         int R, int rank, int N, int c0, const int64_t *off, float *acc_a, float *acc_b) {
+    for (int half = 0; half < TILE; half += TILE / 2) {
+        __m256 ra[4], rb[4];
+        for (int k = 0; k < 4; k++) ra[k] = rb[k] = _mm256_setzero_ps();
+        int h0 = c0 + half;
+        for (int s = 0; s < S; s++) {
+            if (off[s + 1] <= h0 || off[s] >= h0 + TILE / 2) continue;
+            for (int j = 0; j < rank; j++) {
+                __m256 xa = _mm256_set1_ps(va[s * R + j]), xb = _mm256_set1_ps(vb[s * R + j]);
+                int64_t bo = b0 + (int64_t)(s * R + j) * N + h0;
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    __m256 bk = vload8(b, bd, bo + k * VEC);
+                    ra[k] = _mm256_fmadd_ps(xa, bk, ra[k]);
+                    rb[k] = _mm256_fmadd_ps(xb, bk, rb[k]);
+                }
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            _mm256_storeu_ps(acc_a + half + k * VEC, ra[k]);
+            _mm256_storeu_ps(acc_b + half + k * VEC, rb[k]);
+        }
+    }
+}
+#endif
+
 int loramux_lora_sgmv(const void *x, int64_t x_stride, int x_dtype, const void *a,
                       const void *b, int w_dtype, void *y, int64_t y_stride, int y_dtype,
                       const int64_t *runs, int nruns, const int64_t *ranks, int S, int R,
-                      int K, int N, int nthreads) {
+                      int K, int N, const int64_t *slice_off, int nthreads) {
     int64_t ntok = 0;
     for (int r = 0; r < nruns; r++) ntok += runs[3 * r + 1] - runs[3 * r];
     if (ntok == 0) return 0;
@@ -103,10 +181,11 @@ int loramux_lora_sgmv(const void *x, int64_t x_stride, int x_dtype, const void *
             int rank = (int)ranks[slot];
             float *vi = v + i * SR;
             for (int s = 0; s < S; s++) {
-                for (int j = 0; j < R; j++) {
-                    int64_t ao = slot * w_slot_a + (int64_t)(s * R + j) * K;
-                    vi[s * R + j] = j < rank ? dot(x, x_dtype, t * x_stride, a, w_dtype, ao, K) : 0.0f;
-                }
+                int64_t ao = slot * w_slot_a + (int64_t)(s * R) * K;
+                int j = 0;
+                for (; j + 4 <= rank; j += 4) dot4(x, x_dtype, t * x_stride, a, w_dtype, ao + (int64_t)j * K, K, vi + s * R + j);
+                for (; j < rank; j++) vi[s * R + j] = dot(x, x_dtype, t * x_stride, a, w_dtype, ao + (int64_t)j * K, K);
+                for (; j < R; j++) vi[s * R + j] = 0.0f;
             }
         }
         /* expand: (run, column tile) per iteration; rows of B beyond the rank are skipped */
@@ -117,19 +196,20 @@ int loramux_lora_sgmv(const void *x, int64_t x_stride, int x_dtype, const void *
                 int64_t slot = runs[3 * r + 2];
                 int rank = (int)ranks[slot];
                 int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
-                for (int64_t t = runs[3 * r]; t < runs[3 * r + 1]; t++) {
-                    const float *vi = v + (row_of_run[r] + t - runs[3 * r]) * SR;
-                    float acc[TILE];
-                    expand_tile(vi, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, c1, acc);
-                    for (int c = c0; c < c1; c++) {
-                        int64_t yi = t * y_stride + c;
-                        if (y_dtype == 0) {
-                            ((float *)y)[yi] += acc[c - c0];
-                        } else {
-                            uint16_t *yp = (uint16_t *)y + yi;
-                            *yp = f32_to_bf16(bf16_to_f32(*yp) + acc[c - c0]);
-                        }
-                    }
+                int64_t t = runs[3 * r], end = runs[3 * r + 1];
+                const float *v0 = v + row_of_run[r] * SR - t * SR; /* v0 + t * SR: token t's row */
+                float acc[TILE], acc2[TILE];
+#ifdef VEC
+                for (; t + 2 <= end && c1 - c0 == TILE; t += 2) { /* two tokens share each B load */
+                    expand_tile2(v0 + t * SR, v0 + (t + 1) * SR, b, w_dtype, slot * w_slot_b, S, R, rank,
+                                 N, c0, slice_off, acc, acc2);
+                    add_tile(y, y_dtype, t * y_stride, c0, c1, acc);
+                    add_tile(y, y_dtype, (t + 1) * y_stride, c0, c1, acc2);
+                }
+#endif
+                for (; t < end; t++) {
+                    expand_tile(v0 + t * SR, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, acc);
+                    add_tile(y, y_dtype, t * y_stride, c0, c1, acc);
                 }
             }
         }
