@@ -13,7 +13,8 @@ that gathers each context then runs SDPA, LoRA as GEMMs; ``LORAMUX_CPU_KERNELS=0
 the LoRA SGMV kernel). Reports per run output tok/s, TTFT p50, TPOT
 p50, output tokens per CPU-second (robust on a shared machine with ``--threads 1``), and
 the ratios new ÷ old and LoRA ÷ base. ``--profile`` adds a torch.profiler
-breakdown of steps 3-8 of each run. Writes bench/results/fast_step.json and .png.
+breakdown of steps 3-8 of each run. Writes bench/results/fast_step.json and .png
+(``--uniform``: fast_step_uniform_<dtype>.*).
 
     python bench/fast_step.py                 # default model, bf16, ~2-3 minutes
     python bench/fast_step.py --quick         # fewer, shorter requests
@@ -37,7 +38,8 @@ from common import RESULTS, write_json  # noqa: E402
 from lora_throughput import make_adapters  # noqa: E402
 
 # old: every part of the step on torch ops (eager small ops, gather + SDPA attention, LoRA
-# GEMMs; LORAMUX_CPU_KERNELS=0 turns off the C kernels); new: the defaults.
+# GEMMs; LORAMUX_CPU_KERNELS=0 turns off the C kernels); new: the defaults; nobudget: the
+# defaults without the step-time budget (``--paths new,nobudget`` shows what it costs).
 PATHS = {"old": {"attention_backend": "torch", "enforce_eager": True, "cpu_kernels": "0"},
          "new": {"attention_backend": "auto", "enforce_eager": False, "cpu_kernels": "1"},
          "nobudget": {"enable_step_budget": False}}
@@ -132,14 +134,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens")
     ap.add_argument("--uniform", action="store_true",
                     help="the uniform offline shape instead: all arrive at once, no shared prefix, "
-                         "32-token prompts, 32 new tokens (results in fast_step_uniform.*)")
+                         "32-token prompts, 32 new tokens (results in fast_step_uniform_<dtype>.*)")
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.new_tokens, args.min_len, args.max_len = 8, 16, 64, 160
     name = "fast_step"
     if args.uniform:
         args.rate, args.prefix_len, args.min_len, args.max_len, args.new_tokens = 1e9, 0, 32, 32, 32
-        name = "fast_step_uniform"
+        name = f"fast_step_uniform_{args.dtype}"
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
