@@ -200,7 +200,8 @@ def add_lora_blockdiag(
             and cpu_sgmv.usable(x, a_stack, b_blockdiag, y)):
         short, long = cpu_sgmv.split_runs(meta, R)  # short runs: one SGMV kernel call
         cpu_sgmv.add_runs_sgmv(y, x, a_stack, b_blockdiag, short, meta.slot_ranks, slice_offsets)
-        _add_runs(y, x, a_stack, b_blockdiag, long, num_slices * R)
+        if long:
+            _add_runs_ranked(y, x, a_stack, b_blockdiag, long, meta.slot_ranks.tolist(), slice_offsets)
         return
     if scale is None and meta.identity_tokens and meta.chunk_slot_start is not None:
         _add_in_place(y, x, a_stack, b_blockdiag, meta, num_slices * R)  # 2 batched GEMMs
@@ -256,3 +257,30 @@ def _add_runs(y, x, a_stack, b_blockdiag, runs, sr: int) -> None:
             ys.addmm_(v, b)
         else:
             ys.add_(torch.mm(v, b))
+
+
+def _add_runs_ranked(y, x, a_stack, b_blockdiag, runs, ranks: list[int], slice_offsets) -> None:
+    """``_add_runs`` on each adapter's rank only: the shrink is one GEMM over the slices' rank
+    rows, the expand one GEMM per slice into that slice's columns of y (views of the slot's
+    B), so neither the slot's rank padding nor the zero blocks of the block-diagonal B are
+    computed (for qkv with rank-16 adapters in rank-32 slots, 1/6 of the padded FLOPs)."""
+    num_slices, max_rank, k = a_stack.shape[1:]
+    offs = [int(o) for o in slice_offsets]
+    for start, end, slot in runs:
+        r = ranks[slot]
+        xs = x[start:end]
+        if xs.dtype != a_stack.dtype:
+            xs = xs.to(a_stack.dtype)
+        a = a_stack[slot, :, :r].reshape(num_slices * r, k)  # a copy only when r < max_rank
+        v = torch.mm(xs, a.t())  # [n, S * r]
+        for s in range(num_slices):
+            lo, hi = offs[s], offs[s + 1]
+            if hi == lo:
+                continue
+            b = b_blockdiag[slot, s * max_rank : s * max_rank + r, lo:hi]  # [r, cols] view
+            ys = y[start:end, lo:hi]
+            vs = v[:, s * r : (s + 1) * r]
+            if ys.dtype == b.dtype:
+                ys.addmm_(vs, b)
+            else:
+                ys.add_(torch.mm(vs, b))
