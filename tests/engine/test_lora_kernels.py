@@ -510,14 +510,13 @@ def test_sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
-def test_sgmv_takes_short_runs_and_long_runs_of_heavily_padded_slots():
-    from loramux.engine.lora.ops.cpu_sgmv import PADDING_FOR_KERNEL, SGMV_MAX_RUN, split_runs
+def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
+    from loramux.engine.lora.ops.cpu_sgmv import SGMV_MAX_RUN, split_runs
 
-    max_rank = 32
-    ranks = torch.tensor([max_rank // PADDING_FOR_KERNEL, max_rank // 2, 0])
+    ranks = torch.tensor([8, 16, 0])
     long = SGMV_MAX_RUN + 5
-    slots = [1] * 3 + [0] * long + [1] * long + [-1]
+    slots = [1] * 3 + [0] * SGMV_MAX_RUN + [1] * long + [-1]
     meta = LoRABatchMeta.build(slots, ranks)
-    table, gemm_runs = split_runs(meta, max_rank)
-    assert table.tolist() == [[0, 3, 1], [3, 3 + long, 0]]  # short; long but rank 8 of 32
-    assert gemm_runs == [(3 + long, 3 + 2 * long, 1)]  # long, rank 16 of 32: GEMMs
+    table, gemm_runs = split_runs(meta)
+    assert table.tolist() == [[0, 3, 1], [3, 3 + SGMV_MAX_RUN, 0]]
+    assert gemm_runs == [(3 + SGMV_MAX_RUN, 3 + SGMV_MAX_RUN + long, 1)]

@@ -2,9 +2,8 @@
 
 The runs of a step's tokens that share an adapter slot and are short (decode rows, small
 prompt chunks) go through one kernel call per projection group, reading each slot's A and
-B in place and only as many rows as the adapter's rank; long runs (prompt chunks) keep two
-GEMMs each, where oneDNN's blocking wins, unless the adapter's rank is a small part of
-its slot's. Slots are pre-scaled and block-diagonal (the
+B in place and only as many rows as the adapter's rank; long runs (prompt chunks) go to
+GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``), where oneDNN's blocking wins. Slots are pre-scaled and block-diagonal (the
 torch backend's layout, ``SlotBuffers``).
 """
 
@@ -15,12 +14,11 @@ import torch
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.model.cpu_kernels import fused_op
 
-# Runs of at most this many tokens go through the kernel; longer runs through GEMMs, unless
-# their adapter's rank is at most 1/PADDING_FOR_KERNEL of the slots' (per token the kernel
-# costs ~2-2.5x a GEMM's FLOP rate, but skips the padding: measured 1.5-1.65x faster at
-# rank 8 in rank-32 slots over 300-token runs, 0.6-0.8x at rank 16).
-SGMV_MAX_RUN = 32
-PADDING_FOR_KERNEL = 4
+# Runs of at most this many tokens go through the kernel; longer runs through GEMMs on the
+# adapter's rank (``torch_ops._add_runs_ranked``: per token the kernel runs at ~1/2 a GEMM's
+# FLOP rate; measured at 64-token runs the kernel is 0.9-2.2x the rank-only GEMMs, at
+# 300-token runs 0.6-1.25x).
+SGMV_MAX_RUN = 64
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -40,18 +38,13 @@ def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y:
     )
 
 
-def split_runs(meta: LoRABatchMeta, max_rank: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """(the kernel's runs as its table, the runs left to GEMMs) of the step: short runs, and
-    long runs of an adapter whose rank pads its slot (``max_rank``) :data:`PADDING_FOR_KERNEL`
-    times or more (the GEMMs compute the padding; the kernel reads the rank only)."""
-    ranks = meta.slot_ranks.tolist()
-    mine = [r for r in meta.runs
-            if r[1] - r[0] <= SGMV_MAX_RUN or ranks[r[2]] * PADDING_FOR_KERNEL <= max_rank]
-    if len(mine) == len(meta.runs) and meta.run_table is not None:
+def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """(the short runs as the kernel's table, the long runs left to GEMMs) of the step."""
+    short = [r for r in meta.runs if r[1] - r[0] <= SGMV_MAX_RUN]
+    if len(short) == len(meta.runs) and meta.run_table is not None:
         return meta.run_table, []
-    table = torch.tensor(mine, dtype=torch.int64).reshape(-1, 3)
-    taken = set(mine)
-    return table, [r for r in meta.runs if r not in taken]
+    table = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
+    return table, [r for r in meta.runs if r[1] - r[0] > SGMV_MAX_RUN]
 
 
 _offsets_cache: dict[tuple[int, ...], torch.Tensor] = {}
