@@ -129,8 +129,12 @@ def select_small_ops(
 ) -> EagerOps:
     """The fused ops on a CPU where the kernel loads (unless ``enforce_eager``), else eager."""
     dtype, device = cos.dtype, cos.device
+    ops: EagerOps
     if enforce_eager or device.type != "cpu" or dtype not in _DTYPE_CODES:
-        return EagerOps(cos, sin, eps, dtype)
-    if not all(fused_op(s) for s in ("loramux_add_rms_norm", "loramux_rope", "loramux_silu_mul")):
-        return EagerOps(cos, sin, eps, dtype)  # the loader logged why
-    return FusedOps(cos, sin, eps, matmul_dtype)
+        ops = EagerOps(cos, sin, eps, dtype)
+    elif not all(fused_op(s) for s in ("loramux_add_rms_norm", "loramux_rope", "loramux_silu_mul")):
+        ops = EagerOps(cos, sin, eps, dtype)  # the loader logged why
+    else:
+        ops = FusedOps(cos, sin, eps, matmul_dtype)
+    logger.info("layer small ops: %s%s", ops.name, " (enforce_eager)" if enforce_eager else "")
+    return ops
