@@ -156,24 +156,25 @@ class StepBudget:
         target = self.target(adapters)
         decode = candidates
         n = len(candidates)
+        alone = len(self._last_seen) <= 1  # no other key had work within RECENT_S
         if n > 1 and c_dec > 0:
             fixed = c0 + c_ad * adapters
             reserve = c_pre * MIN_CHUNK_TOKENS if keys_with_prompts else 0.0
             # every key with decodes keeps at least one row: nobody stops
             max_rows = max(len({s.fairness_key for s in candidates}),
                            int((target - fixed - reserve) / c_dec))
-            if len(self._last_seen) <= 1 and keys_with_prompts:
+            if alone and keys_with_prompts:
                 # alone with prompts to compute: its prompts join in full (below), so the step
                 # is long anyway, and capping its decodes cost it ~10% throughput and ~2x TTFT
                 max_rows = n
-            elif len(self._last_seen) <= 1:  # alone, decodes only: the rows its throughput needs
+            elif alone:  # decodes only: the rows its throughput needs
                 e = ALONE_EFFICIENCY
                 max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * c_dec)))
             if max_rows < n:
                 decode = fair_rows(candidates, max_rows, keys_with_prompts, by_key=fair)
         for seq in decode:
             seq.budget_ran = self.steps
-        if not decode or c_pre <= 0 or len(self._last_seen) <= 1:
+        if not decode or c_pre <= 0 or alone:
             # alone, a key's prompts join its decodes in full (as vLLM's chunked prefill):
             # no other tenant's inter-token latency is at stake, and small chunks cost it
             # ~40% of its throughput and ~4x its TTFT (bench/fast_step.py)

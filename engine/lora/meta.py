@@ -72,6 +72,9 @@ class LoRABatchMeta:
     slot with rank > 0, in batch order (host ints: the CPU path slices x and y by them)."""
     run_table: torch.Tensor | None = None
     """``runs`` as a host int64 ``[num_runs, 3]`` tensor (the CPU SGMV kernel's input)."""
+    cpu_split: tuple | None = None
+    """The CPU path's split of ``runs`` (kernel table, GEMM runs, slot ranks), made by
+    ``cpu_sgmv.split_runs`` at the step's first LoRA layer and read by the others."""
 
     @classmethod
     def build(

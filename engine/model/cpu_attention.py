@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loramux.engine.model.cpu_kernels import paged_attention_kernel
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from loramux.engine.model.cpu_kernels import DTYPE_CODES, paged_attention_kernel
 
 
 def kernel_available() -> bool:
@@ -83,7 +81,7 @@ def cpu_paged_attention(
         return
     _, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
-    dtype = _DTYPE_CODES.get(q.dtype)
+    dtype = DTYPE_CODES.get(q.dtype)
     if dtype is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or out.dtype != q.dtype:
         raise ValueError(f"CPU paged attention needs fp32 or bf16 tensors of one dtype; got {q.dtype}")
     if q.stride(2) != 1 or q.stride(1) != head_dim:

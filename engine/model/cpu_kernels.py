@@ -27,6 +27,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -110,9 +112,8 @@ def build(name: str) -> Path:
 
 
 def load(name: str) -> ctypes.CDLL:
-    """Build if needed and load kernel ``name``. Raises :class:`KernelBuildError`."""
-    import torch  # noqa: F401  (torch's libgomp must be the process's OpenMP runtime)
-
+    """Build if needed and load kernel ``name``. Raises :class:`KernelBuildError`. (torch,
+    imported by this module, is loaded first: its libgomp is the process's OpenMP runtime.)"""
     path = build(name)
     try:
         return ctypes.CDLL(str(path))
@@ -148,6 +149,10 @@ def kernel_function(name: str, symbol: str, argtypes: list, purpose: str):
 
 
 _vp, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+"""The dtype codes every kernel takes (``csrc/bf16.h``): 0 = fp32, 1 = bf16."""
 
 
 def paged_attention_kernel():

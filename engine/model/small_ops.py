@@ -21,11 +21,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from loramux.engine.model.cpu_kernels import fused_op
+from loramux.engine.model.cpu_kernels import DTYPE_CODES, fused_op
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class EagerOps:
@@ -71,8 +69,8 @@ class FusedOps(EagerOps):
 
     def __init__(self, cos, sin, eps, act_dtype) -> None:
         super().__init__(cos, sin, eps, act_dtype)
-        self.dtype = _DTYPE_CODES[cos.dtype]
-        self.act = _DTYPE_CODES[act_dtype]
+        self.dtype = DTYPE_CODES[cos.dtype]
+        self.act = DTYPE_CODES[act_dtype]
         self._norm = fused_op("loramux_add_rms_norm")
         self._rope = fused_op("loramux_rope")
         self._silu = fused_op("loramux_silu_mul")
@@ -86,7 +84,7 @@ class FusedOps(EagerOps):
         out = torch.empty(t, h, dtype=self.act_dtype)
         if delta is not None:
             _check_rows(delta)
-            dptr, dstride, dcode = delta.data_ptr(), delta.stride(0), _DTYPE_CODES[delta.dtype]
+            dptr, dstride, dcode = delta.data_ptr(), delta.stride(0), DTYPE_CODES[delta.dtype]
         else:
             dptr, dstride, dcode = None, 0, 0
         self._norm(residual.data_ptr(), residual.stride(0), dptr, dstride, dcode, weight.data_ptr(),
@@ -111,7 +109,7 @@ class FusedOps(EagerOps):
 
 
 def _check_rows(x: torch.Tensor) -> None:
-    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _DTYPE_CODES or x.device.type != "cpu":
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
         raise ValueError(f"fused ops need dense CPU fp32/bf16 rows; got {x.dtype} {tuple(x.stride())}")
 
 
@@ -130,7 +128,7 @@ def select_small_ops(
     """The fused ops on a CPU where the kernel loads (unless ``enforce_eager``), else eager."""
     dtype, device = cos.dtype, cos.device
     ops: EagerOps
-    if enforce_eager or device.type != "cpu" or dtype not in _DTYPE_CODES:
+    if enforce_eager or device.type != "cpu" or dtype not in DTYPE_CODES:
         ops = EagerOps(cos, sin, eps, dtype)
     elif not all(fused_op(s) for s in ("loramux_add_rms_norm", "loramux_rope", "loramux_silu_mul")):
         ops = EagerOps(cos, sin, eps, dtype)  # the loader logged why

@@ -517,6 +517,8 @@ def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
     long = SGMV_MAX_RUN + 5
     slots = [1] * 3 + [0] * SGMV_MAX_RUN + [1] * long + [-1]
     meta = LoRABatchMeta.build(slots, ranks)
-    table, gemm_runs = split_runs(meta)
+    table, gemm_runs, slot_ranks = split_runs(meta)
     assert table.tolist() == [[0, 3, 1], [3, 3 + SGMV_MAX_RUN, 0]]
     assert gemm_runs == [(3 + SGMV_MAX_RUN, 3 + SGMV_MAX_RUN + long, 1)]
+    assert slot_ranks == [8, 16, 0]
+    assert split_runs(meta)[0] is table  # once per step: every layer reads the memo

@@ -12,15 +12,13 @@ from __future__ import annotations
 import torch
 
 from loramux.engine.lora.meta import LoRABatchMeta
-from loramux.engine.model.cpu_kernels import fused_op
+from loramux.engine.model.cpu_kernels import DTYPE_CODES, fused_op
 
 # Runs of at most this many tokens go through the kernel; longer runs through GEMMs on the
 # adapter's rank (``torch_ops._add_runs_ranked``: per token the kernel runs at ~1/2 a GEMM's
 # FLOP rate; measured at 64-token runs the kernel is 0.9-2.2x the rank-only GEMMs, at
 # 300-token runs 0.6-1.25x).
 SGMV_MAX_RUN = 64
-_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
 
 def sgmv_kernel():
     """The C function, or None where it cannot be built (reason logged once)."""
@@ -30,7 +28,7 @@ def sgmv_kernel():
 def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether these tensors fit the kernel (CPU, fp32/bf16, dense rows and slots)."""
     return (
-        x.dtype in _CODES and y.dtype in _CODES and a_stack.dtype in _CODES
+        x.dtype in DTYPE_CODES and y.dtype in DTYPE_CODES and a_stack.dtype in DTYPE_CODES
         and a_stack.dtype == b_blockdiag.dtype and x.device.type == "cpu"
         and x.stride(1) == 1 and y.stride(1) == 1
         and a_stack.is_contiguous() and b_blockdiag.is_contiguous()
@@ -38,13 +36,18 @@ def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y:
     )
 
 
-def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """(the short runs as the kernel's table, the long runs left to GEMMs) of the step."""
-    short = [r for r in meta.runs if r[1] - r[0] <= SGMV_MAX_RUN]
-    if len(short) == len(meta.runs) and meta.run_table is not None:
-        return meta.run_table, []
-    table = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
-    return table, [r for r in meta.runs if r[1] - r[0] > SGMV_MAX_RUN]
+def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, int]], list[int]]:
+    """(the short runs as the kernel's table, the long runs left to GEMMs, the slots' ranks)
+    of the step: computed once per step (memo on ``meta``), read by every LoRA layer."""
+    if meta.cpu_split is None:
+        short = [r for r in meta.runs if r[1] - r[0] <= SGMV_MAX_RUN]
+        if len(short) == len(meta.runs) and meta.run_table is not None:
+            table = meta.run_table
+        else:
+            table = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
+        long = [r for r in meta.runs if r[1] - r[0] > SGMV_MAX_RUN]
+        meta.cpu_split = (table, long, meta.slot_ranks.tolist())
+    return meta.cpu_split
 
 
 _offsets_cache: dict[tuple[int, ...], torch.Tensor] = {}
@@ -77,8 +80,8 @@ def add_runs_sgmv(
     ranks = slot_ranks if slot_ranks.dtype == torch.int64 and slot_ranks.is_contiguous() else (
         slot_ranks.to(torch.int64).contiguous())
     rc = sgmv_kernel()(
-        x.data_ptr(), x.stride(0), _CODES[x.dtype], a_stack.data_ptr(), b_blockdiag.data_ptr(),
-        _CODES[a_stack.dtype], y.data_ptr(), y.stride(0), _CODES[y.dtype], runs.data_ptr(),
+        x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], a_stack.data_ptr(), b_blockdiag.data_ptr(),
+        DTYPE_CODES[a_stack.dtype], y.data_ptr(), y.stride(0), DTYPE_CODES[y.dtype], runs.data_ptr(),
         runs.shape[0], ranks.data_ptr(), num_slices, max_rank, k, n, offs.data_ptr(),
         torch.get_num_threads(),
     )
