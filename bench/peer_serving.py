@@ -1,11 +1,11 @@
 """loramux vs vLLM-CPU, both OpenAI servers measured by vLLM's own benchmark client, one run.
 
 The servers run one after the other on the same cores (never at once), each with the same
-model, dtype and 4 adapters (ranks 8/16, all 7 projections); the client is
-``../shared/peer/vllm_bench.py`` from the peer's environment (see ``../shared/peer/README.md``
+model, dtype and 4 adapters (ranks 8/16, all 7 projections); the client is vLLM's own
+(``bench/vllm_client.py``) run from the peer's environment (docs/peer-benchmark.md says how
 to install it). Workload (the issue's): Poisson ``--rate`` req/s, ``--num-prompts`` random
-prompts of ``--input-len`` tokens (± ``--range-ratio``, the peer README's 0.8) after a ``--prefix-len``-token shared prefix,
-``--output-len`` tokens out (``ignore_eos``, greedy); once on the base model, once
+prompts of ``--input-len`` tokens (± ``--range-ratio``, default 0.8) after a
+``--prefix-len``-token shared prefix, ``--output-len`` tokens out (``ignore_eos``, greedy); once on the base model, once
 round-robin over the 4 adapters.
 
 Targets: ``loramux`` (the defaults), ``loramux-eager`` (every part on torch ops:
@@ -35,7 +35,7 @@ from common import RESULTS, write_json  # noqa: E402
 from lora_throughput import make_adapters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIENT = ROOT.parent / "shared" / "peer" / "vllm_bench.py"
+CLIENT = ROOT / "bench" / "vllm_client.py"
 ADAPTERS = ("a0", "a1", "a2", "a3")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
            "median_itl_ms", "completed", "duration")
@@ -102,7 +102,7 @@ def stop(proc) -> None:
 def bench_run(args, model: Path, port: int, lora: bool, out: Path) -> dict:
     """One vLLM benchmark-client run; its metrics (or the error)."""
     peer_py = Path(args.peer).expanduser() / "bin" / "python"
-    argv = [str(peer_py), str(CLIENT), "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+    argv = [str(peer_py), str(args.client), "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
             "--endpoint", "/v1/completions", "--model", "base", "--tokenizer", str(model),
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
@@ -174,21 +174,22 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", default="~/.cache/vllm-peer", help="the peer's venv")
+    ap.add_argument("--client", default=str(CLIENT), help="vLLM's benchmark client script")
     ap.add_argument("--targets", default="loramux,loramux-eager,vllm")
     ap.add_argument("--runs", default="base,lora")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--rate", type=float, default=1.5)
     ap.add_argument("--input-len", type=int, default=384)
-    ap.add_argument("--range-ratio", type=float, default=0.8, help="as ../shared/peer/README.md")
+    ap.add_argument("--range-ratio", type=float, default=0.8, help="vLLM random dataset's")
     ap.add_argument("--prefix-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--cpus", default="0-1", help="cores the vLLM server binds")
     ap.add_argument("--run-timeout", type=int, default=1200)
     ap.add_argument("--name", default="peer_serving")
     args = ap.parse_args()
-    if not CLIENT.is_file() or not (Path(args.peer).expanduser() / "bin" / "python").is_file():
-        sys.exit(f"needs the peer's client {CLIENT} and its venv {args.peer} (../shared/peer/README.md)")
+    if not Path(args.client).is_file() or not (Path(args.peer).expanduser() / "bin" / "python").is_file():
+        sys.exit(f"needs the client {args.client} and the peer's venv {args.peer} (docs/peer-benchmark.md)")
     from loramux.engine.default_model import default_model_path
 
     model = default_model_path()
