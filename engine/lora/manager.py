@@ -11,7 +11,8 @@
 
 A slot used by the running batch is never evicted, nor a pinned adapter. The
 scheduler's admission (``admission.py``) calls :meth:`acquire` and :meth:`prefetch`,
-the engine :meth:`prepare_step` once per step, and every layer calls :meth:`add`.
+the engine :meth:`prepare_step` once per step, and every layer calls :meth:`add`
+(``step.py``).
 Loads are counted and timed per tier (``load_stats``: store, disk, cpu → slot).
 
 Others watch through public seams only: :meth:`add_listener` hears ``loaded`` (into
@@ -50,6 +51,7 @@ from loramux.engine.lora.state import (
     LoRAError,
     ResidencySnapshot,
 )
+from loramux.engine.lora.step import StepHook
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.linear import matmul_dtype
 from loramux.engine.model.llama import LlamaModel
@@ -67,7 +69,7 @@ def _device_free_bytes(device: torch.device, utilization: float) -> int | None:
     return int(total * utilization - (total - free) - GPU_RESERVE_BYTES)
 
 
-class LoRAManager(OperatorActions):
+class LoRAManager(OperatorActions, StepHook):
     """Places adapters in tiers and adds their deltas during the forward pass."""
 
     enabled = True
@@ -383,50 +385,3 @@ class LoRAManager(OperatorActions):
                     break
             else:
                 return
-
-    # --- per-step hook (LoRAHook) -----------------------------------------------------
-    def prepare_step(self, token_lora_keys: list[str | None]) -> None:
-        """Build this step's LoRABatchMeta from each token's adapter (called once per step)."""
-        keys = {k for k in token_lora_keys if k is not None}
-        self._step_keys = keys
-        if not keys:
-            self._meta = None
-            return
-        self.slots.wait_ready()
-        slots = [self.slot_of[k] if k is not None else -1 for k in token_lora_keys]
-        self._meta = LoRABatchMeta.build(slots, self.slots.ranks, self.model.device)
-        # Groups no adapter of this step targets are skipped (e.g. q/v-only adapters).
-        self._groups = frozenset().union(*(self.slots.groups[self.slot_of[k]] for k in keys))
-
-    def finish_step(self) -> None:
-        """Release step-scoped state; run evictions that waited for the batch to drain."""
-        self._step_keys = set()
-        self._meta = None
-        self._run_pending_evictions()
-
-    def _run_pending_evictions(self) -> None:
-        if self.evict_pending:
-            running = self.running_keys() | self._step_keys
-            for key in list(self.evict_pending):
-                if key not in running:
-                    self._free_slot(key)
-                    self.evict_pending.discard(key)
-
-    def active(self) -> bool:
-        return self._meta is not None and self._meta.has_lora
-
-    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        if group not in self._groups:
-            return
-        blockdiag = self.slots.blockdiag  # A pre-scaled: no per-slot scale
-        ops.add_lora(
-            y,
-            x,
-            self.slots.a[layer][group],
-            self.slots.b[layer][group],
-            self._meta,
-            None if blockdiag else self.slots.scale,
-            self.slots.slice_offsets[group],
-            backend=self.backend,
-            blockdiag=blockdiag,
-        )
