@@ -28,8 +28,9 @@ from loramux.registry.errors import (
     TenantNotFound,
 )
 from loramux.registry.factory import build_registry, default_data_dir
+from loramux.registry.handles import AdapterHandle
 from loramux.registry.quotas import Quotas, TenantUsage
-from loramux.registry.service import AdapterHandle, RegistryService
+from loramux.registry.service import RegistryService
 
 __all__ = [
     "AdapterConflict",

@@ -9,12 +9,9 @@ exactly like a missing one.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,8 @@ from sqlalchemy.orm import Session
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
 from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, LoraWeights, validate_adapter
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK, MAX_CONFIG_BYTES
-from loramux.registry.cache import AdapterCache, cache_entry_name
+from loramux.registry.audit import AdapterAudit
+from loramux.registry.cache import AdapterCache
 from loramux.registry.db import Database
 from loramux.registry.errors import (
     AdapterConflict,
@@ -42,10 +40,10 @@ from loramux.registry.gc import (
     pending_marker,
     remove_leftovers,
 )
+from loramux.registry.handles import AdapterHandle, Listener, object_key
 from loramux.registry.models import (
     MAX_DESCRIPTION_CHARS,
     Adapter,
-    AdapterEvent,
     Tenant,
     utcnow,
 )
@@ -58,78 +56,7 @@ from loramux.registry.tenants import TenantAccounts, TenantRef
 logger = logging.getLogger(__name__)
 
 
-Listener = Callable[[str, "AdapterHandle | None"], None]
-"""``listener(kind, handle)``: an adapter change (handle set) or ``key_revoked`` (None)."""
-
-
-def object_key(sha256: str) -> str:
-    """The content-addressed key of an adapter's weights."""
-    return f"{OBJECT_PREFIX}{sha256}/{WEIGHTS_NAME}"
-
-
-@dataclass(frozen=True)
-class AdapterHandle:
-    """A snapshot of one adapter row, with its weights one call away.
-
-    ``local_path()`` fetches the weights into the local disk cache on first use and
-    returns a PEFT folder. Engines use the
-    handle (or ``RegistryService.fetch_by_id``) as their adapter source.
-    """
-
-    id: int
-    tenant_id: int
-    name: str
-    version: int
-    base_model: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    sha256: str
-    size_bytes: int
-    object_key: str
-    status: str
-    default_preset: dict[str, Any] | None
-    config: dict[str, Any]
-    description: str | None
-    created_at: datetime
-    updated_at: datetime
-    _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def cache_key(self) -> str:
-        """Identifies the content (weights + config); changes when the adapter is replaced."""
-        return cache_entry_name(self.sha256, self.config)
-
-    def local_path(self) -> Path:
-        """The adapter's local PEFT folder, fetched from the object store on first use."""
-        if self._fetch is None:
-            raise RuntimeError("this handle is not attached to a registry")
-        return self._fetch(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly fields for the API and the CLI."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-        d["config"] = copy.deepcopy(self.config)
-        d["default_preset"] = copy.deepcopy(self.default_preset)
-        d["target_modules"] = list(self.target_modules)
-        d["created_at"] = self.created_at.isoformat()
-        d["updated_at"] = self.updated_at.isoformat()
-        return d
-
-
-@dataclass(frozen=True)
-class AdapterEventInfo:
-    id: int
-    tenant_id: int | None
-    adapter_id: int | None
-    adapter_name: str
-    kind: str
-    actor: str | None
-    details: dict[str, Any] | None
-    created_at: datetime
-
-
-class RegistryService(TenantAccounts):
+class RegistryService(TenantAccounts, AdapterAudit):
     """Tenants, API keys and adapters. Thread-safe; one per process.
 
     ``base_config`` (a ``config.json`` dict or ``PretrainedConfig``) and
@@ -361,19 +288,6 @@ class RegistryService(TenantAccounts):
             raise self._conflict(name) from None
         return handle, kind
 
-    @staticmethod
-    def _event(
-        row: Adapter, kind: str, actor: str | None, details: dict[str, Any] | None = None
-    ) -> AdapterEvent:
-        return AdapterEvent(
-            tenant_id=row.tenant_id,
-            adapter_id=row.id,
-            adapter_name=row.name,
-            kind=kind,
-            actor=actor,
-            details=details,
-        )
-
     def list(self, tenant: TenantRef) -> list[AdapterHandle]:
         """The tenant's adapters, by name."""
         with self.db.session() as s:
@@ -466,81 +380,6 @@ class RegistryService(TenantAccounts):
         self._notify("described", handle)
         return handle
 
-    def record_event(
-        self,
-        adapter_id: int,
-        kind: str,
-        *,
-        actor: str | None = None,
-        details: dict[str, Any] | None = None,
-    ) -> None:
-        """Log an event done elsewhere (``evicted`` by the admin API, ``exported``)."""
-        with self.db.session() as s:
-            row = s.get(Adapter, adapter_id)
-            if row is None:
-                raise AdapterNotFound(f"adapter id {adapter_id} not found")
-            s.add(self._event(row, kind, actor, details))
-            handle = self._handle(row)
-        self._notify(kind, handle)
-
-    def events(
-        self, tenant: TenantRef | None = None, *, adapter_name: str | None = None, limit: int = 100
-    ) -> list[AdapterEventInfo]:
-        """Recent audit events, newest first."""
-        with self.db.session() as s:
-            q = select(AdapterEvent).order_by(AdapterEvent.id.desc()).limit(limit)
-            if tenant is not None:
-                q = q.where(AdapterEvent.tenant_id == self._tenant_id(s, tenant))
-            if adapter_name is not None:
-                q = q.where(AdapterEvent.adapter_name == adapter_name)
-            return [
-                AdapterEventInfo(
-                    e.id,
-                    e.tenant_id,
-                    e.adapter_id,
-                    e.adapter_name,
-                    e.kind,
-                    e.actor,
-                    e.details,
-                    e.created_at,
-                )  # fmt: skip
-                for e in s.scalars(q)
-            ]
-
-    def export(
-        self,
-        tenant: TenantRef,
-        name: str,
-        out: str | os.PathLike,
-        *,
-        base_model_path: str | os.PathLike | None = None,
-        check: bool = False,
-        actor: str | None = None,
-        overwrite: bool = False,
-        progress: bool = True,
-    ) -> Path:
-        """Merge the adapter into the base model and save a Hugging Face folder at ``out``."""
-        from loramux.adapters.merge import export_merged
-
-        base = Path(base_model_path) if base_model_path else self.base_model_path
-        if base is None:
-            raise BaseModelNotConfigured(
-                "export needs the base model folder; pass base_model= to build_registry "
-                "(or --base-model to the CLI)"
-            )
-        handle = self.get(tenant, name)
-        path = export_merged(
-            base,
-            handle.local_path(),
-            out,
-            check=check,
-            max_lora_rank=max(self.max_lora_rank, handle.rank),
-            overwrite=overwrite,
-            progress=progress,
-        )
-        self.record_event(handle.id, "exported", actor=actor, details={"out": str(path)})
-        return path
-
     # -- garbage collection ---------------------------------------------------------
 
     def gc(self, *, min_age_seconds: float = DEFAULT_GC_MIN_AGE_S,
@@ -555,12 +394,4 @@ class RegistryService(TenantAccounts):
         return remove_leftovers(self, min_age_s)
 
 
-__all__ = [
-    "CONFIG_NAME",
-    "OBJECT_PREFIX",
-    "AdapterEventInfo",
-    "AdapterHandle",
-    "GcReport",
-    "RegistryService",
-    "object_key",
-]
+__all__ = ["CONFIG_NAME", "OBJECT_PREFIX", "GcReport", "RegistryService"]

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loramux.registry.models import MAX_DESCRIPTION_CHARS
 
 if TYPE_CHECKING:
-    from loramux.registry.service import AdapterHandle
+    from loramux.registry.handles import AdapterHandle
 
 
 class S3Upload(BaseModel):

@@ -33,7 +33,8 @@ from loramux.platform.errors import BadRequest, NotFound
 from loramux.platform.openai.resolver import ModelResolver, engine_key
 
 if TYPE_CHECKING:
-    from loramux.registry.service import AdapterHandle, RegistryService
+    from loramux.registry.handles import AdapterHandle
+    from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
-    from loramux.registry.service import AdapterHandle, RegistryService
+    from loramux.registry.handles import AdapterHandle
+    from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,85 @@
+"""What the registry hands out: adapter snapshots (:class:`AdapterHandle`), audit events
+(:class:`AdapterEventInfo`), the object key of an adapter's weights and the listener type."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from loramux.adapters.archive import WEIGHTS_NAME
+from loramux.registry.cache import cache_entry_name
+from loramux.registry.gc import OBJECT_PREFIX
+
+Listener = Callable[[str, "AdapterHandle | None"], None]
+"""``listener(kind, handle)``: an adapter change (handle set) or ``key_revoked`` (None)."""
+
+
+def object_key(sha256: str) -> str:
+    """The content-addressed key of an adapter's weights."""
+    return f"{OBJECT_PREFIX}{sha256}/{WEIGHTS_NAME}"
+
+
+@dataclass(frozen=True)
+class AdapterHandle:
+    """A snapshot of one adapter row, with its weights one call away.
+
+    ``local_path()`` fetches the weights into the local disk cache on first use and
+    returns a PEFT folder. Engines use the
+    handle (or ``RegistryService.fetch_by_id``) as their adapter source.
+    """
+
+    id: int
+    tenant_id: int
+    name: str
+    version: int
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    sha256: str
+    size_bytes: int
+    object_key: str
+    status: str
+    default_preset: dict[str, Any] | None
+    config: dict[str, Any]
+    description: str | None
+    created_at: datetime
+    updated_at: datetime
+    _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def cache_key(self) -> str:
+        """Identifies the content (weights + config); changes when the adapter is replaced."""
+        return cache_entry_name(self.sha256, self.config)
+
+    def local_path(self) -> Path:
+        """The adapter's local PEFT folder, fetched from the object store on first use."""
+        if self._fetch is None:
+            raise RuntimeError("this handle is not attached to a registry")
+        return self._fetch(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields for the API and the CLI."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        d["config"] = copy.deepcopy(self.config)
+        d["default_preset"] = copy.deepcopy(self.default_preset)
+        d["target_modules"] = list(self.target_modules)
+        d["created_at"] = self.created_at.isoformat()
+        d["updated_at"] = self.updated_at.isoformat()
+        return d
+
+
+@dataclass(frozen=True)
+class AdapterEventInfo:
+    id: int
+    tenant_id: int | None
+    adapter_id: int | None
+    adapter_name: str
+    kind: str
+    actor: str | None
+    details: dict[str, Any] | None
+    created_at: datetime
