@@ -21,6 +21,7 @@ from loramux.engine.config import (
 from loramux.platform.dependencies import DependencyPolicy
 from loramux.platform.limits.request import RequestLimits
 from loramux.platform.settings import QUOTA_PREFIX, Settings
+from loramux.platform.usage.policy import UsagePolicy
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas
 
@@ -60,6 +61,12 @@ def dependency_policy(settings: Settings) -> DependencyPolicy:
     """The bulkheads' sizes, deadlines and breakers for these settings."""
     return DependencyPolicy(**{f.name: getattr(settings, f.name)
                                for f in dataclasses.fields(DependencyPolicy)})
+
+
+def usage_policy(settings: Settings) -> UsagePolicy:
+    """How usage records are written and kept, for these settings."""
+    return UsagePolicy(**{f.name: getattr(settings, f.name)
+                          for f in dataclasses.fields(UsagePolicy)})
 
 
 def open_registry(settings: Settings, base_model: Any = None, *,

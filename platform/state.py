@@ -21,7 +21,12 @@ from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
-from loramux.platform.builders import default_quotas, dependency_policy, request_limits
+from loramux.platform.builders import (
+    default_quotas,
+    dependency_policy,
+    request_limits,
+    usage_policy,
+)
 from loramux.platform.dependencies import Dependencies, dependency_report
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
@@ -29,6 +34,7 @@ from loramux.platform.openai.admission import AdmissionControl
 from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
+from loramux.platform.usage.recorder import UsageRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,8 @@ class AppState:
     """Request caps, chat-template rendering and tenant quotas (see openai/admission.py)."""
     deps: Dependencies = field(default_factory=Dependencies)
     """The database and object-store bulkheads every registry call runs in."""
+    usage: UsageRecorder | None = None
+    """The usage writer (finished requests' records to SQL); None without a registry."""
 
 
 def base_model_names(settings: Settings, model_path: Path) -> list[str]:
@@ -136,14 +144,16 @@ def build_state(settings: Settings, engine: AsyncEngine,
         request_limits(settings), registry, default_quotas(settings),
         quota_ttl=settings.quota_cache_ttl, enforce_quotas=not behind_gateway, deps=deps,
     )
+    usage = build_usage_recorder(settings, registry, metrics)
     openai = OpenAIServing(
         engine, resolver, metrics, fingerprint=fingerprint, admission=admission,
         retry_after=settings.retry_after_seconds, max_prompts=settings.max_prompts_per_request,
+        usage=usage,
     )
     adapters = AdapterService(
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
         s3_endpoint_url=settings.s3_endpoint_url, s3_import_allow=settings.s3_import_allow,
-        own_s3_root=_own_s3_root(settings),
+        own_s3_root=_own_s3_root(settings), flush_usage=usage.flush if usage else None,
     ) if registry is not None else None
     fleet = LocalFleet(engine, metrics.activity)
     admin = AdminService(
@@ -154,7 +164,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
     admin.health = functools.partial(dependency_report, deps, registry, redis_ping)
     admin.goodput = metrics.goodput_report
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
-                     adapters, scratch, admission=admission, deps=deps)
+                     adapters, scratch, admission=admission, deps=deps, usage=usage)
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
         state.cleanups.append(registry.subscribe(auth.on_registry_event))
@@ -164,7 +174,23 @@ def build_state(settings: Settings, engine: AsyncEngine,
         state.cleanups.append(engine.add_adapter_listener(_broken_audit(registry, resolver)))
     state.cleanups.append(fleet.remove_listener)
     state.cleanups.append(deps.shutdown)
+    if usage is not None:
+        state.cleanups.append(usage.close)  # first of all: closing runs the cleanups reversed
     return state
+
+
+def build_usage_recorder(settings: Settings, registry: RegistryService | None,
+                         metrics: Metrics) -> UsageRecorder | None:
+    """The usage writer of a server with a registry (started), spilling to
+    ``usage_spill_dir`` (default ``<data dir>/usage-spill``)."""
+    if registry is None:
+        return None
+    spill = settings.usage_spill_dir
+    if spill is None:
+        spill = (Path(registry.tmp_dir).parent if registry.tmp_dir is not None
+                 else Path(tempfile.gettempdir()) / "loramux") / "usage-spill"
+    return UsageRecorder(registry.usage.append, spill, usage_policy(settings),
+                         prune=registry.usage.prune, counters=metrics.usage).start()
 
 
 def _broken_audit(registry: RegistryService, resolver) -> Callable[[str, str], None]:

@@ -55,6 +55,7 @@ from loramux.registry.quotas import Quotas, check_storage
 from loramux.registry.rollouts import BUCKETS, next_previous_live
 from loramux.registry.store import ObjectStore, sha256_file
 from loramux.registry.tenants import TenantAccounts, TenantRef
+from loramux.registry.usage import UsageLedger
 from loramux.registry.versions import AdapterReleases, rollout_of
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class RegistryService(TenantAccounts, AdapterAudit, AdapterReleases):
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self._listeners: list[Listener] = []
         self.default_quotas = default_quotas or Quotas()
+        self.usage = UsageLedger(db)
+        """Finished requests' usage records (appended by the platform's usage writer)."""
 
     # -- events ---------------------------------------------------------------------
 

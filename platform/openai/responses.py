@@ -19,7 +19,7 @@ from loramux.platform.openai.protocol import (
     CompletionResponse,
     Usage,
 )
-from loramux.platform.openai.resolver import ServedModel
+from loramux.platform.openai.resolver import Caller, ServedModel
 
 
 class ResponseRenderer(TokenRenderer):
@@ -168,6 +168,8 @@ class RequestContext:
     rid: str = ""
     fairness_key: str | None = None
     """The engine's fair-share key: the caller's tenant (None = anonymous callers share one)."""
+    caller: Caller | None = None
+    """Who sent it (the usage record's tenant and key)."""
     created: int = field(default_factory=lambda: int(time.time()))
     recorded: bool = False
     handed_off: bool = False
