@@ -24,6 +24,7 @@ from loramux.platform.errors import (
     PayloadTooLarge,
     install_error_handlers,
 )
+from loramux.platform.openai.resolver import pinned_version
 
 
 def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
@@ -65,14 +66,16 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
         relayed = False
         try:
             admission = await gw.admit(caller, parsed, stack)
-            adapter = await gw.resolve(caller, parsed["model"])
+            user = parsed.get("user") if isinstance(parsed.get("user"), str) else None
+            adapter, version = await gw.resolve(caller, parsed["model"], user=user,
+                                                pinned=pinned_version(request.headers))
             cfg = gw.router.config
             prefixes = prefix_hashes(adapter, prompt_text(parsed),
                                      chunk_chars=cfg.prefix_chunk_chars,
                                      max_chunks=cfg.max_prefix_chunks)
             resp = await gw.forward(request, body, caller=caller, adapter_id=adapter,
                                     prefixes=prefixes, stream=bool(parsed.get("stream")),
-                                    admission=admission, done=stack.aclose)
+                                    admission=admission, done=stack.aclose, version=version)
             relayed = isinstance(resp, StreamingResponse)  # the stream releases it
             return resp
         finally:

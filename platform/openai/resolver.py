@@ -19,14 +19,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loramux.engine.lora_request import LoRARequest
 from loramux.platform.dependencies import Dependencies
-from loramux.platform.errors import ModelNotFound
+from loramux.platform.errors import BadRequest, ModelNotFound
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
@@ -95,6 +95,19 @@ def split_version(model: str) -> tuple[str, int | None]:
     if sep and name and number.isascii() and number.isdigit() and len(number) <= 9:
         return name, int(number)
     return model, None
+
+
+def pinned_version(headers: Mapping[str, str]) -> int | None:
+    """The version a request's :data:`VERSION_HEADER` pins (what a gateway sends once it
+    chose by the rollout; a client may pin its own adapter so too), None without one."""
+    raw = headers.get(VERSION_HEADER)
+    if raw is None:
+        return None
+    raw = raw.strip()
+    if not (raw.isascii() and raw.isdigit() and 0 < len(raw) <= 9) or int(raw) < 1:
+        raise BadRequest(f"the {VERSION_HEADER} header must be a version number, got "
+                         f"{raw[:20]!r}", param=VERSION_HEADER, code="invalid_parameter")
+    return int(raw)
 
 
 def sticky_value(release: Release, caller: Caller, user: str | None) -> str | None:

@@ -39,7 +39,12 @@ from loramux.platform.openai.admission import AdmissionControl
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.openai.resolver import VERSION_HEADER, Caller, ModelResolver
+from loramux.platform.openai.resolver import (
+    VERSION_HEADER,
+    Caller,
+    ModelResolver,
+    pinned_version,
+)
 from loramux.platform.openai.responses import RequestContext, ResponseRenderer, StreamState
 from loramux.platform.openai.streaming import Pump, SSEResponse, dumps, sse, until_disconnect
 from loramux.platform.usage.recorder import UsageRecorder
@@ -99,7 +104,7 @@ class OpenAIServing:
     # --- entry points ---------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, caller: Caller, request: Request) -> Response:
         served = await self.resolver.resolve(caller, req.model, user=req.user,
-                                             pinned=pinned_version(request))
+                                             pinned=pinned_version(request.headers))
         built = build_params(req, served.preset, default_max_tokens=16)
         prompts = await self.prompts.completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
@@ -111,7 +116,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
         served = await self.resolver.resolve(caller, req.model, user=req.user,
-                                             pinned=pinned_version(request))
+                                             pinned=pinned_version(request.headers))
         built = build_params(req, served.preset, default_max_tokens=None)
         self.admission.check(built.params)
         if req.chat_template is not None:  # the caller's own: refused unless trusted
@@ -329,15 +334,4 @@ def _s(ms: float | None) -> float | None:
     return ms / 1000 if ms is not None else None
 
 
-def pinned_version(request: Request) -> int | None:
-    """The version a request's ``X-LoRAMux-Adapter-Version`` header pins (what a gateway
-    sends once it chose by the rollout; a client may pin its own adapter so too)."""
-    raw = request.headers.get(VERSION_HEADER)
-    if raw is None:
-        return None
-    raw = raw.strip()
-    if not (raw.isascii() and raw.isdigit() and 0 < len(raw) <= 9) or int(raw) < 1:
-        raise BadRequest(f"the {VERSION_HEADER} header must be a version number, got "
-                         f"{raw[:20]!r}", param=VERSION_HEADER, code="invalid_parameter")
-    return int(raw)
 
