@@ -14,9 +14,13 @@ moves only the callers in the buckets it gains (a canary's users stay on it whil
 grows). Whoever picks (a gateway, an engine) gets the same version for the same caller.
 
 An adapter without an explicit rollout *follows the latest*: the newest version takes every
-request and each upload moves there. ``previous_live`` is the version that alone took every
-request before the rollout in effect (the rollback target); :func:`next_previous_live`
-keeps it across changes. Pure: no I/O.
+request and each upload moves there.
+
+A rollback puts every request on one version (:attr:`Rollout.rollback_to`): while one
+version is live, the version that was live before it (``previous_live``, kept across
+changes by :func:`next_previous_live`); during a split, the oldest version that carries
+weight, or the version live before the split when it is older still (a canary is dropped,
+the stable version keeps everything). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -58,6 +62,16 @@ class Rollout:
     def weight(self, version: int) -> int:
         return dict(self.weights).get(version, 0)
 
+    @property
+    def rollback_to(self) -> int | None:
+        """The version a rollback puts 100% on (see the module doc); None: nothing to go to."""
+        if self.live is not None:
+            return self.previous_live
+        weighted = [v for v, w in self.weights if w > 0]
+        if self.previous_live is not None:
+            weighted.append(self.previous_live)
+        return min(weighted) if weighted else None
+
     def choose(self, salt: str, sticky_value: str | None, rng: random.Random | None = None) -> int:
         """The version for one request. ``salt`` identifies the adapter (tenant and name);
         ``sticky_value`` is the caller's ``user`` or key prefix per :attr:`sticky` (None:
@@ -78,7 +92,7 @@ class Rollout:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly: weights keyed by the version number as a string (as sent)."""
         return {"weights": {str(v): w for v, w in self.weights}, "sticky": self.sticky,
-                "follow_latest": self.follow_latest, "previous_live": self.previous_live}
+                "follow_latest": self.follow_latest, "rollback_to": self.rollback_to}
 
 
 def bucket(salt: str, value: str) -> int:
@@ -123,14 +137,15 @@ def check_sticky(sticky: Any) -> str:
     return sticky
 
 
-def next_previous_live(old: Rollout, new_weights: tuple[tuple[int, int], ...],
-                       previous: int | None) -> int | None:
-    """The rollback target once ``new_weights`` replace ``old``'s: the version ``old`` sent
-    everything to, if the new split moves away from it; cleared when the new split puts
-    everything on the old target (a rollback), kept otherwise."""
+def next_previous_live(old: Rollout, new_weights: tuple[tuple[int, int], ...]) -> int | None:
+    """``previous_live`` once ``new_weights`` replace ``old``'s: entering a split, the
+    version live before it; a single live version after a split, what a rollback of that
+    split would have chosen; after another single version, that version (never the one
+    now live: then the earlier one is kept, or none)."""
     new_live = next((v for v, w in new_weights if w == BUCKETS), None)
-    if old.live is not None and new_live != old.live:
-        return old.live
-    if new_live is not None and new_live == previous:
-        return None
-    return previous
+    if new_live is None:
+        return old.live if old.live is not None else old.previous_live
+    before = old.live if old.live is not None else old.rollback_to
+    if before == new_live:
+        before = old.previous_live if old.previous_live != new_live else None
+    return before

@@ -267,7 +267,7 @@ class RegistryService(TenantAccounts, AdapterAudit, AdapterReleases):
                 row.updated_at = utcnow()
                 if row.rollout_weights is None and numbers:  # follows the latest: moves on
                     row.previous_live = next_previous_live(
-                        rollout_of(row, numbers), ((number, BUCKETS),), row.previous_live)
+                        rollout_of(row, numbers), ((number, BUCKETS),))
                 s.flush()
                 removed = self._retain(s, row, quotas.max_versions_per_adapter, number, actor)
                 s.flush()

@@ -176,12 +176,13 @@ class AdapterReleases:
             numbers = [v.number for v in versions]
             old = rollout_of(row, numbers)
             if weights == "previous":
-                if old.previous_live is None or old.previous_live not in numbers:
+                target = old.rollback_to
+                if target is None or target not in numbers or target == old.live:
                     raise NoPreviousVersion(
                         f"adapter {name!r} has no previous live version to roll back to "
                         f"(its rollout: {describe(old)}); set one with PUT "
                         f"/v1/adapters/{name}/rollout")
-                weights = ((old.previous_live, BUCKETS),)
+                weights = ((target, BUCKETS),)
             if weights is not None:
                 unknown = [v for v, _ in weights if v not in numbers]
                 if unknown:
@@ -194,7 +195,7 @@ class AdapterReleases:
                 weights = ((max(numbers), BUCKETS),)
             if sticky is not None:
                 row.rollout_sticky = sticky
-            row.previous_live = next_previous_live(old, weights, old.previous_live)
+            row.previous_live = next_previous_live(old, weights)
             row.updated_at = utcnow()
             new = rollout_of(row, numbers)
             s.add(self._event(row, kind, actor, {"from": old.to_dict(), "to": new.to_dict()}))
@@ -251,9 +252,10 @@ class AdapterReleases:
         excess = len(versions) - limit
         if excess <= 0:
             return []
-        in_use = set(rollout_of(row, [v.number for v in versions]).versions) | {keep}
+        rollout = rollout_of(row, [v.number for v in versions])
+        in_use = set(rollout.versions) | {keep}
         free = sorted((v for v in versions if v.number not in in_use),
-                      key=lambda v: (v.number == row.previous_live, v.number))
+                      key=lambda v: (v.number == rollout.rollback_to, v.number))
         if len(free) < excess:
             raise QuotaExceeded("max_versions_per_adapter", limit, len(versions) - 1, 1,
                                 f"versions of {row.name!r} (every older one is in its rollout)")

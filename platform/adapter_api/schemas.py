@@ -118,7 +118,7 @@ class Rollout(BaseModel):
     sticky: str
     follow_latest: bool
     """True: no explicit rollout; the newest version takes everything, uploads move there."""
-    previous_live: int | None
+    rollback_to: int | None
     """What ``POST /v1/adapters/{name}/rollback`` puts 100% on (None: nothing to roll back to)."""
     updated_at: str
 
@@ -126,7 +126,7 @@ class Rollout(BaseModel):
     def of(cls, release: Release) -> Rollout:
         r = release.rollout
         return cls(adapter=release.name, weights={str(v): w for v, w in r.weights},
-                   sticky=r.sticky, follow_latest=r.follow_latest, previous_live=r.previous_live,
+                   sticky=r.sticky, follow_latest=r.follow_latest, rollback_to=r.rollback_to,
                    updated_at=release.newest.updated_at.isoformat())
 
 

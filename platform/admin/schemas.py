@@ -194,7 +194,7 @@ class ReleaseRow(BaseModel):
     adapter: str
     sticky: str
     follow_latest: bool
-    previous_live: int | None
+    rollback_to: int | None
     """What a rollback puts 100% on (None: nothing to roll back to)."""
     split: str
     """The live split, e.g. ``v3 90% · v4 10%``."""

@@ -189,7 +189,7 @@ class AdminService:
             rows.append(ReleaseRow(
                 tenant=names.get(release.tenant_id), tenant_id=release.tenant_id,
                 adapter=release.name, sticky=r.sticky, follow_latest=r.follow_latest,
-                previous_live=r.previous_live, versions=versions,
+                rollback_to=r.rollback_to, versions=versions,
                 split=" · ".join(f"v{v} {w}%" for v, w in r.weights if w)))
         return Releases(data=rows, window_s=window_s)
 

@@ -41,10 +41,16 @@ def test_adapters_split_independently():
     assert 0.35 < sum(x == y for x, y in zip(a, b, strict=True)) / len(users) < 0.65
 
 
-def test_previous_live_follows_the_last_version_alone_at_100():
+def test_previous_live_and_the_rollback_target():
     live3 = Rollout(((3, 100),), previous_live=2)
-    assert next_previous_live(live3, ((3, 90), (4, 10)), 2) == 3  # a split moves away from 3
+    assert live3.rollback_to == 2
+    assert next_previous_live(live3, ((3, 90), (4, 10))) == 3  # entering a split from 3
     split = Rollout(((3, 90), (4, 10)), previous_live=3)
-    assert next_previous_live(split, ((3, 100),), 3) is None  # rolled back onto it
-    assert next_previous_live(split, ((3, 50), (4, 50)), 3) == 3
-    assert next_previous_live(live3, ((4, 100),), 2) == 3
+    assert split.rollback_to == 3  # the canary goes, the stable version takes all
+    assert Rollout(((3, 10), (4, 90)), previous_live=3).rollback_to == 3
+    assert Rollout(((4, 50), (5, 50)), previous_live=3).rollback_to == 3  # moved off 3 wholly
+    assert Rollout(((1, 90), (2, 10)), previous_live=2).rollback_to == 1  # after auto-promotion
+    assert next_previous_live(split, ((3, 100),)) is None  # rolled back onto it
+    assert next_previous_live(split, ((4, 100),)) == 3  # promoted: back to 3 on rollback
+    assert next_previous_live(live3, ((4, 100),)) == 3
+    assert next_previous_live(live3, ((3, 100),)) == 2  # no change

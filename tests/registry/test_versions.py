@@ -87,7 +87,7 @@ def test_explicit_rollout_keeps_new_uploads_out_of_traffic(registry, make_adapte
     assert versions == [1, 2] and rollout.weights == ((1, 100),) and not rollout.follow_latest
     release = registry.follow_latest("acme", "a")
     assert release.rollout.live == 2 and release.rollout.follow_latest
-    assert release.rollout.previous_live == 1
+    assert release.rollout.rollback_to == 1
 
 
 def test_rollouts_and_rollback(registry, make_adapter):
@@ -98,22 +98,37 @@ def test_rollouts_and_rollback(registry, make_adapter):
     with pytest.raises(NoPreviousVersion):
         registry.rollback("acme", "a")
     upload_versions(registry, make_adapter, 1)  # follows the latest: v2 takes over
-    assert state(registry)[1].live == 2 and state(registry)[1].previous_live == 1
+    assert state(registry)[1].live == 2 and state(registry)[1].rollback_to == 1
     rollout = registry.rollback("acme", "a").rollout
-    assert rollout.weights == ((1, 100),) and rollout.previous_live == 2  # undo toggles
+    assert rollout.weights == ((1, 100),) and rollout.rollback_to == 2  # undo toggles
     assert registry.rollback("acme", "a").rollout.live == 2
+    # a canary split: rollback drops the canary, the stable (older) version takes all
     rollout = registry.set_rollout("acme", "a", {"1": 90, "2": 10}, "key").rollout
     assert rollout.weights == ((1, 90), (2, 10)) and rollout.sticky == "key"
-    assert rollout.previous_live == 2  # the version that had everything before the split
+    assert rollout.rollback_to == 1
     rollout = registry.rollback("acme", "a").rollout
-    assert rollout.weights == ((2, 100),) and rollout.previous_live is None
-    assert rollout.sticky == "key"
+    assert rollout.weights == ((1, 100),) and rollout.sticky == "key"
+    assert rollout.rollback_to == 2
+    # promoted: rollback returns to the version live before the promotion
+    registry.set_rollout("acme", "a", {"1": 30, "2": 70})
+    assert registry.set_rollout("acme", "a", {"2": 100}).rollout.rollback_to == 1
+    assert registry.rollback("acme", "a").rollout.live == 1
+    kinds = [e.kind for e in registry.events("acme")]
+    assert kinds.count("rolled_back") == 4 and kinds.count("rollout_changed") == 3
+    assert [k for k in seen if k.startswith("roll")] == [
+        "rolled_back", "rolled_back", "rollout_changed", "rolled_back", "rollout_changed",
+        "rollout_changed", "rolled_back"]
+
+
+def test_rollback_from_a_split_away_from_the_live_version(registry, make_adapter):
+    registry.create_tenant("acme")
+    upload_versions(registry, make_adapter, 3)
+    registry.set_rollout("acme", "a", {"1": 100})
+    assert registry.set_rollout("acme", "a", {"2": 50, "3": 50}).rollout.rollback_to == 1
+    rollout = registry.rollback("acme", "a").rollout
+    assert rollout.live == 1 and rollout.rollback_to is None  # back where it was
     with pytest.raises(NoPreviousVersion, match="no previous live version"):
         registry.rollback("acme", "a")
-    kinds = [e.kind for e in registry.events("acme")]
-    assert kinds.count("rolled_back") == 3 and kinds.count("rollout_changed") == 1
-    assert [k for k in seen if k.startswith("roll")] == [
-        "rolled_back", "rolled_back", "rollout_changed", "rolled_back"]
 
 
 @pytest.mark.parametrize("weights, sticky, match", [
@@ -155,8 +170,9 @@ def test_deleting_versions(registry, make_adapter):
     registry.follow_latest("acme", "a")  # the newest is in the (implicit) rollout
     with pytest.raises(VersionInUse, match="follows the latest"):
         registry.delete_version("acme", "a", 3)
+    assert state(registry)[1].rollback_to == 2
     registry.delete_version("acme", "a", 2)  # the rollback target may go: it is cleared
-    assert state(registry)[1].previous_live is None
+    assert state(registry)[1].rollback_to is None
     assert registry.upload("acme", "a", make_adapter("a4", seed=44)).version == 4  # never reused
 
 
