@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections import Counter
 from types import SimpleNamespace
 
