@@ -69,6 +69,7 @@ class UsageRecorder:
         self._orphans_at = 0.0
         self._pruned_at = 0.0
         self._failing = False
+        self._orphans_pending = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -136,17 +137,20 @@ class UsageRecorder:
         return records, markers
 
     def _run(self) -> None:
+        self._orphans_at = time.monotonic() + ORPHAN_SCAN_EVERY_S
+        self._replay_orphans()  # what an earlier process left goes in first
         while True:
             stopping = self._stop.is_set()
             records, markers = self._take()
-            if records:
-                self._write(records)
             now = time.monotonic()
-            if self._spilled and (markers or stopping or now >= self._retry_at):
-                self._replay_own()
-            if markers or now >= self._orphans_at:
+            due = markers or stopping or now >= self._retry_at
+            if (self._orphans_pending and due) or now >= self._orphans_at:
                 self._orphans_at = now + ORPHAN_SCAN_EVERY_S
                 self._replay_orphans()
+            if self._spilled and due and not self._orphans_pending:
+                self._replay_own()
+            if records:
+                self._write(records)
             if self.prune is not None and now >= self._pruned_at and not self._failing:
                 self._pruned_at = now + PRUNE_EVERY_S
                 self._prune()
@@ -157,7 +161,7 @@ class UsageRecorder:
                 return
 
     def _write(self, records: list[dict[str, Any]]) -> None:
-        if self._spilled:  # keep the order: behind what is already spilled
+        if self._spilled or self._orphans_pending:  # keep the order: behind what waits
             self._to_spill(records)
             return
         try:
@@ -229,17 +233,18 @@ class UsageRecorder:
             logger.info("usage records: every spilled record is in the database")
 
     def _replay_orphans(self) -> None:
+        """Replay the files no live process holds; ``_orphans_pending`` while one could not
+        be (new records then wait in the spill behind it)."""
         own = self._spill.path if self._spill is not None else None
+        self._orphans_pending = False
         for orphan in orphans(self.spill_dir, own):
-            if self._failing and time.monotonic() < self._retry_at:
-                orphan.close()
-                return
             if self._replay(orphan):
                 logger.info("usage records: replayed %s left by an earlier process",
                             orphan.path.name)
                 orphan.remove()
             else:
                 orphan.close()
+                self._orphans_pending = True
                 return
 
     def _prune(self) -> None:
