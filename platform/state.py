@@ -163,6 +163,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
     redis_ping = getattr(admission.limiter.backend, "ping", None)
     admin.health = functools.partial(dependency_report, deps, registry, redis_ping)
     admin.goodput = metrics.goodput_report
+    admin.flush_usage = usage.flush if usage is not None else None
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
                      adapters, scratch, admission=admission, deps=deps, usage=usage)
     if registry is not None:

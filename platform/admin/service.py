@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
+from starlette.concurrency import run_in_threadpool
+
 from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.admin.activity import Activity
 from loramux.platform.admin.fleet import Fleet
@@ -60,6 +62,9 @@ class AdminService:
         """The server's dependency report for the overview (``dependency_report``)."""
         self.goodput: Callable[[], dict[str, float | int | None]] | None = None
         """The server's goodput against its targets (``Metrics.goodput_report``)."""
+        self.flush_usage: Callable[[], object] | None = None
+        """The usage writer's flush (blocking): the releases' numbers see this server's
+        last requests; None where nothing writes usage (a gateway)."""
 
     def _registry_rows(self) -> list[tuple[str, AdapterHandle, str]]:
         if self.registry is None:
@@ -195,6 +200,8 @@ class AdminService:
 
     async def releases(self, window_s: int = 3600) -> Releases:
         """Every tenant adapter's versions, live split and last-hour numbers per version."""
+        if self.flush_usage is not None:
+            await run_in_threadpool(self.flush_usage)
         return await self.resolver.deps.db.call(self._releases, window_s)
 
     async def rollback(self, tenant: str, adapter: str) -> ReleaseRow:

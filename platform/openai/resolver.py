@@ -14,6 +14,7 @@ removed versions and deleted adapters from the engine (their queued requests fai
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -217,6 +218,7 @@ class ModelResolver:
         self._owner: dict[str, int] = {}  # engine key in use -> adapter id
         self._keys: dict[tuple[int, str], set[str]] = {}  # (tenant, name) -> engine keys in use
         self._generation: dict[tuple[int, str], int] = {}
+        self._fetching: dict[str, asyncio.Future] = {}  # cache key -> store fetch in flight
         self._lock = threading.Lock()
 
     def adapter_id_of(self, key: str) -> int | None:
@@ -292,10 +294,28 @@ class ModelResolver:
         handle = entry.release.versions[version]
         path = entry.paths.get(version)
         if path is None:
-            path = await self.deps.store.call(handle.local_path)
-            entry.paths[version] = path
+            path = entry.paths[version] = await self._fetch(handle)
         served = entry.served[version] = self.served_from_handle(handle, path)
         return served
+
+    async def _fetch(self, handle: AdapterHandle) -> Path:
+        """One version's weights from the store, once for every request waiting on them
+        (a burst for a cold adapter is one store call, not one per request)."""
+        key = handle.cache_key
+        loop = asyncio.get_running_loop()
+        pending = self._fetching.get(key)
+        if pending is None or pending.get_loop() is not loop:
+            pending = asyncio.ensure_future(self.deps.store.call(handle.local_path))
+            self._fetching[key] = pending
+
+            def done(f: asyncio.Future, k: str = key) -> None:
+                if self._fetching.get(k) is f:
+                    del self._fetching[k]
+                if not f.cancelled():
+                    f.exception()  # retrieved: a failure reaches every waiter, not the log
+
+            pending.add_done_callback(done)
+        return await asyncio.shield(pending)
 
     def served_from_handle(self, handle: AdapterHandle, path: Path | None) -> ServedModel:
         """The ServedModel of one adapter version whose weights are at ``path``."""
