@@ -21,9 +21,9 @@ from loramux.platform.adapter_api import routes as adapter_routes
 from loramux.platform.admin import pages as admin_pages
 from loramux.platform.admin import routes as admin_routes
 from loramux.platform.admin.activity import record_rejection
-from loramux.platform.builders import engine_config, open_registry
+from loramux.platform.builders import engine_config, error_context, open_registry
 from loramux.platform.drain import Drain
-from loramux.platform.errors import install_error_handlers
+from loramux.platform.error_handlers import install_error_handlers
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
 from loramux.platform.settings import Settings
@@ -90,8 +90,7 @@ def create_app(
         lifespan=lifespan,
         root_path=settings.root_path,
     )
-    install_error_handlers(app)
-    app.state.rejection_listener = record_rejection
+    install_error_handlers(app, error_context(settings), on_rejection=record_rejection)
     app.state.drain = Drain()
     app.add_middleware(
         RequestContextMiddleware,

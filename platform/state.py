@@ -21,7 +21,12 @@ from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
-from loramux.platform.builders import default_quotas, dependency_policy, request_limits
+from loramux.platform.builders import (
+    default_quotas,
+    dependency_policy,
+    error_context,
+    request_limits,
+)
 from loramux.platform.bulkheads import Dependencies, dependency_report
 from loramux.platform.identity import EngineKey
 from loramux.platform.limits.tenant import build_limiter
@@ -139,7 +144,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
     )
     openai = OpenAIServing(
         engine, resolver, metrics, fingerprint=fingerprint, admission=admission,
-        retry_after=settings.retry_after_seconds, max_prompts=settings.max_prompts_per_request,
+        errors=error_context(settings), max_prompts=settings.max_prompts_per_request,
     )
     adapters = AdapterService(
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from loramux.platform.adapter_api.schemas import (
@@ -15,7 +16,7 @@ from loramux.platform.adapter_api.schemas import (
     S3Upload,
 )
 from loramux.platform.deps import AdaptersDep, TenantDep
-from loramux.platform.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from loramux.platform.errors import PayloadTooLarge, UnsupportedMediaType
 from loramux.platform.openai.protocol import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=ERROR_RESPONSES)
@@ -63,10 +64,8 @@ async def _json_body(request: Request, model: type[BaseModel], required: bool = 
         return model()
     try:
         return model.model_validate_json(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise BadRequest(f"{param + ': ' if param else ''}{err.get('msg')}", param=param) from None
+    except ValidationError as e:  # answered like FastAPI's own body errors (the error table)
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
 @router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=Adapter)

@@ -28,7 +28,7 @@ from loramux.platform.bulkheads import dependency_report
 from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.protocol import ClusterEvent, EngineRecord
 from loramux.platform.cluster.redis_state import ClusterState
-from loramux.platform.errors import NotFound, ServiceUnavailable
+from loramux.platform.errors import NotFound, ServiceUnavailable, Unprocessable
 from loramux.platform.openai.resolver import ModelResolver
 from loramux.platform.settings import Settings
 
@@ -93,7 +93,7 @@ class ClusterFleet:
         got = {r.engine_id: r for r in replies}
         errors = [f"{r.engine_id}: {r.error}" for r in replies if r.error]
         if errors and len(errors) == len(ids):
-            raise ValueError("; ".join(errors))
+            raise Unprocessable("; ".join(errors), param="key", code="action_failed")
         return [Outcome(i, got[i].done, got[i].deferred) if i in got else Outcome(i, False)
                 for i in ids]
 

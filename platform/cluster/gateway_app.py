@@ -19,16 +19,15 @@ from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.request_body import prompt_text
 from loramux.platform.cluster.routing import prefix_hashes
 from loramux.platform.cluster.schemas import GatewayReadiness
-from loramux.platform.errors import (
-    BadRequest,
-    PayloadTooLarge,
-    install_error_handlers,
-)
+from loramux.platform.error_handlers import install_error_handlers
+from loramux.platform.errors import DEFAULT_CONTEXT, BadRequest, ErrorContext, PayloadTooLarge
 
 
-def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
+def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
+                       errors: ErrorContext = DEFAULT_CONTEXT) -> FastAPI:
     """The gateway's HTTP app around a built :class:`Gateway`; with ``admin`` (a
-    :class:`~.gateway_admin.GatewayAdminState`) it serves the dashboard and admin API."""
+    :class:`~.gateway_admin.GatewayAdminState`) it serves the dashboard and admin API.
+    ``errors``: the Retry-After values of error answers."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,7 +42,7 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
                 await gw.limiter.aclose()
 
     app = FastAPI(title="loramux gateway", lifespan=lifespan)
-    install_error_handlers(app)
+    install_error_handlers(app, errors)
     app.state.gateway = gw
 
     async def read_body(request: Request) -> bytes:
