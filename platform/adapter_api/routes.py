@@ -7,9 +7,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from loramux.platform.adapter_api.schemas import (
-    Adapter,
     AdapterDeleted,
     AdapterExport,
+    AdapterInfo,
     AdapterList,
     AdapterPatch,
     ExportRequest,
@@ -68,7 +68,7 @@ async def _json_body(request: Request, model: type[BaseModel], required: bool = 
         raise RequestValidationError(e.errors(include_url=False)) from None
 
 
-@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=Adapter)
+@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=AdapterInfo)
 async def upload_adapter(request: Request, caller: TenantDep, service: AdaptersDep,
                          replace: bool = False):
     """Upload an adapter (multipart), or register one from an ``s3://`` URI (JSON)."""
@@ -88,12 +88,12 @@ async def list_adapters(caller: TenantDep, service: AdaptersDep):
     return await service.list(caller)
 
 
-@router.get("/{name}", response_model=Adapter)
+@router.get("/{name}", response_model=AdapterInfo)
 async def get_adapter(name: str, caller: TenantDep, service: AdaptersDep):
     return await service.get(caller, name)
 
 
-@router.patch("/{name}", response_model=Adapter)
+@router.patch("/{name}", response_model=AdapterInfo)
 async def patch_adapter(name: str, body: AdapterPatch, caller: TenantDep, service: AdaptersDep):
     """Change the default preset (``null`` clears it) or the description."""
     return await service.patch(caller, name, body)

@@ -60,7 +60,7 @@ def build_engine_app(settings: Settings):
                            interval=settings.heartbeat_interval, prefixes=prefixes)
         logger.info("engine %s registered at %s", engine_id, url)
 
-    app.state.on_ready = on_ready
+    app.on_ready = on_ready
     return app
 
 

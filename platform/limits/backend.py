@@ -63,7 +63,15 @@ class Decision:
 
 class LimitBackend(Protocol):
     """Shared state of the limits. The in-process backend serves one process; the Redis
-    backend is shared by every gateway replica."""
+    backend is shared by every gateway replica. A backend is also a
+    :class:`~loramux.platform.bulkheads.Pingable`: ``/ready`` asks it."""
+
+    dependency: str | None
+    """What ``/ready`` reports it as (``redis``); None = in the process, nothing to ask."""
+
+    async def ping(self) -> None:
+        """Raise unless the backend answers (``/ready``, the dashboard's overview)."""
+        ...
 
     async def acquire(self, key: str, ask: Ask) -> Decision:
         """Check every limit and, if all pass, charge them and take the lease. Atomic."""

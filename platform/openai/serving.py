@@ -37,7 +37,7 @@ from loramux.platform.errors import (
 )
 from loramux.platform.identity import Caller
 from loramux.platform.metrics import Metrics
-from loramux.platform.openai.admission import AdmissionControl
+from loramux.platform.openai.gate import RequestGate
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -62,7 +62,7 @@ class OpenAIServing:
         metrics: Metrics,
         *,
         fingerprint: str,
-        admission: AdmissionControl,
+        gate: RequestGate,
         errors: ErrorContext = DEFAULT_CONTEXT,
         max_prompts: int = 64,
     ) -> None:
@@ -72,7 +72,7 @@ class OpenAIServing:
         self.resolver = resolver
         self.metrics = metrics
         self.errors = errors
-        self.admission = admission
+        self.gate = gate
         self.prompts = PromptBuilder(engine.tokenizer, max_prompts)
         self.render = ResponseRenderer(engine.tokenizer, fingerprint)
 
@@ -83,7 +83,7 @@ class OpenAIServing:
         prompts = await self.prompts.completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
             built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
-        self.admission.check(built.params)
+        self.gate.check_caps(built.params)
         ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions",
                              fairness_key=_fairness_key(caller))
         return await self._respond(ctx, req, request, caller)
@@ -91,9 +91,9 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
         served = await self.resolver.resolve(caller, req.model)
         built = build_params(req, served.preset, default_max_tokens=None)
-        self.admission.check(built.params)
+        self.gate.check_caps(built.params)
         if req.chat_template is not None:  # the caller's own: refused unless trusted
-            text = await self.admission.render_template(
+            text = await self.gate.render_template(
                 req.chat_template, self.prompts.conversation(req), self.engine.tokenizer,
                 bool(req.add_generation_prompt), req.chat_template_kwargs,
             )
@@ -127,7 +127,7 @@ class OpenAIServing:
         headers = ctx.built.headers()
         # the tenant's quota is held for the request's whole life (the stream's, if streaming)
         quota = contextlib.AsyncExitStack()
-        admission = await quota.enter_async_context(self.admission.admit(
+        hold = await quota.enter_async_context(self.gate.hold_quota(
             caller, [len(p["prompt_token_ids"]) for p in ctx.prompts], ctx.built.params,
             self.max_model_len,
         ))
@@ -135,7 +135,7 @@ class OpenAIServing:
         self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))
 
         async def release() -> None:
-            admission.charge(_used(pump))
+            hold.charge(_used(pump))
             await quota.aclose()
 
         try:
