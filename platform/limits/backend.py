@@ -1,4 +1,4 @@
-"""What a rate-limit backend does: one atomic admission check per request, a lease while
+"""What a rate-limit backend does: one atomic quota check per request, a lease while
 the request runs, and a release that settles the token estimate.
 
 Per key (one tenant) a backend keeps two token buckets and a set of leases:
@@ -28,7 +28,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Ask:
-    """One admission check for one key."""
+    """One quota check for one key."""
 
     lease: str
     """A fresh unique id; used to renew and release."""
