@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.adapter_api.schemas import (
-    AdapterVersion,
     Percentiles,
-    Rollout,
     RolloutBody,
+    RolloutInfo,
     VersionDeleted,
+    VersionInfo,
     VersionList,
-    VersionStats,
+    VersionNumbers,
 )
-from loramux.platform.dependencies import Dependencies
-from loramux.platform.openai.resolver import Caller
+from loramux.platform.bulkheads import Dependencies
+from loramux.platform.identity import Caller
 
 if TYPE_CHECKING:
     from loramux.registry.handles import Release
@@ -37,11 +37,11 @@ STATS_WINDOW_S = 3600
 """The per-version numbers of ``GET /v1/adapters/{name}/versions`` cover the last hour."""
 
 
-def version_stats(found: LedgerStats | None, window_s: int = STATS_WINDOW_S) -> VersionStats:
+def version_stats(found: LedgerStats | None, window_s: int = STATS_WINDOW_S) -> VersionNumbers:
     """The API's view of one version's ledger numbers (zeros for a version without requests)."""
     if found is None:
-        return VersionStats(window_s=window_s)
-    return VersionStats(window_s=window_s, requests=found.requests, errors=found.errors,
+        return VersionNumbers(window_s=window_s)
+    return VersionNumbers(window_s=window_s, requests=found.requests, errors=found.errors,
                         prompt_tokens=found.prompt_tokens, cached_tokens=found.cached_tokens,
                         completion_tokens=found.completion_tokens,
                         ttft_ms=Percentiles(**found.ttft_ms), tpot_ms=Percentiles(**found.tpot_ms))
@@ -76,12 +76,12 @@ class ReleaseService:
             await run_in_threadpool(self.flush)
         release, stats = await self._call(self._versions_view, caller.tenant.id, name)
         return VersionList(
-            data=[AdapterVersion.of(h, release.rollout.weight(n),
+            data=[VersionInfo.of(h, release.rollout.weight(n),
                                     version_stats(stats.get((caller.tenant.id, name, n))))
                   for n, h in release.versions.items()],
-            rollout=Rollout.of(release))
+            rollout=RolloutInfo.of(release))
 
-    async def get_version(self, caller: Caller, name: str, number: int) -> AdapterVersion:
+    async def get_version(self, caller: Caller, name: str, number: int) -> VersionInfo:
         view = await self.list_versions(caller, name)
         found = next((v for v in view.data if v.version == number), None)
         if found is None:  # the registry's words: VersionNotFound (404)
@@ -94,18 +94,18 @@ class ReleaseService:
                                   actor=actor_of(caller))
         return VersionDeleted(id=f"{handle.name}@{handle.version}")
 
-    async def rollout(self, caller: Caller, name: str) -> Rollout:
-        return Rollout.of(await self._call(self.registry.release, caller.tenant.id, name))
+    async def rollout(self, caller: Caller, name: str) -> RolloutInfo:
+        return RolloutInfo.of(await self._call(self.registry.release, caller.tenant.id, name))
 
-    async def set_rollout(self, caller: Caller, name: str, body: RolloutBody) -> Rollout:
+    async def set_rollout(self, caller: Caller, name: str, body: RolloutBody) -> RolloutInfo:
         weights: dict[str, Any] = body.weights
-        return Rollout.of(await self._call(self.registry.set_rollout, caller.tenant.id, name,
+        return RolloutInfo.of(await self._call(self.registry.set_rollout, caller.tenant.id, name,
                                            weights, body.sticky, actor=actor_of(caller)))
 
-    async def follow_latest(self, caller: Caller, name: str) -> Rollout:
-        return Rollout.of(await self._call(self.registry.follow_latest, caller.tenant.id, name,
+    async def follow_latest(self, caller: Caller, name: str) -> RolloutInfo:
+        return RolloutInfo.of(await self._call(self.registry.follow_latest, caller.tenant.id, name,
                                            actor=actor_of(caller)))
 
-    async def rollback(self, caller: Caller, name: str) -> Rollout:
-        return Rollout.of(await self._call(self.registry.rollback, caller.tenant.id, name,
+    async def rollback(self, caller: Caller, name: str) -> RolloutInfo:
+        return RolloutInfo.of(await self._call(self.registry.rollback, caller.tenant.id, name,
                                            actor=actor_of(caller)))

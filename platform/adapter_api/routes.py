@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from loramux.platform.adapter_api.schemas import (
-    Adapter,
     AdapterDeleted,
     AdapterExport,
+    AdapterInfo,
     AdapterList,
     AdapterPatch,
-    AdapterVersion,
     ExportRequest,
-    Rollout,
     RolloutBody,
+    RolloutInfo,
     S3Upload,
     VersionDeleted,
+    VersionInfo,
     VersionList,
 )
 from loramux.platform.deps import AdaptersDep, TenantDep
-from loramux.platform.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from loramux.platform.errors import PayloadTooLarge, UnsupportedMediaType
 from loramux.platform.openai.protocol import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=ERROR_RESPONSES)
@@ -69,13 +70,11 @@ async def _json_body(request: Request, model: type[BaseModel], required: bool = 
         return model()
     try:
         return model.model_validate_json(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise BadRequest(f"{param + ': ' if param else ''}{err.get('msg')}", param=param) from None
+    except ValidationError as e:  # answered like FastAPI's own body errors (the error table)
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
-@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=Adapter)
+@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=AdapterInfo)
 async def upload_adapter(request: Request, caller: TenantDep, service: AdaptersDep,
                          replace: bool = False):
     """Upload an adapter (multipart), or register one from an ``s3://`` URI (JSON). An
@@ -98,12 +97,12 @@ async def list_adapters(caller: TenantDep, service: AdaptersDep):
     return await service.list(caller)
 
 
-@router.get("/{name}", response_model=Adapter)
+@router.get("/{name}", response_model=AdapterInfo)
 async def get_adapter(name: str, caller: TenantDep, service: AdaptersDep):
     return await service.get(caller, name)
 
 
-@router.patch("/{name}", response_model=Adapter)
+@router.patch("/{name}", response_model=AdapterInfo)
 async def patch_adapter(name: str, body: AdapterPatch, caller: TenantDep, service: AdaptersDep):
     """Change the default preset (``null`` clears it) or the description."""
     return await service.patch(caller, name, body)
@@ -122,7 +121,7 @@ async def list_versions(name: str, caller: TenantDep, service: AdaptersDep):
     return await service.releases.list_versions(caller, name)
 
 
-@router.get("/{name}/versions/{version}", response_model=AdapterVersion)
+@router.get("/{name}/versions/{version}", response_model=VersionInfo)
 async def get_version(name: str, version: int, caller: TenantDep, service: AdaptersDep):
     return await service.releases.get_version(caller, name, version)
 
@@ -133,12 +132,12 @@ async def delete_version(name: str, version: int, caller: TenantDep, service: Ad
     return await service.releases.delete_version(caller, name, version)
 
 
-@router.get("/{name}/rollout", response_model=Rollout)
+@router.get("/{name}/rollout", response_model=RolloutInfo)
 async def get_rollout(name: str, caller: TenantDep, service: AdaptersDep):
     return await service.releases.rollout(caller, name)
 
 
-@router.put("/{name}/rollout", response_model=Rollout,
+@router.put("/{name}/rollout", response_model=RolloutInfo,
             openapi_extra={"requestBody": {"required": True, "content": {
                 "application/json": {"schema": RolloutBody.model_json_schema()}}}})
 async def put_rollout(name: str, request: Request, caller: TenantDep, service: AdaptersDep):
@@ -149,13 +148,13 @@ async def put_rollout(name: str, request: Request, caller: TenantDep, service: A
     return await service.releases.set_rollout(caller, name, body)
 
 
-@router.delete("/{name}/rollout", response_model=Rollout)
+@router.delete("/{name}/rollout", response_model=RolloutInfo)
 async def follow_latest(name: str, caller: TenantDep, service: AdaptersDep):
     """Drop the explicit rollout: the newest version takes every request, uploads move there."""
     return await service.releases.follow_latest(caller, name)
 
 
-@router.post("/{name}/rollback", response_model=Rollout)
+@router.post("/{name}/rollback", response_model=RolloutInfo)
 async def rollback(name: str, caller: TenantDep, service: AdaptersDep):
     """Every request to the previous live version, in one step (409 when there is none)."""
     return await service.releases.rollback(caller, name)

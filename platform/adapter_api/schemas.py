@@ -40,7 +40,7 @@ class ExportRequest(BaseModel):
     version: int | None = Field(None, ge=1, description="The version to merge; default the newest.")
 
 
-class Adapter(BaseModel):
+class AdapterInfo(BaseModel):
     """The API's view of an adapter (no storage internals)."""
 
     id: str
@@ -60,7 +60,7 @@ class Adapter(BaseModel):
     updated_at: str
 
     @classmethod
-    def of(cls, handle: AdapterHandle) -> Adapter:
+    def of(cls, handle: AdapterHandle) -> AdapterInfo:
         """From a registry ``AdapterHandle``."""
         return cls(
             id=handle.name, name=handle.name, version=handle.version,
@@ -75,7 +75,7 @@ class Adapter(BaseModel):
 
 class AdapterList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[Adapter]
+    data: list[AdapterInfo]
 
 
 class AdapterDeleted(BaseModel):
@@ -108,7 +108,7 @@ class RolloutBody(BaseModel):
                         "`key` (the API key) or `none`.")
 
 
-class Rollout(BaseModel):
+class RolloutInfo(BaseModel):
     """How requests for the plain name spread over the versions."""
 
     object: Literal["adapter.rollout"] = "adapter.rollout"
@@ -123,7 +123,7 @@ class Rollout(BaseModel):
     updated_at: str
 
     @classmethod
-    def of(cls, release: Release) -> Rollout:
+    def of(cls, release: Release) -> RolloutInfo:
         r = release.rollout
         return cls(adapter=release.name, weights={str(v): w for v, w in r.weights},
                    sticky=r.sticky, follow_latest=r.follow_latest, rollback_to=r.rollback_to,
@@ -136,7 +136,7 @@ class Percentiles(BaseModel):
     p99: float | None = None
 
 
-class VersionStats(BaseModel):
+class VersionNumbers(BaseModel):
     """A version's numbers over the last ``window_s`` seconds (every server's requests)."""
 
     window_s: int
@@ -149,7 +149,7 @@ class VersionStats(BaseModel):
     tpot_ms: Percentiles = Percentiles()
 
 
-class AdapterVersion(BaseModel):
+class VersionInfo(BaseModel):
     """One immutable version; ``model: "<name>@<version>"`` pins it."""
 
     object: Literal["adapter.version"] = "adapter.version"
@@ -166,10 +166,10 @@ class AdapterVersion(BaseModel):
     created_at: str
     weight: int
     """Percent of the plain name's requests it takes now."""
-    stats: VersionStats
+    stats: VersionNumbers
 
     @classmethod
-    def of(cls, handle: AdapterHandle, weight: int, stats: VersionStats) -> AdapterVersion:
+    def of(cls, handle: AdapterHandle, weight: int, stats: VersionNumbers) -> VersionInfo:
         return cls(id=f"{handle.name}@{handle.version}", adapter=handle.name,
                    version=handle.version, base_model=handle.base_model, rank=handle.rank,
                    alpha=handle.alpha, target_modules=list(handle.target_modules),
@@ -179,9 +179,9 @@ class AdapterVersion(BaseModel):
 
 class VersionList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[AdapterVersion]
+    data: list[VersionInfo]
     """Oldest first."""
-    rollout: Rollout
+    rollout: RolloutInfo
 
 
 class VersionDeleted(BaseModel):

@@ -23,9 +23,9 @@ from starlette.requests import Request
 
 from loramux.platform.adapter_api.releases import ReleaseService
 from loramux.platform.adapter_api.schemas import (
-    Adapter,
     AdapterDeleted,
     AdapterExport,
+    AdapterInfo,
     AdapterList,
     AdapterPatch,
     S3Upload,
@@ -39,8 +39,9 @@ from loramux.platform.adapter_api.uploads import (
     receive_multipart,
 )
 from loramux.platform.errors import BadRequest, Forbidden
-from loramux.platform.openai.params import validate_preset
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.identity import Caller
+from loramux.platform.openai.presets import validate_preset
+from loramux.platform.openai.resolver import ModelResolver
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -94,7 +95,7 @@ class AdapterService:
         return f"tenant:{caller.tenant.name}" if caller.tenant is not None else "admin"
 
     # --- upload -------------------------------------------------------------------------
-    async def upload_multipart(self, caller: Caller, request: Request) -> Adapter:
+    async def upload_multipart(self, caller: Caller, request: Request) -> AdapterInfo:
         """A new adapter, or a new version of an existing one (``replace`` is accepted for
         older clients and changes nothing)."""
         received = await receive_multipart(request, self.scratch, self.max_upload_bytes)
@@ -125,7 +126,7 @@ class AdapterService:
                 "(--s3-import-allow)", param="source", code="source_not_allowed",
             )
 
-    async def upload_s3(self, caller: Caller, body: S3Upload) -> Adapter:
+    async def upload_s3(self, caller: Caller, body: S3Upload) -> AdapterInfo:
         self.check_import_source(caller, body.source)
         received: Received = await run_in_threadpool(
             fetch_s3, body.source, self.scratch, self.max_upload_bytes,
@@ -136,7 +137,7 @@ class AdapterService:
         finally:
             await run_in_threadpool(received.cleanup)
 
-    async def _upload(self, caller: Caller, name: str, received: Received, preset) -> Adapter:
+    async def _upload(self, caller: Caller, name: str, received: Received, preset) -> AdapterInfo:
         if preset is not None:
             validate_preset(preset)
         handle = await self._long(
@@ -145,17 +146,17 @@ class AdapterService:
         )
         logger.info("adapter uploaded", extra={"adapter": name, "tenant": caller.tenant.name,
                                                "version": handle.version, "bytes": received.size})
-        return Adapter.of(handle)
+        return AdapterInfo.of(handle)
 
     # --- read / change ------------------------------------------------------------------
     async def list(self, caller: Caller) -> AdapterList:
         handles = await self._call(self.registry.list, caller.tenant.id)
-        return AdapterList(data=[Adapter.of(h) for h in handles])
+        return AdapterList(data=[AdapterInfo.of(h) for h in handles])
 
-    async def get(self, caller: Caller, name: str) -> Adapter:
-        return Adapter.of(await self._call(self.registry.get, caller.tenant.id, name))
+    async def get(self, caller: Caller, name: str) -> AdapterInfo:
+        return AdapterInfo.of(await self._call(self.registry.get, caller.tenant.id, name))
 
-    async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> Adapter:
+    async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> AdapterInfo:
         fields = body.model_fields_set
         handle = None
         if "preset" in fields:
@@ -172,7 +173,7 @@ class AdapterService:
             )
         if handle is None:
             handle = await self._call(self.registry.get, caller.tenant.id, name)
-        return Adapter.of(handle)
+        return AdapterInfo.of(handle)
 
     async def delete(self, caller: Caller, name: str) -> AdapterDeleted:
         handle = await self._call(
@@ -203,7 +204,7 @@ class AdapterService:
                 await run_in_threadpool(shutil.rmtree, tmp, True)
         return AdapterExport(
             id=handle.name, version=handle.version, base_model=handle.base_model,
-            location=store_uri(self.registry.store, prefix), files=files,
+            location=self.registry.store.folder_uri(prefix), files=files,
         )
 
 
@@ -222,14 +223,3 @@ def _put_folder(store: ObjectStore, folder: Path, prefix: str) -> list[str]:
         keys.append(key)
     return keys
 
-
-def store_uri(store: ObjectStore, key: str) -> str:
-    """Where an object-store key lives, as a URI a person can use."""
-    bucket = getattr(store, "bucket", None)
-    if bucket:
-        prefix = getattr(store, "prefix", "")
-        return f"s3://{bucket}/{prefix + '/' if prefix else ''}{key}/"
-    root = getattr(store, "root", None)
-    if root is not None:
-        return Path(root).joinpath(*key.split("/")).resolve().as_uri() + "/"
-    return key

@@ -4,8 +4,8 @@ tenant adapter which version: ``name@N`` pins version N; the plain name follows 
 adapter's rollout (:meth:`loramux.registry.rollouts.Rollout.choose`, sticky per the
 request's ``user`` or the caller's API key).
 
-Engine adapter keys are unique across tenants and versions
-(``"<tenant id>/<name>@<content digest>"``): the versions of one adapter are distinct
+Engine adapter keys (:class:`~loramux.platform.identity.EngineKey`) are unique across
+tenants and versions: the versions of one adapter are distinct
 engine adapters, so a rollout change moves only new requests (queued and running ones keep
 the version they resolved to). :meth:`ModelResolver.on_registry_event` drops the keys of
 removed versions and deleted adapters from the engine (their queued requests fail with
@@ -23,11 +23,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from loramux.engine.lora_request import LoRARequest
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.bulkheads import Dependencies
 from loramux.platform.errors import BadRequest, ModelNotFound
+from loramux.platform.identity import STATIC_OWNER, Caller, EngineKey
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
@@ -40,26 +41,6 @@ logger = logging.getLogger(__name__)
 VERSION_HEADER = "X-LoRAMux-Adapter-Version"
 """On a response: the tenant adapter version that served it. On a request: the version to
 serve (a gateway pins what it chose by the rollout)."""
-
-
-class TenantLike(Protocol):
-    id: int
-    name: str
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request: a tenant, or nobody (anonymous access to shared models)."""
-
-    tenant: TenantLike | None = None
-    is_admin: bool = False
-    key_prefix: str | None = None
-    """The public prefix of the API key used (usage records, sticky rollouts); None for
-    the operator's admin key and anonymous callers."""
-
-    @property
-    def tenant_id(self) -> int | None:
-        return self.tenant.id if self.tenant is not None else None
 
 
 @dataclass(frozen=True)
@@ -141,11 +122,6 @@ class _Entry:
     served: dict[int, ServedModel] = field(default_factory=dict)
 
 
-def engine_key(tenant_id: int | str, name: str, digest: str) -> str:
-    """The engine's name of one version of an adapter."""
-    return f"{tenant_id}/{name}@{digest[:12]}"
-
-
 def _int_id(key: str) -> int:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) + 1
 
@@ -208,7 +184,7 @@ class ModelResolver:
         self.base = ServedModel(self.base_names[0], None, {}, "loramux", self.created)
         self.static: dict[str, ServedModel] = {}
         for name, path in (static_modules or {}).items():
-            key = engine_key("static", name, folder_digest(path))
+            key = str(EngineKey.of(STATIC_OWNER, name, folder_digest(path)))
             self.static[name] = ServedModel(
                 name, LoRARequest(key, _int_id(key), str(path)), {}, "loramux", self.created
             )
@@ -319,7 +295,7 @@ class ModelResolver:
 
     def served_from_handle(self, handle: AdapterHandle, path: Path | None) -> ServedModel:
         """The ServedModel of one adapter version whose weights are at ``path``."""
-        key = engine_key(handle.tenant_id, handle.name, handle.cache_key)
+        key = str(EngineKey.for_handle(handle))
         with self._lock:
             self._owner[key] = handle.id
             self._keys.setdefault((handle.tenant_id, handle.name), set()).add(key)
@@ -397,7 +373,7 @@ class ModelResolver:
         if handle is None:
             return
         self.invalidate(handle.tenant_id, handle.name)
-        key = engine_key(handle.tenant_id, handle.name, handle.cache_key)
+        key = str(EngineKey.for_handle(handle))
         if kind == "deleted":
             self.drop_adapter(handle.tenant_id, handle.name, {key})
         elif kind == "version_removed":

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -11,23 +11,25 @@ from pathlib import Path
 class UsagePolicy:
     """The usage writer's queue, batches, spill file and the records' retention."""
 
-    usage_queue_size: int = 10_000
-    """Usage records held in memory for the writer; past it a record is dropped (and
-    counted by loramux_usage_records_dropped_total)."""
-    usage_batch_size: int = 500
-    """Most usage records written to the database in one transaction."""
-    usage_flush_interval: float = 1.0
-    """Seconds a usage record may wait in memory before its batch is written."""
-    usage_retry_interval: float = 2.0
-    """Seconds between attempts to write spilled usage records while the database is down."""
-    usage_spill_dir: Path | None = None
-    """Where usage records wait while the database is down (append-only files, replayed in
-    order when it returns, also after a restart); None = <data dir>/usage-spill."""
-    usage_spill_max_bytes: int = 1024**3
-    """Most bytes of spilled usage records kept on disk; past it new records are dropped
-    (and counted)."""
-    usage_retention_days: int | None = 90
-    """Days usage records are kept (older ones are deleted hourly); None keeps them all."""
+    usage_queue_size: int = field(default=10_000, metadata={"doc": (
+        "Usage records held in memory for the writer; past it a record is dropped (and "
+        "counted by loramux_usage_records_dropped_total).")})
+    usage_batch_size: int = field(default=500, metadata={"doc": (
+        "Most usage records written to the database in one transaction.")})
+    usage_flush_interval: float = field(default=1.0, metadata={"doc": (
+        "Seconds a usage record may wait in memory before its batch is written.")})
+    usage_retry_interval: float = field(default=2.0, metadata={"doc": (
+        "Seconds between attempts to write spilled usage records while the database is "
+        "down.")})
+    usage_spill_dir: Path | None = field(default=None, metadata={"doc": (
+        "Where usage records wait while the database is down (append-only files, replayed "
+        "in order when it returns, also after a restart); None = <data dir>/usage-spill.")})
+    usage_spill_max_bytes: int = field(default=1024**3, metadata={"doc": (
+        "Most bytes of spilled usage records kept on disk; past it new records are "
+        "dropped (and counted).")})
+    usage_retention_days: int | None = field(default=90, metadata={"doc": (
+        "Days usage records are kept (older ones are deleted hourly); None keeps them "
+        "all.")})
 
     def __post_init__(self) -> None:
         if min(self.usage_queue_size, self.usage_batch_size, self.usage_spill_max_bytes) < 1:

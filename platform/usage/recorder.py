@@ -27,7 +27,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from loramux.platform.dependencies import dependency_kind
+from loramux.platform.bulkheads import dependency_kind
 from loramux.platform.usage.policy import UsagePolicy
 from loramux.platform.usage.spill import SpillFile, orphans
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.bulkheads import Dependencies
 from loramux.platform.errors import BadRequest, NotFound
 from loramux.registry.usage import GROUP_KEYS
 

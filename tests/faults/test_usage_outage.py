@@ -48,7 +48,7 @@ def stack(tiny_model_dir, tmp_path_factory):
     app = create_app(s, engine=engine, registry=registry)
     with serve_in_thread(app) as url:
         yield dict(pg=pg, url=url, registry=registry, key=key, app=app, root=root)
-    close_state(app.state.loramux)
+    close_state(app.services)
     engine.shutdown()
     registry.db.dispose()
     pg.kill()

@@ -19,7 +19,8 @@ from support.platform_settings import settings
 from support.server import make_registry, parse_sse, serve_in_thread
 
 from loramux.platform.app import create_app
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.identity import Caller
+from loramux.platform.openai.resolver import ModelResolver
 from loramux.platform.state import close_state
 from loramux.registry.quotas import Quotas
 from loramux.registry.rollouts import bucket
@@ -39,7 +40,7 @@ def rel(engine, tiny_model_dir, tmp_path_factory):
     with serve_in_thread(app) as url:
         yield SimpleNamespace(url=url, app=app, registry=registry, acme=acme, key=key,
                               other=other, other_key=other_key, dirs=dirs)
-    close_state(app.state.loramux)
+    close_state(app.services)
     registry.db.dispose()
 
 

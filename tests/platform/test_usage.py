@@ -43,7 +43,7 @@ def srv(engine, tiny_model_dir, tmp_path_factory):
     with serve_in_thread(app) as url:
         yield SimpleNamespace(url=url, registry=registry, acme=acme, key=key,
                               second_key=second_key, other_key=other_key, app=app)
-    close_state(app.state.loramux)
+    close_state(app.services)
     registry.db.dispose()
 
 
