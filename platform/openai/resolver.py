@@ -358,12 +358,30 @@ class ModelResolver:
                 self.drop_engine_key(key)
 
     def drop_version(self, tenant_id: int, name: str, key: str) -> None:
-        """Drop one removed version's engine key from the engine."""
+        """Drop one removed version's engine key from the engine, unless a version still
+        retained has the same content (one engine adapter serves both). Called from the
+        registry's listeners and the cluster's events (threads, never the event loop)."""
+        if self._still_served(tenant_id, name, key):
+            return
         with self._lock:
             self._keys.get((tenant_id, name), set()).discard(key)
             self._owner.pop(key, None)
         if self.drop_engine_key is not None:
             self.drop_engine_key(key)
+
+    def _still_served(self, tenant_id: int, name: str, key: str) -> bool:
+        from loramux.registry import AdapterNotFound
+
+        if self.registry is None:
+            return False
+        try:
+            release = self.registry.release(tenant_id, name)
+        except AdapterNotFound:
+            return False
+        except Exception:  # the database is down: drop it (a later request reloads it)
+            logger.warning("could not check whether %s is still in use; dropping it", key)
+            return False
+        return any(str(EngineKey.for_handle(h)) == key for h in release.versions.values())
 
     def on_registry_event(self, kind: str, handle: AdapterHandle | None) -> None:
         """Registry listener: forget cached resolutions (a new version, a rollout change

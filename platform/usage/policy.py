@@ -18,6 +18,9 @@ class UsagePolicy:
         "Most usage records written to the database in one transaction.")})
     usage_flush_interval: float = field(default=1.0, metadata={"doc": (
         "Seconds a usage record may wait in memory before its batch is written.")})
+    usage_write_timeout: float = field(default=5.0, metadata={"doc": (
+        "Seconds one batch write may take; past it (a stalled database) the batch is "
+        "spilled to disk and written again later (never counted twice).")})
     usage_retry_interval: float = field(default=2.0, metadata={"doc": (
         "Seconds between attempts to write spilled usage records while the database is "
         "down.")})
@@ -35,8 +38,9 @@ class UsagePolicy:
         if min(self.usage_queue_size, self.usage_batch_size, self.usage_spill_max_bytes) < 1:
             raise ValueError("usage_queue_size, usage_batch_size and usage_spill_max_bytes "
                              "must be >= 1")
-        if not (self.usage_flush_interval > 0 and self.usage_retry_interval > 0):
-            raise ValueError("usage_flush_interval and usage_retry_interval must be positive "
-                             "numbers of seconds")
+        if not (self.usage_flush_interval > 0 and self.usage_retry_interval > 0
+                and self.usage_write_timeout > 0):
+            raise ValueError("usage_flush_interval, usage_retry_interval and "
+                             "usage_write_timeout must be positive numbers of seconds")
         if self.usage_retention_days is not None and self.usage_retention_days < 1:
             raise ValueError("usage_retention_days must be >= 1 or None (keep every record)")

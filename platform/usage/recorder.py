@@ -12,6 +12,11 @@ of it is in, writes go straight to the database again. Spill files other process
 repeated after a partial success counts nothing twice (the ledger skips known request
 ids). Nothing is lost in an outage while the spill stays under ``usage_spill_max_bytes``.
 
+Every write runs in the writer's own small bulkhead with a deadline
+(``usage_write_timeout``): a stalled database (one that accepts and never answers) costs a
+batch that long, then it is spilled like any failure; the stuck write may still land
+later, which the replay's duplicate check absorbs.
+
 Records that the database refuses for themselves (not an outage: a value out of range)
 are dropped one by one so they cannot block the others, and counted.
 """
@@ -27,13 +32,14 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from loramux.platform.bulkheads import dependency_kind
+from loramux.platform.bulkheads import Bulkhead, dependency_kind
 from loramux.platform.usage.policy import UsagePolicy
 from loramux.platform.usage.spill import SpillFile, orphans
 
 logger = logging.getLogger(__name__)
 
 PRUNE_EVERY_S = 3600.0
+PRUNE_TIMEOUT_S = 120.0
 ORPHAN_SCAN_EVERY_S = 30.0
 
 
@@ -63,6 +69,10 @@ class UsageRecorder:
         self.spill_dir = Path(spill_dir)
         self.counters = counters or UsageCounters()
         self._queue: queue.Queue = queue.Queue(maxsize=p.usage_queue_size)
+        # deadline and bounded threads only: the writer paces its own retries
+        # (usage_retry_interval), so the breaker never opens
+        self._db = Bulkhead("database", workers=2, timeout=p.usage_write_timeout, retry_after=1,
+                            failures=2**31, reset_after=p.usage_retry_interval)
         self._spill: SpillFile | None = None
         self._spilled = 0  # records in our own file not yet replayed
         self._retry_at = 0.0
@@ -113,6 +123,7 @@ class UsageRecorder:
         except queue.Full:
             pass
         self._thread.join(timeout)
+        self._db.shutdown()
         if self._spill is not None and not self._spill.pending:
             self._spill.remove()
         elif self._spill is not None:
@@ -174,7 +185,7 @@ class UsageRecorder:
         """Write one batch; a refusal that is not an outage is retried record by record
         and the records refused alone are dropped."""
         try:
-            self.write(records)
+            self._db.call_sync(self.write, records)
         except Exception as e:
             if dependency_kind(e) is not None or len(records) == 1:
                 if dependency_kind(e) is None:
@@ -252,6 +263,7 @@ class UsageRecorder:
         if days is None:
             return
         try:
-            self.prune(datetime.now(timezone.utc) - timedelta(days=days))
+            self._db.call_sync(self.prune, datetime.now(timezone.utc) - timedelta(days=days),
+                               timeout=PRUNE_TIMEOUT_S)
         except Exception as e:  # next hour again
             logger.warning("usage records: pruning past %d days failed: %s", days, e)

@@ -308,9 +308,10 @@ def test_a_rollout_change_reaches_both_gateways_within_a_second(cluster, tmp_pat
         seen[i] = picks.pop()
     assert set(seen.values()) == {"1", "2"}
     assert _version(cluster, gws[1], "canary@1") == "1"  # a pin wins over the split
+    # a rollback drops the split: its oldest version takes everything, on both gateways
     r = httpx.post(f"{gws[1]}/v1/adapters/canary/rollback", headers=h, timeout=30)
-    assert r.status_code == 200 and r.json()["weights"] == {"2": 100}, r.text  # before the split
-    assert wait_for(lambda: all(_version(cluster, gw, "canary", user=f"user-{i}") == "2"
+    assert r.status_code == 200 and r.json()["weights"] == {"1": 100}, r.text
+    assert wait_for(lambda: all(_version(cluster, gw, "canary", user=f"user-{i}") == "1"
                                 for gw in gws for i in seen), 1.5, 0.02)
 
 

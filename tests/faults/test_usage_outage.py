@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(240)
 
 BUDGETS = dict(db_call_timeout=1.0, db_connect_timeout=1.0, db_statement_timeout=1.0,
                db_pool_timeout=1.0, breaker_reset=1.0, model_cache_ttl=0.5,
-               quota_cache_ttl=0.5, usage_retry_interval=0.5, usage_flush_interval=0.2)
+               quota_cache_ttl=0.5, usage_retry_interval=0.5, usage_flush_interval=0.2,
+               usage_write_timeout=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -288,3 +288,23 @@ def test_another_tenant_sees_no_versions_rollouts_or_pins(rel, split):
         r = _chat(rel, model, key=rel.other_key)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert _rollout(rel, "split") == before
+
+
+def test_removing_a_version_keeps_the_engine_adapter_a_twin_version_shares(rel):
+    from support.platform_settings import ADMIN_KEY
+
+    _upload(rel, "twin", rel.dirs[2])
+    _upload(rel, "twin", rel.dirs[2])  # the same bytes: one engine adapter for both
+    assert _chat(rel, "twin@2").status_code == 200
+
+    def keys():
+        rows = httpx.get(f"{rel.url}/admin/adapters", timeout=30,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["data"]
+        return {r["key"] for r in rows if "/twin@" in r["key"] and r["tier"] != "store"}
+
+    before = keys()
+    assert len(before) == 1
+    r = httpx.delete(f"{rel.url}/v1/adapters/twin/versions/1", headers=_h(rel.key), timeout=30)
+    assert r.status_code == 200
+    assert keys() == before  # not evicted: version 2 still uses it
+    assert _chat(rel, "twin").headers["x-loramux-adapter-version"] == "2"

@@ -194,3 +194,29 @@ def test_a_damaged_spill_line_is_skipped(ledger, tmp_path):
     assert r.flush(10)
     assert stored(ledger) == ["req-000000", "req-000001", "req-000002"]
     r.close()
+
+
+def test_a_stalled_database_costs_a_batch_its_deadline_then_it_spills(ledger, tmp_path):
+    import threading
+
+    gate = threading.Event()
+    stalled = {"on": True}
+
+    def write(records):
+        if stalled["on"]:
+            gate.wait(30)  # a server that accepted the statement and never answers
+        return ledger.append(records)
+
+    counted = Counted()
+    policy = UsagePolicy(usage_batch_size=50, usage_flush_interval=0.05,
+                         usage_retry_interval=0.05, usage_write_timeout=0.2)
+    r = UsageRecorder(write, tmp_path / "spill", policy, counters=counted).start()
+    for i in range(10):
+        r.record(rec(i))
+    assert r.flush(5)  # did not wait for the stalled write
+    assert counted.c["spilled"] >= 10
+    stalled["on"] = False
+    gate.set()  # the stuck write lands too; the replay's copies are skipped
+    assert r.flush(5)
+    assert stored(ledger) == [f"req-{i:06d}" for i in range(10)]
+    r.close()
