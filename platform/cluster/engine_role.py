@@ -183,7 +183,11 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
     if state.registry is not None:
         state.cleanups.append(state.registry.subscribe(
             lambda kind, handle: publish_registry_event(cluster, kind, handle, origin=engine_id)))
-    events = cluster.subscribe(on_event, name=f"events-{engine_id}")
+    def resync() -> None:  # Redis came back: what the outage's events said was missed
+        state.resolver.forget_all()
+        auth.forget()
+
+    events = cluster.subscribe(on_event, name=f"events-{engine_id}", on_resubscribe=resync)
     recent = prefixes or RecentPrefixes()
     hb = EngineHeartbeat(cluster, lambda: read_record(
         state, engine_id=engine_id, url=url, started_at=started, prefixes=recent.snapshot()),

@@ -198,6 +198,13 @@ class Gateway:
         else:
             self._resolved.clear()
 
+    def resync(self) -> None:
+        """Redis came back: the fan-out's events of the outage were missed, so every
+        cached release and key is looked up again."""
+        self.forget(None, None)
+        self.auth.forget()
+        self._quotas.clear()
+
     def on_registry_event(self, kind: str, handle) -> None:
         """The gateway's own registry changes (the dashboard's rollback): effective here
         at once (the fan-out tells the others)."""

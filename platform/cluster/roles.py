@@ -105,7 +105,7 @@ def build_gateway_app(settings: Settings):
                      settings.redis_url, prefix=f"{settings.redis_namespace}:limits:",
                      timeouts=(policy.redis_socket_timeout, policy.redis_connect_timeout))))
     ticker = view.start(settings.heartbeat_interval)
-    events = cluster.subscribe(gw.on_event, name="gateway-events")
+    events = cluster.subscribe(gw.on_event, name="gateway-events", on_resubscribe=gw.resync)
     # what the dashboard here changes (a rollback): effective here at once, fanned out
     from loramux.platform.cluster.engine_role import publish_registry_event
 

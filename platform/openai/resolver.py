@@ -346,6 +346,13 @@ class ModelResolver:
                 self._generation[key] = self._generation.get(key, 0) + 1
         self._cache.discard_where(lambda key: key[0] == tenant_id and (name is None or key[1] == name))
 
+    def forget_all(self) -> None:
+        """Forget every cached resolution (events may have been missed)."""
+        with self._lock:
+            for key in self._generation:
+                self._generation[key] += 1
+        self._cache.clear()
+
     def drop_adapter(self, tenant_id: int, name: str, keys: set[str] = frozenset()) -> None:
         """Drop from the engine every version of ``(tenant_id, name)`` this server served
         (and ``keys``): the adapter was deleted."""
