@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from loramux.engine import envs
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class DefaultModelError(RuntimeError):
 
 def cache_root() -> Path:
     """Where loramux caches converted models (``LORAMUX_CACHE_DIR`` or ~/.cache/loramux)."""
-    env = os.environ.get("LORAMUX_CACHE_DIR")
+    env = envs.LORAMUX_CACHE_DIR
     return Path(env) if env else Path.home() / ".cache" / "loramux"
 
 
