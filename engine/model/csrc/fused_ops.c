@@ -103,6 +103,20 @@ int LMX_FN(loramux_add_rms_norm)(void *residual, int64_t res_stride, const void 
             acc = _mm256_add_ps(acc, _mm256_mul_ps(r, r));
         }
         sum = hsum8(acc);
+#else
+        /* 8 partial sums added as hsum8 adds its lanes: every variant sums in one order */
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (; h + 8 <= H; h += 8) {
+            for (int j = 0; j < 8; j++) {
+                float r = load_elem(residual, dtype, r0 + h + j);
+                if (delta != NULL) {
+                    r = rnd(r + rnd(load_elem(delta, delta_dtype, d0 + h + j), dtype), dtype);
+                    store(residual, dtype, r0 + h + j, r);
+                }
+                acc[j] = acc[j] + r * r;
+            }
+        }
+        sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 #endif
         for (; h < H; h++) {
             float r = load_elem(residual, dtype, r0 + h);

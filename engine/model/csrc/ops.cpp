@@ -198,7 +198,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   check_dim(q, 3, op, "q");
   const int dtype = dtype_code(q, op, "q");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, op,
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "loramux::", op,
               ": q [T, H, D] must have its heads and dims dense (any token stride), got strides ",
               q.strides());
   for (const at::Tensor* c : {&k_cache, &v_cache}) {
