@@ -19,24 +19,31 @@ COMPONENTS = {
 EXTENSION = "loramux/engine/model/kernels/_C."
 
 
+def _checkout(dest: Path) -> Path:
+    """A clean checkout of this commit (a clone, as CI has), or the tree itself outside git."""
+    if not (ROOT / ".git").exists():  # an unpacked sdist: build it as it is
+        return ROOT
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(dest)], check=True, timeout=120)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", head], check=True)
+    return dest
+
+
+def _pip_wheel(src: Path, out: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``pip wheel`` against this venv's torch (``--no-build-isolation``, as ``make install``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+         "-w", str(out), "-v"],
+        cwd=out.parent, timeout=900, capture_output=True, text=True, env=env,
+    )
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """``pip wheel`` of a clean checkout (a clone of this commit, as CI has), built against this
-    venv's torch (``--no-build-isolation``, as ``make install`` builds)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    if (ROOT / ".git").exists():
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(src)], check=True, timeout=120)
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True,
-                              capture_output=True, text=True).stdout.strip()
-        subprocess.run(["git", "-C", str(src), "checkout", "-q", head], check=True)
-    else:  # an unpacked sdist: build it as it is
-        src = ROOT
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-         "-w", str(tmp / "dist"), "-q"],
-        check=True, cwd=tmp, timeout=900,
-    )
+    proc = _pip_wheel(_checkout(tmp / "src"), tmp / "dist")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return next((tmp / "dist").glob("loramux-*.whl"))
 
 
@@ -93,6 +100,37 @@ def test_the_wheels_kernels_load_without_a_compiler(wheel, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("loaded "), out.stdout
+
+
+@pytest.mark.slow
+def test_a_kernel_that_does_not_compile_fails_the_build(tmp_path):
+    """Where a compiler exists a broken kernel fails ``pip wheel`` (and ``make install``),
+    naming the source, instead of installing an engine that silently runs on torch."""
+    src = _checkout(tmp_path / "src")
+    if src == ROOT:
+        pytest.skip("not a git checkout")
+    kernel = src / "engine" / "model" / "csrc" / "fused_ops.c"
+    kernel.write_text(kernel.read_text() + "\nthis is not C;\n")
+    (tmp_path / "dist").mkdir()
+    proc = _pip_wheel(src, tmp_path / "dist")
+    assert proc.returncode != 0
+    assert "fused_ops.c" in proc.stdout + proc.stderr
+    assert not list((tmp_path / "dist").glob("*.whl"))
+
+
+@pytest.mark.slow
+def test_without_a_compiler_the_build_leaves_the_kernels_out_and_says_so(tmp_path):
+    src = _checkout(tmp_path / "src")
+    if src == ROOT:
+        pytest.skip("not a git checkout")
+    missing = str(tmp_path / "no-such-compiler")
+    env = {**os.environ, "CC": missing, "CXX": missing}
+    (tmp_path / "dist").mkdir()
+    proc = _pip_wheel(src, tmp_path / "dist", env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the CPU kernels are NOT built" in proc.stdout + proc.stderr
+    (whl,) = (tmp_path / "dist").glob("loramux-*.whl")
+    assert not [n for n in zipfile.ZipFile(whl).namelist() if n.startswith(EXTENSION)]
 
 
 def test_platform_folder_has_no_top_level_init():
