@@ -26,7 +26,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 CSRC = "engine/model/csrc"
 KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c")]
 HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h")]
-C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-fopenmp", "-Wall"]
+C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]
 """Flags of every kernel object. OpenMP: the process's libgomp at run time is torch's own."""
 
 X86_LINUX = sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64")
