@@ -22,7 +22,8 @@ from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
 from loramux.platform.builders import default_quotas, dependency_policy, request_limits
-from loramux.platform.dependencies import Dependencies, dependency_report
+from loramux.platform.bulkheads import Dependencies, dependency_report
+from loramux.platform.identity import EngineKey
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.admission import AdmissionControl
@@ -107,7 +108,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
 
     def drop_engine_key(key: str) -> None:
         """A deleted or replaced version: its queued requests fail now, running ones finish."""
-        message = (f"adapter {key.split('/', 1)[-1].rsplit('@', 1)[0]!r} was deleted or "
+        message = (f"adapter {EngineKey.parse(key).name!r} was deleted or "
                    "replaced before this request started; send it again")
 
         engine.drop_adapter(key, message, timeout=30)
