@@ -447,3 +447,15 @@ def test_the_isa_variable_picks_the_variant_at_load(monkeypatch):
         assert st.state == "degraded" and "LORAMUX_CPU_ISA=sse9" in st.reason
     finally:
         torch.ops.loramux.select_isa("auto")
+
+
+def test_the_install_check_fails_only_without_the_kernels(capsys, monkeypatch):
+    """``python -m loramux.engine.model.kernels.loader --require`` (``make install``)."""
+    assert loader.main(["--require"]) == 0
+    assert capsys.readouterr().out.startswith(f"CPU kernels: ok ({loader.status().isa} variant")
+    monkeypatch.setattr(loader, "_loaded", False)
+    monkeypatch.setattr(loader, "_error", None)
+    monkeypatch.setitem(sys.modules, loader.EXTENSION, None)
+    assert loader.main([]) == 0  # a machine without a compiler installs, saying so
+    assert loader.main(["--require"]) == 1
+    assert "CPU kernels: degraded: the compiled CPU kernels are not installed" in capsys.readouterr().out
