@@ -11,6 +11,7 @@
 // Built by setup.py (torch.utils.cpp_extension), as loramux.engine.model.kernels._C.
 #include <Python.h>
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -181,6 +182,12 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, 
               b.scalar_type(), ") must have the dtype of ", an, " (", a.scalar_type(), ")");
 }
 
+// a tensor the operator writes must not have rows (or elements) that share memory
+void check_writable(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "loramux::", op, ": ", name,
+              " has elements that share memory (an expanded view?); it is written in place");
+}
+
 void check_rc(int rc, const char* op) {
   TORCH_CHECK(rc == 0, "loramux::", op, ": could not allocate the kernel's work buffers");
 }
@@ -198,6 +205,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   check_dim(q, 3, op, "q");
   const int dtype = dtype_code(q, op, "q");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(H > 0 && D > 0, "loramux::", op, ": q [T, H, D] needs heads and a head dim, got ",
+              q.sizes());
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "loramux::", op,
               ": q [T, H, D] must have its heads and dims dense (any token stride), got strides ",
               q.strides());
@@ -273,6 +282,7 @@ at::Tensor add_rms_norm(at::Tensor& residual, const std::optional<at::Tensor>& d
   const int dtype = dtype_code(residual, op, "residual");
   const int out_code = dtype_code(out_dtype, op, "out_dtype");
   const int64_t T = residual.size(0), H = residual.size(1);
+  if (delta.has_value()) check_writable(residual, op, "residual");
   check_cpu(weight, op, "weight");
   check_dim(weight, 1, op, "weight");
   check_contiguous(weight, op, "weight");
@@ -313,6 +323,7 @@ void rope(at::Tensor& qk, const at::Tensor& positions, const at::Tensor& cos,
               ": qk [T, heads, D] must have its heads and dims dense (any token stride), got "
               "strides ", qk.strides());
   TORCH_CHECK(D % 2 == 0, "loramux::", op, ": the head dim must be even, got ", D);
+  check_writable(qk, op, "qk");
   for (const at::Tensor* t : {&cos, &sin}) {
     const char* name = t == &cos ? "cos" : "sin";
     check_cpu(*t, op, name);
@@ -367,6 +378,7 @@ void lora_sgmv(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at
   check_rows(y, op, "y");
   check_rows(x, op, "x");
   const int y_code = dtype_code(y, op, "y"), x_code = dtype_code(x, op, "x");
+  check_writable(y, op, "y");
   TORCH_CHECK(x.size(0) == y.size(0), "loramux::", op, ": x ", x.sizes(), " and y ", y.sizes(),
               " must have one row per token");
   check_cpu(a, op, "a");

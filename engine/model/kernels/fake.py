@@ -64,6 +64,7 @@ def paged_attention(q, k_cache, v_cache, out, block_tables, row_start, num_new, 
     _dim(q, 3, op, "q")
     _float(q, op, "q")
     _, heads, head_dim = q.shape
+    _check(heads > 0 and head_dim > 0, op, f"q [T, H, D] needs heads and a head dim, got {tuple(q.shape)}")
     _check(q.stride(2) == 1 and q.stride(1) == head_dim, op,
            f"q [T, H, D] must have its heads and dims dense (any token stride), got strides {q.stride()}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
