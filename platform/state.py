@@ -23,16 +23,20 @@ from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
 from loramux.platform.builders import default_quotas, dependency_policy, request_limits
 from loramux.platform.dependencies import Dependencies, dependency_report
+from loramux.platform.inference_gateway import wiring as inference_gateway
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.admission import AdmissionControl
-from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
+from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules, public_name
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from loramux.platform.inference_gateway.kv_events import KVEventPublisher
+    from loramux.platform.inference_gateway.metrics_listener import ProtocolMetricsListener
+    from loramux.platform.inference_gateway.runtime_lora import RuntimeLoRA
     from loramux.registry.service import RegistryService
 
 VERSION = "0.1.0"
@@ -60,6 +64,12 @@ class AppState:
     """Request caps, chat-template rendering and tenant quotas (see openai/admission.py)."""
     deps: Dependencies = field(default_factory=Dependencies)
     """The database and object-store bulkheads every registry call runs in."""
+    protocol_metrics: ProtocolMetricsListener | None = None
+    """The model-server protocol metrics listener (``--protocol-metrics-port``)."""
+    kv_events: KVEventPublisher | None = None
+    """The prefix-cache KV-event publisher (``--kv-events-endpoint``)."""
+    runtime_lora: RuntimeLoRA | None = None
+    """vLLM's load/unload API (``--allow-runtime-lora-updating``, with a registry)."""
 
 
 def base_model_names(settings: Settings, model_path: Path) -> list[str]:
@@ -107,7 +117,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
 
     def drop_engine_key(key: str) -> None:
         """A deleted or replaced version: its queued requests fail now, running ones finish."""
-        message = (f"adapter {key.split('/', 1)[-1].rsplit('@', 1)[0]!r} was deleted or "
+        message = (f"adapter {public_name(key)!r} was deleted or "
                    "replaced before this request started; send it again")
 
         engine.drop_adapter(key, message, timeout=30)
@@ -164,6 +174,11 @@ def build_state(settings: Settings, engine: AsyncEngine,
         state.cleanups.append(engine.add_adapter_listener(_broken_audit(registry, resolver)))
     state.cleanups.append(fleet.remove_listener)
     state.cleanups.append(deps.shutdown)
+    try:
+        inference_gateway.attach(state)
+    except BaseException:
+        close_state(state)
+        raise
     return state
 
 

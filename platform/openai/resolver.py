@@ -72,6 +72,12 @@ def engine_key(tenant_id: int | str, name: str, digest: str) -> str:
     return f"{tenant_id}/{name}@{digest[:12]}"
 
 
+def public_name(key: str) -> str:
+    """The name requests send in ``model`` for engine key ``key`` (:func:`engine_key`'s
+    ``name``): what routers outside the tenant boundary may see of an adapter."""
+    return key.split("/", 1)[-1].rsplit("@", 1)[0]
+
+
 def _int_id(key: str) -> int:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) + 1
 
@@ -228,7 +234,7 @@ class ModelResolver:
     def _card(name: str, created: int, owner: str, parent: str | None) -> dict[str, Any]:
         return {
             "id": name, "object": "model", "created": created, "owned_by": owner,
-            "root": name if parent is None else None, "parent": parent,
+            "root": name, "parent": parent,
         }
 
     # --- invalidation ----------------------------------------------------------------

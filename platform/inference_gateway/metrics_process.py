@@ -1,0 +1,145 @@
+"""The protocol-metrics listener process: ``python -m
+loramux.platform.inference_gateway.metrics_process --host H --port P``.
+
+Why a process: the picker scrapes every 50 ms and wants an answer in well under 10 ms,
+but a thread of the server shares the interpreter lock with the engine thread, whose
+Python parts hold it for milliseconds (measured on a 2-core machine: a scrape thread
+answered in 84 ms p99 beside a busy Python thread).
+This process holds no engine: it reads :class:`~.exposition.ProtocolFacts` as JSON lines
+on stdin (the server's feed thread writes one whenever the engine's state changed) and
+answers ``GET /metrics`` from the last one, rendered once per update.
+
+It prints ``ready`` on stdout once it listens (``error: ...`` when it cannot), and exits
+when stdin closes (the server is gone). ``/metrics`` is 503 until the first facts arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from loramux.platform.inference_gateway.exposition import ProtocolFacts, render
+
+MAX_CONNECTIONS = 64
+"""Open scrape connections at once; more are closed at once (the picker needs one)."""
+IDLE_TIMEOUT_S = 30.0
+
+
+class Latest:
+    """The last facts and their rendering (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._facts: ProtocolFacts | None = None
+        self._body: bytes | None = None
+
+    def update(self, facts: ProtocolFacts) -> None:
+        with self._lock:
+            self._facts, self._body = facts, None
+
+    def body(self) -> bytes | None:
+        with self._lock:
+            if self._body is None and self._facts is not None:
+                self._body = render(self._facts)
+            return self._body
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT_S
+    latest: Latest
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._answer(head=False)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(head=True)
+
+    def _answer(self, head: bool) -> None:
+        path = self.path.split("?", 1)[0]
+        if path not in ("/metrics", "/"):
+            self._plain(404, b"not found: the protocol metrics are at /metrics\n", head)
+            return
+        body = self.latest.body()
+        if body is None:
+            self._plain(503, b"the engine is starting\n", head)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _plain(self, status: int, body: bytes, head: bool) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - no access log
+        pass
+
+
+class Server(ThreadingHTTPServer):
+    """A thread per connection, at most :data:`MAX_CONNECTIONS` of them."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, handler) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def feed(latest: Latest, stream, on_eof) -> None:
+    """Read facts lines from ``stream`` until it closes, then call ``on_eof``."""
+    for line in stream:
+        if line.strip():
+            try:
+                latest.update(ProtocolFacts.from_json(line))
+            except (ValueError, TypeError, KeyError) as e:
+                print(f"protocol metrics: ignoring a bad facts line: {e}", file=sys.stderr)
+    on_eof()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args(argv)
+    latest = Latest()
+    Handler.latest = latest
+    try:
+        server = Server((args.host, args.port), Handler)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", flush=True)
+        return 1
+    threading.Thread(target=feed, args=(latest, sys.stdin.buffer, server.shutdown),
+                     name="facts-feed", daemon=True).start()
+    print("ready", flush=True)
+    server.serve_forever(poll_interval=0.5)
+    server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
