@@ -67,20 +67,37 @@ def allowed_local_path(lora_path: str, tenant: str, allow: list[str]) -> Path:
         root = Path(os.path.normpath(prefix.replace(TENANT_PLACEHOLDER, tenant)))
         if parts[:len(root.parts)] != root.parts or len(parts) == len(root.parts):
             continue
-        here = root
         if not root.is_dir():
             raise no_adapter(lora_path)
+        here = root
         for part in parts[len(root.parts):]:
             here = here / part
-            try:
-                mode = os.lstat(here).st_mode
-            except FileNotFoundError:
-                raise no_adapter(lora_path) from None
-            if stat.S_ISLNK(mode):
-                raise BadRequest("lora_path must not go through a symlink", param="lora_path",
-                                 code="lora_path_not_allowed")
+            if _is_link(here, lora_path):
+                raise _symlink()
+        if stat.S_ISDIR(os.lstat(here).st_mode) and any(
+                _is_link(here / f, None) for f in ADAPTER_FILES):
+            raise _symlink()
         return here
     raise refuse
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""What a load reads of a PEFT folder (``adapter_api.uploads.read_local``)."""
+
+
+def _symlink() -> BadRequest:
+    return BadRequest("lora_path must not go through a symlink", param="lora_path",
+                      code="lora_path_not_allowed")
+
+
+def _is_link(path: Path, missing: str | None) -> bool:
+    """True for a symlink; a missing entry is 404 for ``missing`` (None: not a link)."""
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        if missing is None:
+            return False
+        raise no_adapter(missing) from None
 
 
 class RuntimeLoRA:
