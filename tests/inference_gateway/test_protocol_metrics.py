@@ -5,40 +5,16 @@ follows loads, evictions and pins; tenancy (names only, once, no key needed)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
-from support.gateway import Tenants, live_server, names, sample
+from support.gateway import Stream, Tenants, live_server, names, sample
 from support.platform_settings import ADMIN_KEY
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:cache_config_info", "vllm:lora_requests_info", "vllm:lora_adapter_loaded",
           "vllm:num_gpu_loaded_lora_adapters", "vllm:num_cpu_loaded_lora_adapters",
           "vllm:max_gpu_lora_adapters")
-
-
-class Stream:
-    """A long streaming completion in a thread; ``started`` is set at its first chunk."""
-
-    def __init__(self, url: str, key: str, model: str, max_tokens: int = 120) -> None:
-        self.started = threading.Event()
-        self.done = threading.Event()
-        self.status = None
-        self.thread = threading.Thread(target=self._run, args=(url, key, model, max_tokens),
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self, url, key, model, max_tokens) -> None:
-        body = {"model": model, "prompt": "count with me: one two three", "stream": True,
-                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
-                          headers=Tenants.auth(key)) as r:
-            self.status = r.status_code
-            for _ in r.iter_lines():
-                self.started.set()
-        self.started.set()
-        self.done.set()
 
 
 def test_series_names_types_and_labels(tenants, engine):
@@ -114,11 +90,11 @@ def test_running_list_follows_one_request(tenants, engine):
         assert s.started.wait(30)
         time.sleep(0.05)
         fams = live.scrape()
-        if not s.done.is_set():
-            lora = sample(fams, "vllm:lora_requests_info")
-            assert names(lora.labels["running_lora_adapters"]) == {"b-only"}
-            assert sample(fams, "vllm:num_requests_running").value == 1
-            assert sample(fams, "vllm:kv_cache_usage_perc").value > 0
+        assert not s.done.is_set(), "200 tokens outlast two scrapes"
+        lora = sample(fams, "vllm:lora_requests_info")
+        assert names(lora.labels["running_lora_adapters"]) == {"b-only"}
+        assert sample(fams, "vllm:num_requests_running").value == 1
+        assert sample(fams, "vllm:kv_cache_usage_perc").value > 0
         assert s.done.wait(60)
 
 

@@ -4,6 +4,7 @@ server with the protocol metrics listener, and reading its series."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,3 +77,26 @@ def names(value: str) -> set[str]:
     return {n.strip() for n in value.split(",") if n.strip()}
 
 
+
+
+class Stream:
+    """A long streaming completion in a thread; ``started`` is set at its first chunk."""
+
+    def __init__(self, url: str, key: str, model: str, max_tokens: int = 120) -> None:
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.status = None
+        self.thread = threading.Thread(target=self._run, args=(url, key, model, max_tokens),
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, url, key, model, max_tokens) -> None:
+        body = {"model": model, "prompt": "count with me: one two three", "stream": True,
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
+                          headers=Tenants.auth(key)) as r:
+            self.status = r.status_code
+            for _ in r.iter_lines():
+                self.started.set()
+        self.started.set()
+        self.done.set()
