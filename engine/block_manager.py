@@ -32,11 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from loramux.engine.errors import OutOfBlocksError
 from loramux.engine.sequence import Sequence
-
-
-class OutOfBlocksError(RuntimeError):
-    """The pool has fewer free blocks than asked for."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
-from loramux.platform.dependencies import DependencyPolicy
+from loramux.platform.bulkheads import DependencyPolicy
 from loramux.platform.limits.request import RequestLimits
 from loramux.platform.settings import QUOTA_PREFIX, Settings
 from loramux.registry.budgets import DependencyBudgets
@@ -67,7 +67,7 @@ def open_registry(settings: Settings, base_model: Any = None, *,
     """The registry for these settings. With ``base_model`` (a folder, or a config)
     uploads are validated against it under the serving limits (``max_lora_rank``,
     ``max_adapter_bytes``), so an adapter the registry accepts is one ``serve`` serves."""
-    from loramux.platform.openai.params import registry_preset_check
+    from loramux.platform.openai.presets import registry_preset_check
     from loramux.registry import build_registry
 
     s = settings

@@ -15,7 +15,7 @@ from loramux.platform.adapter_api.service import AdapterService
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import COOKIE, CSRF_HEADER
 from loramux.platform.errors import Forbidden, ServiceUnavailable, Unauthorized
-from loramux.platform.openai.resolver import Caller
+from loramux.platform.identity import Caller
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.state import AppState
 

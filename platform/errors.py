@@ -141,16 +141,19 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
     from sqlalchemy import exc as sa
 
     from loramux.adapters.errors import AdapterValidationError
-    from loramux.engine.async_engine import AdapterGoneError, EngineDeadError
-    from loramux.engine.engine import (
+    from loramux.engine.errors import (
+        AdapterGoneError,
         AdapterNumericsError,
         ContextLengthError,
+        EngineDeadError,
         EngineStepError,
+        GrammarError,
+        LoRAError,
+        PromptError,
         QueueFullError,
+        SamplingParamError,
     )
-    from loramux.engine.lora.manager import LoRAError
-    from loramux.engine.sampling_params import SamplingParamError
-    from loramux.platform.dependencies import DependencyPolicy, DependencyUnavailable
+    from loramux.platform.bulkheads import DependencyPolicy, DependencyUnavailable
     from loramux.platform.limits.request import RequestLimitError
     from loramux.platform.limits.tenant import LimiterUnavailable, RateLimited, RequestTooLarge
     from loramux.registry import errors as r
@@ -196,6 +199,8 @@ def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseE
                                                      code="context_length_exceeded")),
         ((SamplingParamError,), lambda e: BadRequest(str(e), param=e.param,
                                                      code="invalid_parameter")),
+        ((PromptError,), lambda e: BadRequest(str(e), param=e.param, code="invalid_parameter")),
+        ((GrammarError,), lambda e: BadRequest(str(e), code="invalid_parameter")),
         ((RequestLimitError,), lambda e: BadRequest(str(e), param=e.param,
                                                     code="request_limit_exceeded")),
         ((r.QuotaExceeded,), lambda e: Forbidden(str(e), param=e.quota, code="quota_exceeded")),

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from loramux.platform.auth import bearer_key
-from loramux.platform.dependencies import dependency_report
+from loramux.platform.bulkheads import dependency_report
 from loramux.platform.deps import MetricsReaderDep, StateDep
 from loramux.platform.state import AppState
 

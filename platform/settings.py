@@ -31,8 +31,8 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from loramux.platform.bulkheads import DependencyPolicy
 from loramux.platform.cluster.routing import RouterConfig
-from loramux.platform.dependencies import DependencyPolicy
 from loramux.platform.limits.request import RequestLimits
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas

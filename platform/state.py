@@ -22,12 +22,13 @@ from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
 from loramux.platform.builders import default_quotas, dependency_policy, request_limits
-from loramux.platform.dependencies import Dependencies, dependency_report
+from loramux.platform.bulkheads import Dependencies, dependency_report
+from loramux.platform.identity import EngineKey
 from loramux.platform.inference_gateway import wiring as inference_gateway
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.admission import AdmissionControl
-from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules, public_name
+from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
 
@@ -117,7 +118,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
 
     def drop_engine_key(key: str) -> None:
         """A deleted or replaced version: its queued requests fail now, running ones finish."""
-        message = (f"adapter {public_name(key)!r} was deleted or "
+        message = (f"adapter {EngineKey.parse(key).name!r} was deleted or "
                    "replaced before this request started; send it again")
 
         engine.drop_adapter(key, message, timeout=30)

@@ -37,8 +37,9 @@ from loramux.platform.adapter_api.uploads import (
     receive_multipart,
 )
 from loramux.platform.errors import BadRequest, Forbidden
-from loramux.platform.openai.params import validate_preset
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.identity import Caller
+from loramux.platform.openai.presets import validate_preset
+from loramux.platform.openai.resolver import ModelResolver
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.responses import StreamingResponse
 
 from loramux.platform.auth import Authenticator, bearer_key
+from loramux.platform.bulkheads import Dependencies, probe
 from loramux.platform.cluster.protocol import (
     ENGINE_HEADER,
     PREFIX_HEADER,
@@ -52,14 +53,13 @@ from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.cluster.view import GatewayView
-from loramux.platform.dependencies import Dependencies, probe
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
+from loramux.platform.identity import Caller, EngineKey
 from loramux.platform.limits.tenant import (
     Admission,
     LimiterUnavailable,
     TenantLimiter,
 )
-from loramux.platform.openai.resolver import Caller, engine_key
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
@@ -149,7 +149,7 @@ class Gateway:
             h = self.registry.resolve(tenant_id, name)
         except (AdapterNotFound, InvalidName):
             return None
-        return engine_key(h.tenant_id, h.name, h.cache_key)
+        return str(EngineKey.for_handle(h))
 
     async def resolve(self, caller: Caller, name: str) -> str | None:
         """The routing id of ``model``: a tenant adapter's engine key, ``static/<name>``,

@@ -24,10 +24,10 @@ from loramux.platform.admin.schemas import EngineSummary
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
+from loramux.platform.bulkheads import dependency_report
 from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.protocol import ClusterEvent, EngineRecord
 from loramux.platform.cluster.redis_state import ClusterState
-from loramux.platform.dependencies import dependency_report
 from loramux.platform.errors import NotFound, ServiceUnavailable
 from loramux.platform.openai.resolver import ModelResolver
 from loramux.platform.settings import Settings

@@ -14,11 +14,11 @@ from starlette.responses import StreamingResponse
 
 from loramux.platform.admin import pages as admin_pages
 from loramux.platform.admin import routes as admin_routes
+from loramux.platform.bulkheads import PROBE_TIMEOUT_S
 from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.request_body import prompt_text
 from loramux.platform.cluster.routing import prefix_hashes
 from loramux.platform.cluster.schemas import GatewayReadiness
-from loramux.platform.dependencies import PROBE_TIMEOUT_S
 from loramux.platform.errors import (
     BadRequest,
     PayloadTooLarge,

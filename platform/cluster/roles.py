@@ -71,13 +71,13 @@ def build_gateway_app(settings: Settings):
 
     from loramux.platform.auth import Authenticator
     from loramux.platform.builders import dependency_policy, open_registry
+    from loramux.platform.bulkheads import Dependencies
     from loramux.platform.cluster.gateway import Gateway
     from loramux.platform.cluster.gateway_admin import gateway_admin_state
     from loramux.platform.cluster.gateway_app import create_gateway_app
     from loramux.platform.cluster.pool import EnginePool
     from loramux.platform.cluster.routing import AffinityRouter, RouterConfig
     from loramux.platform.cluster.view import GatewayView
-    from loramux.platform.dependencies import Dependencies
     from loramux.platform.limits.redis_backend import RedisBackend
     from loramux.platform.limits.tenant import TenantLimiter
 

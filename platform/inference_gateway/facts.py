@@ -3,7 +3,8 @@
 
 The tenancy rule lives here: the engine knows adapters by key (``"<tenant id>/<name>@<
 digest>"``); a scraper learns only the names requests send in ``model``
-(:func:`~loramux.platform.openai.resolver.public_name`), each once however many tenants
+(:func:`public_name`, the key's :class:`~loramux.platform.identity.EngineKey` name), each
+once however many tenants
 use it (routing accuracy only: the engine's caches stay keyed by tenant and content).
 """
 
@@ -12,8 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loramux.engine.outputs import LoadReport
+from loramux.platform.identity import EngineKey
 from loramux.platform.inference_gateway.exposition import ProtocolFacts, ResidentAdapter
-from loramux.platform.openai.resolver import public_name
+
+
+def public_name(key: str) -> str:
+    """The name requests send in ``model`` for the engine key ``key``: all that routers
+    outside the tenant boundary see of an adapter (a key that is not an engine key, from
+    an engine used without the resolver, is its own name)."""
+    try:
+        return EngineKey.parse(key).name
+    except ValueError:
+        return key
+
 
 DEVICE_TIERS = ("gpu", "device")
 """The residency tiers that mean "in a device slot" (``device`` on a CPU engine)."""

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from loramux.platform.adapter_api.schemas import S3Upload
 from loramux.platform.adapter_api.uploads import NothingToRead
 from loramux.platform.errors import BadRequest, NotFound, Unprocessable
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.identity import Caller
+from loramux.platform.openai.resolver import ModelResolver
 
 if TYPE_CHECKING:
     from loramux.engine.async_engine import AsyncEngine

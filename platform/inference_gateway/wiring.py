@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
-from loramux.platform.openai.resolver import public_name
+from loramux.platform.inference_gateway.facts import public_name
 
 if TYPE_CHECKING:
     from loramux.platform.state import AppState

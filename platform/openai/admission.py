@@ -19,11 +19,11 @@ import operator
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.bulkheads import Dependencies
+from loramux.platform.identity import Caller
 from loramux.platform.limits.request import RequestLimits, check_chat_template, check_request
 from loramux.platform.limits.templates import TemplateRenderer, template_variables
 from loramux.platform.limits.tenant import Admission, RequestCost, TenantLimiter
-from loramux.platform.openai.resolver import Caller
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 from loramux.registry.quotas import Quotas

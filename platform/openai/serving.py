@@ -25,8 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loramux.adapters.errors import AdapterValidationError
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.engine import QueueFullError
-from loramux.engine.lora.manager import LoRAError
+from loramux.engine.errors import LoRAError, QueueFullError
 from loramux.engine.outputs import RequestOutput
 from loramux.platform.errors import (
     APIError,
@@ -34,12 +33,13 @@ from loramux.platform.errors import (
     ServiceUnavailable,
     to_api_error,
 )
+from loramux.platform.identity import Caller
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.admission import AdmissionControl
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.openai.resolver import ModelResolver
 from loramux.platform.openai.responses import RequestContext, ResponseRenderer, StreamState
 from loramux.platform.openai.streaming import Pump, SSEResponse, dumps, sse, until_disconnect
 

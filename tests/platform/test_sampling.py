@@ -7,7 +7,8 @@ import json
 import pytest
 
 from loramux.platform.errors import BadRequest
-from loramux.platform.openai.params import build_params, validate_preset
+from loramux.platform.openai.params import build_params
+from loramux.platform.openai.presets import validate_preset
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -109,14 +110,14 @@ def test_request_and_preset_schema_derive_from_sampling_params():
     from dataclasses import fields
 
     from loramux.engine.sampling_params import SamplingParams
-    from loramux.platform.openai import params
+    from loramux.platform.openai import params, presets
     from loramux.platform.openai.protocol import SamplingFields
 
     engine = {f.name for f in fields(SamplingParams) if f.init}
     assert set(params.DIRECT_FIELDS) == engine - {"detokenize", "structured_outputs", "logprobs"}
     assert set(params.DIRECT_FIELDS) <= set(SamplingFields.model_fields)
-    assert params.PRESET_FIELDS <= engine
-    for name in params.PRESET_FIELDS:  # every preset field is one a request may also set
+    assert presets.PRESET_FIELDS <= engine
+    for name in presets.PRESET_FIELDS:  # every preset field is one a request may also set
         assert name in SamplingFields.model_fields or name == "logprobs"
 
 
