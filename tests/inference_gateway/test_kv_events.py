@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 from support.gateway import Tenants
-from support.platform_settings import settings
+from support.platform_settings import ADMIN_KEY, settings
 from support.server import free_port, make_engine, serve_in_thread
 
 from loramux.engine.sampling_params import SamplingParams
@@ -113,6 +113,9 @@ def test_subscriber_rebuilds_the_prefix_cache(tenants, tiny_model_dir):
             index, stored = rebuild(sub.messages)
             assert index == {external_hash(k) for k in cache}
             assert publisher.dropped == 0
+            r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            assert f"loramux_kv_events_published {float(publisher.published)}" in r.text
+            assert "loramux_kv_events_dropped 0.0" in r.text
             seqs = [m[1] for m in sub.messages]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive
             assert {m[0] for m in sub.messages} == {b"kv@pod-0@tiny"}
