@@ -16,7 +16,16 @@ import jsonschema
 import pytest
 import yaml
 from inferencepool_v1_schema import SCHEMA
-from test_chart import CHART, K8S_VERSION, by_kind, helm, one, render, run_helm  # noqa: F401
+from test_chart import (  # noqa: F401
+    CHART,
+    K8S_VERSION,
+    PRODUCTION,
+    by_kind,
+    helm,
+    one,
+    render,
+    run_helm,
+)
 
 POOL = ("router.mode=inferencepool",)
 PRECISE = (*POOL, "router.epp.prefixCache=precise", "router.epp.tokenizer.url=http://tok:8000",
@@ -35,18 +44,20 @@ def validate_pool(doc: dict) -> None:
         jsonschema.validate(doc, v1["schema"]["openAPIV3Schema"])
 
 
-@pytest.mark.parametrize("sets", [POOL, PRECISE], ids=["approximate", "precise"])
-def test_every_manifest_is_valid(helm, sets):  # noqa: F811
+@pytest.mark.parametrize("values,sets", [((), POOL), ((), PRECISE), ((PRODUCTION,), POOL)],
+                         ids=["approximate", "precise", "production"])
+def test_every_manifest_is_valid(helm, values, sets):  # noqa: F811
     import kubernetes_validate
 
-    docs = render(helm, sets=sets)
+    docs = render(helm, *values, sets=sets)
+    assert not by_kind(docs, "HorizontalPodAutoscaler")  # no loramux gateways to scale
     for doc in docs:
         key = (doc["apiVersion"], doc["kind"])
         if key == ("inference.networking.k8s.io/v1", "InferencePool"):
             validate_pool(doc)
         elif key not in CRD_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    args = ["lint", "--strict", str(CHART)]
+    args = ["lint", "--strict", str(CHART), *(a for v in values for a in ("-f", str(v)))]
     for s in sets:
         args += ["--set", s]
     assert "0 chart(s) failed" in run_helm(helm, *args).stdout
