@@ -10,7 +10,9 @@ on stdin (the server's feed thread writes one whenever the engine's state change
 answers ``GET /metrics`` from the last one, rendered once per update.
 
 It prints ``ready`` on stdout once it listens (``error: ...`` when it cannot), and exits
-when stdin closes (the server is gone). ``/metrics`` is 503 until the first facts arrive.
+when stdin closes (the server is gone). ``/metrics`` is 503 until the first facts arrive,
+and again when the last ones are older than :data:`STALE_AFTER_S` (the engine stopped
+reporting: a picker must not route on its old numbers).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from loramux.platform.inference_gateway.exposition import ProtocolFacts, render
 
+STALE_AFTER_S = 10.0
+"""Facts older than this are not served (an idle engine reports every 50 ms)."""
 MAX_CONNECTIONS = 64
 """Open scrape connections at once; more are closed at once (the picker needs one)."""
 IDLE_TIMEOUT_S = 30.0
@@ -34,13 +39,17 @@ class Latest:
     a scrape only copies bytes (one reference swap: no lock on the scrape path)."""
 
     def __init__(self) -> None:
-        self._body: bytes | None = None
+        self._latest: tuple[bytes, float] | None = None
 
     def update(self, facts: ProtocolFacts) -> None:
-        self._body = render(facts)
+        self._latest = (render(facts), facts.taken_at)
 
-    def body(self) -> bytes | None:
-        return self._body
+    def body(self) -> tuple[bytes | None, float]:
+        """(the rendering, its age in seconds); (None, inf) before any facts."""
+        latest = self._latest
+        if latest is None:
+            return None, float("inf")
+        return latest[0], time.time() - latest[1]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -60,9 +69,12 @@ class Handler(BaseHTTPRequestHandler):
         if path not in ("/metrics", "/"):
             self._plain(404, b"not found: the protocol metrics are at /metrics\n", head)
             return
-        body = self.latest.body()
+        body, age = self.latest.body()
         if body is None:
             self._plain(503, b"the engine is starting\n", head)
+            return
+        if age > STALE_AFTER_S:
+            self._plain(503, f"the engine has not reported for {age:.0f} s\n".encode(), head)
             return
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
