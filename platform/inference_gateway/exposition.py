@@ -9,7 +9,8 @@ Series (gauges; ``model_name`` is the served base model, ``engine`` is ``"0"``):
 * ``vllm:num_requests_running``, ``vllm:num_requests_waiting``: sequences in the running
   batch / the waiting queue (a request with ``n`` > 1 counts each of its sequences, as
   vLLM V1's child requests);
-* ``vllm:kv_cache_usage_perc``: fraction (0..1) of KV blocks in use;
+* ``vllm:kv_cache_usage_perc``: fraction (0..1) of KV blocks in use (also as
+  ``vllm:gpu_cache_usage_perc``, its name before vLLM 0.10, which older pickers read);
 * ``vllm:cache_config_info{block_size, num_gpu_blocks, ...}`` = 1;
 * ``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`` =
   the Unix time of the sample (the picker takes the newest series); ``max_lora`` is the
@@ -93,6 +94,8 @@ def metric_families(f: ProtocolFacts) -> list[GaugeMetricFamily]:
               f.num_waiting),
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               f.kv_cache_usage),
+        gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vllm:kv_cache_usage_perc's name "
+              "before vLLM 0.10). 1 means 100 percent usage.", f.kv_cache_usage),
     ]
     info = {"block_size": str(f.block_size), "num_gpu_blocks": str(f.num_gpu_blocks),
             "enable_prefix_caching": str(f.enable_prefix_caching),

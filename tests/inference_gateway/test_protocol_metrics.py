@@ -12,6 +12,7 @@ from support.gateway import Stream, Tenants, live_server, names, sample
 from support.platform_settings import ADMIN_KEY
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:gpu_cache_usage_perc",
           "vllm:cache_config_info", "vllm:lora_requests_info", "vllm:lora_adapter_loaded",
           "vllm:num_gpu_loaded_lora_adapters", "vllm:num_cpu_loaded_lora_adapters",
           "vllm:max_gpu_lora_adapters")
@@ -23,7 +24,7 @@ def test_series_names_types_and_labels(tenants, engine):
         for name in GAUGES:
             assert fams[name].type == "gauge", name
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "vllm:kv_cache_usage_perc"):
+                     "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
             s = sample(fams, name)
             assert s.labels == {"model_name": "tiny", "engine": "0"}
         info = sample(fams, "vllm:cache_config_info")
