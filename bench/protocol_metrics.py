@@ -187,7 +187,7 @@ def main() -> None:
                                                         args.interval, ADMIN_KEY)
             results["server_metrics_busy"]["load_tokens_per_s"] = load.tokens_per_s
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
         engine.shutdown()
         registry.db.dispose()
     busy, idle, server = (results[k]["p99_ms"] for k in

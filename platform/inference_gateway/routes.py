@@ -31,7 +31,7 @@ _UNLOAD_BODY = {"requestBody": {"required": True, "content": {"application/json"
 
 
 async def get_runtime_lora(state: StateDep) -> RuntimeLoRA:
-    service = getattr(state, "runtime_lora", None)
+    service = state.runtime_lora
     if service is None:
         raise ServiceUnavailable("this server has no adapter registry", code="no_registry")
     return service

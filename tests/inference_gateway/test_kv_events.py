@@ -103,7 +103,7 @@ def test_subscriber_rebuilds_the_prefix_cache(tenants, tiny_model_dir):
                 assert r.status_code == 200, r.text
             stats = engine.stats()
             assert stats.prefix_cache_hits > 0 and stats.prefix_cache_evictions > 0
-            publisher = app.state.loramux.kv_events
+            publisher = app.services.kv_events
             deadline = time.monotonic() + 10
             while publisher._queue.qsize() or not sub.messages:
                 assert time.monotonic() < deadline
@@ -134,7 +134,7 @@ def test_subscriber_rebuilds_the_prefix_cache(tenants, tiny_model_dir):
             assert len({tuple(ev["token_ids"][:bs]) for ev in first}) == 1
             assert len({ev["block_hashes"][0] for ev in first}) == 2
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
         sub.close()
         engine.shutdown()
 

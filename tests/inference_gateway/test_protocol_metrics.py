@@ -83,6 +83,10 @@ def test_lists_and_kv_follow_mixed_traffic(tenants, engine):
         assert sample(fams, "vllm:num_requests_running").value == 0
         assert sample(fams, "vllm:num_requests_waiting").value == 0
         assert sample(fams, "vllm:kv_cache_usage_perc").value == 0
+        # alpha's and beta's "shared" are both resident now: one series names them
+        shared = [s for s in fams["vllm:lora_adapter_loaded"].samples
+                  if s.labels["adapter_name"] == "shared"]
+        assert len(shared) == 1, shared
 
 
 def test_running_list_follows_one_request(tenants, engine):

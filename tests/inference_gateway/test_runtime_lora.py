@@ -48,7 +48,7 @@ async def client_for(tenants, engine, **overrides):
                                      base_url="http://t", timeout=60) as c:
             yield c
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
 
 
 @pytest.fixture

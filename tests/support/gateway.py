@@ -55,14 +55,14 @@ def live_server(tenants: Tenants, engine, **overrides):
                      registry=tenants.registry)
     try:
         with serve_in_thread(app) as url:
-            live = Live(url, f"http://127.0.0.1:{port}/metrics", app.state.loramux)
+            live = Live(url, f"http://127.0.0.1:{port}/metrics", app.services)
             deadline = time.monotonic() + 10
             while httpx.get(live.metrics_url, timeout=5).status_code != 200:
                 assert time.monotonic() < deadline, "the protocol metrics never came up"
                 time.sleep(0.02)
             yield live
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
 
 
 def sample(families: dict, name: str, **labels) -> object:
