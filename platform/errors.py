@@ -234,6 +234,7 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
     from loramux.platform.bulkheads import DependencyUnavailable
     from loramux.platform.cluster.roles import RoleConfigError
     from loramux.platform.cluster.routing import NoEngineAvailable
+    from loramux.platform.inference_gateway.metrics_listener import ListenerStartError
     from loramux.platform.limits.request import RequestLimitError
     from loramux.platform.limits.tenant import (
         LimitError,
@@ -345,6 +346,9 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
         NoEngineAvailable: ErrorRow(503, server, "engine_dead", detail=_retry_soon),
         RoleConfigError: ErrorRow(500, server, "misconfigured", log=True,
                                   detail=_logged("the server is misconfigured")),
+        # behind an inference gateway
+        ListenerStartError: ErrorRow(500, server, "misconfigured", log=True,
+                                     detail=_logged("the server is misconfigured")),
     }
 
 
