@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from loramux.engine.block_manager import KVCacheManager
+from loramux.engine.block_manager import KVCacheManager, KVEventListener
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.errors import (
@@ -25,11 +25,12 @@ from loramux.engine.errors import (
 __all__ = ["AdapterNumericsError", "ContextLengthError", "EngineStepError", "LLMEngine", "QueueFullError"]
 from loramux.engine.lora.manager import LoRAManager
 from loramux.engine.lora.null import NoLoRA
+from loramux.engine.lora.state import ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.kernels.loader import status as kernel_status
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.output_processor import ModelOutput, OutputProcessor
-from loramux.engine.outputs import EngineStats, Logprob, RequestOutput
+from loramux.engine.outputs import EngineStats, LoadReport, Logprob, RequestOutput
 from loramux.engine.postprocess import Postprocessor
 from loramux.engine.request import Request
 from loramux.engine.runner import ModelRunner, plan_num_blocks
@@ -331,7 +332,8 @@ class LLMEngine:
             req.aborted = True
         self.requests.clear()
         cc = self.config.cache
-        self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 listeners=self.kv.listeners)  # they hear all_blocks_cleared
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.scheduler.adapters)
 
     def stats(self) -> EngineStats:
@@ -345,6 +347,31 @@ class LLMEngine:
             prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
             cpu_kernels=kernels.state, cpu_kernels_reason=kernels.reason,
+        )
+
+    def add_kv_listener(self, listener: KVEventListener) -> Callable[[], None]:
+        """Hear the prefix cache's keys change (:class:`KVEventListener`, on the engine
+        thread, inside the step; it survives a restart and hears the cleared cache then).
+        Returns the function that removes it."""
+        listeners = self.kv.listeners
+        listeners.append(listener)
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+        return remove
+
+    def load_report(self, residency: ResidencySnapshot | None = None) -> LoadReport:
+        """What a load-aware router reads of this engine: the counters, the adapters of the
+        running and waiting sequences, the residency (``residency``, else taken now) and
+        the KV cache's shape. Call on the engine thread (it walks the queues)."""
+        running = Counter(s.lora_key for s in self.scheduler.running if s.lora_key is not None)
+        waiting = Counter(s.lora_key for s in self.scheduler.waiting if s.lora_key is not None)
+        return LoadReport(
+            self.stats(), dict(running), dict(waiting),
+            residency if residency is not None else self.lora_manager.snapshot(),
+            num_kv_blocks=self.kv.pool.num_blocks, block_size=self.kv.block_size,
+            taken_at=time.time(),
         )
 
     def _fail_broken_adapters(self) -> list[Request]:

@@ -2,7 +2,7 @@
 (:class:`EngineKey`).
 
 Both travel through the whole platform: authentication makes the caller, the resolver,
-the admission, the admin API and the cluster roles read it; the resolver names every
+the request gate, the admin API and the cluster roles read it; the resolver names every
 adapter version it hands the engine with an engine key, which the engine, the metrics,
 the dashboard and the cluster's heartbeats and events carry as its string.
 """

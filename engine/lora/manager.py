@@ -343,9 +343,8 @@ class LoRAManager(OperatorActions, StepHook):
             if state is None:
                 continue
             if exc is not None:
-                state.error = (
-                    exc
-                    if isinstance(exc, (LoRAError, AdapterValidationError))
+                state.error = (  # what the adapter's requests fail with
+                    exc if isinstance(exc, LoRAError)
                     else LoRAError(f"adapter {key!r} failed to load: {exc}")
                 )
                 logger.error("adapter %s failed to load: %s", key, exc)

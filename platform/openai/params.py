@@ -147,8 +147,8 @@ def build_params(
                              code="invalid_parameter")
     try:
         params = SamplingParams(**engine_values(values))
-    except SamplingParamError as e:
-        raise BadRequest(str(e), param=e.param, code="invalid_parameter") from None
+    except SamplingParamError:
+        raise  # the error table's 400 naming the parameter
     except ValueError as e:  # a nested value SamplingParams could not take
         raise BadRequest(str(e), code="invalid_parameter") from None
     except TypeError as e:  # a preset holding something SamplingParams cannot take

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from loramux.platform.errors import BadRequest
+from loramux.engine.errors import SamplingParamError
+from loramux.platform.errors import BadRequest, to_api_error
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.presets import validate_preset
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,9 +61,9 @@ def test_logit_bias_and_negative_seed():
     p = build_params(cmpl(logit_bias={"12": -5}, seed=-1, temperature=1.0), None,
                      default_max_tokens=16).params
     assert p.logit_bias == {12: -5.0} and p.seed == 2**63 - 1
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(SamplingParamError) as e:  # answered by the error table's row
         build_params(cmpl(logit_bias={"abc": 1}), None, default_max_tokens=16)
-    assert e.value.param == "logit_bias"
+    assert to_api_error(e.value).param == "logit_bias"
 
 
 @pytest.mark.parametrize("field,value", [
@@ -70,9 +71,10 @@ def test_logit_bias_and_negative_seed():
     ("repetition_penalty", 0.0), ("n", 0), ("min_tokens", -1), ("max_tokens", 0),
 ])
 def test_bad_values_name_their_parameter(field, value):
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(SamplingParamError) as e:
         build_params(cmpl(**{field: value}), None, default_max_tokens=16)
-    assert e.value.param == field and e.value.status_code == 400
+    err = to_api_error(e.value)  # the error table's answer
+    assert (err.param, err.status_code, err.code) == (field, 400, "invalid_parameter")
 
 
 def test_no_effect_warnings():
