@@ -90,11 +90,15 @@ class OutputProcessor:
                 bad[seq.request_id] = exc
         return bad
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], bad: dict[str, Exception]) -> list[Sequence]:
-        """Sample one token for each row of ``logits`` [S, V] (row i for ``seqs[i]``) and
-        postprocess it. When the batched sampler fails, each row is sampled alone to find
-        the culprits; a request whose row fails lands in ``bad``, the others go on. Returns
-        the sequences that took a token, in row order."""
+    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
+               bad: dict[str, Exception]) -> list[Sequence]:
+        """Sample one token for each sequence, ``seqs[i]`` from row ``rows[i]`` of the step's
+        ``logits`` [B, V] (forks share their parent's row), and postprocess it. When the
+        batched sampler fails, each row is sampled alone to find the culprits; a request
+        whose row fails lands in ``bad``, the others go on. Returns the sequences that took a
+        token, in order."""
+        if rows != list(range(logits.shape[0])):  # prompt chunks sample nothing, forks share rows
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))  # [S, V]
         try:
             picks = [(seq, row, sampled) for sampled in [self._sample(logits, seqs)]
                      for row, seq in enumerate(seqs)]

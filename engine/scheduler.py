@@ -233,7 +233,7 @@ class Scheduler:
             seq.pending_forks = []
         advanced: dict[str, None] = {}
         if sample_rows:
-            for seq in self.outputs.sample(output.logits[sample_rows], sample_seqs, bad):
+            for seq in self.outputs.sample(output.logits, sample_rows, sample_seqs, bad):
                 if seq.is_finished:
                     self.finish(seq)
                 advanced[seq.request_id] = None
