@@ -11,18 +11,25 @@ from pathlib import Path
 
 import torch
 
-from loramux.engine.block_manager import KVCacheManager
+from loramux.engine.block_manager import KVCacheManager, KVEventListener
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
-from loramux.engine.errors import AdapterNumericsError, EngineStepError
+from loramux.engine.errors import (
+    AdapterNumericsError,
+    ContextLengthError,
+    EngineStepError,
+    PromptError,
+    QueueFullError,
+)
 
 __all__ = ["AdapterNumericsError", "ContextLengthError", "EngineStepError", "LLMEngine", "QueueFullError"]
 from loramux.engine.lora.manager import LoRAManager
 from loramux.engine.lora.null import NoLoRA
+from loramux.engine.lora.state import ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.llama import LlamaModel
 from loramux.engine.output_processor import OutputProcessor
-from loramux.engine.outputs import EngineStats, RequestOutput
+from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
 from loramux.engine.postprocess import Postprocessor
 from loramux.engine.request import Request
 from loramux.engine.runner import ModelRunner, plan_num_blocks
@@ -37,19 +44,6 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | dict | list[int]
 AdapterSource = Callable[[str], str | Path]
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting``; retry later."""
-
-
-class ContextLengthError(ValueError):
-    """Prompt + output do not fit in ``max_model_len``; ``param`` says what to shorten
-    (``prompt`` or ``max_tokens``)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def resolve_device(name: str) -> torch.device:
@@ -172,10 +166,10 @@ class LLMEngine:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise PromptError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+        raise PromptError(f"unsupported prompt type {type(prompt).__name__}")
 
     def add_request(
         self,
@@ -186,7 +180,8 @@ class LLMEngine:
         fairness_key: str | None = None,
         weight: float = 1.0,
     ) -> Request:
-        """Validate and queue a request; raises ValueError (bad input) or QueueFullError.
+        """Validate and queue a request; raises :class:`PromptError`, :class:`ContextLengthError`,
+        :class:`SamplingParamError`, :class:`LoRAError` (bad input) or :class:`QueueFullError`.
         ``fairness_key`` (opaque: the platform's tenant) and ``weight`` place it in the fair
         share of ``SchedulerConfig.fairness_policy``; requests without a key share one."""
         params = params or SamplingParams()
@@ -197,10 +192,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids = self.tokenize(prompt)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         vocab = self.model.dims.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise PromptError(f"prompt token ids must be in [0, {vocab})")
         params.verify_vocab(vocab)
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(
@@ -365,7 +360,8 @@ class LLMEngine:
             req.aborted = True
         self.requests.clear()
         cc = self.config.cache
-        self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 listeners=self.kv.listeners)  # they hear all_blocks_cleared
         self.scheduler = self._make_scheduler()
 
     def stats(self) -> EngineStats:
@@ -377,6 +373,31 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
+        )
+
+    def add_kv_listener(self, listener: KVEventListener) -> Callable[[], None]:
+        """Hear the prefix cache's keys change (:class:`KVEventListener`, on the engine
+        thread, inside the step; it survives a restart and hears the cleared cache then).
+        Returns the function that removes it."""
+        listeners = self.kv.listeners
+        listeners.append(listener)
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+        return remove
+
+    def load_report(self, residency: ResidencySnapshot | None = None) -> LoadReport:
+        """What a load-aware router reads of this engine: the counters, the adapters of the
+        running and waiting sequences, the residency (``residency``, else taken now) and
+        the KV cache's shape. Call on the engine thread (it walks the queues)."""
+        running = Counter(s.lora_key for s in self.scheduler.running if s.lora_key is not None)
+        waiting = Counter(s.lora_key for s in self.scheduler.waiting if s.lora_key is not None)
+        return LoadReport(
+            self.stats(), dict(running), dict(waiting),
+            residency if residency is not None else self.lora_manager.snapshot(),
+            num_kv_blocks=self.kv.pool.num_blocks, block_size=self.kv.block_size,
+            taken_at=time.time(),
         )
 
     def _fail_broken_adapters(self) -> list[Request]:

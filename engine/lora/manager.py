@@ -31,18 +31,13 @@ from pathlib import Path
 import torch
 
 from loramux.engine.config import LoRAConfig
+from loramux.engine.errors import AdapterBrokenError, LoRAError
 from loramux.engine.lora import ops
 from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity
 from loramux.engine.lora.loader import LoadResult, LoadStats
 from loramux.engine.lora.slot_table import SlotTable
 from loramux.engine.lora.slots import SlotBuffers
-from loramux.engine.lora.state import (
-    AdapterBrokenError,
-    AdapterListener,
-    AdapterState,
-    LoRAError,
-    ResidencySnapshot,
-)
+from loramux.engine.lora.state import AdapterListener, AdapterState, ResidencySnapshot
 from loramux.engine.lora.step import LoRAStepBatch
 from loramux.engine.lora.tiers import AdapterTiers
 from loramux.engine.lora_request import LoRARequest

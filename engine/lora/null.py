@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
-from loramux.engine.lora.state import AdapterListener, LoRAError, ResidencySnapshot
+from loramux.engine.errors import LoRAError
+from loramux.engine.lora.state import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 
 _NO_SLOTS: Mapping[str, int] = MappingProxyType({})

@@ -28,9 +28,10 @@ from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights
 from loramux.adapters.spec import parse_config, read_config
 from loramux.engine.config import LoRAConfig
+from loramux.engine.errors import AdapterBrokenError, LoRAError
 from loramux.engine.lora.loader import AdapterLoader, LoadStats
 from loramux.engine.lora.slots import SlotBuffers
-from loramux.engine.lora.state import AdapterBrokenError, AdapterState, LoRAError
+from loramux.engine.lora.state import AdapterState
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.weights import ModelDims
 
@@ -181,9 +182,9 @@ class AdapterTiers:
                 yield key, fut
 
     def fail_load(self, key: str, exc: BaseException) -> None:
+        """A load of ``key`` failed: the error its requests fail with from now on."""
         self.adapters[key].error = (
-            exc if isinstance(exc, (LoRAError, AdapterValidationError))
-            else LoRAError(f"adapter {key!r} failed to load: {exc}")
+            exc if isinstance(exc, LoRAError) else LoRAError(f"adapter {key!r} failed to load: {exc}")
         )
 
     def keep(self, key: str, weights: LoraWeights, pinned: set[str]) -> None:

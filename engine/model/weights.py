@@ -10,10 +10,7 @@ import torch
 from safetensors import safe_open
 
 from loramux.adapters.arch import SUPPORTED_ARCHITECTURES, BaseModelDims, base_dims
-
-
-class ModelLoadError(ValueError):
-    """The folder is not a loadable Llama-family model."""
+from loramux.engine.errors import ModelLoadError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,9 +20,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from loramux.platform.adapter_api.schemas import (
-    Adapter,
     AdapterDeleted,
     AdapterExport,
+    AdapterInfo,
     AdapterList,
     AdapterPatch,
     S3Upload,
@@ -33,11 +33,13 @@ from loramux.platform.adapter_api.uploads import (
     parse_bool,
     parse_preset_field,
     parse_s3_uri,
+    read_local,
     receive_multipart,
 )
 from loramux.platform.errors import BadRequest, Forbidden
-from loramux.platform.openai.params import validate_preset
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.identity import Caller
+from loramux.platform.openai.presets import validate_preset
+from loramux.platform.openai.resolver import ModelResolver
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -85,7 +87,7 @@ class AdapterService:
         return f"tenant:{caller.tenant.name}" if caller.tenant is not None else "admin"
 
     # --- upload -------------------------------------------------------------------------
-    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> Adapter:
+    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> AdapterInfo:
         received = await receive_multipart(request, self.scratch, self.max_upload_bytes)
         try:
             name = received.fields.get("name") or ""
@@ -103,18 +105,23 @@ class AdapterService:
         own = [f"{self.own_s3_root}imports/{caller.tenant.name}/"] if self.own_s3_root else []
         return own + self.s3_import_allow
 
+    def import_allowed(self, caller: Caller, source: str) -> bool:
+        """True when ``caller`` may import from the ``s3://`` URI ``source`` (400 when it
+        is not one); nothing is read."""
+        bucket, key = parse_s3_uri(source)
+        return "/../" not in f"/{key}/" and any(
+            f"s3://{bucket}/{key}".startswith(p) for p in self.import_prefixes(caller))
+
     def check_import_source(self, caller: Caller, source: str) -> None:
         """403 for an ``s3://`` source outside the caller's allowed prefixes."""
-        bucket, key = parse_s3_uri(source)
-        if "/../" in f"/{key}/" or not any(
-                f"s3://{bucket}/{key}".startswith(p) for p in self.import_prefixes(caller)):
+        if not self.import_allowed(caller, source):
             raise Forbidden(
                 "this server imports adapters only from your own prefix (imports/<tenant>/ "
                 "in the server's bucket) and the locations its operator allows "
                 "(--s3-import-allow)", param="source", code="source_not_allowed",
             )
 
-    async def upload_s3(self, caller: Caller, body: S3Upload, replace_q: bool) -> Adapter:
+    async def upload_s3(self, caller: Caller, body: S3Upload, replace_q: bool) -> AdapterInfo:
         self.check_import_source(caller, body.source)
         received: Received = await run_in_threadpool(
             fetch_s3, body.source, self.scratch, self.max_upload_bytes,
@@ -126,8 +133,19 @@ class AdapterService:
         finally:
             await run_in_threadpool(received.cleanup)
 
+    async def upload_local(self, caller: Caller, name: str, path: Path, replace: bool) -> AdapterInfo:
+        """Register the adapter at the local ``path`` (a PEFT folder or an archive) that
+        the caller was allowed to name (the route checks the allow-list): copied under
+        the upload cap, then the same validation as an upload."""
+        received: Received = await run_in_threadpool(
+            read_local, path, self.scratch, self.max_upload_bytes)
+        try:
+            return await self._upload(caller, name, received, None, replace)
+        finally:
+            await run_in_threadpool(received.cleanup)
+
     async def _upload(self, caller: Caller, name: str, received: Received, preset,
-                      replace: bool) -> Adapter:
+                      replace: bool) -> AdapterInfo:
         if preset is not None:
             validate_preset(preset)
         handle = await self._long(
@@ -136,17 +154,17 @@ class AdapterService:
         )
         logger.info("adapter uploaded", extra={"adapter": name, "tenant": caller.tenant.name,
                                                "version": handle.version, "bytes": received.size})
-        return Adapter.of(handle)
+        return AdapterInfo.of(handle)
 
     # --- read / change ------------------------------------------------------------------
     async def list(self, caller: Caller) -> AdapterList:
         handles = await self._call(self.registry.list, caller.tenant.id)
-        return AdapterList(data=[Adapter.of(h) for h in handles])
+        return AdapterList(data=[AdapterInfo.of(h) for h in handles])
 
-    async def get(self, caller: Caller, name: str) -> Adapter:
-        return Adapter.of(await self._call(self.registry.get, caller.tenant.id, name))
+    async def get(self, caller: Caller, name: str) -> AdapterInfo:
+        return AdapterInfo.of(await self._call(self.registry.get, caller.tenant.id, name))
 
-    async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> Adapter:
+    async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> AdapterInfo:
         fields = body.model_fields_set
         handle = None
         if "preset" in fields:
@@ -163,7 +181,7 @@ class AdapterService:
             )
         if handle is None:
             handle = await self._call(self.registry.get, caller.tenant.id, name)
-        return Adapter.of(handle)
+        return AdapterInfo.of(handle)
 
     async def delete(self, caller: Caller, name: str) -> AdapterDeleted:
         handle = await self._call(
@@ -192,7 +210,7 @@ class AdapterService:
                 await run_in_threadpool(shutil.rmtree, tmp, True)
         return AdapterExport(
             id=handle.name, version=handle.version, base_model=handle.base_model,
-            location=store_uri(self.registry.store, prefix), files=files,
+            location=self.registry.store.folder_uri(prefix), files=files,
         )
 
 
@@ -211,14 +229,3 @@ def _put_folder(store: ObjectStore, folder: Path, prefix: str) -> list[str]:
         keys.append(key)
     return keys
 
-
-def store_uri(store: ObjectStore, key: str) -> str:
-    """Where an object-store key lives, as a URI a person can use."""
-    bucket = getattr(store, "bucket", None)
-    if bucket:
-        prefix = getattr(store, "prefix", "")
-        return f"s3://{bucket}/{prefix + '/' if prefix else ''}{key}/"
-    root = getattr(store, "root", None)
-    if root is not None:
-        return Path(root).joinpath(*key.split("/")).resolve().as_uri() + "/"
-    return key

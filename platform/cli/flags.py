@@ -1,5 +1,5 @@
 """``--flags`` generated from :class:`~loramux.platform.settings.Settings`: one per field,
-its docstring as help, grouped; and the settings a parsed command line describes."""
+its description as help, grouped; and the settings a parsed command line describes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from loramux.registry.budgets import DependencyBudgets
 GROUPS = {"max_stop": "request limits", QUOTA_PREFIX + "max_concurrent_requests": "tenant quotas",
           "s3_connect_timeout": "dependencies (timeouts, bulkheads, breakers)",
           "model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
-          "role": "cluster (see loramux.platform.cluster)", "quota_cache_ttl": "isolation"}
+          "role": "cluster (see loramux.platform.cluster)",
+          "protocol_metrics_port": "behind an inference gateway (see loramux.platform.inference_gateway)",
+          "quota_cache_ttl": "isolation"}
 """The flag group that starts at each of these fields (in declaration order)."""
 REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
                    "s3_region", *(f.name for f in dataclasses.fields(DependencyBudgets)))
@@ -41,7 +43,7 @@ def _flag_type(annotation: Any) -> tuple[Any, bool]:
 def add_settings_arguments(parser: Any, names: typing.Iterable[str] | None = None, *,
                            aliases: dict[str, list[str]] | None = None) -> None:
     """One ``--flag`` per :class:`Settings` field (all, or ``names``), with the field's
-    docstring as help; a flag left out stays None, so the variable or default applies."""
+    description as help; a flag left out stays None, so the variable or default applies."""
     wanted = set(names) if names is not None else None
     group: Any = parser
     for name, info in Settings.model_fields.items():

@@ -120,7 +120,9 @@ def _unset(value: Any) -> bool:
     return value is None
 
 
-class Usage(BaseModel):
+class CompletionUsage(BaseModel):
+    """Token counts of one response (the OpenAI client's name)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -152,7 +154,7 @@ class CompletionResponse(_ResponseHead):
 
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
-    usage: Usage
+    usage: CompletionUsage
 
 
 class AssistantMessage(BaseModel):
@@ -174,7 +176,7 @@ class ChatCompletionResponse(_ResponseHead):
 
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
-    usage: Usage
+    usage: CompletionUsage
     prompt_logprobs: list[Any] | None = Field(None, exclude_if=_unset)
 
 

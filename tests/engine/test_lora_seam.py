@@ -44,7 +44,7 @@ def test_both_managers_answer_the_whole_seam(tiny_model_dir):
 
 def test_an_engine_without_lora_answers_adapter_calls_with_clear_errors(tiny_model_dir):
     from loramux.engine import LoRARequest, SamplingParams
-    from loramux.engine.lora.manager import LoRAError
+    from loramux.engine.errors import LoRAError
 
     engine = _llm(tiny_model_dir).llm_engine
     manager = engine.lora_manager
