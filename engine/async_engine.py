@@ -180,7 +180,7 @@ class AsyncEngine:
 
         def evict() -> tuple[bool, bool]:
             freed = mgr.evict(key)
-            return freed, freed and key in mgr.evict_pending
+            return freed, freed and mgr.is_evict_pending(key)
         return await self.call(evict)
 
     async def pin_adapter(self, key: str) -> None:
@@ -200,7 +200,7 @@ class AsyncEngine:
         def attempt() -> bool | None:  # one engine-thread call: no load can land between
             if mgr.warm(key):
                 return True
-            return None if key in mgr.loading else False  # False: every slot busy or pinned
+            return None if mgr.is_loading(key) else False  # False: every slot busy or pinned
 
         deadline = time.monotonic() + timeout
         while True:
