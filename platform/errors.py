@@ -230,9 +230,11 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
     from loramux.adapters.errors import AdapterValidationError
     from loramux.adapters.merge import MergeCheckError
     from loramux.engine import errors as e
+    from loramux.platform.adapter_api.uploads import NothingToRead
     from loramux.platform.bulkheads import DependencyUnavailable
     from loramux.platform.cluster.roles import RoleConfigError
     from loramux.platform.cluster.routing import NoEngineAvailable
+    from loramux.platform.inference_gateway.metrics_listener import ListenerStartError
     from loramux.platform.limits.request import RequestLimitError
     from loramux.platform.limits.tenant import (
         LimitError,
@@ -263,6 +265,7 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
         TooManyRequests: ErrorRow(429, "rate_limit_error", "queue_full"),
         RateLimitExceeded: ErrorRow(429, "rate_limit_exceeded", "rate_limit_exceeded"),
         ServiceUnavailable: ErrorRow(503, server, "service_unavailable"),
+        NothingToRead: ErrorRow(400, bad, "source_not_found", "source"),
         RequestValidationError: ErrorRow(400, bad, "invalid_parameter", detail=_validation),
         HTTPException: ErrorRow(500, server, detail=_http),
         # the engine (loramux.engine.errors)
@@ -286,8 +289,6 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
                                    detail=_logged("the base model could not be loaded")),
         e.DefaultModelError: ErrorRow(500, server, "model_load_failed", log=True,
                                       detail=_logged("the default model could not be loaded")),
-        e.KernelBuildError: ErrorRow(500, server, "engine_error", log=True,
-                                     detail=_logged("a CPU kernel could not be loaded")),
         # adapters
         AdapterValidationError: ErrorRow(422, bad, "invalid_adapter", detail=_param("field")),
         MergeCheckError: ErrorRow(500, server, "merge_check_failed", log=True, detail=_logged(
@@ -347,6 +348,9 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
         NoEngineAvailable: ErrorRow(503, server, "engine_dead", detail=_retry_soon),
         RoleConfigError: ErrorRow(500, server, "misconfigured", log=True,
                                   detail=_logged("the server is misconfigured")),
+        # behind an inference gateway
+        ListenerStartError: ErrorRow(500, server, "misconfigured", log=True,
+                                     detail=_logged("the server is misconfigured")),
     }
 
 

@@ -29,6 +29,7 @@ from loramux.platform.builders import (
 )
 from loramux.platform.bulkheads import Dependencies
 from loramux.platform.identity import EngineKey
+from loramux.platform.inference_gateway import wiring as inference_gateway
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.gate import RequestGate
@@ -41,6 +42,9 @@ from loramux.platform.usage.recorder import UsageRecorder
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from loramux.platform.inference_gateway.kv_events import KVEventPublisher
+    from loramux.platform.inference_gateway.metrics_listener import ProtocolMetricsListener
+    from loramux.platform.inference_gateway.runtime_lora import RuntimeLoRA
     from loramux.registry.service import RegistryService
 
 VERSION = "0.1.0"
@@ -70,6 +74,12 @@ class AppState:
     """The database and object-store bulkheads every registry call runs in."""
     usage: UsageRecorder | None = None
     """The usage writer (finished requests' records to SQL); None without a registry."""
+    protocol_metrics: ProtocolMetricsListener | None = None
+    """The model-server protocol metrics listener (``--protocol-metrics-port``)."""
+    kv_events: KVEventPublisher | None = None
+    """The prefix-cache KV-event publisher (``--kv-events-endpoint``)."""
+    runtime_lora: RuntimeLoRA | None = None
+    """vLLM's load/unload API (``--allow-runtime-lora-updating``, with a registry)."""
 
     async def dependency_report(self) -> Report:
         """Every dependency asked at once (``/ready``, the dashboard's overview)."""
@@ -183,7 +193,12 @@ def build_state(settings: Settings, engine: AsyncEngine,
     state.cleanups.append(fleet.remove_listener)
     state.cleanups.append(deps.shutdown)
     if usage is not None:
-        state.cleanups.append(usage.close)  # first of all: closing runs the cleanups reversed
+        state.cleanups.append(usage.close)  # cleanups run reversed: after the ones added later
+    try:
+        inference_gateway.attach(state)
+    except BaseException:
+        close_state(state)
+        raise
     return state
 
 

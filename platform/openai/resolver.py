@@ -333,7 +333,7 @@ class ModelResolver:
     def _card(name: str, created: int, owner: str, parent: str | None) -> dict[str, Any]:
         return {
             "id": name, "object": "model", "created": created, "owned_by": owner,
-            "root": name if parent is None else None, "parent": parent,
+            "root": name, "parent": parent,
         }
 
     # --- invalidation ----------------------------------------------------------------
