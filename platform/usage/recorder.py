@@ -43,6 +43,16 @@ PRUNE_TIMEOUT_S = 120.0
 ORPHAN_SCAN_EVERY_S = 30.0
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether the database refused the records themselves (a value it cannot store), not
+    failed to take them: only then may one be dropped. Anything else is retried."""
+    from sqlalchemy import exc as sa
+
+    if dependency_kind(exc) is not None:
+        return False
+    return isinstance(exc, (sa.DataError, sa.IntegrityError, ValueError, TypeError))
+
+
 class UsageCounters:
     """What the writer reports (the server's Prometheus series, or nothing in tests)."""
 
@@ -187,12 +197,12 @@ class UsageRecorder:
         try:
             self._db.call_sync(self.write, records)
         except Exception as e:
-            if dependency_kind(e) is not None or len(records) == 1:
-                if dependency_kind(e) is None:
-                    logger.error("usage record dropped (refused by the database): %s", e)
-                    self.counters.dropped("refused", 1)
-                    return
-                raise
+            if not refused(e):
+                raise  # an outage (or anything unclear): the caller spills, nothing is lost
+            if len(records) == 1:
+                logger.error("usage record dropped (refused by the database): %s", e)
+                self.counters.dropped("refused", 1)
+                return
             for r in records:
                 self._insert([r])
             return
