@@ -16,9 +16,9 @@ import torch
 
 from loramux.engine.block_manager import pad_slot
 from loramux.engine.config import CacheConfig
-from loramux.engine.model.attention import build_attention_metadata
+from loramux.engine.model.attention import build_step_attention
 from loramux.engine.model.cpu_attention import kernel_available
-from loramux.engine.model.llama import LlamaModel
+from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.scheduler import SchedulerOutput
 from loramux.engine.sequence import Sequence
 
@@ -37,7 +37,7 @@ class StepBatch:
     num_decode: int = 0  # rows 0..num_decode-1 decode one token; the rest prefill
 
 
-def plan_num_blocks(model: LlamaModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
+def plan_num_blocks(model: DecoderModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
     """How many KV blocks fit the configured memory."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
@@ -68,12 +68,13 @@ class ModelRunner:
     """Builds the step's tensors and runs the forward pass."""
 
     def __init__(
-        self, model: LlamaModel, num_blocks: int, block_size: int, attention_backend: str = "auto"
+        self, model: DecoderModel, num_blocks: int, block_size: int, attention_backend: str = "auto"
     ) -> None:
         self.model = model
         # CPU: the C kernel reads K/V blocks in place (built at start-up; logged fallback)
         self.cpu_kernel = (
-            model.device.type == "cpu" and attention_backend == "auto" and kernel_available()
+            model.device.type == "cpu" and attention_backend == "auto" and not model.attn_softcap
+            and kernel_available()
         )
         if model.device.type == "cpu":
             logger.info("CPU attention: %s", "C paged kernel" if self.cpu_kernel else "torch")
@@ -125,17 +126,20 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n])
             starts.append(start)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, batch.num_new_tokens, strict=True)])
-        attn = build_attention_metadata(
+        attn = build_step_attention(
             [s.block_table for s in batch.seqs],
             starts,
             batch.num_new_tokens,
             batch.num_decode,
             self.block_size,
-            self.model.dims.sliding_window,
+            self.model.attention_windows,
             dev,
             pad_slot=self.pad_slot,
             cpu_kernel=self.cpu_kernel,
         )
+        prompt_lens = torch.repeat_interleave(
+            torch.tensor([s.num_prompt_tokens for s in batch.seqs]), torch.tensor(batch.num_new_tokens)
+        )  # [T]: the rotary of some models depends on it (LongRoPE)
         ends = torch.cumsum(torch.tensor(batch.num_new_tokens), 0)
         rows = [ends - 1]
         prompt_rows: dict[int, tuple[int, int]] = {}  # row -> (offset in logits, count)
@@ -153,6 +157,7 @@ class ModelRunner:
             attn,
             self.kv_caches,
             torch.cat(rows).to(dev),
+            prompt_lens.to(dev),
         )
         b = len(batch.seqs)
         extra = {row: logits[o : o + c] for row, (o, c) in prompt_rows.items()}

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from loramux.adapters.arch import SUPPORTED_MODULES
 from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights
@@ -53,8 +52,8 @@ from loramux.engine.lora.state import (
 )
 from loramux.engine.lora.step import StepHook
 from loramux.engine.lora_request import LoRARequest
+from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.model.linear import matmul_dtype
-from loramux.engine.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class LoRAManager(OperatorActions, StepHook):
     def __init__(
         self,
         config: LoRAConfig,
-        model: LlamaModel,
+        model: DecoderModel,
         adapter_source: Callable[[str], str | Path] | None = None,
         running_keys: Callable[[], set[str]] | None = None,
         gpu_utilization: float = 0.9,
@@ -120,7 +119,8 @@ class LoRAManager(OperatorActions, StepHook):
         self.num_evictions = 0
         self.load_stats = LoadStats()
         self._listeners: list[AdapterListener] = []
-        self._loader = AdapterLoader(self.slots, cpu_dtype, pin_memory=model.device.type == "cuda")
+        self._loader = AdapterLoader(self.slots, cpu_dtype, pin_memory=model.device.type == "cuda",
+                                     family=model.dims)
         self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
         self._meta: LoRABatchMeta | None = None
         self._groups: frozenset[str] = frozenset()
@@ -159,7 +159,7 @@ class LoRAManager(OperatorActions, StepHook):
             self.drop(request.key)  # the name now points at other weights
         folder = self._folder(request)
         try:
-            spec = parse_config(read_config(folder / CONFIG_NAME))
+            spec = parse_config(read_config(folder / CONFIG_NAME), self.model.dims)
         except AdapterValidationError as e:
             raise LoRAError(f"adapter {request.lora_name!r}: {e}") from None
         if spec.r > self.config.max_lora_rank:
@@ -167,7 +167,7 @@ class LoRAManager(OperatorActions, StepHook):
                 f"adapter {request.lora_name!r} has rank {spec.r}, above max_lora_rank="
                 f"{self.config.max_lora_rank}"
             )
-        unsupported = [m for m in spec.target_modules if m not in SUPPORTED_MODULES]
+        unsupported = [m for m in spec.target_modules if m not in self.model.family.lora_modules]
         if unsupported:
             raise LoRAError(
                 f"adapter {request.lora_name!r} targets unsupported modules {unsupported}"
