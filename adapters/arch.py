@@ -334,3 +334,18 @@ def model_types_named(name: str | None) -> set[str]:
     if not name:
         return set()
     return {t for t, p in _NAME_PATTERNS if p.search(name)}
+
+
+def folder_family(folder: Any) -> str | None:
+    """``"<family> (<architecture>)"`` of the model folder's ``config.json`` (``qwen3
+    (Qwen3ForCausalLM)``), or None when there is no readable, supported config there. For
+    what ``/v1/models`` and the dashboard show."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        arch = resolve_architecture(config)
+    except (OSError, ValueError, TypeError, AdapterValidationError):
+        return None
+    return f"{arch.family} ({arch.name})"

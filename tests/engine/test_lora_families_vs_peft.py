@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.lora_fixtures import ALL_MODULES, make_peft_adapter, peft_reference, teacher_forcing_gaps
+from support.lora_fixtures import (
+    ALL_MODULES,
+    make_peft_adapter,
+    peft_reference,
+    teacher_forcing_gaps,
+)
 from support.tiny_models import make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
