@@ -322,18 +322,19 @@ _NAME_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("phi3", r"phi-?(?:3|4)(?!-?(?:v|multimodal|small))"),
         ("phi", r"phi-?(?:1|2)(?![\d.])"),
         ("mixtral", r"mixtral"),
-        ("mistral", r"(?<!mix)(?:mistral|ministral)"),
+        ("mistral", r"mistral|ministral"),
         ("llama", r"llama(?!-?4)"),
     )
 )
 
 
 def model_types_named(name: str | None) -> set[str]:
-    """Model types the checkpoint name ``name`` points at (``Qwen/Qwen3-8B`` → ``qwen3``);
-    empty when the name says nothing (``my-org/sql-model``)."""
-    if not name:
+    """Model types the checkpoint name ``name`` points at by its last path component
+    (``Qwen/Qwen3-8B`` → ``qwen3``); empty when it says nothing (``my-org/sql-model``)."""
+    model = (name or "").rstrip("/").rsplit("/", 1)[-1]  # "mistralai/Mixtral-…": the model part
+    if not model:
         return set()
-    return {t for t, p in _NAME_PATTERNS if p.search(name)}
+    return {t for t, p in _NAME_PATTERNS if p.search(model)}
 
 
 def folder_family(folder: Any) -> str | None:

@@ -212,7 +212,7 @@ def _parse_targets(
         raise refuse("target_modules", "missing; expected a list of module names")
     if isinstance(value, str):
         if value == "all-linear":
-            return native, ()
+            return tuple(m for m in LORA_MODULES if m in native), ()
         if value in accepted:
             return (value,), ()
         raise refuse(

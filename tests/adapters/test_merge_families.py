@@ -48,7 +48,7 @@ def test_export_matches_peft_and_the_engine(name, tmp_path, default_model_dir):
     plain = LLM(str(merged), dtype="float32", device="cpu", max_model_len=64)
     got = plain.generate([{"prompt_token_ids": p} for p in prompts], params)
     base_only = with_lora.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for w, g, b in zip(want, got, base_only, strict=True):
+    for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for we, ge in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             for tok, lp in we.items():
