@@ -78,7 +78,7 @@ class LoraSpec:
     ``layers_to_transform``). Use :meth:`targets` rather than reading these directly.
     ``fan_in_fan_out`` is kept as written, but the tensors in
     :class:`LoraWeights` are always in PEFT's ``nn.Linear`` orientation (PEFT itself
-    ignores the flag for ``nn.Linear`` layers, which is all a Llama-family model has).
+    ignores the flag for ``nn.Linear`` layers, which is all every served family has).
     """
 
     r: int
@@ -255,7 +255,7 @@ def _parse_layers(config: Mapping[str, Any]) -> tuple[int, ...] | None:
     pattern = config.get("layers_pattern")
     if pattern not in (None, "", "layers", [], ["layers"]):
         raise refuse(
-            "layers_pattern", f"expected 'layers' for a Llama-family model, got {pattern!r}"
+            "layers_pattern", f"expected 'layers' (every served family's decoder layers), got {pattern!r}"
         )
     if value is None or value == []:
         return None

@@ -1,4 +1,4 @@
-"""Tiny random Llama-family models with the default tokenizer, for fast tests."""
+"""Tiny random models of every family with the default tokenizer, for fast tests."""
 
 from __future__ import annotations
 
