@@ -10,7 +10,7 @@
 - :mod:`~loramux.adapters.safetensors_io` safetensors header checks before any tensor is
   read; nothing in this package unpickles or calls ``torch.load``
 - :mod:`~loramux.adapters.arch` the supported families and architectures (Llama/Mistral/
-  Qwen2, Qwen3, Gemma 3, Phi-3/4), the modules LoRA may target in each, the shapes they imply
+  Qwen2, Qwen3, Gemma 3, Gemma 2, Phi-3/4), the modules LoRA may target in each, the shapes they imply
 - :mod:`~loramux.adapters.fused` an adapter on split names rewritten in a fused family's
   names (Phi-3's ``qkv_proj``) for PEFT
 - :mod:`~loramux.adapters.merge` ``export_merged`` (PEFT ``merge_and_unload`` to a Hugging

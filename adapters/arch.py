@@ -101,6 +101,7 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("llama", "Llama / Mistral / Qwen2", SUPPORTED_MODULES),
         ModelFamily("qwen3", "Qwen3", SUPPORTED_MODULES),
         ModelFamily("gemma3", "Gemma 3 (text)", SUPPORTED_MODULES),
+        ModelFamily("gemma2", "Gemma 2", SUPPORTED_MODULES),
         ModelFamily("phi3", "Phi-3 / Phi-4", _FUSED_NATIVE, SUPPORTED_MODULES),
     )
 }
@@ -149,6 +150,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                               "model.multi_modal_projector."),
             ignored_modules=("out_proj", "fc1", "fc2", "mm_input_projection"),
         ),
+        Architecture("Gemma2ForCausalLM", "gemma2", "gemma2"),
         Architecture("Phi3ForCausalLM", "phi3", "phi3"),
     )
 }

@@ -24,6 +24,7 @@ FAMILY_MODULES = {
     "llama": "loramux.engine.model.models.llama",
     "qwen3": "loramux.engine.model.models.qwen3",
     "gemma3": "loramux.engine.model.models.gemma3",
+    "gemma2": "loramux.engine.model.models.gemma2",
     "phi3": "loramux.engine.model.models.phi3",
 }
 """Family name (``adapters.arch.FAMILIES``) → the module with its ``decoder_spec``."""

@@ -1,9 +1,9 @@
 """Every model family's greedy output and logprobs equal transformers' (teacher forcing, see
 ARCHITECTURE.md), float32 on the CPU: tiny random Qwen3, Gemma 3 (text and the text tower of
-a multimodal checkpoint) and Phi-3 configs with the features that set each family apart —
+a multimodal checkpoint), Gemma 2 and Phi-3 configs with the features that set each family apart —
 q/k norms, explicit head_dim, sliding-window layers (longer than a block, shorter than the
 prompt), Gemma's (1 + w) sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar,
-per-kind rotary bases and scaling, final soft-capping, fused checkpoints, partial rotary
+per-kind rotary bases and scaling, attention and final soft-capping, fused checkpoints, partial rotary
 and LongRoPE. Chunked prefill (a 64-token budget), prefix-cache hits, both CPU attention
 paths (C kernel, torch) and bf16 runs are included.
 
@@ -36,6 +36,7 @@ CONFIGS = {  # name: (family, overrides)
     "gemma3-short-window": ("gemma3", dict(num_hidden_layers=3, sliding_window=7,
                                            sliding_window_pattern=3, query_pre_attn_scalar=64)),
     "gemma3-multimodal": ("gemma3-mm", dict(num_hidden_layers=2, sliding_window=12)),
+    "gemma2-softcaps": ("gemma2", dict(num_hidden_layers=3)),
     "phi3": ("phi3", {}),
     "phi3-longrope-partial": ("phi3", LONGROPE),
     "phi3-window": ("phi3", dict(sliding_window=20, num_key_value_heads=4)),

@@ -37,6 +37,10 @@ FAMILIES = {  # name: (family, model overrides, [(rank, targets, rslora, extra L
         (8, ["q_proj", "v_proj"], False, {}),  # also the vision tower's q/v
         (16, "all-linear", False, {}),
     ]),
+    "gemma2": ("gemma2", dict(num_hidden_layers=2), [
+        (8, ALL_MODULES, False, {}),
+        (16, ["q_proj", "v_proj"], True, {}),
+    ]),
     "phi3": ("phi3", {}, [
         (4, ["qkv_proj"], False, {}),
         (16, FUSED, True, {}),

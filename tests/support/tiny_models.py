@@ -59,6 +59,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         hidden_activation="gelu_pytorch_tanh", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True,
     )),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=12, attn_logit_softcapping=3.0,
+        final_logit_softcapping=6.0, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(tie_word_embeddings=False, hidden_act="silu")),
 }
 """Per family: the model and config classes and what the tiny config sets beyond the shared dims."""
