@@ -30,21 +30,13 @@ from typing import Any
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine, PromptType
+from loramux.engine.errors import AdapterGoneError, EngineDeadError
 from loramux.engine.lora.manager import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.outputs import EngineStats, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an error, or shutdown): the call did not run. The loop
-    restarts in-process after an error; the HTTP layer answers 503."""
-
-
-class AdapterGoneError(LookupError):
-    """A queued request's adapter was deleted or replaced before the request started."""
 
 
 __all__ = ["AdapterGoneError", "AsyncEngine", "EngineDeadError", "EngineStats"]

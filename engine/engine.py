@@ -14,7 +14,13 @@ import torch
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
-from loramux.engine.errors import AdapterNumericsError, EngineStepError
+from loramux.engine.errors import (
+    AdapterNumericsError,
+    ContextLengthError,
+    EngineStepError,
+    PromptError,
+    QueueFullError,
+)
 
 __all__ = ["AdapterNumericsError", "ContextLengthError", "EngineStepError", "LLMEngine", "QueueFullError"]
 from loramux.engine.lora.manager import LoRAManager
@@ -36,19 +42,6 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | dict | list[int]
 AdapterSource = Callable[[str], str | Path]
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting``; retry later."""
-
-
-class ContextLengthError(ValueError):
-    """Prompt + output do not fit in ``max_model_len``; ``param`` says what to shorten
-    (``prompt`` or ``max_tokens``)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def resolve_device(name: str) -> torch.device:
@@ -175,10 +168,10 @@ class LLMEngine:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise PromptError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+        raise PromptError(f"unsupported prompt type {type(prompt).__name__}")
 
     def add_request(
         self,
@@ -189,7 +182,8 @@ class LLMEngine:
         fairness_key: str | None = None,
         weight: float = 1.0,
     ) -> Request:
-        """Validate and queue a request; raises ValueError (bad input) or QueueFullError.
+        """Validate and queue a request; raises :class:`PromptError`, :class:`ContextLengthError`,
+        :class:`SamplingParamError`, :class:`LoRAError` (bad input) or :class:`QueueFullError`.
         ``fairness_key`` (opaque: the platform's tenant) and ``weight`` place it in the fair
         share of ``SchedulerConfig.fairness_policy``; requests without a key share one."""
         params = params or SamplingParams()
@@ -200,10 +194,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids = self.tokenize(prompt)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         vocab = self.model.dims.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise PromptError(f"prompt token ids must be in [0, {vocab})")
         params.verify_vocab(vocab)
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 
+from loramux.engine.errors import SamplingParamError
 from loramux.engine.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -12,14 +13,6 @@ logger = logging.getLogger(__name__)
 _SAMPLING_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2
 _MAX_LOGIT_BIAS = 100.0
-
-
-class SamplingParamError(ValueError):
-    """A sampling parameter is invalid; ``param`` names it (the HTTP error's ``param``)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.errors import GrammarError, GrammarTimeoutError
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -58,10 +60,6 @@ class StructuredOutputsParams:
              "json_object": bool(self.json_object)},
             sort_keys=True,
         )
-
-
-class GrammarTimeoutError(ValueError):
-    """A grammar took longer than ``grammar_compile_timeout`` to compile."""
 
 
 class StructuredOutputManager:
@@ -112,7 +110,7 @@ class StructuredOutputManager:
         try:
             xgr_compiled = self._compile(params)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"structured_outputs: invalid constraint ({e})") from None
+            raise GrammarError(f"structured_outputs: invalid constraint ({e})") from None
         with self._lock:
             self._cache[key] = xgr_compiled
             if len(self._cache) > self._cache_size:

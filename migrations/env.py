@@ -2,13 +2,11 @@
 
 The database comes from, in order: a connection handed over by
 ``loramux.registry.db.Database`` (``config.attributes["connection"]``), the
-``sqlalchemy.url`` option, ``LORAMUX_DATABASE_URL``, or the embedded SQLite file in
-the data dir.
+``sqlalchemy.url`` option, the service's ``database_url`` setting (``Settings``, the
+one reader of ``LORAMUX_*`` variables), or the embedded SQLite file in the data dir.
 """
 
 from __future__ import annotations
-
-import os
 
 from alembic import context
 from sqlalchemy import create_engine, pool
@@ -20,7 +18,12 @@ target_metadata = Base.metadata
 
 
 def _url() -> str:
-    url = config.get_main_option("sqlalchemy.url") or os.environ.get("LORAMUX_DATABASE_URL")
+    url = config.get_main_option("sqlalchemy.url")
+    if url:
+        return url
+    from loramux.platform.settings import Settings
+
+    url = Settings().database_url
     if url:
         return url
     from loramux.registry.factory import default_database_url

@@ -12,7 +12,6 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.async_engine import AsyncEngine
@@ -21,13 +20,14 @@ from loramux.platform.adapter_api import routes as adapter_routes
 from loramux.platform.admin import pages as admin_pages
 from loramux.platform.admin import routes as admin_routes
 from loramux.platform.admin.activity import record_rejection
-from loramux.platform.builders import engine_config, open_registry
+from loramux.platform.builders import engine_config, error_context, open_registry
 from loramux.platform.drain import Drain
-from loramux.platform.errors import install_error_handlers
+from loramux.platform.error_handlers import install_error_handlers
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
+from loramux.platform.server import LoramuxApp
 from loramux.platform.settings import Settings
-from loramux.platform.state import VERSION, AppState, aclose_state, build_state
+from loramux.platform.state import VERSION, aclose_state, build_state
 from loramux.platform.tenant_api import routes as tenant_routes
 
 if TYPE_CHECKING:
@@ -45,14 +45,14 @@ def create_app(
     settings: Settings | None = None,
     engine: AsyncEngine | None = None,
     registry: RegistryService | None = None,
-) -> FastAPI:
+) -> LoramuxApp:
     """The HTTP service. Give ``engine`` (and ``registry``) to serve what you built;
     leave them out and the lifespan builds both from ``settings``."""
     settings = settings or Settings()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state: AppState | None = getattr(app.state, "loramux", None)
+    async def lifespan(app: LoramuxApp):
+        state = app.services
         if state is None:
             built_engine = await run_in_threadpool(build_engine, settings)
             try:
@@ -67,37 +67,36 @@ def create_app(
                 raise
             state.owns_engine = True
             state.owns_registry = registry is None
-            app.state.loramux = state
+            app.serve(state)
             # a drain that times out fails the engine's open requests (error events)
-            app.state.drain.on_timeout.append(lambda: threading.Thread(
+            app.drain.on_timeout.append(lambda: threading.Thread(
                 target=built_engine.shutdown, name="drain-timeout", daemon=True).start())
-            hook = getattr(app.state, "on_ready", None)
-            if hook is not None:
-                await run_in_threadpool(hook, state)
+            if app.on_ready is not None:
+                await run_in_threadpool(app.on_ready, state)
         try:
             yield
         finally:
-            state = getattr(app.state, "loramux", None)
+            state = app.services
             if state is not None and state.owns_engine:
                 await aclose_state(state)
-            elif state is not None and state.admission is not None:
-                await state.admission.aclose()
+            elif state is not None and state.gate is not None:
+                await state.gate.aclose()
 
-    app = FastAPI(
+    drain = Drain()
+    app = LoramuxApp(
+        drain=drain,
         title="loramux",
         version=VERSION,
         summary="OpenAI-compatible multi-LoRA serving with a tenant adapter API.",
         lifespan=lifespan,
         root_path=settings.root_path,
     )
-    install_error_handlers(app)
-    app.state.rejection_listener = record_rejection
-    app.state.drain = Drain()
+    install_error_handlers(app, error_context(settings), on_rejection=record_rejection)
     app.add_middleware(
         RequestContextMiddleware,
         max_request_bytes=settings.max_request_bytes,
         unlimited_paths=("/v1/adapters",),
-        drain=app.state.drain,
+        drain=drain,
     )
     app.include_router(openai_routes.router)
     app.include_router(adapter_routes.router)
@@ -106,5 +105,5 @@ def create_app(
     app.include_router(admin_pages.router)
     app.include_router(ops.router)
     if engine is not None:
-        app.state.loramux = build_state(settings, engine, registry)
+        app.serve(build_state(settings, engine, registry))
     return app

@@ -12,9 +12,9 @@ import hashlib
 import hmac
 from typing import TYPE_CHECKING
 
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.bulkheads import Dependencies
 from loramux.platform.errors import Forbidden, Unauthorized
-from loramux.platform.openai.resolver import Caller
+from loramux.platform.identity import Caller
 from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What the service's :class:`~loramux.platform.settings.Settings` build: the engine's
-configuration, the registry, the request caps, the default quotas and the dependency
-budgets. The same limits (``max_lora_rank``, ``max_adapter_bytes``) hold for ``serve``
+configuration, the registry, the request caps, the default quotas, the dependency
+budgets and the error answers' Retry-After values. The same limits (``max_lora_rank``, ``max_adapter_bytes``) hold for ``serve``
 and for ``loramux adapters upload``, because both build through here.
 """
 
@@ -18,7 +18,8 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
-from loramux.platform.dependencies import DependencyPolicy
+from loramux.platform.bulkheads import DependencyPolicy
+from loramux.platform.errors import ErrorContext
 from loramux.platform.limits.request import RequestLimits
 from loramux.platform.settings import QUOTA_PREFIX, Settings
 from loramux.registry.budgets import DependencyBudgets
@@ -62,12 +63,18 @@ def dependency_policy(settings: Settings) -> DependencyPolicy:
                                for f in dataclasses.fields(DependencyPolicy)})
 
 
+def error_context(settings: Settings) -> ErrorContext:
+    """The Retry-After values of the error table's answers for these settings."""
+    return ErrorContext(retry_after=settings.retry_after_seconds,
+                        dependency_retry_after=settings.dependency_retry_after)
+
+
 def open_registry(settings: Settings, base_model: Any = None, *,
                   auto_upgrade: bool | None = None) -> RegistryService:
     """The registry for these settings. With ``base_model`` (a folder, or a config)
     uploads are validated against it under the serving limits (``max_lora_rank``,
     ``max_adapter_bytes``), so an adapter the registry accepts is one ``serve`` serves."""
-    from loramux.platform.openai.params import registry_preset_check
+    from loramux.platform.openai.presets import registry_preset_check
     from loramux.registry import build_registry
 
     s = settings

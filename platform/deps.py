@@ -15,21 +15,32 @@ from loramux.platform.adapter_api.service import AdapterService
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import COOKIE, CSRF_HEADER
 from loramux.platform.errors import Forbidden, ServiceUnavailable, Unauthorized
-from loramux.platform.openai.resolver import Caller
+from loramux.platform.identity import Caller
 from loramux.platform.openai.serving import OpenAIServing
+from loramux.platform.server import AdminState, app_of
 from loramux.platform.state import AppState
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant API key (`lmx_...`) or the admin key.")
 
 
 async def get_state(request: Request) -> AppState:
-    state = getattr(request.app.state, "loramux", None)
+    """Every service of the server (503 while the lifespan is still building them)."""
+    state = app_of(request).services
+    if state is None:
+        raise ServiceUnavailable("the server is starting", code="not_ready")
+    return state
+
+
+async def get_admin_state(request: Request) -> AdminState:
+    """What the admin routers read (the server's services, or a gateway's)."""
+    state = app_of(request).admin_state
     if state is None:
         raise ServiceUnavailable("the server is starting", code="not_ready")
     return state
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
+AdminStateDep = Annotated[AdminState, Depends(get_admin_state)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
@@ -47,7 +58,7 @@ async def get_tenant(state: StateDep, creds: Credentials) -> Caller:
     return await state.auth.tenant(_header(creds))
 
 
-async def get_admin(request: Request, state: StateDep, creds: Credentials) -> Caller:
+async def get_admin(request: Request, state: AdminStateDep, creds: Credentials) -> Caller:
     """The admin key as a Bearer token, or a dashboard session cookie (whose requests
     other than GET must carry the session's CSRF token)."""
     if creds is not None:
@@ -62,7 +73,7 @@ async def get_admin(request: Request, state: StateDep, creds: Credentials) -> Ca
     return Caller(None, is_admin=True)
 
 
-async def get_metrics_reader(state: StateDep, creds: Credentials) -> Caller | None:
+async def get_metrics_reader(state: AdminStateDep, creds: Credentials) -> Caller | None:
     """/metrics names every tenant's adapters: the admin key, unless ``--metrics-public``."""
     if state.settings.metrics_public:
         return None
@@ -85,7 +96,7 @@ async def get_adapter_service(state: StateDep) -> AdapterService:
     return state.adapters
 
 
-async def get_admin_service(state: StateDep) -> AdminService:
+async def get_admin_service(state: AdminStateDep) -> AdminService:
     return state.admin
 
 

@@ -1,36 +1,80 @@
 """HTTP errors in the OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Services raise: :class:`APIError` subclasses, or engine, adapter, registry and
-dependency exceptions, which :func:`to_api_error` maps by class through one table
-(:func:`error_table`); services do not translate. The handlers installed by
-:func:`install_error_handlers` (one per row, and the catch-all) render them (and
-FastAPI's validation errors) as JSON with the right status, so OpenAI clients raise
-their matching exception class. A failed dependency (database, object store, Redis) is
+One table, :func:`error_table`, maps every exception class the product raises (the
+platform's :class:`APIError` family, the engine's, the adapters', the registry's, the
+limits', and the dependency clients' failures) to its HTTP status, OpenAI error type
+and code, and the ``status`` label of ``loramux_requests_total``; nothing else maps.
+Services raise and never translate; :func:`to_api_error` renders any exception through
+the table (a class without a row of its own takes its nearest base's; a test requires a
+row for every product class). A failed dependency (database, object store, Redis) is
 503 with ``Retry-After`` naming the dependency kind only; anything unexpected is a
-generic 500: no SQL, URL, file path, bucket or digest reaches a client; the details go
-to the log.
+generic 500: no SQL, URL, file path, bucket or digest reaches a client, the details go
+to the log. The handlers that answer with it are in :mod:`.error_handlers`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
+METRIC_LABELS = ("ok", "cancelled", "invalid", "rejected", "error")
+"""The ``status`` label of ``loramux_requests_total``: finished, client gone, refused as
+bad input (4xx), refused for load or quota (429), failed (5xx)."""
+
+
+def label_for(status: int) -> str:
+    """The metric label of an HTTP status (a row may name another)."""
+    return "rejected" if status == 429 else "cancelled" if status == 499 else (
+        "invalid" if 400 <= status < 500 else "error")
+
+
+@dataclass(frozen=True)
+class ErrorContext:
+    """What only the server or the request knows of an error's answer."""
+
+    prompt_param: str = "prompt"
+    """The request field that holds the prompt (``prompt``; ``messages`` for chat)."""
+    retry_after: int = 1
+    """``Retry-After`` of a full queue or a restarting engine (``retry_after_seconds``)."""
+    dependency_retry_after: int = 5
+    """``Retry-After`` of a failed dependency (``dependency_retry_after``)."""
+
+
+Detail = Callable[[Any, ErrorContext], dict[str, Any]]
+"""What an answer takes from the exception: any of ``message``, ``param``, ``code``,
+``headers`` (and ``status``, for exceptions that carry their own)."""
+
+
+@dataclass(frozen=True)
+class ErrorRow:
+    """How one exception class is answered."""
+
+    status: int
+    type: str
+    """The OpenAI error type (``invalid_request_error``, ``server_error``, ...)."""
+    code: str | None = None
+    param: str | None = None
+    """``prompt`` means the request's prompt field (:attr:`ErrorContext.prompt_param`)."""
+    label: str = ""
+    """The metric label; empty = by status (:func:`label_for`)."""
+    detail: Detail | None = None
+    log: bool = False
+    """Log the exception (what happened, for the operator; the client hears less)."""
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            object.__setattr__(self, "label", label_for(self.status))
+
 
 class APIError(Exception):
-    """An error with an HTTP status, shown to the client in the OpenAI shape."""
-
-    status_code = 500
-    type = "server_error"
-    code: str | None = None
+    """An error with an HTTP status, shown to the client in the OpenAI shape. A subclass's
+    status, type and default code are its row of the table."""
 
     def __init__(
         self,
@@ -39,12 +83,15 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        row: ErrorRow | None = None,
     ) -> None:
+        """``row``: answer by this row instead of the class's (the table's own use)."""
         super().__init__(message)
+        row = row or row_of(type(self))
         self.message = message
         self.param = param
-        if code is not None:
-            self.code = code
+        self.status_code, self.type, self.label = row.status, row.type, row.label
+        self.code = code if code is not None else row.code
         self.headers = headers or {}
 
     def body(self) -> dict:
@@ -59,235 +106,297 @@ class APIError(Exception):
 
 
 class BadRequest(APIError):
-    status_code = 400
-    type = "invalid_request_error"
+    pass
 
 
 class Unauthorized(APIError):
-    status_code = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
+    pass
 
 
 class Forbidden(APIError):
-    status_code = 403
-    type = "permission_error"
-    code = "forbidden"
+    pass
 
 
 class NotFound(APIError):
-    status_code = 404
-    type = "invalid_request_error"
-    code = "not_found"
+    pass
 
 
 class ModelNotFound(NotFound):
-    code = "model_not_found"
+    pass
 
 
 class AdapterNotFoundError(NotFound):
-    code = "adapter_not_found"
+    pass
 
 
 class Conflict(APIError):
-    status_code = 409
-    type = "invalid_request_error"
-    code = "conflict"
+    pass
 
 
 class PayloadTooLarge(APIError):
-    status_code = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
+    pass
 
 
 class UnsupportedMediaType(APIError):
-    status_code = 415
-    type = "invalid_request_error"
-    code = "unsupported_media_type"
+    pass
 
 
 class Unprocessable(APIError):
-    status_code = 422
-    type = "invalid_request_error"
-    code = "invalid_adapter"
+    pass
 
 
 class TooManyRequests(APIError):
-    status_code = 429
-    type = "rate_limit_error"
-    code = "queue_full"
+    pass
 
 
 class RateLimitExceeded(TooManyRequests):
     """Over a tenant quota now; ``Retry-After`` says when to try again."""
 
-    type = "rate_limit_exceeded"
-    code = "rate_limit_exceeded"
-
 
 class ServiceUnavailable(APIError):
-    status_code = 503
-    type = "server_error"
-    code = "service_unavailable"
+    pass
 
 
-@functools.cache
-def error_table() -> list[tuple[tuple[type[BaseException], ...], Callable[[BaseException], APIError]]]:
-    """The one map from exception classes (engine, adapters, registry) to HTTP errors;
-    the first row whose classes match wins. Store and schema failures name no bucket,
-    path or SQL: the client hears what to do, the log hears what happened."""
-    import redis
-    from sqlalchemy import exc as sa
-
-    from loramux.adapters.errors import AdapterValidationError
-    from loramux.engine.async_engine import AdapterGoneError, EngineDeadError
-    from loramux.engine.engine import (
-        AdapterNumericsError,
-        ContextLengthError,
-        EngineStepError,
-        QueueFullError,
-    )
-    from loramux.engine.lora.manager import LoRAError
-    from loramux.engine.sampling_params import SamplingParamError
-    from loramux.platform.dependencies import DependencyPolicy, DependencyUnavailable
-    from loramux.platform.limits.request import RequestLimitError
-    from loramux.platform.limits.tenant import LimiterUnavailable, RateLimited, RequestTooLarge
-    from loramux.registry import errors as r
-
-    retry = DependencyPolicy().dependency_retry_after  # a bulkhead's own is on its error
-
-    def unavailable(what: str) -> Callable[[BaseException], APIError]:
-        def make(exc: BaseException) -> APIError:
-            logger.error("%s: %s", what, exc)
-            return ServiceUnavailable(f"{what}; try again later")
-        return make
-
-    def dependency(kind: str | None) -> Callable[[BaseException], APIError]:
-        def make(exc: BaseException) -> APIError:
-            name = kind or getattr(exc, "kind", "dependency")
-            after = getattr(exc, "retry_after", retry)
-            logger.error("%s unavailable: %s: %s", name, type(exc).__name__, exc)
-            return ServiceUnavailable(
-                f"the {name} is unavailable; try again in {after} s",
-                code=f"{name.replace(' ', '_')}_unavailable",
-                headers={"Retry-After": str(after)},
-            )
-        return make
-
-    return [
-        ((APIError,), lambda e: e),
-        ((QueueFullError,), lambda e: TooManyRequests(str(e))),
-        ((EngineDeadError,), lambda e: ServiceUnavailable(str(e), code="engine_dead")),
-        ((AdapterGoneError,), lambda e: Conflict(str(e), param="model", code="adapter_gone")),
-        ((AdapterNumericsError,), lambda e: APIError(str(e), param="model", code="adapter_numerics")),
-        ((EngineStepError,), lambda e: APIError(str(e), code="engine_step_failed")),
-        ((RateLimited,), lambda e: RateLimitExceeded(
-            str(e), param=e.limit, headers={"Retry-After": e.retry_after_header})),
-        ((RequestTooLarge,), lambda e: BadRequest(
-            f"{e}; retrying will not help", param=e.limit, code="request_too_large")),
-        ((LimiterUnavailable,), lambda e: ServiceUnavailable(
-            str(e), code="limiter_unavailable", headers={"Retry-After": str(retry)})),
-        ((DependencyUnavailable,), dependency(None)),
-        ((sa.OperationalError, sa.InterfaceError, sa.TimeoutError, sa.DisconnectionError),
-         dependency("database")),
-        ((redis.RedisError,), dependency("redis")),
-        ((ContextLengthError,), lambda e: BadRequest(str(e), param=e.param,
-                                                     code="context_length_exceeded")),
-        ((SamplingParamError,), lambda e: BadRequest(str(e), param=e.param,
-                                                     code="invalid_parameter")),
-        ((RequestLimitError,), lambda e: BadRequest(str(e), param=e.param,
-                                                    code="request_limit_exceeded")),
-        ((r.QuotaExceeded,), lambda e: Forbidden(str(e), param=e.quota, code="quota_exceeded")),
-        ((r.InvalidQuota,), lambda e: BadRequest(str(e), param="quotas", code="invalid_quota")),
-        ((LoRAError,), lambda e: Unprocessable(f"the adapter cannot be served: {e}", param="model")),
-        ((AdapterValidationError,), lambda e: Unprocessable(str(e), param=e.field)),
-        ((r.AdapterNotFound,), lambda e: AdapterNotFoundError(str(e), param="name")),
-        ((r.AdapterConflict, r.TenantConflict), lambda e: Conflict(str(e), param="name")),
-        ((r.InvalidName,), lambda e: BadRequest(str(e), param="name", code="invalid_name")),
-        ((r.InvalidPreset,), lambda e: BadRequest(str(e), param="preset", code="invalid_preset")),
-        ((r.InvalidDescription,), lambda e: BadRequest(str(e), param="description")),
-        ((r.TenantNotFound,), lambda e: Unauthorized("the key's tenant no longer exists")),
-        ((r.ObjectStoreError,), dependency("object store")),
-        ((r.SchemaOutOfDate,), unavailable("the registry database needs `loramux db upgrade`")),
-        ((r.BaseModelNotConfigured,), unavailable("this server cannot validate adapters")),
-    ]
+# --- what answers take from their exceptions -------------------------------------------
+def _param(attr: str) -> Detail:
+    return lambda e, ctx: {"param": getattr(e, attr)}
 
 
-def to_api_error(exc: BaseException) -> APIError:
-    """The HTTP error for an exception, by its class (first match in the table); an
-    unexpected one is a generic 500 whose details only go to the log."""
-    for classes, make in error_table():
-        if isinstance(exc, classes):
-            return make(exc)
-    logger.error("unexpected error", exc_info=exc)
-    return APIError("internal server error")
+def _logged(message: str) -> Detail:
+    """A fixed message for the client (the log has the exception)."""
+    return lambda e, ctx: {"message": message}
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+def _dependency(kind: str) -> Detail:
+    def detail(e: BaseException, ctx: ErrorContext) -> dict[str, Any]:
+        after = ctx.dependency_retry_after
+        return {"message": f"the {kind} is unavailable; try again in {after} s",
+                "code": f"{kind.replace(' ', '_')}_unavailable",
+                "headers": {"Retry-After": str(after)}}
+    return detail
+
+
+def _bulkhead(e: Any, ctx: ErrorContext) -> dict[str, Any]:
+    return {"message": f"the {e.kind} is unavailable; try again in {e.retry_after} s",
+            "code": f"{e.kind.replace(' ', '_')}_unavailable",
+            "headers": {"Retry-After": str(e.retry_after)}}
+
+
+def _retry_soon(e: BaseException, ctx: ErrorContext) -> dict[str, Any]:
+    return {"message": f"{e}; retry after {ctx.retry_after} s",
+            "headers": {"Retry-After": str(ctx.retry_after)}}
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set"}
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
+def _validation(e: Any, ctx: ErrorContext) -> dict[str, Any]:
+    """A request body that does not parse (FastAPI's, and the routes that parse their own
+    bodies): the first error's field as ``param``."""
+    errors = e.errors()
     first = errors[0] if errors else {}
-    loc = []
-    for part in first.get("loc", ())[1:] if first.get("loc", ())[:1] in (("body",), ("query",), ("path",), ("header",)) else first.get("loc", ()):
+    loc = first.get("loc", ())
+    if loc[:1] in (("body",), ("query",), ("path",), ("header",)):
+        loc = loc[1:]
+    names = []
+    for part in loc:
         if isinstance(part, str) and (part in _TYPE_TAGS or any(c in part for c in "[]-")):
             break  # a union member's tag, not a field
-        loc.append(str(part))
-    param = ".".join(loc) or None
+        names.append(str(part))
+    param = ".".join(names) or None
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
-        return BadRequest(f"the request body is not valid JSON: {msg}", code="invalid_json")
+        return {"message": f"the request body is not valid JSON: {msg}", "code": "invalid_json"}
     where = f"{param}: " if param else ""
     extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return BadRequest(f"{where}{msg}{extra}", param=param, code="invalid_parameter")
+    return {"message": f"{where}{msg}{extra}", "param": param}
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers that render every error in the OpenAI shape."""
+def _http(e: Any, ctx: ErrorContext) -> dict[str, Any]:
+    return {"status": e.status_code, "message": str(e.detail) if e.detail else "error",
+            "headers": dict(e.headers or {})}
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        listener = getattr(request.app.state, "rejection_listener", None)
-        if exc.status_code == 429 and listener is not None:
-            listener(request, exc)  # the dashboard's recent 429s
-        return error_response(exc)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        return error_response(_validation_error(exc))
+# --- the table -------------------------------------------------------------------------
+@functools.cache
+def error_table() -> dict[type[BaseException], ErrorRow]:
+    """The one map from exception classes to answers. Store and schema failures name no
+    bucket, path or SQL: the client hears what to do, the log hears what happened."""
+    import redis
+    from fastapi.exceptions import RequestValidationError
+    from sqlalchemy import exc as sa
+    from starlette.exceptions import HTTPException
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        cls = {
-            400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
-            413: PayloadTooLarge, 422: Unprocessable, 429: TooManyRequests, 503: ServiceUnavailable,
-        }.get(exc.status_code)
-        message = str(exc.detail) if exc.detail else "error"
-        if cls is None:
-            err = APIError(message, headers=dict(exc.headers or {}))
-            err.status_code = exc.status_code
-            err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-            return error_response(err)
-        return error_response(cls(message, headers=dict(exc.headers or {})))
+    from loramux.adapters.errors import AdapterValidationError
+    from loramux.adapters.merge import MergeCheckError
+    from loramux.engine import errors as e
+    from loramux.platform.bulkheads import DependencyUnavailable
+    from loramux.platform.cluster.roles import RoleConfigError
+    from loramux.platform.cluster.routing import NoEngineAvailable
+    from loramux.platform.limits.request import RequestLimitError
+    from loramux.platform.limits.tenant import (
+        LimitError,
+        LimiterUnavailable,
+        RateLimited,
+        RequestTooLarge,
+    )
+    from loramux.registry import errors as r
 
-    async def _mapped(request: Request, exc: Exception):
-        return error_response(to_api_error(exc))
+    bad = "invalid_request_error"
+    server = "server_error"
+    database = ErrorRow(503, server, log=True, detail=_dependency("database"))
+    adapter_unservable = ErrorRow(422, bad, "invalid_adapter", "model", detail=lambda x, ctx: {
+        "message": f"the adapter cannot be served: {x}"})
+    return {
+        # the platform's own (services raise these directly)
+        APIError: ErrorRow(500, server),
+        BadRequest: ErrorRow(400, bad),
+        Unauthorized: ErrorRow(401, "authentication_error", "invalid_api_key"),
+        Forbidden: ErrorRow(403, "permission_error", "forbidden"),
+        NotFound: ErrorRow(404, bad, "not_found"),
+        ModelNotFound: ErrorRow(404, bad, "model_not_found"),
+        AdapterNotFoundError: ErrorRow(404, bad, "adapter_not_found"),
+        Conflict: ErrorRow(409, bad, "conflict"),
+        PayloadTooLarge: ErrorRow(413, bad, "payload_too_large"),
+        UnsupportedMediaType: ErrorRow(415, bad, "unsupported_media_type"),
+        Unprocessable: ErrorRow(422, bad, "invalid_adapter"),
+        TooManyRequests: ErrorRow(429, "rate_limit_error", "queue_full"),
+        RateLimitExceeded: ErrorRow(429, "rate_limit_exceeded", "rate_limit_exceeded"),
+        ServiceUnavailable: ErrorRow(503, server, "service_unavailable"),
+        RequestValidationError: ErrorRow(400, bad, "invalid_parameter", detail=_validation),
+        HTTPException: ErrorRow(500, server, detail=_http),
+        # the engine (loramux.engine.errors)
+        e.EngineError: ErrorRow(500, server, "engine_error", log=True,
+                                detail=_logged("the engine failed on this request")),
+        e.PromptError: ErrorRow(400, bad, "invalid_parameter", "prompt"),
+        e.ContextLengthError: ErrorRow(400, bad, "context_length_exceeded", detail=_param("param")),
+        e.SamplingParamError: ErrorRow(400, bad, "invalid_parameter", detail=_param("param")),
+        e.GrammarError: ErrorRow(400, bad, "invalid_grammar"),
+        e.GrammarTimeoutError: ErrorRow(400, bad, "grammar_timeout"),
+        e.QueueFullError: ErrorRow(429, "rate_limit_error", "queue_full", detail=_retry_soon),
+        e.LoRAError: adapter_unservable,
+        e.AdapterBrokenError: adapter_unservable,
+        e.AdapterGoneError: ErrorRow(409, bad, "adapter_gone", "model"),
+        e.EngineStepError: ErrorRow(500, server, "engine_step_failed"),
+        e.AdapterNumericsError: ErrorRow(500, server, "adapter_numerics", "model"),
+        e.EngineDeadError: ErrorRow(503, server, "engine_dead", detail=_retry_soon),
+        e.OutOfBlocksError: ErrorRow(500, server, "engine_error", log=True,
+                                     detail=_logged("the engine ran out of KV cache blocks")),
+        e.ModelLoadError: ErrorRow(500, server, "model_load_failed", log=True,
+                                   detail=_logged("the base model could not be loaded")),
+        e.DefaultModelError: ErrorRow(500, server, "model_load_failed", log=True,
+                                      detail=_logged("the default model could not be loaded")),
+        e.KernelBuildError: ErrorRow(500, server, "engine_error", log=True,
+                                     detail=_logged("a CPU kernel could not be loaded")),
+        # adapters
+        AdapterValidationError: ErrorRow(422, bad, "invalid_adapter", detail=_param("field")),
+        MergeCheckError: ErrorRow(500, server, "merge_check_failed", log=True, detail=_logged(
+            "the merged model's logits differ from base + adapter; nothing was stored")),
+        # the limits
+        LimitError: ErrorRow(429, "rate_limit_exceeded", "rate_limit_exceeded",
+                             detail=_param("limit")),
+        RateLimited: ErrorRow(429, "rate_limit_exceeded", "rate_limit_exceeded",
+                              detail=lambda x, ctx: {"param": x.limit, "headers": {
+                                  "Retry-After": x.retry_after_header}}),
+        RequestTooLarge: ErrorRow(400, bad, "request_too_large", detail=lambda x, ctx: {
+            "message": f"{x}; retrying will not help", "param": x.limit}),
+        LimiterUnavailable: ErrorRow(503, server, "limiter_unavailable",
+                                     detail=lambda x, ctx: {"headers": {
+                                         "Retry-After": str(ctx.dependency_retry_after)}}),
+        RequestLimitError: ErrorRow(400, bad, "request_limit_exceeded", detail=_param("param")),
+        # dependencies
+        DependencyUnavailable: ErrorRow(503, server, log=True, detail=_bulkhead),
+        sa.OperationalError: database,
+        sa.InterfaceError: database,
+        sa.TimeoutError: database,
+        sa.DisconnectionError: database,
+        redis.RedisError: ErrorRow(503, server, log=True, detail=_dependency("redis")),
+        # the registry
+        r.RegistryError: ErrorRow(500, server, "registry_error", log=True,
+                                  detail=_logged("the adapter registry failed")),
+        r.InvalidName: ErrorRow(400, bad, "invalid_name", "name"),
+        r.InvalidPreset: ErrorRow(400, bad, "invalid_preset", "preset"),
+        r.InvalidDescription: ErrorRow(400, bad, "invalid_description", "description"),
+        r.InvalidQuota: ErrorRow(400, bad, "invalid_quota", "quotas"),
+        r.QuotaExceeded: ErrorRow(403, "permission_error", "quota_exceeded",
+                                  detail=_param("quota")),
+        r.TenantNotFound: ErrorRow(401, "authentication_error", "invalid_api_key",
+                                   detail=lambda x, ctx: {
+                                       "message": "the key's tenant no longer exists"}),
+        r.TenantConflict: ErrorRow(409, bad, "conflict", "name"),
+        r.AdapterNotFound: ErrorRow(404, bad, "adapter_not_found", "name"),
+        r.AdapterConflict: ErrorRow(409, bad, "conflict", "name"),
+        r.ObjectStoreError: ErrorRow(503, server, log=True, detail=_dependency("object store")),
+        r.ObjectNotFound: ErrorRow(500, server, "adapter_weights_missing", log=True,
+                                   detail=_logged("the adapter's weights are missing from the "
+                                                  "object store; upload it again")),
+        r.ObjectIntegrityError: ErrorRow(500, server, "adapter_weights_corrupt", log=True,
+                                         detail=_logged("the adapter's stored weights are "
+                                                        "corrupt; upload it again")),
+        r.SchemaOutOfDate: ErrorRow(503, server, "service_unavailable", log=True,
+                                    detail=_logged("the registry database needs `loramux db "
+                                                   "upgrade`; try again later")),
+        r.BaseModelNotConfigured: ErrorRow(503, server, "service_unavailable", log=True,
+                                           detail=_logged("this server cannot validate "
+                                                          "adapters; try again later")),
+        # the cluster
+        NoEngineAvailable: ErrorRow(503, server, "engine_dead", detail=_retry_soon),
+        RoleConfigError: ErrorRow(500, server, "misconfigured", log=True,
+                                  detail=_logged("the server is misconfigured")),
+    }
 
-    # One handler per row (Starlette's ExceptionMiddleware answers them and the connection
-    # stays open); an ``Exception`` handler alone runs in ServerErrorMiddleware, which
-    # re-raises after answering (uvicorn logs "Exception in ASGI application").
-    for classes, _ in error_table():
-        for cls in classes:
-            if cls is not APIError:
-                app.add_exception_handler(cls, _mapped)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        logger.error("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(to_api_error(exc))
+def row_of(cls: type[BaseException]) -> ErrorRow | None:
+    """The row of ``cls`` or of its nearest base that has one (None: not the product's)."""
+    table = error_table()
+    return next((table[c] for c in cls.__mro__ if c in table), None)
+
+
+@functools.cache
+def _status_rows() -> dict[int, ErrorRow]:
+    """The APIError family's row of each status (the first listed wins): the answer to an
+    exception that carries its own status (Starlette's HTTPException)."""
+    rows: dict[int, ErrorRow] = {}
+    for cls, row in error_table().items():
+        if issubclass(cls, APIError):
+            rows.setdefault(row.status, row)
+    return rows
+
+
+def status_row(status: int) -> ErrorRow:
+    return _status_rows().get(status) or ErrorRow(
+        status, "invalid_request_error" if status < 500 else "server_error")
+
+
+DEFAULT_CONTEXT = ErrorContext()
+
+
+def to_api_error(exc: BaseException, ctx: ErrorContext = DEFAULT_CONTEXT) -> APIError:
+    """The HTTP error for an exception, by its class's row; an unexpected one is a
+    generic 500 whose details only go to the log."""
+    if isinstance(exc, APIError):
+        return exc
+    row = row_of(type(exc))
+    if row is None:
+        logger.error("unexpected error", exc_info=exc)
+        return APIError("internal server error")
+    fields: dict[str, Any] = {"message": str(exc), "param": row.param, "code": None}
+    if row.detail is not None:
+        fields.update(row.detail(exc, ctx))
+    if row.log:
+        logger.error("%s: %s: %s", fields["code"] or row.code or row.type, type(exc).__name__, exc)
+    if "status" in fields:
+        row = status_row(fields.pop("status"))
+    if fields["param"] == "prompt":
+        fields["param"] = ctx.prompt_param
+    return APIError(row=row, **fields)
+
+
+def metric_label(exc: BaseException) -> str:
+    """The ``status`` label of a request that ended with ``exc``."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    if isinstance(exc, APIError):
+        return exc.label
+    row = row_of(type(exc))
+    return row.label if row is not None else "error"

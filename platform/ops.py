@@ -20,8 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from loramux.platform.auth import bearer_key
-from loramux.platform.dependencies import dependency_report
 from loramux.platform.deps import MetricsReaderDep, StateDep
+from loramux.platform.server import app_of
 from loramux.platform.state import AppState
 
 router = APIRouter(tags=["operations"])
@@ -50,12 +50,6 @@ async def health(state: StateDep):
     return Health(status="ok")
 
 
-def _redis_ping(state: AppState):
-    """The limiter's Redis ping, when the limits live in Redis."""
-    backend = getattr(state.admission.limiter, "backend", None) if state.admission else None
-    return getattr(backend, "ping", None)
-
-
 async def _is_admin(state: AppState, request: Request) -> bool:
     key = bearer_key(request.headers.get("authorization"))
     if key is None:
@@ -70,10 +64,10 @@ async def _is_admin(state: AppState, request: Request) -> bool:
 async def ready(state: StateDep, request: Request):
     """200 ``ready`` or ``degraded`` while requests can be served; 503 ``not ready`` when
     the engine is stopped or the server is draining for shutdown."""
-    drain = getattr(request.app.state, "drain", None)
+    drain = app_of(request).drain
     checks = {"engine": state.engine.is_ready,
               "accepting": not (drain is not None and drain.draining)}
-    deps, reasons = await dependency_report(state.deps, state.registry, _redis_ping(state))
+    deps, reasons = await state.dependency_report()
     if "database" in deps:
         checks["registry"] = deps["database"] != "down"
     serving = checks["engine"] and checks["accepting"]

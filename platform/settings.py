@@ -1,9 +1,12 @@
 """Service settings: the one place the service reads flags and ``LORAMUX_*`` variables.
 
-Every field is a ``loramux serve`` flag (``--max-loras``; its docstring is the help
+Every field is a ``loramux serve`` flag (``--max-loras``; its ``description`` is the help
 text) and a ``LORAMUX_*`` environment variable (``LORAMUX_MAX_LORAS=8``); a flag wins
 over the variable, the variable over the default. The registry commands take the
-registry and model fields the same way. A new option is one field here.
+registry and model fields the same way. A new option is one field here. Field docs are
+declared (``Field(description=...)``, and ``field(metadata={"doc": ...})`` in the limit
+dataclasses these fields derive from), never read from source: only ``.pyc`` files may
+ship.
 
 What the settings build (the engine's config, the registry, request caps, default
 quotas) is in :mod:`loramux.platform.builders`; the flags are generated from the fields
@@ -12,11 +15,8 @@ by :mod:`loramux.platform.cli.flags`.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import json
-import textwrap
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -31,8 +31,8 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from loramux.platform.bulkheads import DependencyPolicy
 from loramux.platform.cluster.routing import RouterConfig
-from loramux.platform.dependencies import DependencyPolicy
 from loramux.platform.limits.request import RequestLimits
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas
@@ -45,23 +45,15 @@ QUOTA_PREFIX = "default_"
 """``Settings.default_<quota>`` is the quota of every tenant without its own."""
 
 
-def attribute_docs(cls: type) -> dict[str, str]:
-    """The docstrings under a class's attributes (``x: int = 1`` then ``\"\"\"doc\"\"\"``)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
+def field_docs(cls: type) -> dict[str, str]:
+    """The declared doc of each field of a dataclass (``field(metadata={"doc": ...})``)."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
 
 
 def _fields_of(dataclass: type, prefix: str = "", doc_suffix: str = "") -> dict[str, Any]:
     """One settings field per dataclass field: same type, default and docstring."""
     hints = typing.get_type_hints(dataclass)
-    docs = attribute_docs(dataclass)
+    docs = field_docs(dataclass)
     return {
         prefix + f.name: (hints[f.name], Field(default=f.default,
                                                description=docs.get(f.name, "") + doc_suffix))
@@ -84,156 +76,148 @@ class Settings(_LimitSettings):
     """Everything ``loramux serve`` needs; engine options keep vLLM's names."""
 
     model_config = SettingsConfigDict(
-        env_prefix="LORAMUX_", extra="ignore", use_attribute_docstrings=True
+        env_prefix="LORAMUX_", extra="ignore"
     )
 
     # --- engine (names as in vLLM; defaults are the engine's, engine/config.py) ----------
-    model: str | None = ModelConfig.model
-    """Base model: a local Hugging Face folder; None = SmolLM2-135M-Instruct."""
-    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Names the base model answers to in `model`; empty = the folder's name (for the
-    default model also HuggingFaceTB/SmolLM2-135M-Instruct). The first is listed."""
-    dtype: str = ModelConfig.dtype
-    """auto | float32 | bfloat16 | float16 (CUDA only)."""
-    device: str = ModelConfig.device
-    """auto | cpu | cuda[:N]."""
-    seed: int = ModelConfig.seed
-    """Seed of the engine's random generators."""
-    attention_backend: Literal["auto", "torch"] = ModelConfig.attention_backend
-    """auto: the C kernel reading the paged KV cache in place on the CPU (Triton on CUDA);
-    torch: gather each context, then SDPA (the reference path)."""
-    enforce_eager: bool = ModelConfig.enforce_eager
-    """vLLM's flag: the layer's small ops as separate torch ops instead of the fused CPU
-    kernels (engine/model/small_ops.py)."""
-    max_model_len: int | None = ModelConfig.max_model_len
-    """Longest prompt + output in tokens; None = the model's own limit."""
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    """Most sequences in one engine step."""
-    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
-    """Token budget of one engine step; None = the engine's default."""
-    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
-    """Split long prompts over several steps so running decodes keep going (vLLM V1)."""
-    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
-    """Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."""
-    fairness_policy: Literal["vtc", "fcfs"] = SchedulerConfig.fairness_policy
-    """Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival order."""
-    enable_step_budget: bool = SchedulerConfig.enable_step_budget
-    """Fill each engine step up to a target step time from a measured cost model: while
-    tenants compete their decode rows share it fairly (a flooder's surplus rotates), and
-    prompt chunks beside decodes shrink to fit it."""
-    target_step_ms: float | None = Field(default=SchedulerConfig.target_step_ms, gt=0)
-    """Target engine step time in milliseconds; None = derived from the measured cost of
-    a one-row decode step (a small multiple of it)."""
-    goodput_ttft_ms: float = Field(default=2000.0, gt=0)
-    """Goodput target: a request meets it when its time to first token is at most this
-    (and its time per output token at most goodput_tpot_ms); /metrics exports the share."""
-    goodput_tpot_ms: float = Field(default=250.0, gt=0)
-    """Goodput target: the most mean time per output token a request may take."""
-    grammar_compile_timeout: float = StructuredOutputConfig.grammar_compile_timeout
-    """Seconds a request's structured-output grammar may take to compile (off the engine
-    thread); past it the request fails."""
-    grammar_cache_size: int = StructuredOutputConfig.grammar_cache_size
-    """Compiled structured-output grammars kept (LRU)."""
-    max_waiting: int = 1024  # the service bounds the queue on purpose (the engine's default: no bound)
-    """Bound of the engine's waiting queue; past it requests get 429 with Retry-After."""
-    block_size: int = CacheConfig.block_size
-    """Tokens per KV-cache block."""
-    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
-    """Share of the GPU's memory the engine may use."""
-    kv_cache_memory: int | None = CacheConfig.kv_cache_memory
-    """CPU only: bytes for the KV cache (None = the engine's default)."""
-    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
-    """Exact number of KV-cache blocks (tests, benchmarks)."""
-    enable_lora: bool = True  # on in the service on purpose (off in the offline LLM, as in vLLM)
-    """Serve LoRA adapters."""
-    max_loras: int | None = LoRAConfig.max_loras
-    """At most this many adapters in one step, one device slot each (vLLM's meaning);
-    None = as many as the adapter memory holds (see lora_memory)."""
-    max_lora_rank: int = LoRAConfig.max_lora_rank
-    """Largest adapter rank served; uploads of a larger rank are refused."""
-    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
-    """Adapters kept in CPU memory (LRU); None = the engine's default."""
-    lora_backend: str = LoRAConfig.lora_backend
-    """auto | torch | triton."""
-    lora_memory: int | None = LoRAConfig.lora_memory
-    """Bytes for adapters when max_loras is unset (CPU: slots + CPU tier; GPU: slots, taken
-    before the KV cache); None = the engine's default."""
-    lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Static adapters every caller may use: name=path or {"name": .., "path": ..}."""
+    model: str | None = Field(ModelConfig.model, description=(
+        "Base model: a local Hugging Face folder; None = SmolLM2-135M-Instruct."))
+    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
+        "Names the base model answers to in `model`; empty = the folder's name (for the default "
+        "model also HuggingFaceTB/SmolLM2-135M-Instruct). The first is listed."))
+    dtype: str = Field(ModelConfig.dtype, description=(
+        "auto | float32 | bfloat16 | float16 (CUDA only)."))
+    device: str = Field(ModelConfig.device, description="auto | cpu | cuda[:N].")
+    seed: int = Field(ModelConfig.seed, description="Seed of the engine's random generators.")
+    attention_backend: Literal["auto", "torch"] = Field(ModelConfig.attention_backend, description=(
+        "auto: the C kernel reading the paged KV cache in place on the CPU (Triton on CUDA); "
+        "torch: gather each context, then SDPA (the reference path)."))
+    enforce_eager: bool = Field(ModelConfig.enforce_eager, description=(
+        "vLLM's flag: the layer's small ops as separate torch ops instead of the fused CPU "
+        "kernels (engine/model/small_ops.py)."))
+    max_model_len: int | None = Field(ModelConfig.max_model_len, description=(
+        "Longest prompt + output in tokens; None = the model's own limit."))
+    max_num_seqs: int = Field(SchedulerConfig.max_num_seqs, description=(
+        "Most sequences in one engine step."))
+    max_num_batched_tokens: int | None = Field(SchedulerConfig.max_num_batched_tokens, description=(
+        "Token budget of one engine step; None = the engine's default."))
+    enable_chunked_prefill: bool = Field(SchedulerConfig.enable_chunked_prefill, description=(
+        "Split long prompts over several steps so running decodes keep going (vLLM V1)."))
+    enable_prefix_caching: bool = Field(CacheConfig.enable_prefix_caching, description=(
+        "Reuse the KV of shared prompt prefixes; blocks are keyed per adapter version."))
+    fairness_policy: Literal["vtc", "fcfs"] = Field(SchedulerConfig.fairness_policy, description=(
+        "Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival "
+        "order."))
+    enable_step_budget: bool = Field(SchedulerConfig.enable_step_budget, description=(
+        "Fill each engine step up to a target step time from a measured cost model: while "
+        "tenants compete their decode rows share it fairly (a flooder's surplus rotates), and "
+        "prompt chunks beside decodes shrink to fit it."))
+    target_step_ms: float | None = Field(default=SchedulerConfig.target_step_ms, gt=0, description=(
+        "Target engine step time in milliseconds; None = derived from the measured cost of a "
+        "one-row decode step (a small multiple of it)."))
+    goodput_ttft_ms: float = Field(default=2000.0, gt=0, description=(
+        "Goodput target: a request meets it when its time to first token is at most this (and "
+        "its time per output token at most goodput_tpot_ms); /metrics exports the share."))
+    goodput_tpot_ms: float = Field(default=250.0, gt=0, description=(
+        "Goodput target: the most mean time per output token a request may take."))
+    grammar_compile_timeout: float = Field(
+        StructuredOutputConfig.grammar_compile_timeout, description=(
+        "Seconds a request's structured-output grammar may take to compile (off the engine "
+        "thread); past it the request fails."))
+    grammar_cache_size: int = Field(StructuredOutputConfig.grammar_cache_size, description=(
+        "Compiled structured-output grammars kept (LRU)."))
+    # the service bounds the queue on purpose (the engine's default: no bound)
+    max_waiting: int = Field(1024, description=(
+        "Bound of the engine's waiting queue; past it requests get 429 with Retry-After."))
+    block_size: int = Field(CacheConfig.block_size, description="Tokens per KV-cache block.")
+    gpu_memory_utilization: float = Field(CacheConfig.gpu_memory_utilization, description=(
+        "Share of the GPU's memory the engine may use."))
+    kv_cache_memory: int | None = Field(CacheConfig.kv_cache_memory, description=(
+        "CPU only: bytes for the KV cache (None = the engine's default)."))
+    num_gpu_blocks_override: int | None = Field(CacheConfig.num_gpu_blocks_override, description=(
+        "Exact number of KV-cache blocks (tests, benchmarks)."))
+    # on in the service on purpose (off in the offline LLM, as in vLLM)
+    enable_lora: bool = Field(True, description="Serve LoRA adapters.")
+    max_loras: int | None = Field(LoRAConfig.max_loras, description=(
+        "At most this many adapters in one step, one device slot each (vLLM's meaning); None = "
+        "as many as the adapter memory holds (see lora_memory)."))
+    max_lora_rank: int = Field(LoRAConfig.max_lora_rank, description=(
+        "Largest adapter rank served; uploads of a larger rank are refused."))
+    max_cpu_loras: int | None = Field(LoRAConfig.max_cpu_loras, description=(
+        "Adapters kept in CPU memory (LRU); None = the engine's default."))
+    lora_backend: str = Field(LoRAConfig.lora_backend, description="auto | torch | triton.")
+    lora_memory: int | None = Field(LoRAConfig.lora_memory, description=(
+        "Bytes for adapters when max_loras is unset (CPU: slots + CPU tier; GPU: slots, taken "
+        "before the KV cache); None = the engine's default."))
+    lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
+        'Static adapters every caller may use: name=path or {"name": .., "path": ..}.'))
 
     # --- HTTP --------------------------------------------------------------------------
-    host: str = "127.0.0.1"
-    """Bind address."""
-    port: int = 8000
-    """Bind port."""
-    root_path: str = ""
-    """ASGI root path behind a proxy."""
-    log_level: str = "info"
-    """debug | info | warning | error."""
-    log_format: str = "json"
-    """json (one object per line, with request ids) | text."""
-    max_request_bytes: int = 8 * 1024 * 1024
-    """Largest JSON request body; larger ones get 413."""
-    max_upload_bytes: int = 1024 * 1024 * 1024
-    """Largest adapter upload (all files together); larger ones get 413."""
-    max_prompts_per_request: int = 64
-    """Most prompts in one /v1/completions request."""
-    retry_after_seconds: int = 1
-    """The Retry-After of a 429 when the waiting queue is full."""
-    allow_anonymous: bool = False
-    """Requests without a valid key may use the base model and --lora-modules
-    (like `vllm serve` without --api-key). Tenant adapters always need a key."""
-    shutdown_timeout: float = 30.0
-    """Seconds SIGTERM waits for requests in flight (new ones get 503, /ready says not
-    ready); past it the rest end with an error. The Helm chart's grace period follows it."""
-    model_cache_ttl: float = 5.0
-    """Seconds a resolved (tenant, model) pair is cached."""
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8000, description="Bind port.")
+    root_path: str = Field("", description="ASGI root path behind a proxy.")
+    log_level: str = Field("info", description="debug | info | warning | error.")
+    log_format: str = Field("json", description=(
+        "json (one object per line, with request ids) | text."))
+    max_request_bytes: int = Field(8 * 1024 * 1024, description=(
+        "Largest JSON request body; larger ones get 413."))
+    max_upload_bytes: int = Field(1024 * 1024 * 1024, description=(
+        "Largest adapter upload (all files together); larger ones get 413."))
+    max_prompts_per_request: int = Field(64, description=(
+        "Most prompts in one /v1/completions request."))
+    retry_after_seconds: int = Field(1, description=(
+        "The Retry-After of a 429 when the waiting queue is full."))
+    allow_anonymous: bool = Field(False, description=(
+        "Requests without a valid key may use the base model and --lora-modules (like `vllm "
+        "serve` without --api-key). Tenant adapters always need a key."))
+    shutdown_timeout: float = Field(30.0, description=(
+        "Seconds SIGTERM waits for requests in flight (new ones get 503, /ready says not "
+        "ready); past it the rest end with an error. The Helm chart's grace period follows it."))
+    model_cache_ttl: float = Field(5.0, description=(
+        "Seconds a resolved (tenant, model) pair is cached."))
 
     # --- registry / auth -----------------------------------------------------------------
-    database_url: str | None = None
-    """SQLAlchemy URL; None = SQLite in the data dir."""
-    s3_bucket: str | None = None
-    """Object store bucket; None = a folder in the data dir."""
-    s3_endpoint_url: str | None = None
-    """S3 endpoint (MinIO, R2, Ceph); None = AWS."""
-    s3_prefix: str = ""
-    """Key prefix inside the bucket."""
-    s3_region: str | None = None
-    """S3 region; None = boto3's default."""
-    data_dir: Path | None = None
-    """Where SQLite, the local object store and caches live; None = ~/.local/share/loramux."""
-    max_adapter_bytes: int = 1024**3
-    """Largest adapter (weights) the registry accepts."""
-    admin_key: SecretStr | None = None
-    """Bearer key of /admin; None = generated on first start (printed once, stored hashed)."""
-    demo: bool = True
-    """On a registry without tenants: create a demo tenant with the shipped sql-lora
-    adapter and print its key once."""
-    demo_adapter_dir: Path | None = None
-    """The adapter registered for the demo tenant; None = examples/adapters/sql-lora."""
+    database_url: str | None = Field(None, description=(
+        "SQLAlchemy URL; None = SQLite in the data dir."))
+    s3_bucket: str | None = Field(None, description=(
+        "Object store bucket; None = a folder in the data dir."))
+    s3_endpoint_url: str | None = Field(None, description=(
+        "S3 endpoint (MinIO, R2, Ceph); None = AWS."))
+    s3_prefix: str = Field("", description="Key prefix inside the bucket.")
+    s3_region: str | None = Field(None, description="S3 region; None = boto3's default.")
+    data_dir: Path | None = Field(None, description=(
+        "Where SQLite, the local object store and caches live; None = ~/.local/share/loramux."))
+    max_adapter_bytes: int = Field(1024**3, description=(
+        "Largest adapter (weights) the registry accepts."))
+    admin_key: SecretStr | None = Field(None, description=(
+        "Bearer key of /admin; None = generated on first start (printed once, stored hashed)."))
+    demo: bool = Field(True, description=(
+        "On a registry without tenants: create a demo tenant with the shipped sql-lora adapter "
+        "and print its key once."))
+    demo_adapter_dir: Path | None = Field(None, description=(
+        "The adapter registered for the demo tenant; None = examples/adapters/sql-lora."))
 
     # --- cluster (``--role gateway|engine``; see loramux.platform.cluster) ---------------
-    role: str = "all"
-    """all (one process: today's server) | gateway | engine."""
-    redis_url: str | None = None
-    """Cluster state, routing view, pub/sub fan-out and the gateways' shared tenant rate
-    limits (None with role all = in-process limits); required by gateway and engine."""
-    redis_namespace: str = "loramux"
-    """Prefix of every Redis key and channel (several clusters can share one Redis)."""
-    cluster_secret: SecretStr | None = None
-    """Shared by gateways and engines (header ``X-LoRAMux-Cluster-Secret``); required by
-    both roles. Engines refuse inference and admin requests without it."""
-    advertise_url: str | None = None
-    """Engine: the URL gateways reach it at; None = ``http://{host}:{port}``."""
-    heartbeat_interval: float = 1.0
-    """Engine: seconds between heartbeats. Gateway: seconds between reads of the pool."""
-    heartbeat_ttl: float = 5.0
-    """Seconds without a heartbeat after which an engine leaves the pool."""
-    route_queue_threshold: int = RouterConfig.queue_threshold
-    """Gateway: queued requests past an engine's ``max_num_seqs`` before it spills over."""
-    route_load_factor: float = RouterConfig.load_factor
-    """Gateway: an engine past the queue threshold keeps its adapters while its load is
-    within this multiple of the fleet's mean."""
+    role: str = Field("all", description="all (one process: today's server) | gateway | engine.")
+    redis_url: str | None = Field(None, description=(
+        "Cluster state, routing view, pub/sub fan-out and the gateways' shared tenant rate "
+        "limits (None with role all = in-process limits); required by gateway and engine."))
+    redis_namespace: str = Field("loramux", description=(
+        "Prefix of every Redis key and channel (several clusters can share one Redis)."))
+    cluster_secret: SecretStr | None = Field(None, description=(
+        "Shared by gateways and engines (header ``X-LoRAMux-Cluster-Secret``); required by both "
+        "roles. Engines refuse inference and admin requests without it."))
+    advertise_url: str | None = Field(None, description=(
+        "Engine: the URL gateways reach it at; None = ``http://{host}:{port}``."))
+    heartbeat_interval: float = Field(1.0, description=(
+        "Engine: seconds between heartbeats. Gateway: seconds between reads of the pool."))
+    heartbeat_ttl: float = Field(5.0, description=(
+        "Seconds without a heartbeat after which an engine leaves the pool."))
+    route_queue_threshold: int = Field(RouterConfig.queue_threshold, description=(
+        "Gateway: queued requests past an engine's ``max_num_seqs`` before it spills over."))
+    route_load_factor: float = Field(RouterConfig.load_factor, description=(
+        "Gateway: an engine past the queue threshold keeps its adapters while its load is "
+        "within this multiple of the fleet's mean."))
 
     @field_validator("role")
     @classmethod
@@ -243,13 +227,13 @@ class Settings(_LimitSettings):
         return value
 
     # --- tenants cannot hurt each other (request caps and default quotas: see above) -----
-    quota_cache_ttl: float = 5.0
-    """Seconds a tenant's quotas are cached (a change through this server is immediate)."""
-    metrics_public: bool = False
-    """Serve /metrics without the admin key (it names every tenant's adapters)."""
-    s3_import_allow: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """s3://bucket/prefix/ sources tenants may import adapters from (besides their own
-    prefix, s3://<s3-bucket>/<s3-prefix>/imports/tenant-<id>/); empty = only their own."""
+    quota_cache_ttl: float = Field(5.0, description=(
+        "Seconds a tenant's quotas are cached (a change through this server is immediate)."))
+    metrics_public: bool = Field(False, description=(
+        "Serve /metrics without the admin key (it names every tenant's adapters)."))
+    s3_import_allow: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
+        "s3://bucket/prefix/ sources tenants may import adapters from (besides their own "
+        "prefix, s3://<s3-bucket>/<s3-prefix>/imports/tenant-<id>/); empty = only their own."))
 
     @field_validator("served_model_name", "lora_modules", "s3_import_allow", mode="before")
     @classmethod

@@ -5,7 +5,6 @@ how :func:`close_state` takes it down."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import tempfile
@@ -22,13 +21,20 @@ from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
-from loramux.platform.builders import default_quotas, dependency_policy, request_limits
-from loramux.platform.dependencies import Dependencies, dependency_report
+from loramux.platform.builders import (
+    default_quotas,
+    dependency_policy,
+    error_context,
+    request_limits,
+)
+from loramux.platform.bulkheads import Dependencies
+from loramux.platform.identity import EngineKey
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
-from loramux.platform.openai.admission import AdmissionControl
+from loramux.platform.openai.gate import RequestGate
 from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
 from loramux.platform.openai.serving import OpenAIServing
+from loramux.platform.probes import Report, dependency_report
 from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
 
 logger = logging.getLogger(__name__)
@@ -57,10 +63,15 @@ class AppState:
     owns_engine: bool = False
     owns_registry: bool = False
     cleanups: list[Callable[[], None]] = field(default_factory=list)
-    admission: AdmissionControl | None = None
-    """Request caps, chat-template rendering and tenant quotas (see openai/admission.py)."""
+    gate: RequestGate | None = None
+    """Request caps, chat-template rendering and tenant quotas (see openai/gate.py)."""
     deps: Dependencies = field(default_factory=Dependencies)
     """The database and object-store bulkheads every registry call runs in."""
+
+    async def dependency_report(self) -> Report:
+        """Every dependency asked at once (``/ready``, the dashboard's overview)."""
+        limiter = [self.gate.limiter.backend] if self.gate is not None else []
+        return await dependency_report(self.deps, self.registry, limiter)
 
 
 def base_model_names(settings: Settings, model_path: Path) -> list[str]:
@@ -108,7 +119,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
 
     def drop_engine_key(key: str) -> None:
         """A deleted or replaced version: its queued requests fail now, running ones finish."""
-        message = (f"adapter {key.split('/', 1)[-1].rsplit('@', 1)[0]!r} was deleted or "
+        message = (f"adapter {EngineKey.parse(key).name!r} was deleted or "
                    "replaced before this request started; send it again")
 
         engine.drop_adapter(key, message, timeout=30)
@@ -132,15 +143,15 @@ def build_state(settings: Settings, engine: AsyncEngine,
     scratch = Path(data_dir) / "uploads" if data_dir else Path(tempfile.gettempdir()) / "loramux-uploads"
     auth = build_authenticator(settings, registry, deps)
     behind_gateway = settings.role == "engine"  # gateways hold the fleet-wide quotas
-    admission = AdmissionControl(
+    gate = RequestGate(
         build_limiter(None if behind_gateway else settings.redis_url,
                       redis_timeouts=(policy.redis_socket_timeout, policy.redis_connect_timeout)),
         request_limits(settings), registry, default_quotas(settings),
         quota_ttl=settings.quota_cache_ttl, enforce_quotas=not behind_gateway, deps=deps,
     )
     openai = OpenAIServing(
-        engine, resolver, metrics, fingerprint=fingerprint, admission=admission,
-        retry_after=settings.retry_after_seconds, max_prompts=settings.max_prompts_per_request,
+        engine, resolver, metrics, fingerprint=fingerprint, gate=gate,
+        errors=error_context(settings), max_prompts=settings.max_prompts_per_request,
     )
     adapters = AdapterService(
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
@@ -152,15 +163,14 @@ def build_state(settings: Settings, engine: AsyncEngine,
         fleet, registry, resolver, metrics.activity, base_model=engine.model_path.name,
         dtype=engine.dtype, device=engine.device, base_family=resolver.base_family,
     )
-    redis_ping = getattr(admission.limiter.backend, "ping", None)
-    admin.health = functools.partial(dependency_report, deps, registry, redis_ping)
     admin.goodput = metrics.goodput_report
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
-                     adapters, scratch, admission=admission, deps=deps)
+                     adapters, scratch, gate=gate, deps=deps)
+    admin.health = state.dependency_report
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
         state.cleanups.append(registry.subscribe(auth.on_registry_event))
-        state.cleanups.append(registry.subscribe(admission.on_registry_event))
+        state.cleanups.append(registry.subscribe(gate.on_registry_event))
     state.cleanups.append(engine.add_adapter_listener(metrics.on_adapter_event))
     if registry is not None:
         state.cleanups.append(engine.add_adapter_listener(_broken_audit(registry, resolver)))
@@ -193,9 +203,9 @@ def _broken_audit(registry: RegistryService, resolver) -> Callable[[str, str], N
 async def aclose_state(state: AppState) -> None:
     """What needs the event loop to close (template workers, the limiter's connection),
     then :func:`close_state`."""
-    if state.admission is not None:
+    if state.gate is not None:
         with contextlib.suppress(Exception):
-            await state.admission.aclose()
+            await state.gate.aclose()
     close_state(state)
 
 

@@ -9,7 +9,7 @@ enforces ``max_adapters`` and ``max_stored_bytes`` at upload; the platform's lim
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from loramux.registry.errors import InvalidQuota, QuotaExceeded
@@ -20,18 +20,18 @@ class Quotas:
     """One tenant's limits. ``None`` = unlimited; every other value is an integer ≥ the
     field's minimum (1 for the per-request limits, 0 for the storage ones: 0 forbids uploads)."""
 
-    max_concurrent_requests: int | None = None
-    """Requests admitted and not finished (queued or running) at any moment."""
-    max_queued_sequences: int | None = None
-    """Sequences admitted and not finished, each request counting ``max(n, best_of)``."""
-    requests_per_minute: int | None = None
-    """Token bucket: this many requests per minute, bursts up to the same number."""
-    tokens_per_minute: int | None = None
-    """Token bucket over prompt + generated tokens (estimated at admission, corrected after)."""
-    max_adapters: int | None = None
-    """Adapters the tenant may store."""
-    max_stored_bytes: int | None = None
-    """Sum of the tenant's adapter weight sizes (``size_bytes``)."""
+    max_concurrent_requests: int | None = field(default=None, metadata={"doc": (
+        "Requests admitted and not finished (queued or running) at any moment.")})
+    max_queued_sequences: int | None = field(default=None, metadata={"doc": (
+        "Sequences admitted and not finished, each request counting ``max(n, best_of)``.")})
+    requests_per_minute: int | None = field(default=None, metadata={"doc": (
+        "Token bucket: this many requests per minute, bursts up to the same number.")})
+    tokens_per_minute: int | None = field(default=None, metadata={"doc": (
+        "Token bucket over prompt + generated tokens (estimated at admission, corrected after).")})
+    max_adapters: int | None = field(default=None, metadata={"doc": (
+        "Adapters the tenant may store.")})
+    max_stored_bytes: int | None = field(default=None, metadata={"doc": (
+        "Sum of the tenant's adapter weight sizes (``size_bytes``).")})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -204,6 +204,9 @@ class S3Store(ObjectStore):
             raise self._error("multipart cleanup", "/", e) from e
         return aborted
 
+    def folder_uri(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}{prefix}/"
+
     def describe(self) -> str:
         where = f" at {self.endpoint_url}" if self.endpoint_url else ""
         return f"S3 bucket {self.bucket!r}{where} prefix {self.prefix!r}"

@@ -73,6 +73,15 @@ class ObjectStore(ABC):
     def describe(self) -> str:
         """A one-line description for logs and the CLI (no secrets)."""
 
+    @abstractmethod
+    def folder_uri(self, prefix: str) -> str:
+        """Where the objects under ``prefix`` live, as a URI a person can use
+        (``s3://bucket/...``, ``file:///...``): an export's answer."""
+
+    def ping(self) -> None:
+        """One round trip to the store; raises when it does not answer (``/ready``)."""
+        self.exists("health/probe")
+
     def remove_leftovers(self, min_age_s: float) -> list[str]:
         """Remove what a writer killed mid-way left (temporary pieces, unfinished multipart
         uploads) older than ``min_age_s``; return what was removed. None by default."""
@@ -178,3 +187,6 @@ class FileStore(ObjectStore):
 
     def describe(self) -> str:
         return f"file store at {self.root}"
+
+    def folder_uri(self, prefix: str) -> str:
+        return self.root.joinpath(*prefix.split("/")).resolve().as_uri() + "/"

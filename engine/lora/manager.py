@@ -37,19 +37,14 @@ from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights
 from loramux.adapters.spec import parse_config, read_config
 from loramux.engine.config import LoRAConfig
+from loramux.engine.errors import AdapterBrokenError, LoRAError
 from loramux.engine.lora import ops
 from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity
 from loramux.engine.lora.loader import AdapterLoader, LoadResult, LoadStats
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.operator import OperatorActions
 from loramux.engine.lora.slots import SlotBuffers
-from loramux.engine.lora.state import (
-    AdapterBrokenError,
-    AdapterListener,
-    AdapterState,
-    LoRAError,
-    ResidencySnapshot,
-)
+from loramux.engine.lora.state import AdapterListener, AdapterState, ResidencySnapshot
 from loramux.engine.lora.step import StepHook
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.decoder import DecoderModel
@@ -348,9 +343,8 @@ class LoRAManager(OperatorActions, StepHook):
             if state is None:
                 continue
             if exc is not None:
-                state.error = (
-                    exc
-                    if isinstance(exc, (LoRAError, AdapterValidationError))
+                state.error = (  # what the adapter's requests fail with
+                    exc if isinstance(exc, LoRAError)
                     else LoRAError(f"adapter {key!r} failed to load: {exc}")
                 )
                 logger.error("adapter %s failed to load: %s", key, exc)

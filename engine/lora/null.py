@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loramux.engine.lora.manager import AdapterListener, LoRAError, ResidencySnapshot
+from loramux.engine.errors import LoRAError
+from loramux.engine.lora.manager import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 
 

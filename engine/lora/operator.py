@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loramux.engine.lora.state import AdapterState, LoRAError, ResidencySnapshot
+from loramux.engine.errors import LoRAError
+from loramux.engine.lora.state import AdapterState, ResidencySnapshot
 
 if TYPE_CHECKING:
     from loramux.engine.lora.manager import LoRAManager

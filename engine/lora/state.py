@@ -1,5 +1,5 @@
-"""Plain data the adapter manager shares: its error type, one adapter's state, the
-residency snapshot the admin API shows, and the listener signature."""
+"""Plain data the adapter manager shares: one adapter's state, the residency snapshot
+the admin API shows, and the listener signature (its errors are in ``engine/errors.py``)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loramux.engine.lora_request import LoRARequest
-
-
-class LoRAError(ValueError):
-    """An adapter cannot be served (unknown, invalid, or incompatible with the base model)."""
-
-
-class AdapterBrokenError(LoRAError):
-    """The adapter was marked broken (its outputs became non-finite while serving); it is
-    refused until it is replaced (another path or id under its name)."""
 
 
 @dataclass

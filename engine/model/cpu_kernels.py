@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from loramux.engine.errors import KernelBuildError
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -39,10 +41,6 @@ LIBS = ("-lm", "-lmvec") if sys.platform == "linux" and platform.machine() == "x
 _lock = threading.Lock()
 _cache: dict[str, object] = {}
 _MISSING = object()
-
-
-class KernelBuildError(RuntimeError):
-    """A CPU kernel could not be compiled or loaded (the message says why)."""
 
 
 def cache_dir() -> Path:

@@ -11,10 +11,7 @@ from safetensors import safe_open
 
 from loramux.adapters.arch import Architecture, BaseModelDims, base_dims, resolve_architecture
 from loramux.adapters.errors import AdapterValidationError
-
-
-class ModelLoadError(ValueError):
-    """The folder is not a loadable model of a supported architecture."""
+from loramux.engine.errors import ModelLoadError
 
 
 @dataclass(frozen=True, kw_only=True)

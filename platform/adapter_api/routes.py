@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from loramux.platform.adapter_api.schemas import (
-    Adapter,
     AdapterDeleted,
     AdapterExport,
+    AdapterInfo,
     AdapterList,
     AdapterPatch,
     ExportRequest,
     S3Upload,
 )
 from loramux.platform.deps import AdaptersDep, TenantDep
-from loramux.platform.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from loramux.platform.errors import PayloadTooLarge, UnsupportedMediaType
 from loramux.platform.openai.protocol import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"], responses=ERROR_RESPONSES)
@@ -63,13 +64,11 @@ async def _json_body(request: Request, model: type[BaseModel], required: bool = 
         return model()
     try:
         return model.model_validate_json(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise BadRequest(f"{param + ': ' if param else ''}{err.get('msg')}", param=param) from None
+    except ValidationError as e:  # answered like FastAPI's own body errors (the error table)
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
-@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=Adapter)
+@router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=AdapterInfo)
 async def upload_adapter(request: Request, caller: TenantDep, service: AdaptersDep,
                          replace: bool = False):
     """Upload an adapter (multipart), or register one from an ``s3://`` URI (JSON)."""
@@ -89,12 +88,12 @@ async def list_adapters(caller: TenantDep, service: AdaptersDep):
     return await service.list(caller)
 
 
-@router.get("/{name}", response_model=Adapter)
+@router.get("/{name}", response_model=AdapterInfo)
 async def get_adapter(name: str, caller: TenantDep, service: AdaptersDep):
     return await service.get(caller, name)
 
 
-@router.patch("/{name}", response_model=Adapter)
+@router.patch("/{name}", response_model=AdapterInfo)
 async def patch_adapter(name: str, body: AdapterPatch, caller: TenantDep, service: AdaptersDep):
     """Change the default preset (``null`` clears it) or the description."""
     return await service.patch(caller, name, body)

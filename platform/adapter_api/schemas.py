@@ -38,7 +38,7 @@ class ExportRequest(BaseModel):
     check: bool = Field(False, description="Compare the merged model's logits with base + adapter.")
 
 
-class Adapter(BaseModel):
+class AdapterInfo(BaseModel):
     """The API's view of an adapter (no storage internals)."""
 
     id: str
@@ -58,7 +58,7 @@ class Adapter(BaseModel):
     updated_at: str
 
     @classmethod
-    def of(cls, handle: AdapterHandle) -> Adapter:
+    def of(cls, handle: AdapterHandle) -> AdapterInfo:
         """From a registry ``AdapterHandle``."""
         return cls(
             id=handle.name, name=handle.name, version=handle.version,
@@ -73,7 +73,7 @@ class Adapter(BaseModel):
 
 class AdapterList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[Adapter]
+    data: list[AdapterInfo]
 
 
 class AdapterDeleted(BaseModel):

@@ -20,9 +20,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from loramux.platform.adapter_api.schemas import (
-    Adapter,
     AdapterDeleted,
     AdapterExport,
+    AdapterInfo,
     AdapterList,
     AdapterPatch,
     S3Upload,
@@ -36,8 +36,9 @@ from loramux.platform.adapter_api.uploads import (
     receive_multipart,
 )
 from loramux.platform.errors import BadRequest, Forbidden
-from loramux.platform.openai.params import validate_preset
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.identity import Caller
+from loramux.platform.openai.presets import validate_preset
+from loramux.platform.openai.resolver import ModelResolver
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -85,7 +86,7 @@ class AdapterService:
         return f"tenant:{caller.tenant.name}" if caller.tenant is not None else "admin"
 
     # --- upload -------------------------------------------------------------------------
-    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> Adapter:
+    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> AdapterInfo:
         received = await receive_multipart(request, self.scratch, self.max_upload_bytes)
         try:
             name = received.fields.get("name") or ""
@@ -114,7 +115,7 @@ class AdapterService:
                 "(--s3-import-allow)", param="source", code="source_not_allowed",
             )
 
-    async def upload_s3(self, caller: Caller, body: S3Upload, replace_q: bool) -> Adapter:
+    async def upload_s3(self, caller: Caller, body: S3Upload, replace_q: bool) -> AdapterInfo:
         self.check_import_source(caller, body.source)
         received: Received = await run_in_threadpool(
             fetch_s3, body.source, self.scratch, self.max_upload_bytes,
@@ -127,7 +128,7 @@ class AdapterService:
             await run_in_threadpool(received.cleanup)
 
     async def _upload(self, caller: Caller, name: str, received: Received, preset,
-                      replace: bool) -> Adapter:
+                      replace: bool) -> AdapterInfo:
         if preset is not None:
             validate_preset(preset)
         handle = await self._long(
@@ -136,17 +137,17 @@ class AdapterService:
         )
         logger.info("adapter uploaded", extra={"adapter": name, "tenant": caller.tenant.name,
                                                "version": handle.version, "bytes": received.size})
-        return Adapter.of(handle)
+        return AdapterInfo.of(handle)
 
     # --- read / change ------------------------------------------------------------------
     async def list(self, caller: Caller) -> AdapterList:
         handles = await self._call(self.registry.list, caller.tenant.id)
-        return AdapterList(data=[Adapter.of(h) for h in handles])
+        return AdapterList(data=[AdapterInfo.of(h) for h in handles])
 
-    async def get(self, caller: Caller, name: str) -> Adapter:
-        return Adapter.of(await self._call(self.registry.get, caller.tenant.id, name))
+    async def get(self, caller: Caller, name: str) -> AdapterInfo:
+        return AdapterInfo.of(await self._call(self.registry.get, caller.tenant.id, name))
 
-    async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> Adapter:
+    async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> AdapterInfo:
         fields = body.model_fields_set
         handle = None
         if "preset" in fields:
@@ -163,7 +164,7 @@ class AdapterService:
             )
         if handle is None:
             handle = await self._call(self.registry.get, caller.tenant.id, name)
-        return Adapter.of(handle)
+        return AdapterInfo.of(handle)
 
     async def delete(self, caller: Caller, name: str) -> AdapterDeleted:
         handle = await self._call(
@@ -192,7 +193,7 @@ class AdapterService:
                 await run_in_threadpool(shutil.rmtree, tmp, True)
         return AdapterExport(
             id=handle.name, version=handle.version, base_model=handle.base_model,
-            location=store_uri(self.registry.store, prefix), files=files,
+            location=self.registry.store.folder_uri(prefix), files=files,
         )
 
 
@@ -211,14 +212,3 @@ def _put_folder(store: ObjectStore, folder: Path, prefix: str) -> list[str]:
         keys.append(key)
     return keys
 
-
-def store_uri(store: ObjectStore, key: str) -> str:
-    """Where an object-store key lives, as a URI a person can use."""
-    bucket = getattr(store, "bucket", None)
-    if bucket:
-        prefix = getattr(store, "prefix", "")
-        return f"s3://{bucket}/{prefix + '/' if prefix else ''}{key}/"
-    root = getattr(store, "root", None)
-    if root is not None:
-        return Path(root).joinpath(*key.split("/")).resolve().as_uri() + "/"
-    return key

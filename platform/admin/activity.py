@@ -13,7 +13,14 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from loramux.platform.server import app_of
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from loramux.platform.errors import APIError
 
 BUCKET_S = 2
 """Width of one sparkline bucket, in seconds."""
@@ -147,12 +154,14 @@ class Activity:
             return [r for r in reversed(self._rejections.get(tenant_id, ())) if r.at > now - since_s]
 
 
-def record_rejection(request: Any, exc: Any) -> None:
-    """The app's 429 listener (``app.state.rejection_listener``): notes the rejection
-    under the caller's tenant when the request got as far as authentication."""
-    state = getattr(request.app.state, "loramux", None)
+def record_rejection(request: Request, err: APIError) -> None:
+    """The app's 429 listener (``install_error_handlers``' ``on_rejection``): counts the
+    rejection by code (``loramux_requests_rejected_total{reason}``) and notes it under the
+    caller's tenant when the request got as far as authentication."""
+    state = app_of(request).services
     if state is None:
         return
-    caller = getattr(request.state, "caller", None)
-    tenant_id = getattr(caller, "tenant_id", None)
-    state.metrics.activity.rejected(tenant_id, getattr(exc, "code", None), str(exc))
+    caller = getattr(request.state, "caller", None)  # set by deps.get_caller
+    tenant_id = caller.tenant_id if caller is not None else None
+    state.metrics.rejected.labels(err.code or "rate_limited").inc()
+    state.metrics.activity.rejected(tenant_id, err.code, err.message)

@@ -18,7 +18,7 @@ from fastapi.templating import Jinja2Templates
 from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.admin.schemas import ResidencyRow
 from loramux.platform.admin.session import COOKIE, Session, set_cookie
-from loramux.platform.deps import AdminDep, AdminServiceDep, StateDep
+from loramux.platform.deps import AdminDep, AdminServiceDep, AdminStateDep
 from loramux.platform.errors import APIError, NotFound
 
 HERE = Path(__file__).parent
@@ -49,7 +49,7 @@ templates.env.globals["sparkline"] = sparkline
 templates.env.globals["ADMIN_ACTIONS"] = ACTIONS
 
 
-async def page_session(request: Request, state: StateDep) -> Session:
+async def page_session(request: Request, state: AdminStateDep) -> Session:
     """The dashboard session; without one the browser goes to the login form (303)."""
     session = state.admin_sessions.get(request.cookies.get(COOKIE))
     if session is None:
@@ -73,7 +73,7 @@ async def login_form(request: Request):
 
 
 @router.post("/login")
-async def login(request: Request, state: StateDep, key: Annotated[str, Form()]):
+async def login(request: Request, state: AdminStateDep, key: Annotated[str, Form()]):
     """Check the admin key and start a session; the key itself is never stored."""
     try:
         await state.auth.admin(f"Bearer {key}")
@@ -87,7 +87,7 @@ async def login(request: Request, state: StateDep, key: Annotated[str, Form()]):
 
 
 @router.post("/logout")
-async def logout(request: Request, state: StateDep, _: AdminDep):
+async def logout(request: Request, state: AdminStateDep, _: AdminDep):
     """End the session (a CSRF-checked POST like every other)."""
     state.admin_sessions.drop(request.cookies.get(COOKIE))
     response = Response(status_code=204)

@@ -30,7 +30,8 @@ from loramux.platform.admin.schemas import (
     TenantList,
 )
 from loramux.platform.errors import BadRequest, NotFound
-from loramux.platform.openai.resolver import ModelResolver, engine_key
+from loramux.platform.identity import EngineKey
+from loramux.platform.openai.resolver import ModelResolver
 
 if TYPE_CHECKING:
     from loramux.registry.handles import AdapterHandle
@@ -65,7 +66,7 @@ class AdminService:
             return []
         tenants = {t.id: t.name for t in self.registry.list_tenants()}
         return [
-            (engine_key(h.tenant_id, h.name, h.cache_key), h, tenants.get(h.tenant_id, "?"))
+            (str(EngineKey.for_handle(h)), h, tenants.get(h.tenant_id, "?"))
             for h in self.registry.list_all()
         ]
 

@@ -78,7 +78,7 @@ def cmd_adapters_validate(args: argparse.Namespace) -> int:
 
 def _preset_arg(text: str | None) -> Any:
     """The ``--preset`` JSON, checked by the validator the HTTP API uses."""
-    from loramux.platform.openai.params import validate_preset
+    from loramux.platform.openai.presets import validate_preset
 
     if text is None:
         return None

@@ -1,5 +1,5 @@
 """``--flags`` generated from :class:`~loramux.platform.settings.Settings`: one per field,
-its docstring as help, grouped; and the settings a parsed command line describes."""
+its description as help, grouped; and the settings a parsed command line describes."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _flag_type(annotation: Any) -> tuple[Any, bool]:
 def add_settings_arguments(parser: Any, names: typing.Iterable[str] | None = None, *,
                            aliases: dict[str, list[str]] | None = None) -> None:
     """One ``--flag`` per :class:`Settings` field (all, or ``names``), with the field's
-    docstring as help; a flag left out stays None, so the variable or default applies."""
+    description as help; a flag left out stays None, so the variable or default applies."""
     wanted = set(names) if names is not None else None
     group: Any = parser
     for name, info in Settings.model_fields.items():

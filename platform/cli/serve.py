@@ -62,8 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_role_app(settings)
     else:
         app = create_app(settings)
-        app.state.on_ready = lambda state: bootstrap(state, out=sys.stdout)
-    drain = getattr(app.state, "drain", None)  # the gateway app has none: uvicorn's own wait
+        app.on_ready = lambda state: bootstrap(state, out=sys.stdout)
+    drain = app.drain  # the gateway app has none: uvicorn's own wait
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             access_log=False, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=AFTER_TIMEOUT_S if drain is not None

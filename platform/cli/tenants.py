@@ -42,8 +42,8 @@ def _quota_value(text: str) -> int | None:
 
 def add_quota_command(tsub: argparse._SubParsersAction) -> None:
     """``loramux tenants quota TENANT [--requests-per-minute N ...] [--reset]``: one flag
-    per :class:`~loramux.registry.quotas.Quotas` field (its docstring is the help)."""
-    from loramux.platform.settings import attribute_docs
+    per :class:`~loramux.registry.quotas.Quotas` field (its declared doc is the help)."""
+    from loramux.platform.settings import field_docs
     from loramux.registry.quotas import Quotas
 
     quota = tsub.add_parser(
@@ -54,7 +54,7 @@ def add_quota_command(tsub: argparse._SubParsersAction) -> None:
         "`loramux serve`).",
     )
     quota.add_argument("name", help="the tenant")
-    docs = attribute_docs(Quotas)
+    docs = field_docs(Quotas)
     for f in dataclasses.fields(Quotas):
         quota.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_quota_value,
                            default=argparse.SUPPRESS, metavar="N|unlimited", help=docs.get(f.name))

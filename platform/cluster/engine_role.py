@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.auth import KEY_CACHE_TTL_S, Authenticator
+from loramux.platform.bulkheads import Dependencies
 from loramux.platform.cluster.heartbeat import (
     EngineHeartbeat,
     EventSubscription,
@@ -47,8 +48,7 @@ from loramux.platform.cluster.protocol import (
     ClusterEvent,
     read_identity,
 )
-from loramux.platform.dependencies import Dependencies
-from loramux.platform.openai.resolver import Caller, engine_key
+from loramux.platform.identity import Caller, EngineKey
 from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ def publish_registry_event(cluster: ClusterState, kind: str, handle, *, origin: 
         return
     else:
         ev = ClusterEvent(f"adapter_{kind}",
-                      adapter_id=engine_key(handle.tenant_id, handle.name, handle.cache_key),
+                      adapter_id=str(EngineKey.for_handle(handle)),
                       tenant_id=str(handle.tenant_id), name=handle.name, origin=origin)
     try:
         cluster.publish_event(ev)

@@ -4,7 +4,7 @@ through the registry, routes each request to an engine (:mod:`routing`) and prox
 * The tenant's quotas (``RegistryService.get_quotas``) are applied by a
   :class:`~loramux.platform.limits.tenant.TenantLimiter` over Redis (``--redis-url``), so
   every gateway charges the same buckets: over a limit is 429 with ``Retry-After`` from
-  any gateway. The admission is held until the answer (or the stream) ends; a
+  any gateway. The quota is held until the answer (or the stream) ends; a
   non-streaming answer's ``usage`` corrects the token estimate. With the limiter's Redis
   unreachable the gateway serves on without limits (and logs it), like its routing.
 
@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.responses import StreamingResponse
 
 from loramux.platform.auth import Authenticator, bearer_key
+from loramux.platform.bulkheads import Dependencies
 from loramux.platform.cluster.protocol import (
     ENGINE_HEADER,
     PREFIX_HEADER,
@@ -52,14 +53,14 @@ from loramux.platform.cluster.request_body import request_cost, usage_tokens
 from loramux.platform.cluster.routing import AffinityRouter, NoEngineAvailable
 from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.cluster.view import GatewayView
-from loramux.platform.dependencies import Dependencies, probe
 from loramux.platform.errors import ModelNotFound, ServiceUnavailable, Unauthorized
+from loramux.platform.identity import Caller, EngineKey
 from loramux.platform.limits.tenant import (
-    Admission,
     LimiterUnavailable,
+    QuotaHold,
     TenantLimiter,
 )
-from loramux.platform.openai.resolver import Caller, engine_key
+from loramux.platform.probes import probe
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
@@ -125,9 +126,9 @@ class Gateway:
         return await self.deps.read_through(
             self._quotas, tenant_id, lambda: self.deps.db.call(self.registry.get_quotas, tenant_id))
 
-    async def admit(self, caller: Caller, body: dict,
-                    stack: contextlib.AsyncExitStack) -> Admission | None:
-        """Admit the request under its tenant's limits, held until ``stack`` closes;
+    async def hold_quota(self, caller: Caller, body: dict,
+                         stack: contextlib.AsyncExitStack) -> QuotaHold | None:
+        """Hold the request's tenant quotas until ``stack`` closes;
         429 (with Retry-After) past a limit. None: nothing to limit, or the
         limiter's Redis is unreachable (served on, logged)."""
         if self.limiter is None or caller.tenant is None or self.registry is None:
@@ -136,7 +137,7 @@ class Gateway:
         quotas = await self.quotas(tenant_id)
         try:
             return await stack.enter_async_context(
-                self.limiter.admit(tenant_id, quotas, request_cost(body)))
+                self.limiter.hold(tenant_id, quotas, request_cost(body)))
         except LimiterUnavailable as e:
             logger.warning("gateway: tenant limits not applied (%s); serving on", e)
             return None
@@ -149,7 +150,7 @@ class Gateway:
             h = self.registry.resolve(tenant_id, name)
         except (AdapterNotFound, InvalidName):
             return None
-        return engine_key(h.tenant_id, h.name, h.cache_key)
+        return str(EngineKey.for_handle(h))
 
     async def resolve(self, caller: Caller, name: str) -> str | None:
         """The routing id of ``model``: a tenant adapter's engine key, ``static/<name>``,
@@ -202,11 +203,11 @@ class Gateway:
 
     async def forward(self, request: Request, body: bytes, *, caller: Caller | None,
                       adapter_id: str | None, prefixes: list[str] = (),
-                      stream: bool = False, admission: Admission | None = None,
+                      stream: bool = False, hold: QuotaHold | None = None,
                       done: Callable[[], Awaitable[object]] | None = None) -> Response:
         """Send to the routed engine; retry once elsewhere if nothing reached the client.
         A relayed stream awaits ``done()`` when it ends (the caller's job otherwise);
-        a JSON answer's usage is charged to ``admission``."""
+        a JSON answer's usage is charged to ``hold``."""
         tried: list[str] = []
         last = "no engine answered"
         for attempt in range(2):
@@ -258,10 +259,10 @@ class Gateway:
             finally:
                 await resp.aclose()
                 self.view.pool.finished(eid)
-            if admission is not None and resp.status_code == 200:
+            if hold is not None and resp.status_code == 200:
                 tokens = usage_tokens(content)
                 if tokens is not None:
-                    admission.charge(tokens)
+                    hold.charge(tokens)
             return Response(content, status_code=resp.status_code, headers=headers)
         raise ServiceUnavailable(f"no engine could serve the request ({last})",
                                  code="no_engine", headers={"Retry-After": "1"})

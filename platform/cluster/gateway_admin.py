@@ -1,9 +1,10 @@
 """The admin dashboard and JSON API served at a gateway, over every engine in the cluster.
 
 The same routers as the all-in-one server (:mod:`loramux.platform.admin.routes` and
-``pages``: admin key, session and CSRF rules unchanged) read ``app.state.loramux``; a
-gateway sets it to a :class:`GatewayAdminState` whose admin service runs on a
-:class:`ClusterFleet` and the gateway's registry.
+``pages``: admin key, session and CSRF rules unchanged) read the app's ``admin_state``
+(:class:`~loramux.platform.server.AdminState`); a gateway sets it to a
+:class:`GatewayAdminState` whose admin service runs on a :class:`ClusterFleet` and the
+gateway's registry.
 
 :class:`ClusterFleet` is the gateway's :class:`~loramux.platform.admin.fleet.Fleet`: every
 engine from its Redis heartbeat record, and each action published to one engine (by id) or
@@ -28,9 +29,9 @@ from loramux.platform.auth import Authenticator
 from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.protocol import ClusterEvent, EngineRecord
 from loramux.platform.cluster.redis_state import ClusterState
-from loramux.platform.dependencies import dependency_report
-from loramux.platform.errors import NotFound, ServiceUnavailable
+from loramux.platform.errors import NotFound, ServiceUnavailable, Unprocessable
 from loramux.platform.openai.resolver import ModelResolver
+from loramux.platform.probes import dependency_report
 from loramux.platform.settings import Settings
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class ClusterFleet:
         got = {r.engine_id: r for r in replies}
         errors = [f"{r.engine_id}: {r.error}" for r in replies if r.error]
         if errors and len(errors) == len(ids):
-            raise ValueError("; ".join(errors))
+            raise Unprocessable("; ".join(errors), param="key", code="action_failed")
         return [Outcome(i, got[i].done, got[i].deferred) if i in got else Outcome(i, False)
                 for i in ids]
 
@@ -121,7 +122,6 @@ def gateway_admin_state(gw: Gateway, settings: Settings) -> GatewayAdminState:
     admin = AdminService(fleet, gw.registry, resolver, Activity(), base_model=base,
                          dtype=settings.dtype, device=settings.device,
                          base_family=resolver.base_family)
-    backend = getattr(gw.limiter, "backend", None)
     admin.health = functools.partial(dependency_report, gw.deps, gw.registry,
-                                     getattr(backend, "ping", None))
+                                     [gw.limiter.backend] if gw.limiter is not None else [])
     return GatewayAdminState(settings, gw.auth, admin)

@@ -1,5 +1,5 @@
 """The gateway's HTTP app: the routes around a built :class:`~.gateway.Gateway` (inference
-with the tenant's admission held for the answer's life, the admin dashboard and API over every engine, probes, metrics,
+with the tenant's quota held for the answer's life, the admin dashboard and API over every engine, probes, metrics,
 and a pass-through of every other route to one engine)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import StreamingResponse
@@ -18,20 +18,20 @@ from loramux.platform.cluster.gateway import Gateway
 from loramux.platform.cluster.request_body import prompt_text
 from loramux.platform.cluster.routing import prefix_hashes
 from loramux.platform.cluster.schemas import GatewayReadiness
-from loramux.platform.dependencies import PROBE_TIMEOUT_S
-from loramux.platform.errors import (
-    BadRequest,
-    PayloadTooLarge,
-    install_error_handlers,
-)
+from loramux.platform.error_handlers import install_error_handlers
+from loramux.platform.errors import DEFAULT_CONTEXT, BadRequest, ErrorContext, PayloadTooLarge
+from loramux.platform.probes import PROBE_TIMEOUT_S
+from loramux.platform.server import LoramuxApp
 
 
-def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
+def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
+                       errors: ErrorContext = DEFAULT_CONTEXT) -> LoramuxApp:
     """The gateway's HTTP app around a built :class:`Gateway`; with ``admin`` (a
-    :class:`~.gateway_admin.GatewayAdminState`) it serves the dashboard and admin API."""
+    :class:`~.gateway_admin.GatewayAdminState`) it serves the dashboard and admin API.
+    ``errors``: the Retry-After values of error answers."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: LoramuxApp):
         try:
             yield
         finally:
@@ -42,9 +42,9 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
             if gw.limiter is not None:
                 await gw.limiter.aclose()
 
-    app = FastAPI(title="loramux gateway", lifespan=lifespan)
-    install_error_handlers(app)
-    app.state.gateway = gw
+    app = LoramuxApp(title="loramux gateway", lifespan=lifespan)
+    install_error_handlers(app, errors)
+    app.gateway = gw
 
     async def read_body(request: Request) -> bytes:
         body = await request.body()
@@ -61,10 +61,10 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
         if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str):
             raise BadRequest("`model` is required", param="model")
         caller = await gw.auth.caller(request.headers.get("authorization"))
-        stack = contextlib.AsyncExitStack()  # holds the tenant's admission
+        stack = contextlib.AsyncExitStack()  # holds the tenant's quota
         relayed = False
         try:
-            admission = await gw.admit(caller, parsed, stack)
+            hold = await gw.hold_quota(caller, parsed, stack)
             adapter = await gw.resolve(caller, parsed["model"])
             cfg = gw.router.config
             prefixes = prefix_hashes(adapter, prompt_text(parsed),
@@ -72,7 +72,7 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
                                      max_chunks=cfg.max_prefix_chunks)
             resp = await gw.forward(request, body, caller=caller, adapter_id=adapter,
                                     prefixes=prefixes, stream=bool(parsed.get("stream")),
-                                    admission=admission, done=stack.aclose)
+                                    hold=hold, done=stack.aclose)
             relayed = isinstance(resp, StreamingResponse)  # the stream releases it
             return resp
         finally:
@@ -83,7 +83,7 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None) -> FastAPI:
     app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
 
     if admin is not None:  # the dashboard and admin API over every engine
-        app.state.loramux = admin
+        app.admin_state = admin
         app.include_router(admin_routes.router)
         app.include_router(admin_pages.router)
 

@@ -60,7 +60,7 @@ def build_engine_app(settings: Settings):
                            interval=settings.heartbeat_interval, prefixes=prefixes)
         logger.info("engine %s registered at %s", engine_id, url)
 
-    app.state.on_ready = on_ready
+    app.on_ready = on_ready
     return app
 
 
@@ -70,14 +70,14 @@ def build_gateway_app(settings: Settings):
     import httpx
 
     from loramux.platform.auth import Authenticator
-    from loramux.platform.builders import dependency_policy, open_registry
+    from loramux.platform.builders import dependency_policy, error_context, open_registry
+    from loramux.platform.bulkheads import Dependencies
     from loramux.platform.cluster.gateway import Gateway
     from loramux.platform.cluster.gateway_admin import gateway_admin_state
     from loramux.platform.cluster.gateway_app import create_gateway_app
     from loramux.platform.cluster.pool import EnginePool
     from loramux.platform.cluster.routing import AffinityRouter, RouterConfig
     from loramux.platform.cluster.view import GatewayView
-    from loramux.platform.dependencies import Dependencies
     from loramux.platform.limits.redis_backend import RedisBackend
     from loramux.platform.limits.tenant import TenantLimiter
 
@@ -107,7 +107,8 @@ def build_gateway_app(settings: Settings):
     ticker = view.start(settings.heartbeat_interval)
     events = cluster.subscribe(gw.on_event, name="gateway-events")
     return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close, deps.shutdown),
-                              admin=gateway_admin_state(gw, settings))
+                              admin=gateway_admin_state(gw, settings),
+                              errors=error_context(settings))
 
 
 def build_role_app(settings: Settings):

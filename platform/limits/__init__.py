@@ -1,7 +1,7 @@
 """loramux.platform.limits – what one tenant may cost the others.
 
-- :mod:`~loramux.platform.limits.tenant` ``TenantLimiter.admit`` (quotas per request),
-  ``RequestCost``, ``RateLimited``, ``RequestTooLarge``
+- :mod:`~loramux.platform.limits.tenant` ``TenantLimiter.hold`` (a request's
+  ``QuotaHold`` on its tenant's quotas), ``RequestCost``, ``RateLimited``, ``RequestTooLarge``
 - :mod:`~loramux.platform.limits.backend` the backend interface; :mod:`.memory`
   ``InProcessBackend``; :mod:`.redis_backend` ``RedisBackend`` (one Lua script)
 - :mod:`~loramux.platform.limits.request` ``RequestLimits``, ``check_request``,

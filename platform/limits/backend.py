@@ -1,4 +1,4 @@
-"""What a rate-limit backend does: one atomic admission check per request, a lease while
+"""What a rate-limit backend does: one atomic quota check per request, a lease while
 the request runs, and a release that settles the token estimate.
 
 Per key (one tenant) a backend keeps two token buckets and a set of leases:
@@ -28,7 +28,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Ask:
-    """One admission check for one key."""
+    """One quota check for one key."""
 
     lease: str
     """A fresh unique id; used to renew and release."""
@@ -63,7 +63,15 @@ class Decision:
 
 class LimitBackend(Protocol):
     """Shared state of the limits. The in-process backend serves one process; the Redis
-    backend is shared by every gateway replica."""
+    backend is shared by every gateway replica. A backend is also a
+    :class:`~loramux.platform.bulkheads.Pingable`: ``/ready`` asks it."""
+
+    dependency: str | None
+    """What ``/ready`` reports it as (``redis``); None = in the process, nothing to ask."""
+
+    async def ping(self) -> None:
+        """Raise unless the backend answers (``/ready``, the dashboard's overview)."""
+        ...
 
     async def acquire(self, key: str, ask: Ask) -> Decision:
         """Check every limit and, if all pass, charge them and take the lease. Atomic."""

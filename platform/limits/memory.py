@@ -30,6 +30,8 @@ class _Key:
 class InProcessBackend:
     """Limits kept in a dict. ``clock`` (seconds, monotonic) is injectable for tests."""
 
+    dependency = None  # nothing outside the process: /ready does not list it
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
@@ -98,6 +100,9 @@ class InProcessBackend:
                 level >= 0 and now - at >= 60.0 for level, at in state.buckets.values()
             ):
                 del self._keys[key]  # idle and refilled: nothing worth keeping
+
+    async def ping(self) -> None:
+        return None
 
     async def aclose(self) -> None:
         with self._lock:

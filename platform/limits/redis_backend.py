@@ -118,6 +118,8 @@ class RedisBackend:
     """Limits in Redis through one Lua script. ``client`` is a ``redis.asyncio.Redis``;
     ``prefix`` namespaces the keys (tests use a unique one)."""
 
+    dependency = "redis"
+
     def __init__(self, client: Any, prefix: str = "loramux:limits:") -> None:
         self.client = client
         self.prefix = prefix

@@ -10,7 +10,7 @@ arbitrary-size programs. The HTTP layer builds ``SamplingParams`` and then calls
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the template worker process imports this package: keep torch out
@@ -30,30 +30,28 @@ class RequestLimitError(ValueError):
 class RequestLimits:
     """The operator's caps on one request. Built once from settings; immutable."""
 
-    max_stop: int = 16
-    """Most ``stop`` strings."""
-    max_stop_length: int = 256
-    """Longest ``stop`` string, in characters."""
-    max_stop_token_ids: int = 256
-    """Most ``stop_token_ids``."""
-    max_allowed_token_ids: int = 4096
-    """Most ``allowed_token_ids``."""
-    max_logit_bias: int = 300
-    """Most ``logit_bias`` entries (OpenAI's own cap)."""
-    max_logprobs: int = 20
-    """Largest ``logprobs`` and ``prompt_logprobs`` (vLLM's ``max_logprobs``)."""
-    max_request_work: int = 1024
-    """Most ``n × best_of × max(1, prompt_logprobs)``: sequences times per-token logprobs."""
-    trust_request_chat_template: bool = False
-    """Accept a caller's own ``chat_template`` (vLLM's ``--trust-request-chat-template``)."""
-    max_chat_template_chars: int = 65536
-    """Longest caller-supplied chat template, in characters."""
-    chat_template_render_timeout_s: float = 2.0
-    """A template render is killed after this long (it runs in a worker process)."""
-    max_rendered_prompt_chars: int = 2_000_000
-    """Longest text a chat template may render."""
-    max_grammar_chars: int = 65536
-    """Longest structured-output spec (JSON schema, regex, choices or EBNF, serialized)."""
+    max_stop: int = field(default=16, metadata={"doc": "Most ``stop`` strings."})
+    max_stop_length: int = field(default=256, metadata={"doc": (
+        "Longest ``stop`` string, in characters.")})
+    max_stop_token_ids: int = field(default=256, metadata={"doc": "Most ``stop_token_ids``."})
+    max_allowed_token_ids: int = field(default=4096, metadata={"doc": (
+        "Most ``allowed_token_ids``.")})
+    max_logit_bias: int = field(default=300, metadata={"doc": (
+        "Most ``logit_bias`` entries (OpenAI's own cap).")})
+    max_logprobs: int = field(default=20, metadata={"doc": (
+        "Largest ``logprobs`` and ``prompt_logprobs`` (vLLM's ``max_logprobs``).")})
+    max_request_work: int = field(default=1024, metadata={"doc": (
+        "Most ``n × best_of × max(1, prompt_logprobs)``: sequences times per-token logprobs.")})
+    trust_request_chat_template: bool = field(default=False, metadata={"doc": (
+        "Accept a caller's own ``chat_template`` (vLLM's ``--trust-request-chat-template``).")})
+    max_chat_template_chars: int = field(default=65536, metadata={"doc": (
+        "Longest caller-supplied chat template, in characters.")})
+    chat_template_render_timeout_s: float = field(default=2.0, metadata={"doc": (
+        "A template render is killed after this long (it runs in a worker process).")})
+    max_rendered_prompt_chars: int = field(default=2_000_000, metadata={"doc": (
+        "Longest text a chat template may render.")})
+    max_grammar_chars: int = field(default=65536, metadata={"doc": (
+        "Longest structured-output spec (JSON schema, regex, choices or EBNF, serialized).")})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -3,9 +3,9 @@
 Used by the HTTP layer around everything a request does after it is parsed::
 
     cost = RequestCost.estimate(len(prompt_ids), params.max_tokens, params.n, params.best_of)
-    async with limiter.admit(tenant.id, quotas, cost) as admission:   # RateLimited → 429
+    async with limiter.hold(tenant.id, quotas, cost) as hold:   # RateLimited → 429
         ...generate...
-        admission.charge(prompt_tokens + completion_tokens)          # settled at exit
+        hold.charge(prompt_tokens + completion_tokens)          # settled at exit
 
 On entry the backend checks and charges every limit in one atomic step and takes a
 lease; while the block runs the lease is renewed every third of its TTL; on exit (success,
@@ -99,8 +99,8 @@ class RequestCost:
         return RequestCost(self.tokens + other.tokens, self.sequences + other.sequences)
 
 
-class Admission:
-    """An admitted request, inside ``TenantLimiter.admit``."""
+class QuotaHold:
+    """A request's hold on its tenant's quotas, inside ``TenantLimiter.hold``."""
 
     def __init__(self, lease: str, cost: RequestCost) -> None:
         self.lease = lease
@@ -131,21 +131,21 @@ class TenantLimiter:
         self.busy_retry_after_s = busy_retry_after_s
 
     @contextlib.asynccontextmanager
-    async def admit(
+    async def hold(
         self, tenant: int | str, quotas: Quotas, cost: RequestCost
-    ) -> AsyncIterator[Admission]:
-        """Admit one request of ``tenant`` under ``quotas`` or raise :class:`RateLimited`
+    ) -> AsyncIterator[QuotaHold]:
+        """Hold ``tenant``'s ``quotas`` for one request or raise :class:`RateLimited`
         / :class:`RequestTooLarge`, or :class:`LimiterUnavailable` when the backend fails."""
-        admission = Admission(uuid.uuid4().hex, cost)
+        hold = QuotaHold(uuid.uuid4().hex, cost)
         if all(getattr(quotas, name) is None for name in RATE_LIMITS):
-            yield admission
+            yield hold
             return
         seqs = quotas.max_queued_sequences
         if seqs is not None and cost.sequences > seqs:
             raise RequestTooLarge("max_queued_sequences", cost.sequences, seqs, "sequences")
         key = str(tenant)
         ask = Ask(
-            lease=admission.lease,
+            lease=hold.lease,
             lease_ttl_s=self.lease_ttl_s,
             requests_per_minute=quotas.requests_per_minute,
             tokens_per_minute=quotas.tokens_per_minute,
@@ -162,17 +162,17 @@ class TenantLimiter:
             raise LimiterUnavailable("the rate limiter is unavailable; retry shortly") from e
         if not decision.allowed:
             raise RateLimited(decision.limit or "rate limit", decision.retry_after)
-        renewer = asyncio.create_task(self._renew(key, admission.lease)) if ask.holds_lease else None
+        renewer = asyncio.create_task(self._renew(key, hold.lease)) if ask.holds_lease else None
         try:
-            yield admission
+            yield hold
         finally:
             if renewer is not None:
                 renewer.cancel()
             correction = 0
-            if admission.actual_tokens is not None:
-                correction = admission.actual_tokens - cost.tokens
+            if hold.actual_tokens is not None:
+                correction = hold.actual_tokens - cost.tokens
             release = self.backend.release(
-                key, admission.lease, token_correction=correction,
+                key, hold.lease, token_correction=correction,
                 tokens_per_minute=quotas.tokens_per_minute,
             )  # fmt: skip
             try:

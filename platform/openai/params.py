@@ -1,4 +1,5 @@
-"""Request body + adapter preset → :class:`SamplingParams`, and what to tell the caller.
+"""Request body + adapter preset (:mod:`.presets`) → :class:`SamplingParams`, and what to
+tell the caller.
 
 Precedence: the engine's defaults < the adapter's stored preset < the fields the
 request sets. The result names the parameters in effect (sent back in the
@@ -12,10 +13,9 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pydantic import ValidationError
-
 from loramux.engine.beam_search import BEAM_SEARCH_READS
-from loramux.engine.sampling_params import SamplingParamError, SamplingParams
+from loramux.engine.errors import SamplingParamError
+from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.structured_output import StructuredOutputsParams
 from loramux.platform.errors import BadRequest
 from loramux.platform.openai.protocol import (
@@ -33,8 +33,6 @@ DIRECT_FIELDS = tuple(n for n in ENGINE_FIELDS if n not in _ENGINE_ONLY)
 """Request fields that map 1:1 onto SamplingParams."""
 BEAM_IGNORED = tuple(n for n in ENGINE_FIELDS if n not in BEAM_SEARCH_READS)
 """Sampling parameters beam search does not use (each gets a warning when set with it)."""
-PRESET_FIELDS = (frozenset(DIRECT_FIELDS) | {"logprobs"}) - {"prompt_logprobs"}
-"""What an adapter preset may hold."""
 _NOT_SHOWN = frozenset({"spaces_between_special_tokens"})  # no effect: reported as a warning
 _SHOWN = tuple(n for n in ENGINE_FIELDS if n not in _NOT_SHOWN and n not in _ENGINE_ONLY - {"logprobs"})
 """The parameters the ``X-LoRAMux-Params`` header reports."""
@@ -90,34 +88,9 @@ def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=True)
 
 
-def validate_preset(preset: Any) -> dict[str, Any]:
-    """The one preset validator (HTTP API, CLI, and the registry through
-    :func:`registry_preset_check`): the request schema plus SamplingParams' own checks;
-    raises BadRequest naming the field."""
-    if preset is None:
-        return {}
-    if not isinstance(preset, dict):
-        raise BadRequest("preset must be a JSON object of sampling parameters", param="preset")
-    unknown = sorted(set(preset) - PRESET_FIELDS)
-    if unknown:
-        raise BadRequest(
-            f"preset: unknown sampling parameter {unknown[0]!r}; allowed: {sorted(PRESET_FIELDS)}",
-            param=f"preset.{unknown[0]}",
-        )
-    try:
-        SamplingFields.model_validate({k: v for k, v in preset.items() if k != "logprobs"})
-        values = _engine_values(dict(preset))
-        SamplingParams(**values)
-    except ValidationError as e:
-        loc = e.errors()[0].get("loc", ())
-        name = str(loc[0]) if loc else None
-        raise BadRequest(f"preset: {e}", param=f"preset.{name}" if name else "preset") from None
-    except SamplingParamError as e:
-        raise BadRequest(f"preset: {e}", param=f"preset.{e.param}") from None
-    return dict(preset)
-
-
-def _engine_values(values: dict[str, Any]) -> dict[str, Any]:
+def engine_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Request values as SamplingParams takes them (``logit_bias`` keys as token ids, a
+    negative ``seed`` folded into the generator's range)."""
     bias = values.get("logit_bias")
     if bias:
         try:
@@ -173,9 +146,9 @@ def build_params(
             raise BadRequest(f"{name} must be at most {MAX_N}, got {value}.", param=name,
                              code="invalid_parameter")
     try:
-        params = SamplingParams(**_engine_values(values))
-    except SamplingParamError as e:
-        raise BadRequest(str(e), param=e.param, code="invalid_parameter") from None
+        params = SamplingParams(**engine_values(values))
+    except SamplingParamError:
+        raise  # the error table's 400 naming the parameter
     except ValueError as e:  # a nested value SamplingParams could not take
         raise BadRequest(str(e), code="invalid_parameter") from None
     except TypeError as e:  # a preset holding something SamplingParams cannot take
@@ -256,13 +229,3 @@ def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool
     for name in sorted(req.model_extra or {}):
         out.append(f"{name} had no effect: it is not a recognized parameter")
     return out
-
-
-def registry_preset_check(preset: dict[str, Any]) -> None:
-    """:func:`validate_preset` as the registry's ``preset_check`` (raises InvalidPreset)."""
-    from loramux.registry.errors import InvalidPreset
-
-    try:
-        validate_preset(preset)
-    except BadRequest as e:
-        raise InvalidPreset(e.message) from None

@@ -123,7 +123,9 @@ def _unset(value: Any) -> bool:
     return value is None
 
 
-class Usage(BaseModel):
+class CompletionUsage(BaseModel):
+    """Token counts of one response (the OpenAI client's name)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -155,7 +157,7 @@ class CompletionResponse(_ResponseHead):
 
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
-    usage: Usage
+    usage: CompletionUsage
 
 
 class AssistantMessage(BaseModel):
@@ -177,7 +179,7 @@ class ChatCompletionResponse(_ResponseHead):
 
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
-    usage: Usage
+    usage: CompletionUsage
     prompt_logprobs: list[Any] | None = Field(None, exclude_if=_unset)
 
 

@@ -1,9 +1,9 @@
 """Which model a request's ``model`` field names: the base model, a static adapter
 (``--lora-modules``) or one of the caller's tenant adapters (registry, cached).
 
-Engine adapter keys are unique across tenants and versions
-(``"<tenant id>/<name>@<content digest>"``), so a replaced adapter never serves stale
-weights; :meth:`ModelResolver.on_registry_event` drops superseded keys from the engine.
+Engine adapter keys (:class:`~loramux.platform.identity.EngineKey`) are unique across
+tenants and versions, so a replaced adapter never serves stale weights;
+:meth:`ModelResolver.on_registry_event` drops superseded keys from the engine.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from loramux.engine.lora_request import LoRARequest
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.bulkheads import Dependencies
 from loramux.platform.errors import ModelNotFound
+from loramux.platform.identity import STATIC_OWNER, Caller, EngineKey
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
@@ -29,23 +30,6 @@ if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
-
-
-class TenantLike(Protocol):
-    id: int
-    name: str
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request: a tenant, or nobody (anonymous access to shared models)."""
-
-    tenant: TenantLike | None = None
-    is_admin: bool = False
-
-    @property
-    def tenant_id(self) -> int | None:
-        return self.tenant.id if self.tenant is not None else None
 
 
 @dataclass(frozen=True)
@@ -65,11 +49,6 @@ class ServedModel:
     def label(self) -> str:
         """Metrics label: the engine key, or ``base``."""
         return self.lora.lora_name if self.lora is not None else "base"
-
-
-def engine_key(tenant_id: int | str, name: str, digest: str) -> str:
-    """The engine's name of one version of an adapter."""
-    return f"{tenant_id}/{name}@{digest[:12]}"
 
 
 def _int_id(key: str) -> int:
@@ -137,7 +116,7 @@ class ModelResolver:
         self.base_family = base_family
         self.static: dict[str, ServedModel] = {}
         for name, path in (static_modules or {}).items():
-            key = engine_key("static", name, folder_digest(path))
+            key = str(EngineKey.of(STATIC_OWNER, name, folder_digest(path)))
             self.static[name] = ServedModel(
                 name, LoRARequest(key, _int_id(key), str(path)), {}, "loramux", self.created
             )
@@ -193,7 +172,7 @@ class ModelResolver:
         return handle, self.registry.cached_path(handle)
 
     def served_from_handle(self, handle: AdapterHandle, path: Path | None) -> ServedModel:
-        key = engine_key(handle.tenant_id, handle.name, handle.cache_key)
+        key = str(EngineKey.for_handle(handle))
         with self._lock:
             old = self._keys.get(handle.id)
             self._keys[handle.id] = key
@@ -248,14 +227,14 @@ class ModelResolver:
         if kind == "deleted":
             with self._lock:
                 old = self._keys.pop(handle.id, None)
-            keys = {old, engine_key(handle.tenant_id, handle.name, handle.cache_key)} - {None}
+            keys = {old, str(EngineKey.for_handle(handle))} - {None}
             if self.drop_engine_key is not None:
                 for key in keys:
                     self.drop_engine_key(key)
         elif kind == "replaced":
             with self._lock:
                 old = self._keys.get(handle.id)
-            new = engine_key(handle.tenant_id, handle.name, handle.cache_key)
+            new = str(EngineKey.for_handle(handle))
             if old is not None and old != new and self.drop_engine_key is not None:
                 self.drop_engine_key(old)
                 with self._lock:

@@ -17,7 +17,7 @@ from loramux.platform.openai.protocol import (
     ChatCompletionResponse,
     CompletionChoice,
     CompletionResponse,
-    Usage,
+    CompletionUsage,
 )
 from loramux.platform.openai.resolver import ServedModel
 
@@ -94,10 +94,10 @@ class ResponseRenderer(TokenRenderer):
             chunks.append(choice)
         return chunks
 
-    def usage(self, finals: list[RequestOutput]) -> Usage:
+    def usage(self, finals: list[RequestOutput]) -> CompletionUsage:
         prompt = sum(len(f.prompt_token_ids) for f in finals)
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+        return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion)
 
     def completion_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> CompletionResponse:

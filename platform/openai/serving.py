@@ -5,7 +5,8 @@ Request path: resolve ``model`` → build SamplingParams (preset + request) → 
 into one queue → either one JSON body or server-sent events ending in
 ``data: [DONE]``. Engine errors raised while a request is being added (bad
 parameter, prompt longer than ``max_model_len``, queue full, bad adapter) surface
-before the first byte, so they get their proper HTTP status even when streaming.
+before the first byte, so they get their proper HTTP status even when streaming; every
+error is answered, and labelled in the metrics, by the one table (``errors.py``).
 A client that disconnects cancels the pump tasks, which aborts the engine requests
 and frees their KV blocks at once. Prompts are built in ``prompts``, outputs moved in
 ``streaming`` and rendered in ``responses`` / ``logprobs``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,45 +25,27 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from loramux.adapters.errors import AdapterValidationError
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.engine import QueueFullError
-from loramux.engine.lora.manager import LoRAError
 from loramux.engine.outputs import RequestOutput
 from loramux.platform.errors import (
-    APIError,
+    DEFAULT_CONTEXT,
     BadRequest,
+    ErrorContext,
     ServiceUnavailable,
+    metric_label,
     to_api_error,
 )
+from loramux.platform.identity import Caller
 from loramux.platform.metrics import Metrics
-from loramux.platform.openai.admission import AdmissionControl
+from loramux.platform.openai.gate import RequestGate
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.openai.resolver import Caller, ModelResolver
+from loramux.platform.openai.resolver import ModelResolver
 from loramux.platform.openai.responses import RequestContext, ResponseRenderer, StreamState
 from loramux.platform.openai.streaming import Pump, SSEResponse, dumps, sse, until_disconnect
 
 logger = logging.getLogger(__name__)
-
-
-def engine_error(exc: BaseException, retry_after: int, prompt_param: str) -> APIError:
-    """The HTTP error for an exception raised by the engine while adding or running: the
-    error table's, with what only this request knows: the prompt's field (``prompt`` or
-    ``messages``), the 429's ``Retry-After``. A plain ``ValueError`` from the engine is
-    about the prompt itself (empty, token ids out of range)."""
-    if type(exc) is ValueError:
-        return BadRequest(str(exc), param=prompt_param, code="invalid_parameter")
-    if isinstance(exc, AdapterValidationError):  # an adapter that no longer loads
-        exc = LoRAError(str(exc))
-    err = to_api_error(exc)
-    if err.param == "prompt":
-        err.param = prompt_param
-    if isinstance(exc, QueueFullError):
-        err.message = f"{exc}; retry after {retry_after} s"
-        err.headers = {"Retry-After": str(retry_after)}
-    return err
 
 
 def _fairness_key(caller: Caller) -> str | None:
@@ -78,16 +62,17 @@ class OpenAIServing:
         metrics: Metrics,
         *,
         fingerprint: str,
-        admission: AdmissionControl,
-        retry_after: int = 1,
+        gate: RequestGate,
+        errors: ErrorContext = DEFAULT_CONTEXT,
         max_prompts: int = 64,
     ) -> None:
+        """``errors``: the server's Retry-After values for the error table's answers."""
         self.engine = engine
         self.max_model_len = engine.max_model_len
         self.resolver = resolver
         self.metrics = metrics
-        self.retry_after = retry_after
-        self.admission = admission
+        self.errors = errors
+        self.gate = gate
         self.prompts = PromptBuilder(engine.tokenizer, max_prompts)
         self.render = ResponseRenderer(engine.tokenizer, fingerprint)
 
@@ -98,7 +83,7 @@ class OpenAIServing:
         prompts = await self.prompts.completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
             built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
-        self.admission.check(built.params)
+        self.gate.check_caps(built.params)
         ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions",
                              fairness_key=_fairness_key(caller))
         return await self._respond(ctx, req, request, caller)
@@ -106,9 +91,9 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
         served = await self.resolver.resolve(caller, req.model)
         built = build_params(req, served.preset, default_max_tokens=None)
-        self.admission.check(built.params)
+        self.gate.check_caps(built.params)
         if req.chat_template is not None:  # the caller's own: refused unless trusted
-            text = await self.admission.render_template(
+            text = await self.gate.render_template(
                 req.chat_template, self.prompts.conversation(req), self.engine.tokenizer,
                 bool(req.add_generation_prompt), req.chat_template_kwargs,
             )
@@ -142,7 +127,7 @@ class OpenAIServing:
         headers = ctx.built.headers()
         # the tenant's quota is held for the request's whole life (the stream's, if streaming)
         quota = contextlib.AsyncExitStack()
-        admission = await quota.enter_async_context(self.admission.admit(
+        hold = await quota.enter_async_context(self.gate.hold_quota(
             caller, [len(p["prompt_token_ids"]) for p in ctx.prompts], ctx.built.params,
             self.max_model_len,
         ))
@@ -150,7 +135,7 @@ class OpenAIServing:
         self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))
 
         async def release() -> None:
-            admission.charge(_used(pump))
+            hold.charge(_used(pump))
             await quota.aclose()
 
         try:
@@ -182,13 +167,17 @@ class OpenAIServing:
                 return Response(status_code=499)
         except BaseException as exc:
             pump.cancel()
-            self._record(ctx, pump, _status_of(exc))
+            self._record(ctx, pump, metric_label(exc))
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
                 raise
-            raise engine_error(exc, self.retry_after, ctx.prompt_param) from None
+            raise to_api_error(exc, self._error_context(ctx)) from None
         self._record(ctx, pump, "ok")
         body = self.render.completion_body(ctx, finals) if ctx.kind == "cmpl" else self.render.chat_body(ctx, finals)
         return JSONResponse(body.model_dump(), headers=headers)
+
+    def _error_context(self, ctx: RequestContext) -> ErrorContext:
+        """The server's error context with this request's prompt field."""
+        return dataclasses.replace(self.errors, prompt_param=ctx.prompt_param)
 
     async def _prime(self, pump: Pump, ctx: RequestContext) -> list[tuple[int, RequestOutput | None]]:
         """Wait until every prompt's request was added and produced its first output, so
@@ -275,8 +264,8 @@ class OpenAIServing:
             status = "cancelled"
             raise
         except BaseException as exc:
-            status = _status_of(exc)
-            err = engine_error(exc, self.retry_after, ctx.prompt_param)
+            status = metric_label(exc)
+            err = to_api_error(exc, self._error_context(ctx))
             yield sse(err.body())
             yield sse("[DONE]")
         finally:
@@ -288,16 +277,6 @@ class OpenAIServing:
 def _used(pump: Pump) -> int:
     """Prompt + generated tokens of every engine request of the pump (for the quota)."""
     return sum(t.prompt_tokens + t.output_tokens for t in pump.tracks)
-
-
-def _status_of(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.CancelledError):
-        return "cancelled"
-    if isinstance(exc, QueueFullError):
-        return "rejected"
-    if isinstance(exc, (ValueError, APIError)):
-        return "invalid"
-    return "error"
 
 
 def _ms(seconds: float | None) -> float | None:

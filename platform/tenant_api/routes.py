@@ -25,7 +25,7 @@ class QuotaValues(BaseModel):
     max_stored_bytes: int | None
 
 
-class Usage(BaseModel):
+class StorageUsage(BaseModel):
     """What the tenant stores now."""
 
     adapters: int
@@ -36,7 +36,7 @@ class TenantQuotas(BaseModel):
     object: Literal["tenant.quotas"] = "tenant.quotas"
     tenant: str = Field(description="The tenant's name.")
     quotas: QuotaValues
-    usage: Usage
+    usage: StorageUsage
 
 
 @router.get("/quotas", response_model=TenantQuotas)
@@ -48,4 +48,4 @@ async def get_quotas(caller: TenantDep, state: StateDep):
     quotas = await state.deps.db.call(state.registry.get_quotas, caller.tenant.id)
     usage = await state.deps.db.call(state.registry.get_usage, caller.tenant.id)
     return TenantQuotas(tenant=caller.tenant.name, quotas=QuotaValues(**quotas.to_dict()),
-                        usage=Usage(adapters=usage.adapters, stored_bytes=usage.stored_bytes))
+                        usage=StorageUsage(adapters=usage.adapters, stored_bytes=usage.stored_bytes))

@@ -24,7 +24,7 @@ from support.server import free_port, parse_sse
 
 from loramux.platform.cluster.redis_state import ClusterState
 from loramux.platform.cluster.routing import rendezvous_order
-from loramux.platform.openai.resolver import engine_key
+from loramux.platform.identity import EngineKey
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,7 +111,7 @@ def cluster(tmp_path_factory, tiny_model_dir, module_private_redis):
     for i, name in enumerate(ADAPTERS):
         folder = write_random_adapter(tiny_model_dir, tmp / f"src-{name}", seed=i + 1)
         h = reg.upload(tenant.id, name, folder)
-        c.keys[name] = engine_key(h.tenant_id, h.name, h.cache_key)
+        c.keys[name] = str(EngineKey.for_handle(h))
     reg.db.dispose()
     try:
         for _ in range(2):

@@ -201,7 +201,7 @@ def test_bfloat16_runs_close_to_float32(name, family_dir, prompts):
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     import json
 
-    from loramux.engine.model.weights import ModelLoadError
+    from loramux.engine.errors import ModelLoadError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
                                                       "model_type": "gpt2"}))

@@ -76,7 +76,7 @@ def stack(tiny_model_dir, tmp_path_factory):
                    free={"Authorization": f"Bearer {free_key}"},
                    limited={"Authorization": f"Bearer {limited_key}"},
                    unseen={"Authorization": f"Bearer {unseen_key}"})
-    close_state(app.state.loramux)
+    close_state(app.services)
     engine.shutdown()
     registry.db.dispose()
     for svc in services.values():

@@ -31,7 +31,7 @@ def server(tiny_model_dir, tmp_path_factory):
     app = create_app(settings, engine=engine, registry=registry)
     with serve_in_thread(app) as url:
         yield url, key
-    close_state(app.state.loramux)
+    close_state(app.services)
     engine.shutdown()
     registry.db.dispose()
 
@@ -164,5 +164,5 @@ def test_rate_limit_and_unavailable(tiny_model_dir):
                 client.completions.create(model=BASE, prompt="x", max_tokens=1)
             assert e.value.status_code == 503
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
         engine.shutdown()

@@ -33,7 +33,7 @@ def server(tiny_model_dir, tmp_path_factory):
     app = create_app(Settings(served_model_name=[BASE]), engine=engine, registry=registry)
     with serve_in_thread(app) as url:
         yield url, key, engine
-    close_state(app.state.loramux)
+    close_state(app.services)
     engine.shutdown()
     registry.db.dispose()
 

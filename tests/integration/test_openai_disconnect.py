@@ -24,7 +24,7 @@ def server(tiny_model_dir):
                      engine=engine)
     with serve_in_thread(app) as url:
         yield url, engine
-    close_state(app.state.loramux)
+    close_state(app.services)
     engine.shutdown()
 
 

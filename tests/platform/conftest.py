@@ -65,7 +65,7 @@ def app(env):
     yield app
     from loramux.platform.state import close_state
 
-    close_state(app.state.loramux)
+    close_state(app.services)
 
 
 @pytest.fixture

@@ -127,10 +127,10 @@ async def test_upload_size_cap_is_413(env, adapter_dirs):
             r = await c.post("/v1/adapters", headers=env.headers(env.key_a), data={"name": "huge"},
                              files=_files(adapter_dirs[0]))
             assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
-            scratch = app.state.loramux.scratch_dir
+            scratch = app.services.scratch_dir
             assert not any(scratch.glob("upload-*"))  # the partial upload was removed
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
 
 
 async def test_export_writes_merged_model_to_store(client, env):
@@ -194,7 +194,7 @@ async def test_upload_from_s3(env, adapter_dirs, moto_s3, monkeypatch):
             for name in ("from-s3", "from-s3-tar"):
                 assert (await c.delete(f"/v1/adapters/{name}", headers=h)).status_code == 200
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
 
 
 async def test_patch_description_round_trips(client, env):

@@ -35,7 +35,7 @@ def live(env):
         yield url
     from loramux.platform.state import close_state
 
-    close_state(app.state.loramux)
+    close_state(app.services)
 
 
 @pytest.fixture(scope="module")

@@ -198,5 +198,5 @@ async def test_recent_429s_per_tenant(env, tiny_model_dir):
             alpha = next(t for t in tenants if t["name"] == "alpha")
             assert alpha["rejections"] == []
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
         engine.shutdown()

@@ -11,7 +11,7 @@ import time
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from loramux.platform.dependencies import (
+from loramux.platform.bulkheads import (
     Bulkhead,
     Dependencies,
     DependencyPolicy,

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 from support.server import serve_in_thread
 
-from loramux.platform.dependencies import DependencyUnavailable
+from loramux.platform.bulkheads import DependencyUnavailable
 from loramux.registry.errors import ObjectStoreError
 
 SECRET_HOST = "db-primary.internal.example:5432"

@@ -24,8 +24,8 @@ async def fast_client(env):
                      engine=env.engine, registry=env.registry)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                  timeout=60) as c:
-        yield c, app.state.loramux
-    close_state(app.state.loramux)
+        yield c, app.services
+    close_state(app.services)
 
 
 def _stall(monkeypatch, obj, name, release: threading.Event):

@@ -34,11 +34,11 @@ def slow_server(tiny_model_dir, tmp_path):
     registry = make_registry(tmp_path / "reg", tiny_model_dir)
     _, key = registry.create_tenant("acme")
     app = create_app(settings(), engine=engine, registry=registry)
-    app.state.drain.on_timeout.append(lambda: threading.Thread(target=engine.shutdown).start())
+    app.drain.on_timeout.append(lambda: threading.Thread(target=engine.shutdown).start())
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=AFTER_TIMEOUT_S)
-    server = DrainingServer(config, drain=app.state.drain, shutdown_timeout=1.5)
+    server = DrainingServer(config, drain=app.drain, shutdown_timeout=1.5)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -51,7 +51,7 @@ def slow_server(tiny_model_dir, tmp_path):
     yield server, thread, url, {"Authorization": f"Bearer {key}"}
     server.should_exit = True
     thread.join(10)
-    close_state(app.state.loramux)
+    close_state(app.services)
     engine.shutdown()
     registry.db.dispose()
 

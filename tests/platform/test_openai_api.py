@@ -258,7 +258,7 @@ async def test_anonymous_access_when_allowed(env):
             assert r.status_code == 404  # tenant adapters always need the tenant's key
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [BASE]
     finally:
-        close_state(app.state.loramux)
+        close_state(app.services)
 
 
 async def test_models_list_per_tenant(client, env):

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from loramux.platform.errors import BadRequest
-from loramux.platform.openai.params import build_params, validate_preset
+from loramux.engine.errors import SamplingParamError
+from loramux.platform.errors import BadRequest, to_api_error
+from loramux.platform.openai.params import build_params
+from loramux.platform.openai.presets import validate_preset
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -59,9 +61,9 @@ def test_logit_bias_and_negative_seed():
     p = build_params(cmpl(logit_bias={"12": -5}, seed=-1, temperature=1.0), None,
                      default_max_tokens=16).params
     assert p.logit_bias == {12: -5.0} and p.seed == 2**63 - 1
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(SamplingParamError) as e:  # answered by the error table's row
         build_params(cmpl(logit_bias={"abc": 1}), None, default_max_tokens=16)
-    assert e.value.param == "logit_bias"
+    assert to_api_error(e.value).param == "logit_bias"
 
 
 @pytest.mark.parametrize("field,value", [
@@ -69,9 +71,10 @@ def test_logit_bias_and_negative_seed():
     ("repetition_penalty", 0.0), ("n", 0), ("min_tokens", -1), ("max_tokens", 0),
 ])
 def test_bad_values_name_their_parameter(field, value):
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(SamplingParamError) as e:
         build_params(cmpl(**{field: value}), None, default_max_tokens=16)
-    assert e.value.param == field and e.value.status_code == 400
+    err = to_api_error(e.value)  # the error table's answer
+    assert (err.param, err.status_code, err.code) == (field, 400, "invalid_parameter")
 
 
 def test_no_effect_warnings():
@@ -109,14 +112,14 @@ def test_request_and_preset_schema_derive_from_sampling_params():
     from dataclasses import fields
 
     from loramux.engine.sampling_params import SamplingParams
-    from loramux.platform.openai import params
+    from loramux.platform.openai import params, presets
     from loramux.platform.openai.protocol import SamplingFields
 
     engine = {f.name for f in fields(SamplingParams) if f.init}
     assert set(params.DIRECT_FIELDS) == engine - {"detokenize", "structured_outputs", "logprobs"}
     assert set(params.DIRECT_FIELDS) <= set(SamplingFields.model_fields)
-    assert params.PRESET_FIELDS <= engine
-    for name in params.PRESET_FIELDS:  # every preset field is one a request may also set
+    assert presets.PRESET_FIELDS <= engine
+    for name in presets.PRESET_FIELDS:  # every preset field is one a request may also set
         assert name in SamplingFields.model_fields or name == "logprobs"
 
 

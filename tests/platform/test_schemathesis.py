@@ -30,7 +30,7 @@ def fuzz_env(tiny_model_dir, tmp_path_factory):
                     default_preset={"temperature": 0.0, "stop": [";"]})
     app = create_app(settings(max_upload_bytes=256 * 1024), engine=engine, registry=registry)
     yield app, key
-    close_state(app.state.loramux)
+    close_state(app.services)
     engine.shutdown()
     registry.db.dispose()
 
@@ -135,7 +135,7 @@ def test_no_server_errors_with_valid_sampling(fuzz_env):
     from starlette.testclient import TestClient
 
     app, key = fuzz_env
-    vocab = app.state.loramux.engine.engine.model.dims.vocab_size
+    vocab = app.services.engine.engine.model.dims.vocab_size
     completion, chat = _sampling_bodies(vocab)
     headers = {"Authorization": f"Bearer {key}"}
     failures: list[str] = []
@@ -168,4 +168,4 @@ def test_no_server_errors_with_valid_sampling(fuzz_env):
         chats()
     assert not failures, "\n".join(failures[:10])
     assert sum(ok) >= 40, sum(ok)  # most bodies were served, so generation was exercised
-    assert app.state.loramux.engine.is_ready
+    assert app.services.engine.is_ready

@@ -129,7 +129,7 @@ def object_store(request, tmp_path):
 @pytest.fixture
 def registry(database_url, object_store, tmp_path):
     """A RegistryService over each database × store, validating against a tiny Llama config."""
-    from loramux.platform.openai.params import registry_preset_check
+    from loramux.platform.openai.presets import registry_preset_check
     from loramux.registry import build_registry
 
     service = build_registry(

@@ -54,7 +54,7 @@ def make_engine(
 def make_registry(data_dir: str | Path, model_dir: str | Path, **kwargs: Any):
     """A registry with SQLite and a file store under ``data_dir``, checking presets as
     the server does."""
-    from loramux.platform.openai.params import registry_preset_check
+    from loramux.platform.openai.presets import registry_preset_check
     from loramux.registry import build_registry
 
     data_dir = Path(data_dir)

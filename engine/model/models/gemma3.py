@@ -13,8 +13,8 @@ has none, and transformers' (like Google's) Gemma 3 ignores the field.
 
 from __future__ import annotations
 
+from loramux.engine.errors import ModelLoadError
 from loramux.engine.model.spec import DecoderSpec, LayerSpec, layer_windows
-from loramux.engine.model.weights import ModelLoadError
 
 
 def decoder_spec(config) -> DecoderSpec:

@@ -54,7 +54,7 @@ async def make_backend(request):
 
 
 async def admit_once(limiter, quotas, cost=RequestCost(1), tenant="t1"):
-    async with limiter.admit(tenant, quotas, cost):
+    async with limiter.hold(tenant, quotas, cost):
         pass
 
 
@@ -74,9 +74,9 @@ async def test_requests_per_minute(make_backend):
 async def test_tokens_per_minute_with_correction_and_debt(make_backend):
     limiter = TenantLimiter(make_backend())
     q = Quotas(tokens_per_minute=100)
-    async with limiter.admit("t1", q, RequestCost(60)) as admission:
-        admission.charge(10)  # used far less than estimated: 50 come back at exit
-    async with limiter.admit("t1", q, RequestCost(60)):
+    async with limiter.hold("t1", q, RequestCost(60)) as hold:
+        hold.charge(10)  # used far less than estimated: 50 come back at exit
+    async with limiter.hold("t1", q, RequestCost(60)):
         pass
     with pytest.raises(RateLimited) as e:  # 30 left, 60 needed: 30 tokens at 100/min
         await admit_once(limiter, q, RequestCost(60))
@@ -106,11 +106,11 @@ async def test_a_denial_charges_nothing(make_backend):
 async def test_concurrency_and_sequences(make_backend):
     limiter = TenantLimiter(make_backend(), busy_retry_after_s=2.5)
     q = Quotas(max_concurrent_requests=2, max_queued_sequences=8)
-    async with limiter.admit("t1", q, RequestCost(1, sequences=5)):
+    async with limiter.hold("t1", q, RequestCost(1, sequences=5)):
         with pytest.raises(RateLimited) as e:
             await admit_once(limiter, q, RequestCost(1, sequences=4))
         assert (e.value.limit, e.value.retry_after) == ("max_queued_sequences", 2.5)
-        async with limiter.admit("t1", q, RequestCost(1, sequences=3)):
+        async with limiter.hold("t1", q, RequestCost(1, sequences=3)):
             with pytest.raises(RateLimited) as e:
                 await admit_once(limiter, q)
             assert e.value.limit == "max_concurrent_requests"
@@ -126,12 +126,12 @@ async def test_released_on_error_and_cancellation(make_backend):
     limiter = TenantLimiter(make_backend())
     q = Quotas(max_concurrent_requests=1)
     with pytest.raises(KeyError):
-        async with limiter.admit("t1", q, RequestCost(1)):
+        async with limiter.hold("t1", q, RequestCost(1)):
             raise KeyError("boom")
     entered = asyncio.Event()
 
     async def hold():
-        async with limiter.admit("t1", q, RequestCost(1)):
+        async with limiter.hold("t1", q, RequestCost(1)):
             entered.set()
             await asyncio.sleep(60)
 
@@ -155,7 +155,7 @@ async def test_racing_gateways_never_exceed_the_limit(make_backend):
     async def one(limiter):
         nonlocal inside, peak, admitted
         try:
-            async with limiter.admit("t1", q, RequestCost(1, sequences=2)):
+            async with limiter.hold("t1", q, RequestCost(1, sequences=2)):
                 inside += 1
                 admitted += 1
                 peak = max(peak, inside)
@@ -194,7 +194,7 @@ async def test_a_live_lease_is_renewed(make_backend):
     """A request running for several TTLs keeps its slot; it frees it when it ends."""
     limiter = TenantLimiter(make_backend(), lease_ttl_s=0.3)
     q = Quotas(max_concurrent_requests=1)
-    async with limiter.admit("t1", q, RequestCost(1)):
+    async with limiter.hold("t1", q, RequestCost(1)):
         for _ in range(4):
             await asyncio.sleep(0.25)
             with pytest.raises(RateLimited):
@@ -208,7 +208,7 @@ async def test_unlimited_quotas_skip_the_backend():
             raise AssertionError("the backend was asked")
 
     limiter = TenantLimiter(Refuses())  # type: ignore[arg-type]
-    async with limiter.admit("t1", Quotas(max_adapters=1), RequestCost(10**9, 10**6)):
+    async with limiter.hold("t1", Quotas(max_adapters=1), RequestCost(10**9, 10**6)):
         pass
 
 
@@ -223,8 +223,8 @@ async def test_redis_keys_expire(redis_url):
     backend = RedisBackend.from_url(redis_url, f"lmx-test:{uuid.uuid4().hex}:")
     limiter = TenantLimiter(backend, lease_ttl_s=5.0)
     q = Quotas(max_concurrent_requests=3, requests_per_minute=10, tokens_per_minute=1000)
-    async with limiter.admit("t1", q, RequestCost(50)) as admission:
-        admission.charge(20)
+    async with limiter.hold("t1", q, RequestCost(50)) as hold:
+        hold.charge(20)
         client = backend.client
         for key in backend.keys("t1"):
             assert 0 < await client.pttl(key) <= 70_000, key

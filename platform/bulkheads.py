@@ -11,9 +11,9 @@ naming the dependency kind only. The thread of a call past its deadline keeps ru
 until the dependency answers (or its own socket timeout fires); it still counts against
 the pool, which is what keeps a stall contained.
 
-:class:`Dependencies` holds one bulkhead per dependency and reports their health for
-``/ready``. The sizes and deadlines are :class:`DependencyPolicy` fields (``Settings``
-generates a flag for each).
+:class:`Dependencies` holds one bulkhead per dependency and their health; ``/ready``
+asks each dependency through :mod:`.probes`. The sizes and deadlines are
+:class:`DependencyPolicy` fields (``Settings`` generates a flag for each).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -35,40 +35,35 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MISSING = object()
 
-PROBE_TIMEOUT_S = 1.0
-"""Seconds each dependency probe of ``/ready`` may take (Kubernetes' probe default is 1 s
-for the whole request: the probes run concurrently)."""
-
-
 @dataclass(frozen=True)
 class DependencyPolicy:
     """Bulkhead sizes, per-call deadlines, breakers and Redis socket timeouts."""
 
-    db_workers: int = 8
-    """Threads of the database bulkhead (calls past it wait in a queue of the same size)."""
-    db_call_timeout: float = 6.0
-    """Seconds a request waits for one database call (the pool wait and the statement
-    included) before it gets 503."""
-    store_workers: int = 4
-    """Threads of the object-store bulkhead (adapter fetches, uploads' writes)."""
-    store_call_timeout: float = 30.0
-    """Seconds a request waits for an adapter fetch from the object store."""
-    redis_socket_timeout: float = 1.0
-    """Seconds a Redis command may take (rate limits, cluster state)."""
-    redis_connect_timeout: float = 1.0
-    """Seconds to open a Redis connection."""
-    breaker_failures: int = 3
-    """Failures in a row after which a dependency's calls fail at once (503)."""
-    breaker_reset: float = 5.0
-    """Seconds an open breaker fails calls at once before it lets one through again."""
-    dependency_retry_after: int = 5
-    """The Retry-After (seconds) of a 503 caused by a failed dependency."""
-    stale_hedge: float = 0.2
-    """Seconds a request waits for the refresh of an expired cached key, quota or model
-    resolution before it is answered with the last good value (the refresh goes on)."""
-    outage_staleness: float = 300.0
-    """Seconds past their TTL that cached API keys, quotas and adapter resolutions keep
-    serving while the database is down (each use logged); 0 = fail at once."""
+    db_workers: int = field(default=8, metadata={"doc": (
+        "Threads of the database bulkhead (calls past it wait in a queue of the same size).")})
+    db_call_timeout: float = field(default=6.0, metadata={"doc": (
+        "Seconds a request waits for one database call (the pool wait and the statement "
+        "included) before it gets 503.")})
+    store_workers: int = field(default=4, metadata={"doc": (
+        "Threads of the object-store bulkhead (adapter fetches, uploads' writes).")})
+    store_call_timeout: float = field(default=30.0, metadata={"doc": (
+        "Seconds a request waits for an adapter fetch from the object store.")})
+    redis_socket_timeout: float = field(default=1.0, metadata={"doc": (
+        "Seconds a Redis command may take (rate limits, cluster state).")})
+    redis_connect_timeout: float = field(default=1.0, metadata={"doc": (
+        "Seconds to open a Redis connection.")})
+    breaker_failures: int = field(default=3, metadata={"doc": (
+        "Failures in a row after which a dependency's calls fail at once (503).")})
+    breaker_reset: float = field(default=5.0, metadata={"doc": (
+        "Seconds an open breaker fails calls at once before it lets one through again.")})
+    dependency_retry_after: int = field(default=5, metadata={"doc": (
+        "The Retry-After (seconds) of a 503 caused by a failed dependency.")})
+    stale_hedge: float = field(default=0.2, metadata={"doc": (
+        "Seconds a request waits for the refresh of an expired cached key, quota or model "
+        "resolution before it is answered with the last good value (the refresh goes on).")})
+    outage_staleness: float = field(default=300.0, metadata={"doc": (
+        "Seconds past their TTL that cached API keys, quotas and adapter resolutions keep "
+        "serving while the database is down (each use logged); 0 = fail at once.")})
 
     def __post_init__(self) -> None:
         if min(self.db_workers, self.store_workers, self.breaker_failures) < 1:
@@ -339,42 +334,3 @@ class Dependencies:
     def shutdown(self) -> None:
         self.db.shutdown()
         self.store.shutdown()
-
-
-async def probe(bulkhead: Bulkhead, fn: Callable[[], Any], timeout: float) -> tuple[str, str | None]:
-    """``(status, reason)`` of one dependency for ``/ready``: ``down`` when the probe
-    fails (or the breaker is open), ``degraded`` when it answers but recent calls failed
-    or the pool is busy, else ``ok``. ``reason`` may name hosts: admins only."""
-    try:
-        await bulkhead.call(fn, timeout=timeout)
-    except Exception as exc:  # every failure is an answer here
-        return "down", f"{type(exc).__name__}: {exc}"
-    status = bulkhead.status()
-    return status, (bulkhead.last_error if status != "ok" else None)
-
-
-async def dependency_report(deps: Dependencies, registry: Any = None,
-                            redis_ping: Callable[[], Any] | None = None,
-                            timeout: float = PROBE_TIMEOUT_S) -> tuple[dict[str, str], dict[str, str]]:
-    """``(status per dependency, reason per failing one)`` of a server: the registry's
-    database and store through their bulkheads, Redis through ``redis_ping`` (an async
-    ping), all probed concurrently within ``timeout``."""
-    probes = {}
-    if registry is not None:
-        store = registry.store
-        probes["database"] = probe(deps.db, registry.db.ping, timeout)
-        probes["object store"] = probe(deps.store, lambda: store.exists("health/probe"), timeout)
-    if redis_ping is not None:
-        probes["redis"] = _async_probe(redis_ping, timeout)
-    results = await asyncio.gather(*probes.values())
-    statuses = {name: status for name, (status, _) in zip(probes, results, strict=True)}
-    reasons = {name: why for name, (_, why) in zip(probes, results, strict=True) if why}
-    return statuses, reasons
-
-
-async def _async_probe(ping: Callable[[], Any], timeout: float) -> tuple[str, str | None]:
-    try:
-        await asyncio.wait_for(ping(), timeout)
-    except Exception as exc:  # every failure is an answer here
-        return "down", f"{type(exc).__name__}: {exc}"
-    return "ok", None

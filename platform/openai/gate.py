@@ -1,11 +1,11 @@
 """What a tenant may ask of the engine: the request caps and the tenant's quotas, applied
 to every OpenAI request before it reaches the engine.
 
-:class:`AdmissionControl` is built once per app (``state.py``). ``OpenAIServing`` calls
-:meth:`~AdmissionControl.check` once the request's ``SamplingParams`` are built (caps →
-400 naming the field), :meth:`~AdmissionControl.render_template` for a caller's own chat
+:class:`RequestGate` is built once per app (``state.py``). ``OpenAIServing`` calls
+:meth:`~RequestGate.check_caps` once the request's ``SamplingParams`` are built (caps →
+400 naming the field), :meth:`~RequestGate.render_template` for a caller's own chat
 template (refused unless the operator trusts them; rendered in a killable worker
-process), and enters :meth:`~AdmissionControl.admit` around the request's whole life
+process), and enters :meth:`~RequestGate.hold_quota` around the request's whole life
 (quotas → 429 with ``Retry-After``; the token bucket is corrected by what was really
 used when the request ends). A tenant's quotas are cached for ``quota_ttl`` seconds; the
 registry's ``quotas_changed`` event drops the cache.
@@ -19,11 +19,11 @@ import operator
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from loramux.platform.dependencies import Dependencies
+from loramux.platform.bulkheads import Dependencies
+from loramux.platform.identity import Caller
 from loramux.platform.limits.request import RequestLimits, check_chat_template, check_request
 from loramux.platform.limits.templates import TemplateRenderer, template_variables
-from loramux.platform.limits.tenant import Admission, RequestCost, TenantLimiter
-from loramux.platform.openai.resolver import Caller
+from loramux.platform.limits.tenant import QuotaHold, RequestCost, TenantLimiter
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 from loramux.registry.quotas import Quotas
@@ -36,7 +36,7 @@ ANONYMOUS = "anonymous"
 """The limiter key of callers without a tenant (``--allow-anonymous``)."""
 
 
-class AdmissionControl:
+class RequestGate:
     """Request caps, chat-template rendering and tenant quotas for one server."""
 
     def __init__(
@@ -85,7 +85,7 @@ class AdmissionControl:
             self.forget_quotas()
 
     # --- the request -----------------------------------------------------------------
-    def check(self, params: SamplingParams) -> None:
+    def check_caps(self, params: SamplingParams) -> None:
         """The request's caps (RequestLimitError: HTTP 400 naming the field)."""
         check_request(params, self.limits)
 
@@ -101,19 +101,19 @@ class AdmissionControl:
         )
 
     @contextlib.asynccontextmanager
-    async def admit(self, caller: Caller, prompt_lengths: list[int], params: SamplingParams,
-                    max_model_len: int) -> AsyncIterator[Admission]:
+    async def hold_quota(self, caller: Caller, prompt_lengths: list[int], params: SamplingParams,
+                         max_model_len: int) -> AsyncIterator[QuotaHold]:
         """Hold the caller's quota for the request's life: 429 with ``Retry-After`` when a
         limit says no; 400 when the request alone is past a limit. The caller charges
-        what it really used through ``Admission.charge``."""
+        what it really used through ``QuotaHold.charge``."""
         cost = functools.reduce(operator.add, (
             RequestCost.estimate(length, params.max_tokens or max(0, max_model_len - length),
                                  params.n, params.best_of)
             for length in prompt_lengths))
         key = str(caller.tenant.id) if caller.tenant is not None else ANONYMOUS
         quotas = await self.quotas(caller)
-        async with self.limiter.admit(key, quotas, cost) as admission:
-            yield admission
+        async with self.limiter.hold(key, quotas, cost) as hold:
+            yield hold
 
     async def aclose(self) -> None:
         """Stop the template workers and close the limiter's backend."""
