@@ -50,7 +50,7 @@ async def client(env):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                  timeout=60) as c:
         yield c
-    close_state(app.state.loramux)
+    close_state(app.services)
 
 
 def _files(folder: Path) -> list:
