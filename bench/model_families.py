@@ -4,7 +4,9 @@ For each model, two shapes (``bench/fast_step.py``'s): ``uniform`` (all requests
 32-token prompts, 32 new tokens) and ``serving`` (Poisson arrivals, a shared prefix, longer
 prompts), each with the base model and over 4 adapters (ranks 8/16, all 7 projections,
 round-robin), on the engine's default path (fused small ops, the C attention kernel, the
-LoRA SGMV kernel). Reports output tok/s, TTFT / TPOT p50 and LoRA ÷ base per model and shape.
+LoRA SGMV kernel), after one warm-up run per model. Reports output tok/s, TTFT / TPOT p50,
+output tokens per CPU-second (robust on a shared machine, with ``--threads 1``) and LoRA ÷
+base per model and shape.
 The Qwen3 and Gemma 3 models are random (``--hidden``, ``--layers``; the default tokenizer),
 so their tokens are noise: only their speed means something. Gemma 3 has a sliding window
 on 5 of every 6 layers (``--window``), so its attention runs twice per step's metadata.
@@ -95,6 +97,9 @@ def main() -> None:
             model = default if name == "default" else make_family_model(name, Path(tmp) / name, default, args)
             adapters = make_adapters(model, Path(tmp) / f"{name}-adapters", 4)
             loras = [LoRARequest(f"{name}-a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+            warm = argparse.Namespace(**SHAPES["uniform"], dtype=args.dtype)
+            warm.num_prompts, warm.new_tokens = 4, 4
+            run(model, *make_workload(tok, warm), loras, warm, False)  # oneDNN primitives, kernels
             for shape in args.shapes.split(","):
                 wl = argparse.Namespace(**SHAPES[shape], dtype=args.dtype)
                 if args.quick:
@@ -104,9 +109,10 @@ def main() -> None:
                     key = f"{name}/{shape}/{kind}"
                     results[key] = r = run(model, prompts, arrivals, lr, wl, False)
                     print(f"{key:24s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                          f"TPOT p50 {r['tpot_p50_ms']:6.1f} ms", flush=True)
+                          f"TPOT p50 {r['tpot_p50_ms']:6.1f} ms  {r['tok_per_cpu_s']:6.1f} tok/cpu-s", flush=True)
                 b, lo = results[f"{name}/{shape}/base"], results[f"{name}/{shape}/lora"]
                 ratios[f"{name}/{shape}: lora/base tok_s"] = lo["tok_s"] / b["tok_s"]
+                ratios[f"{name}/{shape}: lora/base tok/cpu-s"] = lo["tok_per_cpu_s"] / b["tok_per_cpu_s"]
     for k, v in ratios.items():
         print(f"{k:34s} {v:5.2f}")
     out = write_json(args.out, {"args": vars(args), "results": results, "ratios": ratios})
