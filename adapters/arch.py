@@ -352,3 +352,22 @@ def folder_family(folder: Any) -> str | None:
     except (OSError, ValueError, TypeError, AdapterValidationError):
         return None
     return f"{arch.family} ({arch.name})"
+
+
+def family_mismatch(trained_on: str | None, dims: BaseModelDims, base_name: str | None) -> str | None:
+    """Why ``trained_on`` (an adapter's ``base_model_name_or_path``) names a model of another
+    architecture than the served base ``dims`` (named ``base_name``), or None: the same name,
+    or a name that says nothing about its architecture (the shapes decide then)."""
+    def last(name: str | None) -> str:
+        return (name or "").rstrip("/").rsplit("/", 1)[-1].lower()
+
+    if not trained_on or last(trained_on) == last(base_name):
+        return None
+    named = model_types_named(trained_on)
+    if not named or dims.model_type in named or named & model_types_named(base_name):
+        return None
+    return (
+        f"the adapter was trained on {trained_on!r}, a {'/'.join(sorted(named))} model; the base "
+        f"model{f' {base_name!r}' if base_name else ''} is {dims.arch.name} "
+        f"({dims.family.title}): an adapter only works on the base it was trained on"
+    )

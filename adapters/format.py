@@ -31,7 +31,7 @@ from loramux.adapters.arch import (
     TENSOR_KEY_RE,
     BaseModelDims,
     base_dims,
-    model_types_named,
+    family_mismatch,
     tensor_key,
 )
 from loramux.adapters.archive import (
@@ -306,22 +306,6 @@ def load_adapter(
                            unserved=tuple(i.name for i in unserved))
 
 
-def _family_mismatch(spec: LoraSpec, dims: BaseModelDims, base_name: str | None) -> str | None:
-    """Why ``base_model_name_or_path`` names a model of another architecture than the served
-    base, or None (same model, or a name that says nothing about its architecture)."""
-    theirs = spec.base_model_name_or_path
-    if not theirs or _short_name(theirs) == _short_name(base_name):
-        return None
-    named = model_types_named(theirs)
-    if not named or dims.model_type in named or named & model_types_named(base_name):
-        return None
-    return (
-        f"the adapter was trained on {theirs!r}, a {'/'.join(sorted(named))} model; the base "
-        f"model{f' {base_name!r}' if base_name else ''} is {dims.arch.name} "
-        f"({dims.family.title}): an adapter only works on the base it was trained on"
-    )
-
-
 def validate_adapter(
     path: str | os.PathLike,
     base_config: Any,
@@ -355,7 +339,7 @@ def validate_adapter(
                 f"{max_bytes} bytes",
             )
         spec = parse_config(read_config(folder / CONFIG_NAME), dims)
-        mismatch = _family_mismatch(spec, dims, base_model_name or dims.name_or_path)
+        mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)
         if mismatch:
             raise refuse("base_model_name_or_path", mismatch)
         if spec.r > max_lora_rank:
