@@ -34,7 +34,7 @@ from loramux.engine.model.weights import (
     text_config,
 )
 
-__all__ = ["PROJECTION_GROUPS", "DecoderModel", "LoRAHook"]
+__all__ = ["PROJECTION_GROUPS", "DecoderModel", "GatedMLP", "LayerMLP", "LoRAHook"]
 
 
 class LoRAHook(Protocol):
@@ -45,6 +45,18 @@ class LoRAHook(Protocol):
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[T, N] += LoRA delta of group ``group`` in ``layer`` for input x[T, K]."""
+
+
+class LayerMLP(Protocol):
+    """A layer's feed-forward block: the dense :class:`GatedMLP`, or what a family's
+    ``DecoderSpec.mlp`` builds (MoE experts and their router)."""
+
+    linears: list[Linear]
+    """Its weights (``weight_bytes``)."""
+
+    def __call__(self, x: torch.Tensor, layer: int, lora: LoRAHook | None) -> torch.Tensor:
+        """The block's output [T, H] for its normalized input x [T, H] (adding LoRA deltas
+        through ``lora`` where the block has projection groups)."""
 
 
 class GatedMLP:
@@ -76,7 +88,7 @@ class LayerWeights:
     qkv: Linear  # [q + 2 kv, H]
     o: Linear  # [H, q]
     ffn_norm: torch.Tensor
-    mlp: GatedMLP
+    mlp: LayerMLP
     ops: EagerOps  # the small ops bound to this layer's rotary table
     rope: str | None  # this layer's rotary table
     window: int | None  # this layer's sliding window

@@ -51,8 +51,9 @@ class DecoderSpec:
     rope_layer_types: tuple[str | None, ...] = (None,)
     """The rotary tables to build (``rope_parameters[layer_type]``; None: the flat one)."""
     mlp: Callable[..., Any] | None = None
-    """Builds a layer's MLP from the checkpoint (``mlp(take, prefix, model)``); None: the
-    gated dense MLP. The MoE families plug in here."""
+    """Builds a layer's feed-forward block from the checkpoint: ``mlp(take, prefix, model)``
+    (``take(name)`` pops a canonical tensor, ``prefix`` is ``model.layers.<i>.``) returns a
+    ``decoder.LayerMLP``; None: the gated dense MLP. The MoE families plug in here."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else a family's own code needs."""
 
