@@ -13,6 +13,10 @@ False, and the engine **restarts in-process**: its request state (queues, KV cac
 bookkeeping) is rebuilt, the model weights and adapter slots are kept, and the loop runs
 again (``restarts`` counts it). After ``max_restarts`` deaths it stays down, not ready,
 for a supervisor to replace the process.
+
+Load reports: once someone asked for one (:meth:`AsyncEngine.load_report`), the loop
+publishes a :class:`LoadReport` after every step (before its outputs go out) and every
+idle turn, so readers get the engine's state without waiting for its thread.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from loramux.engine.block_manager import KVEventListener
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine, PromptType
 from loramux.engine.errors import AdapterGoneError, EngineDeadError
 from loramux.engine.lora.manager import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
-from loramux.engine.outputs import EngineStats, RequestOutput
+from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,6 +54,9 @@ class AsyncEngine:
     adapter residency actions, read-only facts about the model); ``engine`` is the
     engine-thread's own object, for the engine's tests and benchmarks."""
 
+    RESIDENCY_INTERVAL = 0.02
+    """Seconds a busy loop reuses a load report's residency (it walks every adapter)."""
+
     def __init__(self, engine: LLMEngine, max_restarts: int = 100) -> None:
         self.engine = engine
         self.max_restarts = max_restarts
@@ -58,6 +66,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._dead: BaseException | None = None
+        self._report: LoadReport | None = None
+        self._reports_wanted = False
+        self._residency_at = 0.0
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
         self._thread.start()
 
@@ -146,6 +157,17 @@ class AsyncEngine:
         """The engine's counters (the same :class:`EngineStats` as ``LLMEngine.stats()``)."""
         return self.engine.stats()
 
+    def load_report(self) -> LoadReport | None:
+        """The latest :class:`LoadReport` the engine thread published; never waits. The
+        first call starts the publishing (None until the loop's next turn)."""
+        self._reports_wanted = True
+        return self._report
+
+    def add_kv_listener(self, listener: KVEventListener) -> Callable[[], None]:
+        """Hear the prefix cache's keys stored, evicted and cleared (on the engine thread,
+        inside the step: the listener queues and returns). Returns the remover."""
+        return self.engine.add_kv_listener(listener)
+
     # --- adapter residency (each runs on the engine thread, between steps) ------------
     async def register_adapter(self, request: LoRARequest) -> None:
         """Make an adapter known to the engine (its folder is fetched on first load)."""
@@ -158,7 +180,7 @@ class AsyncEngine:
 
         def evict() -> tuple[bool, bool]:
             freed = mgr.evict(key)
-            return freed, freed and key in mgr.evict_pending
+            return freed, freed and mgr.is_evict_pending(key)
         return await self.call(evict)
 
     async def pin_adapter(self, key: str) -> None:
@@ -178,7 +200,7 @@ class AsyncEngine:
         def attempt() -> bool | None:  # one engine-thread call: no load can land between
             if mgr.warm(key):
                 return True
-            return None if key in mgr.loading else False  # False: every slot busy or pinned
+            return None if mgr.is_loading(key) else False  # False: every slot busy or pinned
 
         deadline = time.monotonic() + timeout
         while True:
@@ -316,8 +338,23 @@ class AsyncEngine:
             self._drain_commands(block=not engine.has_unfinished_requests())
             if not engine.has_unfinished_requests():
                 engine.lora_manager.poll()
+                self._publish_report(busy=False)
                 continue
-            self._deliver(engine.step_requests())
+            done = engine.step_requests()
+            self._publish_report(busy=True)
+            self._deliver(done)
+
+    def _publish_report(self, busy: bool) -> None:
+        """A fresh :class:`LoadReport` for readers (engine thread); while busy the residency
+        is reused for ``RESIDENCY_INTERVAL`` seconds."""
+        if not self._reports_wanted:
+            return
+        last, now = self._report, time.monotonic()
+        if last is None or not busy or now - self._residency_at >= self.RESIDENCY_INTERVAL:
+            self._report = self.engine.load_report()
+            self._residency_at = now
+        else:
+            self._report = self.engine.load_report(last.residency)
 
     def _fail_everyone(self, error: EngineDeadError) -> None:
         """Every caller waiting on a stream or a queued command hears ``error`` now."""

@@ -18,13 +18,19 @@ pool runs dry the least recently freed cached block is evicted and reused.
 Copy-on-write: forks (``n``, ``best_of``) share their parent's blocks; before a
 sequence writes into a block someone else also references, it gets a private
 copy (the runner copies the contents, see :attr:`SchedulerOutput.copies`).
+
+Listeners (:class:`KVEventListener`) hear the prefix cache change: keys stored, keys
+evicted, and the whole cache cleared (a new manager starts empty); a KV-event publisher
+rebuilds the cache's key set from them.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from loramux.engine.errors import OutOfBlocksError
 from loramux.engine.sequence import Sequence
@@ -42,8 +48,28 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class KVEventListener(Protocol):
+    """Hears the prefix cache's keys change. Called on the engine thread inside the step:
+    keep it quick and never block (queue the event and return)."""
+
+    def blocks_stored(self, keys: list[bytes], parent: bytes | None, token_ids: list[int],
+                      block_size: int, lora_key: str | None) -> None:
+        """Full blocks of one sequence got keys (:func:`block_key`), in chain order;
+        ``parent`` is the key before the first (None at the start of a prompt),
+        ``token_ids`` the blocks' tokens, ``lora_key`` the sequence's adapter (None = base)."""
+
+    def blocks_removed(self, keys: list[bytes]) -> None:
+        """These keys left the cache (their blocks were evicted for reuse)."""
+
+    def all_blocks_cleared(self) -> None:
+        """The cache holds no keys (a new manager: start or engine restart)."""
+
+
 class BlockPool:
     """Free lists plus a reference count per block, and the prefix cache's key maps."""
+
+    on_removed: Callable[[list[bytes]], None] | None = None
+    """Called with the keys an :meth:`allocate` evicted (set by the manager)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -65,15 +91,20 @@ class BlockPool:
         if n > self.num_free:
             raise OutOfBlocksError(f"asked for {n} KV blocks, {self.num_free} free")
         blocks = []
+        removed = []
         for _ in range(n):
             if self._free:
                 b = self._free.popleft()
             else:
                 b, _ = self._free_cached.popitem(last=False)
-                del self.cached[self._key_of.pop(b)]
+                key = self._key_of.pop(b)
+                del self.cached[key]
+                removed.append(key)
                 self.evictions += 1
             self._refs[b] = 1
             blocks.append(b)
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
         return blocks
 
     def share(self, block: int) -> None:
@@ -101,11 +132,14 @@ class BlockPool:
     def is_free(self, block: int) -> bool:
         return self._refs[block] == 0
 
-    def register(self, block: int, key: bytes) -> None:
-        """Key a full, computed block; a key already held by another block is left there."""
+    def register(self, block: int, key: bytes) -> bool:
+        """Key a full, computed block; a key already held by another block is left there.
+        True when the key is new to the cache."""
         if key not in self.cached and block not in self._key_of:
             self.cached[key] = block
             self._key_of[block] = key
+            return True
+        return False
 
 
 def pad_slot(num_blocks: int, block_size: int) -> int:
@@ -124,11 +158,22 @@ def block_key(parent: bytes, tokens: list[int], adapter: str | None) -> bytes:
 class KVCacheManager:
     """Grows, shares and frees the block tables of sequences."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 listeners: list[KVEventListener] | None = None) -> None:
+        """``listeners``: kept by reference (the engine hands the same list to the manager it
+        rebuilds on restart); each hears ``all_blocks_cleared`` now: a new cache is empty."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
+        self.listeners: list[KVEventListener] = listeners if listeners is not None else []
+        self.pool.on_removed = self._removed
+        for listener in tuple(self.listeners):
+            listener.all_blocks_cleared()
+
+    def _removed(self, keys: list[bytes]) -> None:
+        for listener in tuple(self.listeners):
+            listener.blocks_removed(keys)
 
     @property
     def pad_slot(self) -> int:
@@ -247,6 +292,23 @@ class KVCacheManager:
         if full <= seq.num_registered_blocks:
             return
         keys = self._keys(seq, full)
-        for i in range(seq.num_registered_blocks, full):
-            self.pool.register(seq.block_table[i], keys[i])
+        stored = [i for i in range(seq.num_registered_blocks, full)
+                  if self.pool.register(seq.block_table[i], keys[i])]
         seq.num_registered_blocks = full
+        if stored and self.listeners:
+            self._stored(seq, keys, stored)
+
+    def _stored(self, seq: Sequence, keys: list[bytes], stored: list[int]) -> None:
+        """Tell the listeners, one call per run of consecutive newly keyed blocks."""
+        bs = self.block_size
+        start = 0
+        for j in range(1, len(stored) + 1):
+            if j < len(stored) and stored[j] == stored[j - 1] + 1:
+                continue
+            first, last = stored[start], stored[j - 1]
+            run = keys[first:last + 1]
+            parent = keys[first - 1] if first else None
+            tokens = seq.token_ids[first * bs:(last + 1) * bs]
+            for listener in tuple(self.listeners):
+                listener.blocks_stored(run, parent, tokens, bs, seq.lora_key)
+            start = j

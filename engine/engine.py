@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from loramux.engine.block_manager import KVCacheManager
+from loramux.engine.block_manager import KVCacheManager, KVEventListener
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.errors import (
@@ -25,17 +25,19 @@ from loramux.engine.errors import (
 __all__ = ["AdapterNumericsError", "ContextLengthError", "EngineStepError", "LLMEngine", "QueueFullError"]
 from loramux.engine.lora.manager import LoRAManager
 from loramux.engine.lora.null import NoLoRA
+from loramux.engine.lora.state import ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.registry import load_model
-from loramux.engine.output_processor import ModelOutput, OutputProcessor
-from loramux.engine.outputs import EngineStats, Logprob, RequestOutput
+from loramux.engine.output_processor import OutputProcessor
+from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
 from loramux.engine.postprocess import Postprocessor
 from loramux.engine.request import Request
 from loramux.engine.runner import ModelRunner, plan_num_blocks
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler, SchedulerOutput
+from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.step_data import ModelOutput, SchedulerOutput, StepOutcome
 from loramux.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -121,12 +123,10 @@ class LLMEngine:
                 config.lora, self.model, adapter_source, running_keys=self._running_lora_keys,
                 gpu_utilization=cc.gpu_memory_utilization,
             )
-            self.model.lora = self.lora_manager
+        self.model.lora = self.lora_manager.hook
         num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, mc.attention_backend)
-        adapters = self.lora_manager if self.lora_manager.enabled else None
-        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, adapters)
         self.generator = torch.Generator().manual_seed(mc.seed)
         self.eos_token_ids = self._eos_ids()
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -136,12 +136,18 @@ class LLMEngine:
             self.tokenizer, dims.vocab_size, so.grammar_cache_size, so.grammar_compile_timeout
         )
         self.postprocessor = Postprocessor(self.detokenizer, self.eos_token_ids, self.max_model_len)
-        self.output_processor = OutputProcessor(self)
+        self.output_processor = OutputProcessor(
+            self.sampler, self.postprocessor, self.structured, self.lora_manager)
+        self.scheduler = self._make_scheduler()
         self.requests: dict[str, Request] = {}
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
             model_path.name, dtype, self.device, num_blocks, cc.block_size, self.max_model_len,
         )
+
+    def _make_scheduler(self) -> Scheduler:
+        return Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.lora_manager,
+                         outputs=self.output_processor)
 
     def _running_lora_keys(self) -> set[str]:
         return {s.lora_key for s in self.scheduler.running if s.lora_key is not None}
@@ -263,50 +269,74 @@ class LLMEngine:
 
     def step_requests(self) -> list[Request]:
         """Like ``step`` but returns the Request records (the async engine snapshots them).
-        The three phases: :meth:`schedule`, :meth:`execute`, :meth:`update_from_output`."""
+        The three phases, each handing plain data to the next: the scheduler's plan, the
+        runner's :meth:`execute`, the scheduler's ``update_from_output``; then the requests'
+        bookkeeping."""
         failed = self._fail_broken_adapters()
-        plan = self.schedule()
+        plan = self.scheduler.schedule()
         if plan.is_empty:
             self.lora_manager.poll(wait=0.005)
             return failed
         t0 = time.perf_counter()
-        forks = sum(len(s.seq.pending_forks) for s in plan.scheduled)
-        out = self.execute(plan)
-        done = self.update_from_output(plan, out)
-        if out.error is None:
-            self.scheduler.observe_step(plan, time.perf_counter() - t0, extra_rows=forks)
+        output = self.execute(plan)
+        outcome = self.scheduler.update_from_output(plan, output)
+        if output.error is None:
+            self.scheduler.observe_step(plan, time.perf_counter() - t0, extra_rows=outcome.num_forks)
+        done = self._settle(outcome)
         seen = {r.request_id for r in done}
         return [*(r for r in failed if r.request_id not in seen), *done]
-
-    def schedule(self) -> SchedulerOutput:
-        """Phase 1: the scheduler's plan of the step (which rows, how many tokens each)."""
-        return self.scheduler.schedule()
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Phase 2: order the rows, run the model with the step's adapters; a batch-level
         failure (e.g. an allocation) comes back as ``ModelOutput.error``."""
         try:
-            batch = self.runner.order(
-                plan, self.lora_manager.slot_of.get if self.lora_manager.enabled else None
-            )
+            batch = self.runner.order(plan, self.lora_manager.slot_of)
             now = time.monotonic()
-            for seq in batch.seqs:
-                req = self.requests[seq.request_id]
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = now
-            self.lora_manager.prepare_step(batch.token_lora_keys)
+            for row in batch.rows:
+                metrics = self.requests[row.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+            self.lora_manager.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
             try:
                 logits, prompt_logits = self.runner.execute(batch, plan.copies)
             finally:
                 self.lora_manager.finish_step()
         except Exception as exc:
             logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
-            return ModelOutput(None, error=exc)
-        return ModelOutput(batch, logits, prompt_logits)
+            return ModelOutput(plan.scheduled, error=exc)
+        return ModelOutput(batch.rows, logits, prompt_logits)
 
-    def update_from_output(self, plan: SchedulerOutput, out: ModelOutput) -> list[Request]:
-        """Phase 3: sample, detokenize, finish (:class:`OutputProcessor`)."""
-        return self.output_processor.update_from_output(plan, out)
+    def _settle(self, outcome: StepOutcome) -> list[Request]:
+        """The requests' side of a step: failed ones end (error attached), timestamps, and
+        finished ones leave the table. Returns the requests that changed."""
+        touched = {rid: self.requests[rid] for rid in outcome.advanced if rid in self.requests}
+        for req in self.fail_requests(outcome.failed):
+            touched[req.request_id] = req
+        now = time.monotonic()
+        for req in touched.values():
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.finished:
+                req.metrics.finished_time = now
+                self.requests.pop(req.request_id, None)
+        return list(touched.values())
+
+    def fail_requests(self, culprits: dict[str, Exception]) -> list[Request]:
+        """End these requests (their blocks freed): an :class:`EngineStepError` as it is,
+        anything else wrapped in one that names no internals."""
+        out = []
+        for rid, exc in culprits.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            logger.warning("request %s failed in an engine step: %r", rid, exc)
+            req.error = exc if isinstance(exc, EngineStepError) else EngineStepError(
+                f"the request failed in the engine ({type(exc).__name__}); other requests "
+                f"are not affected, retry it or change its parameters"
+            )
+            self.abort_request(rid)
+            out.append(req)
+        return out
 
     def _queue_full_for(self, fairness_key: str | None, max_waiting: int) -> bool:
         """Past ``max_waiting`` a request is refused only when its key already holds its
@@ -341,8 +371,9 @@ class LLMEngine:
             req.aborted = True
         self.requests.clear()
         cc = self.config.cache
-        self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.scheduler.adapters)
+        self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 listeners=self.kv.listeners)  # they hear all_blocks_cleared
+        self.scheduler = self._make_scheduler()
 
     def stats(self) -> EngineStats:
         """Counters for the platform's metrics: queue lengths, KV usage, preemptions and the
@@ -353,6 +384,31 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
+        )
+
+    def add_kv_listener(self, listener: KVEventListener) -> Callable[[], None]:
+        """Hear the prefix cache's keys change (:class:`KVEventListener`, on the engine
+        thread, inside the step; it survives a restart and hears the cleared cache then).
+        Returns the function that removes it."""
+        listeners = self.kv.listeners
+        listeners.append(listener)
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+        return remove
+
+    def load_report(self, residency: ResidencySnapshot | None = None) -> LoadReport:
+        """What a load-aware router reads of this engine: the counters, the adapters of the
+        running and waiting sequences, the residency (``residency``, else taken now) and
+        the KV cache's shape. Call on the engine thread (it walks the queues)."""
+        running = Counter(s.lora_key for s in self.scheduler.running if s.lora_key is not None)
+        waiting = Counter(s.lora_key for s in self.scheduler.waiting if s.lora_key is not None)
+        return LoadReport(
+            self.stats(), dict(running), dict(waiting),
+            residency if residency is not None else self.lora_manager.snapshot(),
+            num_kv_blocks=self.kv.pool.num_blocks, block_size=self.kv.block_size,
+            taken_at=time.time(),
         )
 
     def _fail_broken_adapters(self) -> list[Request]:
@@ -368,6 +424,3 @@ class LLMEngine:
                 self.abort_request(req.request_id)
                 out.append(req)
         return out
-
-    def logprob_entry(self, token_id: int, logprob: float, rank: int) -> Logprob:
-        return Logprob(logprob, rank, self.detokenizer.token_text(token_id))

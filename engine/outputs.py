@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loramux.engine.lora.state import ResidencySnapshot
+
 
 @dataclass
 class Logprob:
@@ -79,3 +81,22 @@ class EngineStats:
     """Prompt blocks looked up in the prefix cache since start."""
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One engine's load as a model-server router reads it (``LLMEngine.load_report``),
+    taken on the engine thread between steps; ``AsyncEngine.load_report()`` hands out the
+    latest without waiting for the engine."""
+
+    stats: EngineStats
+    running_adapters: dict[str, int]
+    """Adapter key -> sequences running with it."""
+    waiting_adapters: dict[str, int]
+    """Adapter key -> sequences waiting with it."""
+    residency: ResidencySnapshot
+    """Where each adapter sits (may be up to ``AsyncEngine.RESIDENCY_INTERVAL`` older)."""
+    num_kv_blocks: int
+    block_size: int
+    taken_at: float
+    """Unix time the report was taken."""

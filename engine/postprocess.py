@@ -1,15 +1,22 @@
-"""Postprocessing of one sampled token: append, logprobs, detokenize, stop checks."""
+"""Postprocessing of one sampled token (append, logprobs, detokenize, stop checks) and of a
+prompt's logits (vLLM's ``prompt_logprobs``)."""
 
 from __future__ import annotations
+
+import torch
 
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.outputs import Logprob
 from loramux.engine.sampler import SamplerOutput
 from loramux.engine.sequence import Sequence, SequenceStatus
 
+LOGPROB_ROWS = 128
+"""Prompt positions whose logprobs are computed at once (bounds the [rows, vocab] temporaries)."""
+
 
 class Postprocessor:
-    """Applies a step's picks to sequences and decides when they finish."""
+    """Applies a step's picks to sequences and decides when they finish (called by the
+    :class:`~loramux.engine.output_processor.OutputProcessor`, engine thread)."""
 
     def __init__(self, detokenizer: Detokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
         self.detok = detokenizer
@@ -52,6 +59,28 @@ class Postprocessor:
             self._finish(seq, "length", None)
         elif seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
+
+    def record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """vLLM's prompt_logprobs: None for the first token, then each prompt token's
+        logprob (with rank) and the top-N at its position. ``logits`` [P - 1, V] (bounded by
+        the step's token budget) is read in chunks of ``LOGPROB_ROWS`` rows, so the
+        temporaries stay [LOGPROB_ROWS, V] whatever the prompt's length."""
+        text = self.detok.token_text
+        actual_all = torch.tensor(seq.prompt_token_ids[1:])
+        n = seq.params.prompt_logprobs
+        out: list = [None]
+        for lo in range(0, logits.shape[0], LOGPROB_ROWS):
+            lp = torch.log_softmax(logits[lo : lo + LOGPROB_ROWS].float(), dim=-1)  # [C, V]
+            actual = actual_all[lo : lo + lp.shape[0]]
+            chosen = lp.gather(1, actual.unsqueeze(1)).squeeze(1)
+            ranks = ((lp > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()
+            top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+            for j, (tid, val) in enumerate(zip(actual.tolist(), chosen.tolist(), strict=True)):
+                entry = {tid: Logprob(val, ranks[j], text(tid))}
+                for rank, (t, v) in enumerate(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True), 1):
+                    entry.setdefault(t, Logprob(v, rank, text(t)))
+                out.append(entry)
+        seq.prompt_logprobs = out
 
     @staticmethod
     def _finish(seq: Sequence, reason: str, stop_reason) -> None:

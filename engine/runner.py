@@ -1,4 +1,4 @@
-"""Model runner: turns a SchedulerOutput into tensors, runs the model, returns logits.
+"""Model runner: turns a plain-data SchedulerOutput into tensors, runs the model, returns logits.
 
 Owns the KV cache tensors. Rows of a step: decode sequences first (one token
 each), then prefilling sequences (this step's chunk of their prompt, contiguous,
@@ -9,7 +9,7 @@ cache). Copy-on-write block copies of the plan run before the forward pass.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +19,7 @@ from loramux.engine.config import CacheConfig
 from loramux.engine.model.attention import build_step_attention, cpu_kernel_takes
 from loramux.engine.model.cpu_attention import kernel_available
 from loramux.engine.model.decoder import DecoderModel
-from loramux.engine.scheduler import SchedulerOutput
-from loramux.engine.sequence import Sequence
+from loramux.engine.step_data import ScheduledRow, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +28,18 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 
 @dataclass
 class StepBatch:
-    """The order of sequences in a step; row i of the logits belongs to ``seqs[i]``."""
+    """The rows of a step in the runner's order; row i of the logits belongs to ``rows[i]``."""
 
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    token_lora_keys: list[str | None]  # per token, in row order
+    rows: list[ScheduledRow]
     num_decode: int = 0  # rows 0..num_decode-1 decode one token; the rest prefill
+
+    @property
+    def row_lora_keys(self) -> list[str | None]:
+        return [r.lora_key for r in self.rows]
+
+    @property
+    def num_new_tokens(self) -> list[int]:
+        return [r.num_new_tokens for r in self.rows]
 
 
 def plan_num_blocks(model: DecoderModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
@@ -91,23 +96,19 @@ class ModelRunner:
             for _ in range(d.num_layers)
         ]
 
-    def order(self, out: SchedulerOutput, slot_of: Callable[[str], int] | None = None) -> StepBatch:
-        """Decode rows first, then prefills; within each, grouped by adapter slot (base-model
-        rows last) so the LoRA tokens lead the batch in slot order and the LoRA kernels read
-        them in place."""
-        decode = [s for s in out.scheduled if not s.is_prefill]
-        prefill = [s for s in out.scheduled if s.is_prefill]
-        if slot_of is not None:
-            def key(s):
-                return slot_of(s.seq.lora_key) if s.seq.lora_key is not None else 1 << 30
+    def order(self, plan: SchedulerOutput, slot_of: Mapping[str, int]) -> StepBatch:
+        """Decode rows first, then prefills; within each, grouped by adapter slot (``slot_of``:
+        the resident adapters' slots; base-model rows last) so the LoRA tokens lead the batch
+        in slot order and the LoRA kernels read them in place."""
+        decode = [r for r in plan.scheduled if not r.is_prefill]
+        prefill = [r for r in plan.scheduled if r.is_prefill]
+        if slot_of:
+            def key(r: ScheduledRow) -> int:
+                return slot_of[r.lora_key] if r.lora_key is not None else 1 << 30
 
             decode.sort(key=key)
             prefill.sort(key=key)
-        items = decode + prefill
-        keys: list[str | None] = []
-        for s in items:
-            keys.extend([s.seq.lora_key] * s.num_new_tokens)
-        return StepBatch([s.seq for s in items], [s.num_new_tokens for s in items], keys, len(decode))
+        return StepBatch(decode + prefill, len(decode))
 
     @torch.inference_mode()
     def execute(
@@ -119,17 +120,18 @@ class ModelRunner:
         dev = self.model.device
         if copies:
             self._copy_blocks(copies)
+        rows = batch.rows
         ids: list[int] = []
         starts: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            starts.append(start)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, batch.num_new_tokens, strict=True)])
+        counts: list[int] = []
+        for r in rows:
+            ids.extend(r.token_ids)
+            starts.append(r.num_computed_tokens)
+            counts.append(r.num_new_tokens)
         attn = build_step_attention(
-            [s.block_table for s in batch.seqs],
+            [r.block_ids for r in rows],
             starts,
-            batch.num_new_tokens,
+            counts,
             batch.num_decode,
             self.block_size,
             self.model.attention_windows,
@@ -137,29 +139,31 @@ class ModelRunner:
             pad_slot=self.pad_slot,
             cpu_kernel=self.cpu_kernel,
         )
-        prompt_lens = torch.repeat_interleave(
-            torch.tensor([s.num_prompt_tokens for s in batch.seqs]), torch.tensor(batch.num_new_tokens)
-        )  # [T]: the rotary of some models depends on it (LongRoPE)
-        ends = torch.cumsum(torch.tensor(batch.num_new_tokens), 0)
-        rows = [ends - 1]
+        counts_t = torch.tensor(counts)
+        ends = torch.cumsum(counts_t, 0)  # [B]
+        # token t of row i sits at starts[i] + (t - first token of row i)
+        shift = torch.repeat_interleave(torch.tensor(starts) - (ends - counts_t), counts_t)  # [T]
+        positions = torch.arange(len(ids)) + shift  # [T]
+        # [T] each token's prompt length: the rotary of some models depends on it (LongRoPE)
+        prompt_lens = torch.repeat_interleave(torch.tensor([r.num_prompt_tokens for r in rows]), counts_t)
+        logit_rows = [ends - 1]
         prompt_rows: dict[int, tuple[int, int]] = {}  # row -> (offset in logits, count)
-        offset = len(batch.seqs)
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None and n > 1:
-                count = seq.num_prompt_tokens - 1
-                start = int(ends[row]) - n
-                rows.append(torch.arange(start, start + count))
-                prompt_rows[row] = (offset, count)
-                offset += count
+        offset = len(rows)
+        for i, r in enumerate(rows):
+            if r.num_prompt_logits:
+                start = int(ends[i]) - r.num_new_tokens
+                logit_rows.append(torch.arange(start, start + r.num_prompt_logits))
+                prompt_rows[i] = (offset, r.num_prompt_logits)
+                offset += r.num_prompt_logits
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             positions.to(dev),
             attn,
             self.kv_caches,
-            torch.cat(rows).to(dev),
+            torch.cat(logit_rows).to(dev),
             prompt_lens.to(dev),
         )
-        b = len(batch.seqs)
+        b = len(rows)
         extra = {row: logits[o : o + c] for row, (o, c) in prompt_rows.items()}
         return logits[:b], extra
 

@@ -18,54 +18,78 @@ starving and ranks first, and when no slot is free the busy adapter with the lea
 work stops admitting, then is preempted ``starvation_steps`` later: a sequence whose adapter
 is loaded starts within ``2 * starvation_steps + 2`` steps of its first skip. A waiting
 sequence starts after its longest prefix found in the KV cache's prefix cache.
-It knows nothing of the model: it hands a plain-data :class:`SchedulerOutput` to
-the runner.
+It knows nothing of the model: it hands a plain-data :class:`SchedulerOutput` to the runner
+and takes the runner's :class:`ModelOutput` back in :meth:`Scheduler.update_from_output`,
+where the rows' sequences advance, fork, sample (through an :class:`OutputProcessor`) and
+finish, as in vLLM v1 and nano-vllm.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
 from loramux.engine.fairness import DECODE_COST, AdmissionPolicy, make_policy
 from loramux.engine.lora.admission import AdapterAdmission, AdapterGate
+from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.engine.step_budget import StepBudget, StepShape
+from loramux.engine.step_data import ModelOutput, ScheduledRow, SchedulerOutput, StepOutcome
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledSeq:
-    """A sequence and how many of its tokens are computed this step."""
+class _Planned:
+    """A sequence and how many of its tokens are computed this step (planning only)."""
 
-    seq: Sequence
-    num_new_tokens: int
+    __slots__ = ("seq", "num_new_tokens", "is_prefill")
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_new_tokens > 1 or self.seq.num_computed_tokens < self.seq.num_tokens - 1
+    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seq = seq
+        self.num_new_tokens = num_new_tokens
+        self.is_prefill = num_new_tokens > 1 or seq.num_computed_tokens < seq.num_tokens - 1
+
+    def row(self) -> ScheduledRow:
+        seq, n = self.seq, self.num_new_tokens
+        start = seq.num_computed_tokens
+        prompt_logits = 0
+        if n > 1 and seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None:
+            prompt_logits = seq.num_prompt_tokens - 1
+        return ScheduledRow(seq.request_id, seq.seq_id, n, start, seq.token_ids[start : start + n],
+                            list(seq.block_table), seq.lora_key, self.is_prefill, prompt_logits,
+                            seq.num_prompt_tokens)
 
 
-@dataclass
-class SchedulerOutput:
-    """The plan of one step (plain data for the runner)."""
+class _Plan:
+    """The step being planned: live sequences, counted as they are added and dropped."""
 
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    """(source, destination) KV blocks to copy before the step (copy-on-write)."""
+    def __init__(self) -> None:
+        self.items: list[_Planned] = []
+        self.preempted: list[Sequence] = []
+        self.copies: list[tuple[int, int]] = []
+        self.num_tokens = 0
+        self.num_prefill_tokens = 0
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        item = _Planned(seq, num_new_tokens)
+        self.items.append(item)
+        self.num_tokens += num_new_tokens
+        if item.is_prefill:
+            self.num_prefill_tokens += num_new_tokens
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    def drop(self, seq: Sequence) -> None:
+        """Take a preempted sequence's row out of the step."""
+        for item in [i for i in self.items if i.seq is seq]:
+            self.items.remove(item)
+            self.num_tokens -= item.num_new_tokens
+            if item.is_prefill:
+                self.num_prefill_tokens -= item.num_new_tokens
+
+    def output(self) -> SchedulerOutput:
+        return SchedulerOutput([i.row() for i in self.items], [s.seq_id for s in self.preempted],
+                               self.copies)
 
 
 class Scheduler:
@@ -79,12 +103,17 @@ class Scheduler:
         max_model_len: int,
         adapters: AdapterGate | None = None,
         policy: AdmissionPolicy | None = None,
+        *,
+        outputs: OutputProcessor,
     ) -> None:
+        """``adapters``: the adapter slots admission asks (None: adapter requests wait);
+        ``outputs``: what turns a step's logits into tokens (:meth:`update_from_output`)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
+        self.outputs = outputs
         self.admission = AdapterAdmission(adapters, config.starvation_steps)
         # A key may displace another's running sequence once it is behind by more than one
         # full decode step's charge: small enough that a newcomer beside a flood that holds
@@ -95,6 +124,8 @@ class Scheduler:
         self._full_slack = slack
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        """Every sequence queued or running, by id (rows of a plan name them so)."""
         self.num_preemptions = 0
         self.budget = StepBudget(config.target_step_ms) if config.enable_step_budget else None
         """The step-time budget (None = token/sequence limits only)."""
@@ -126,12 +157,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.policy.on_add(seq)
         self.waiting.append(seq)
+        self.seqs[seq.seq_id] = seq
 
     def add_fork(self, seq: Sequence) -> None:
         """Run a sequence forked from a running one (its blocks already shared)."""
         seq.status = SequenceStatus.RUNNING
         self.policy.on_add(seq)
         self.running.append(seq)
+        self.seqs[seq.seq_id] = seq
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""
@@ -143,6 +176,7 @@ class Scheduler:
             self.policy.on_finish(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        self.seqs.pop(seq.seq_id, None)
 
     @property
     def num_unfinished(self) -> int:
@@ -156,21 +190,63 @@ class Scheduler:
         part-way through their prefill, then waiting sequences in the order the
         admission policy gives, each taking as much of the remaining token budget as
         it needs (a chunk of it when chunked prefill is on)."""
-        out = SchedulerOutput()
+        plan = _Plan()
         self._prefill_cap = None
-        self._schedule_running(out)
-        self._continue_prefills(out)
-        if not out.preempted:
-            self._admit_waiting(out)
-        for s in out.scheduled:
+        self._schedule_running(plan)
+        self._continue_prefills(plan)
+        if not plan.preempted:
+            self._admit_waiting(plan)
+        for s in plan.items:
             self.policy.charge(s.seq, s.num_new_tokens, s.is_prefill)
-        return out
+        return plan.output()
+
+    # --- after the model ran ---------------------------------------------------
+    def update_from_output(self, plan: SchedulerOutput, output: ModelOutput) -> StepOutcome:
+        """Apply a step's model output to its sequences; called once per step, after the
+        runner. Every row advances its computed tokens (the KV blocks that became full join
+        the prefix cache); a row whose prompt is now computed forks its pending ``n`` /
+        ``best_of`` siblings (sharing its blocks) and samples, for itself and for each of
+        them, through :attr:`outputs`; finished sequences leave and free their blocks. A
+        row's failure fails only its request; a batch-level error fails the plan's."""
+        outcome = StepOutcome()
+        if output.error is not None:
+            outcome.failed = {r.request_id: output.error for r in plan.scheduled}
+            return outcome
+        seqs = [self.seqs[r.seq_id] for r in output.rows]
+        bad = self.outputs.check_rows(output, seqs)
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for i, (row, seq) in enumerate(zip(output.rows, seqs, strict=True)):
+            if row.request_id in bad:
+                continue
+            seq.num_computed_tokens += row.num_new_tokens
+            self.kv.register_computed(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk: nothing to sample yet
+            sample_rows.append(i)
+            sample_seqs.append(seq)
+            for child in seq.pending_forks:
+                self.kv.fork(seq, child)
+                self.add_fork(child)
+                sample_rows.append(i)
+                sample_seqs.append(child)
+                outcome.num_forks += 1
+            seq.pending_forks = []
+        advanced: dict[str, None] = {}
+        if sample_rows:
+            for seq in self.outputs.sample(output.logits, sample_rows, sample_seqs, bad):
+                if seq.is_finished:
+                    self.finish(seq)
+                advanced[seq.request_id] = None
+        outcome.advanced = list(advanced)
+        outcome.failed = bad
+        return outcome
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of ``seq``'s uncomputed prompt to compute now (0 = not this step)."""
         return self._chunk_of(seq, seq.num_tokens - seq.num_computed_tokens, budget)
 
-    def _schedule_running(self, out: SchedulerOutput) -> None:
+    def _schedule_running(self, plan: _Plan) -> None:
         """Decode every running sequence that has its prompt computed (oldest first),
         preempting the policy's victims (FIFO: the newest) when blocks run out."""
         kept: list[Sequence] = []
@@ -182,7 +258,7 @@ class Scheduler:
                 kept.append(seq)  # still prefilling: _continue_prefills plans it
                 continue
             if run_now is not None and id(seq) not in run_now:
-                kept.append(seq)  # the step budget rotates it out of this step
+                kept.append(seq)  # the step budget rotates it plan of this step
                 continue
             while not self.kv.can_allocate(seq, 1):
                 victim = self.policy.victim([*kept, seq, *queue])
@@ -190,44 +266,44 @@ class Scheduler:
                     queue.remove(victim)
                 elif victim is not seq:
                     kept.remove(victim)
-                    out.scheduled = [s for s in out.scheduled if s.seq is not victim]
-                self._preempt(victim, out)
+                    plan.drop(victim)
+                self._preempt(victim, plan)
                 if victim is seq:
                     break
             else:
-                self.kv.allocate(seq, 1, out.copies)
-                out.scheduled.append(ScheduledSeq(seq, 1))
+                self.kv.allocate(seq, 1, plan.copies)
+                plan.add(seq, 1)
                 kept.append(seq)
         self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
 
-    def _continue_prefills(self, out: SchedulerOutput) -> None:
+    def _continue_prefills(self, plan: _Plan) -> None:
         """Give the next chunk to running sequences whose prompt is part-way computed."""
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below for an older prompt
-            budget = self._budget(out, seq)
+            budget = self._budget(plan, seq)
             if seq.num_computed_tokens >= seq.num_tokens - 1 or budget <= 0:
                 continue
             n = self._chunk(seq, budget)
             # partial prefills could hold every block between them: the newest make room
             while n and not self.kv.can_allocate(seq, n) and self.running[-1] is not seq:
                 victim = self.running.pop()
-                out.scheduled = [s for s in out.scheduled if s.seq is not victim]
-                self._preempt(victim, out)
+                plan.drop(victim)
+                self._preempt(victim, plan)
             if n == 0 or not self.kv.can_allocate(seq, n):
                 continue
-            self.kv.allocate(seq, n, out.copies)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            self.kv.allocate(seq, n, plan.copies)
+            plan.add(seq, n)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, fair_share: bool = False) -> None:
+    def _preempt(self, seq: Sequence, plan: _Plan, fair_share: bool = False) -> None:
         mine = set(seq.block_table)
-        out.copies = [c for c in out.copies if c[1] not in mine]
+        plan.copies = [c for c in plan.copies if c[1] not in mine]
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        plan.preempted.append(seq)
         if fair_share:
             logger.info("Sequence %s of request %s is preempted (recompute) for a fairness key with "
                         "a smaller share of the tokens served", seq.seq_id, seq.request_id)
@@ -240,21 +316,21 @@ class Scheduler:
             seq.seq_id, seq.request_id, self.num_preemptions,
         )
 
-    def _admit_waiting(self, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, plan: _Plan) -> None:
         for victim in self.admission.plan(self.waiting, self.running):
             # a closed adapter that did not drain in time: its slot goes to a starving one
             self.running.remove(victim)
-            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
-            self._preempt(victim, out, fair_share=True)
+            plan.drop(victim)
+            self._preempt(victim, plan, fair_share=True)
         in_use = {s.lora_key for s in self.running if s.lora_key is not None}
         admitted: list[Sequence] = []
         max_seqs = self.config.max_num_seqs
 
         def has_place(seq: Sequence) -> bool:
-            return len(self.running) + len(admitted) < max_seqs and self._budget(out, seq) > 0
+            return len(self.running) + len(admitted) < max_seqs and self._budget(plan, seq) > 0
 
         for seq in self.policy.order(self.waiting):
-            if not self._make_room(seq, out, lambda s=seq: has_place(s)):
+            if not self._make_room(seq, plan, lambda s=seq: has_place(s)):
                 break
             if not self.admission.allows(seq, in_use):
                 seq.skipped_steps += 1  # its adapter's age (see AdapterAdmission)
@@ -262,34 +338,33 @@ class Scheduler:
             cached = self.kv.lookup_prefix(seq)
             need = seq.num_tokens - len(cached) * self.kv.block_size
             want = min(need, self.max_num_batched_tokens)
-            self._make_room(seq, out, lambda w=want, s=seq: self._budget(out, s) >= w)  # else a chunk
-            n = self._chunk_of(seq, need, self._budget(out, seq))
+            self._make_room(seq, plan, lambda w=want, s=seq: self._budget(plan, s) >= w)  # else a chunk
+            n = self._chunk_of(seq, need, self._budget(plan, seq))
             # a preempted sequence that grew past the token budget is recomputed alone
-            if n == 0 and not out.scheduled and need > self.max_num_batched_tokens:
+            if n == 0 and not plan.items and need > self.max_num_batched_tokens:
                 n = need
             fits = lambda s=seq, c=cached, k=n: self.kv.can_allocate_with_prefix(s, c, k)  # noqa: E731
-            if n == 0 or not self._make_room(seq, out, fits):
+            if n == 0 or not self._make_room(seq, plan, fits):
                 break
             self.kv.take_prefix(seq, cached)
-            self.kv.allocate(seq, n, out.copies)
+            self.kv.allocate(seq, n, plan.copies)
             seq.status = SequenceStatus.RUNNING
             seq.skipped_steps = 0
             admitted.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            plan.add(seq, n)
             if seq.lora_key is not None:
                 in_use.add(seq.lora_key)
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
 
-    def _budget(self, out: SchedulerOutput, seq: Sequence | None = None) -> int:
+    def _budget(self, plan: _Plan, seq: Sequence | None = None) -> int:
         """Tokens of the step's budget not yet planned; for a prompt (``seq``) that can be
         chunked, also within the step-time budget's prompt tokens."""
-        left = self.max_num_batched_tokens - out.num_batched_tokens
+        left = self.max_num_batched_tokens - plan.num_tokens
         if self._prefill_cap is None or (seq is not None and not self._chunkable(seq)):
             return left
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
-        return min(left, self._prefill_cap - prefill)
+        return min(left, self._prefill_cap - plan.num_prefill_tokens)
 
     def _chunkable(self, seq: Sequence) -> bool:
         return self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None
@@ -315,12 +390,10 @@ class Scheduler:
         ``extra_rows``: sequences sampled beyond the plan's rows (forks of ``n`` siblings)."""
         if self.budget is None or plan.is_empty:
             return
-        prefill = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
-        decode = sum(1 for s in plan.scheduled if not s.is_prefill) + extra_rows
-        adapters = len({s.seq.lora_key for s in plan.scheduled if s.seq.lora_key is not None})
-        self.budget.observe(StepShape(decode, prefill, adapters), seconds)
+        shape = StepShape(plan.num_decode_rows + extra_rows, plan.num_prefill_tokens, plan.num_adapters)
+        self.budget.observe(shape, seconds)
 
-    def _make_room(self, seq: Sequence, out: SchedulerOutput, fits) -> bool:
+    def _make_room(self, seq: Sequence, plan: _Plan, fits) -> bool:
         """True once ``fits()``, preempting the running sequences the policy displaces for
         waiting ``seq`` (fair share: a key far ahead yields to one behind)."""
         while not fits():
@@ -328,8 +401,8 @@ class Scheduler:
             if victim is None:
                 return False
             self.running.remove(victim)
-            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
-            self._preempt(victim, out, fair_share=True)
+            plan.drop(victim)
+            self._preempt(victim, plan, fair_share=True)
         return True
 
     def _chunk_of(self, seq: Sequence, need: int, budget: int) -> int:

@@ -23,6 +23,7 @@ from loramux.platform.admin.activity import record_rejection
 from loramux.platform.builders import engine_config, error_context, open_registry
 from loramux.platform.drain import Drain
 from loramux.platform.error_handlers import install_error_handlers
+from loramux.platform.inference_gateway import routes as runtime_lora_routes
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
 from loramux.platform.server import LoramuxApp
@@ -104,6 +105,8 @@ def create_app(
     app.include_router(admin_routes.router)
     app.include_router(admin_pages.router)
     app.include_router(ops.router)
+    if settings.allow_runtime_lora_updating:  # vLLM mounts them only when allowed, too
+        app.include_router(runtime_lora_routes.router)
     if engine is not None:
         app.serve(build_state(settings, engine, registry))
     return app

@@ -230,9 +230,11 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
     from loramux.adapters.errors import AdapterValidationError
     from loramux.adapters.merge import MergeCheckError
     from loramux.engine import errors as e
+    from loramux.platform.adapter_api.uploads import NothingToRead
     from loramux.platform.bulkheads import DependencyUnavailable
     from loramux.platform.cluster.roles import RoleConfigError
     from loramux.platform.cluster.routing import NoEngineAvailable
+    from loramux.platform.inference_gateway.metrics_listener import ListenerStartError
     from loramux.platform.limits.request import RequestLimitError
     from loramux.platform.limits.tenant import (
         LimitError,
@@ -263,6 +265,7 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
         TooManyRequests: ErrorRow(429, "rate_limit_error", "queue_full"),
         RateLimitExceeded: ErrorRow(429, "rate_limit_exceeded", "rate_limit_exceeded"),
         ServiceUnavailable: ErrorRow(503, server, "service_unavailable"),
+        NothingToRead: ErrorRow(400, bad, "source_not_found", "source"),
         RequestValidationError: ErrorRow(400, bad, "invalid_parameter", detail=_validation),
         HTTPException: ErrorRow(500, server, detail=_http),
         # the engine (loramux.engine.errors)
@@ -343,6 +346,9 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
         NoEngineAvailable: ErrorRow(503, server, "engine_dead", detail=_retry_soon),
         RoleConfigError: ErrorRow(500, server, "misconfigured", log=True,
                                   detail=_logged("the server is misconfigured")),
+        # behind an inference gateway
+        ListenerStartError: ErrorRow(500, server, "misconfigured", log=True,
+                                     detail=_logged("the server is misconfigured")),
     }
 
 

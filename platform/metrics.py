@@ -115,6 +115,14 @@ class Metrics:
             "loramux_prefix_cache_hit_rate", "Fraction of prompt blocks served from the prefix cache.",
             registry=r,
         )
+        self.kv_events_published = Gauge(
+            "loramux_kv_events_published", "KV-event messages published over ZeroMQ since start "
+            "(--kv-events-endpoint).", registry=r,
+        )
+        self.kv_events_dropped = Gauge(
+            "loramux_kv_events_dropped", "KV events dropped since start because the publisher's "
+            "queue was full (the engine step never waits).", registry=r,
+        )
         self.rejected = Counter(
             "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
         )

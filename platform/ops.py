@@ -87,4 +87,7 @@ async def metrics(state: StateDep, reader: MetricsReaderDep):
         with contextlib.suppress(Exception):
             snapshot = await state.engine.lora_snapshot()
     state.metrics.update_engine(state.engine.stats(), snapshot)
+    if state.kv_events is not None:
+        state.metrics.kv_events_published.set(state.kv_events.published)
+        state.metrics.kv_events_dropped.set(state.kv_events.dropped)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

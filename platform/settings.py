@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, create_model, field_validator
+from pydantic import AliasChoices, Field, SecretStr, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from loramux.engine.config import (
@@ -219,6 +219,30 @@ class Settings(_LimitSettings):
         "Gateway: an engine past the queue threshold keeps its adapters while its load is "
         "within this multiple of the fleet's mean."))
 
+    # --- behind an inference gateway (InferencePool + endpoint picker; platform/inference_gateway)
+    protocol_metrics_port: int | None = Field(None, description=(
+        "Serve the model-server protocol metrics (vLLM's vllm:* gauges, for an endpoint "
+        "picker) on this port of --host, from a separate process; None = off. It carries "
+        "every tenant's adapter names (names only): expose it to the picker alone."))
+    kv_events_endpoint: str | None = Field(None, description=(
+        "Publish prefix-cache KV events over ZeroMQ in vLLM's format (tcp://*:5557 binds, "
+        "tcp://host:port connects); None = off."))
+    kv_events_topic: str | None = Field(None, description=(
+        "Topic of every KV-event message; None = kv@<hostname>:<port>@<served model name>."))
+    kv_events_max_queue_size: int = Field(100_000, gt=0, description=(
+        "KV events queued for the publisher thread (vLLM's max_queue_size); past it events "
+        "are dropped and counted (the engine step never waits)."))
+    kv_events_hwm: int = Field(100_000, gt=0, description=(
+        "ZeroMQ high-water mark of the KV-event socket (vLLM's hwm)."))
+    allow_runtime_lora_updating: bool = Field(False, validation_alias=AliasChoices(
+        "allow_runtime_lora_updating", "LORAMUX_ALLOW_RUNTIME_LORA_UPDATING",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING"), description=(
+        "Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter for the "
+        "caller's tenant (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true is honoured too)."))
+    lora_path_allow: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
+        "Local folders /v1/load_lora_adapter may read adapters from ({tenant} = the "
+        "caller's tenant name, e.g. /mnt/loras/{tenant}/); empty = only s3:// imports."))
+
     @field_validator("role")
     @classmethod
     def _role(cls, value: str) -> str:
@@ -243,6 +267,15 @@ class Settings(_LimitSettings):
             if value.startswith("["):
                 return json.loads(value)
             return [v for v in value.replace(",", " ").split() if v] if "{" not in value else [value]
+        return value
+
+    @field_validator("lora_path_allow", mode="before")
+    @classmethod
+    def _split_paths(cls, value):
+        if isinstance(value, str):
+            value = value.strip()
+            return json.loads(value) if value.startswith("[") else [
+                v for v in value.replace(",", " ").split() if v]
         return value
 
     @field_validator("log_format")

@@ -29,6 +29,7 @@ from loramux.platform.builders import (
 )
 from loramux.platform.bulkheads import Dependencies
 from loramux.platform.identity import EngineKey
+from loramux.platform.inference_gateway import wiring as inference_gateway
 from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.gate import RequestGate
@@ -40,6 +41,9 @@ from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from loramux.platform.inference_gateway.kv_events import KVEventPublisher
+    from loramux.platform.inference_gateway.metrics_listener import ProtocolMetricsListener
+    from loramux.platform.inference_gateway.runtime_lora import RuntimeLoRA
     from loramux.registry.service import RegistryService
 
 VERSION = "0.1.0"
@@ -67,6 +71,12 @@ class AppState:
     """Request caps, chat-template rendering and tenant quotas (see openai/gate.py)."""
     deps: Dependencies = field(default_factory=Dependencies)
     """The database and object-store bulkheads every registry call runs in."""
+    protocol_metrics: ProtocolMetricsListener | None = None
+    """The model-server protocol metrics listener (``--protocol-metrics-port``)."""
+    kv_events: KVEventPublisher | None = None
+    """The prefix-cache KV-event publisher (``--kv-events-endpoint``)."""
+    runtime_lora: RuntimeLoRA | None = None
+    """vLLM's load/unload API (``--allow-runtime-lora-updating``, with a registry)."""
 
     async def dependency_report(self) -> Report:
         """Every dependency asked at once (``/ready``, the dashboard's overview)."""
@@ -176,6 +186,11 @@ def build_state(settings: Settings, engine: AsyncEngine,
         state.cleanups.append(engine.add_adapter_listener(_broken_audit(registry, resolver)))
     state.cleanups.append(fleet.remove_listener)
     state.cleanups.append(deps.shutdown)
+    try:
+        inference_gateway.attach(state)
+    except BaseException:
+        close_state(state)
+        raise
     return state
 
 

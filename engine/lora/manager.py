@@ -1,51 +1,45 @@
-"""LoRAManager: adapter tiers (disk → CPU → device slot) and the per-step LoRA hook.
+"""LoRAManager: the adapter manager of an engine with LoRA, a facade over three parts.
 
-* Disk: an adapter's folder, from ``LoRARequest.lora_path`` or the adapter source
-  (a callable: name → local folder; the registry plugs in here).
-* CPU: an LRU of loaded :class:`LoraWeights` (``max_cpu_loras``), filled by a
-  background thread so a cold adapter never stalls the engine loop.
-* Device: ``max_loras`` slots of stacked weights (:class:`SlotBuffers`), as many as the
-  memory holds unless ``max_loras`` is set (``capacity.py``). On the CPU device a slot is
-  written in the background too (``loader.py``): the slot is reserved meanwhile and no
-  step reads it; on CUDA the engine thread enqueues an asynchronous copy.
+* :class:`~loramux.engine.lora.tiers.AdapterTiers` (``tiers``): the known adapters, the CPU
+  tier (``max_cpu_loras``) and the background loads from disk or the adapter source, so a
+  cold adapter never stalls the engine loop;
+* :class:`~loramux.engine.lora.slot_table.SlotTable` (``slots``): ``max_loras`` device slots
+  of stacked weights (:class:`SlotBuffers`, as many as the memory holds unless ``max_loras``
+  is set, ``capacity.py``), LRU, pins, reservations while a slot is written in the
+  background (on CUDA the engine thread enqueues an asynchronous copy instead);
+* :class:`~loramux.engine.lora.step.LoRAStepBatch` (``hook``): the step's layout and the
+  layer hook, with the kernel chosen once at start.
 
-A slot used by the running batch is never evicted, nor a pinned adapter. The
-scheduler's admission (``admission.py``) calls :meth:`acquire` and :meth:`prefetch`,
-the engine :meth:`prepare_step` once per step, and every layer calls :meth:`add`
-(``step.py``).
-Loads are counted and timed per tier (``load_stats``: store, disk, cpu → slot).
+A slot used by the running batch is never evicted, nor a pinned adapter. The scheduler's
+admission (``admission.py``) calls :meth:`acquire` and :meth:`prefetch`, the engine
+:meth:`prepare_step` and :meth:`finish_step` around each forward pass and :meth:`poll`
+between steps; every LoRA layer calls ``hook.add``. Loads are counted and timed per tier
+(``load_stats``: store, disk, cpu → slot). Everything runs on the engine thread.
 
 Others watch through public seams only: :meth:`add_listener` hears ``loaded`` (into
-CPU memory), ``evicted`` (out of a device slot) and ``dropped`` (forgotten), on the
-engine thread; :meth:`snapshot` is the residency the admin API shows, taken on the
-engine thread (``AsyncEngine.lora_snapshot``).
+CPU memory), ``evicted`` (out of a device slot), ``dropped`` (forgotten) and ``broken``;
+:meth:`snapshot` is the residency the admin API shows (``AsyncEngine.lora_snapshot``).
+:class:`~loramux.engine.lora.null.NoLoRA` answers the same calls when LoRA is off.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from loramux.adapters.archive import CONFIG_NAME
-from loramux.adapters.errors import AdapterValidationError
-from loramux.adapters.format import LoraWeights
-from loramux.adapters.spec import parse_config, read_config
 from loramux.engine.config import LoRAConfig
 from loramux.engine.errors import AdapterBrokenError, LoRAError
 from loramux.engine.lora import ops
 from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity
-from loramux.engine.lora.loader import AdapterLoader, LoadResult, LoadStats
-from loramux.engine.lora.meta import LoRABatchMeta
-from loramux.engine.lora.operator import OperatorActions
+from loramux.engine.lora.loader import LoadResult, LoadStats
+from loramux.engine.lora.slot_table import SlotTable
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.state import AdapterListener, AdapterState, ResidencySnapshot
-from loramux.engine.lora.step import StepHook
+from loramux.engine.lora.step import LoRAStepBatch
+from loramux.engine.lora.tiers import AdapterTiers
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.model.linear import matmul_dtype
@@ -63,8 +57,8 @@ def _device_free_bytes(device: torch.device, utilization: float) -> int | None:
     return int(total * utilization - (total - free) - GPU_RESERVE_BYTES)
 
 
-class LoRAManager(OperatorActions, StepHook):
-    """Places adapters in tiers and adds their deltas during the forward pass."""
+class LoRAManager:
+    """Places adapters in tiers and lays out each step's adapters for the layers."""
 
     enabled = True
 
@@ -76,9 +70,9 @@ class LoRAManager(OperatorActions, StepHook):
         running_keys: Callable[[], set[str]] | None = None,
         gpu_utilization: float = 0.9,
     ) -> None:
+        """``running_keys()``: the adapters of the running sequences (never evicted)."""
         self.config = config
-        self.model = model
-        self.source = adapter_source
+        self.device = model.device
         self.running_keys = running_keys or (lambda: set())
         # auto: the base projections' matmul dtype (fp32 for bf16 on CPUs without bf16 GEMMs)
         dtype = (matmul_dtype(model.dtype, model.device) if config.lora_dtype == "auto"
@@ -95,38 +89,55 @@ class LoRAManager(OperatorActions, StepHook):
         self.max_loras = self.capacity.num_slots
         self.max_cpu_loras = self.capacity.max_cpu_loras
         logger.info(
-            "adapter capacity: %d slots (%s), %d in the CPU tier, %.1f MiB per slot",
+            "adapter capacity: %d slots (%s), %d in the CPU tier, %.1f MiB per slot; LoRA kernels: %s",
             self.max_loras, "derived from memory" if self.capacity.derived else "max_loras",
-            self.max_cpu_loras, self.capacity.slot_bytes / 2**20,
+            self.max_cpu_loras, self.capacity.slot_bytes / 2**20, self.backend,
         )
-        self.slots = SlotBuffers(
+        self.buffers = SlotBuffers(
             model.dims, self.max_loras, config.max_lora_rank, dtype, model.device,
             blockdiag=blockdiag,
         )
-        self.adapters: dict[str, AdapterState] = {}
-        self.slot_of: dict[str, int] = {}
-        self.slot_lru: OrderedDict[str, None] = OrderedDict()  # device residency, oldest first
-        self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, oldest first
-        self.loading: dict[str, Future] = {}
-        self.reserved: dict[str, int] = {}  # slots being written in the background
-        self._stale: list[tuple[Future, int | None]] = []  # loads of dropped adapters
-        self.evict_pending: set[str] = set()
-        self.num_evictions = 0
-        self.load_stats = LoadStats()
         self._listeners: list[AdapterListener] = []
-        self._loader = AdapterLoader(self.slots, cpu_dtype, pin_memory=model.device.type == "cuda",
-                                     family=model.dims)
+        self.hook = LoRAStepBatch(self.buffers, self.backend, model.device)
+        """The model's LoRA hook (``LoRAHook``): this step's layout and the layer call."""
+        self.slots = SlotTable(self.buffers, self._busy, lambda key: self._emit("evicted", key))
+        self.tiers = AdapterTiers(config, model.dims, self.buffers, self.max_cpu_loras, cpu_dtype,
+                                  adapter_source, pin_memory=model.device.type == "cuda")
         self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
-        self._meta: LoRABatchMeta | None = None
-        self._groups: frozenset[str] = frozenset()
-        self._step_keys: set[str] = set()
-        self.broken: dict[str, tuple[LoRARequest, Exception]] = {}
-        """Adapters marked broken (:meth:`mark_broken`) and the request that named them."""
 
-    # --- events -----------------------------------------------------------------------
+    def _busy(self) -> set[str]:
+        return self.running_keys() | self.hook.keys
+
+    # --- read-only views ----------------------------------------------------------------
+    @property
+    def slot_of(self) -> Mapping[str, int]:
+        """Adapter -> device slot of every resident adapter."""
+        return self.slots.slot_of
+
+    @property
+    def num_evictions(self) -> int:
+        return self.slots.num_evictions
+
+    @property
+    def load_stats(self) -> LoadStats:
+        return self.tiers.load_stats
+
+    def is_resident(self, key: str) -> bool:
+        """True when ``key`` sits in a device slot, ready for a step."""
+        return self.slots.is_resident(key)
+
+    def is_loading(self, key: str) -> bool:
+        """True while a background load or slot write of ``key`` runs."""
+        return key in self.tiers.loading
+
+    def is_evict_pending(self, key: str) -> bool:
+        """True when ``key`` leaves its slot once its running requests finish."""
+        return key in self.slots.pending
+
+    # --- events -------------------------------------------------------------------------
     def add_listener(self, listener: AdapterListener) -> Callable[[], None]:
-        """Call ``listener(event, key)`` on every load, eviction and drop (on the engine
-        thread: keep it quick). Returns the function that removes it."""
+        """Call ``listener(event, key)`` on every load, eviction, drop and broken mark (on
+        the engine thread: keep it quick). Returns the function that removes it."""
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
@@ -137,216 +148,98 @@ class LoRAManager(OperatorActions, StepHook):
             except Exception:
                 logger.exception("adapter listener failed on %s %s", event, key)
 
-    # --- registration ---------------------------------------------------------------
+    # --- registration ---------------------------------------------------------------------
     def register(self, request: LoRARequest) -> None:
         """Know an adapter by name; checks its config (rank, targets) synchronously. An
-        adapter marked broken is refused (:class:`AdapterBrokenError`) until replaced."""
-        broken = self.broken.get(request.key)
-        if broken is not None:
-            if broken[0] == request:
-                raise AdapterBrokenError(
-                    f"adapter {request.lora_name!r} is marked broken: {broken[1]}") from None
-            del self.broken[request.key]  # replaced: the name points at other weights
-        state = self.adapters.get(request.key)
-        if state is not None and state.request == request and state.error is None:
-            return
+        adapter marked broken is refused (:class:`AdapterBrokenError`) until replaced; a
+        name that now points at other weights drops the old ones first."""
+        self.tiers.refuse_broken(request)
+        state = self.tiers.state(request.key)
         if state is not None and state.request.lora_path != request.lora_path:
-            self.drop(request.key)  # the name now points at other weights
-        folder = self._folder(request)
-        try:
-            spec = parse_config(read_config(folder / CONFIG_NAME), self.model.dims)
-        except AdapterValidationError as e:
-            raise LoRAError(f"adapter {request.lora_name!r}: {e}") from None
-        if spec.r > self.config.max_lora_rank:
-            raise LoRAError(
-                f"adapter {request.lora_name!r} has rank {spec.r}, above max_lora_rank="
-                f"{self.config.max_lora_rank}"
-            )
-        unsupported = [m for m in spec.target_modules if m not in self.model.family.lora_modules]
-        if unsupported:
-            raise LoRAError(
-                f"adapter {request.lora_name!r} targets unsupported modules {unsupported}"
-            )
-        self.adapters[request.key] = AdapterState(request, spec.r)
-
-    def _folder(self, request: LoRARequest) -> Path:
-        if request.lora_path is not None:
-            path = Path(request.lora_path)
-        elif self.source is not None:
-            path = Path(self.source(request.lora_name))
-        else:
-            raise LoRAError(f"adapter {request.lora_name!r} has no lora_path and no adapter source")
-        if not path.is_dir():
-            raise LoRAError(f"adapter {request.lora_name!r}: {path} is not a folder")
-        return path
+            self.drop(request.key)
+        self.tiers.register(request)
 
     def drop(self, key: str) -> None:
         """Forget an adapter entirely (deleted or replaced); frees its slot when idle."""
-        if key in self.running_keys() or key in self._step_keys:
-            self.evict_pending.add(key)
-        else:
-            self._free_slot(key)
-        self.cpu.pop(key, None)
-        fut = self.loading.pop(key, None)
-        if fut is not None:  # its result is stale; a slot being written frees once it is done
-            self._stale.append((fut, self.reserved.pop(key, None)))
-        if self.adapters.pop(key, None) is not None:
+        self.slots.evict(key)
+        self.slots.unpin(key)
+        known, load = self.tiers.forget(key)
+        if load is not None:  # its result is stale; a slot being written frees once it is done
+            self.slots.orphan(key, load)
+        if known:
             self._emit("dropped", key)
 
-    # --- scheduler gate --------------------------------------------------------------
-    def acquire(self, key: str, in_use: set[str]) -> bool:
-        """True when ``key`` is in a device slot now. Else start bringing it in (disk →
-        CPU tier → a free slot, or one of an idle adapter not in ``in_use``), in the
-        background, and return False: it is ready at a later step, the step never waits."""
-        self.poll()
-        state = self.adapters.get(key)
-        if state is None or state.error is not None:
-            return False
-        if key in self.slot_of:
-            self.slot_lru.move_to_end(key)
-            return True
-        if key in self.loading:
-            return False
-        weights = self.cpu.get(key)
-        if weights is None:  # from disk, straight into an empty slot when there is one
-            self._start_load(key, self._empty_slot() if not self._write_on_loop else None)
-            return False
-        slot = self._free_or_evictable_slot(in_use | {key})
-        if slot is None:
-            return False
-        self.cpu.move_to_end(key)
-        if self._write_on_loop:
-            result = LoadResult(weights, slot, {})
-            self.slots.write(slot, weights)
-            self._place(key, state, result)
-            return True
-        self.reserved[key] = slot
-        self.loading[key] = self._loader.write(weights, slot)
-        return False
-
-    def is_resident(self, key: str) -> bool:
-        """True when ``key`` sits in a device slot, ready for a step."""
-        return key in self.slot_of
-
-    def prefetch(self, keys: list[str]) -> None:
-        """Load these adapters (best first) from disk into the CPU tier in the background,
-        while the current batch runs; at most two loads in flight, never past the CPU tier."""
-        wanted = set(keys) | set(self.slot_of)  # CPU-tier copies prefetch must not push out
-        for key in keys:
-            room = self.max_cpu_loras - len(self.loading) - len(wanted.intersection(self.cpu))
-            if len(self.loading) >= 2 or room <= 0:
-                return
-            state = self.adapters.get(key)
-            if state is None or state.error is not None:
-                continue
-            if key not in self.slot_of and key not in self.cpu and key not in self.loading:
-                self._start_load(key, None)
-
     def failed(self) -> dict[str, Exception]:
-        """Adapters whose load failed, with the error (the engine fails their requests)."""
-        return {k: s.error for k, s in self.adapters.items() if s.error is not None}
+        """Adapters whose load failed or that were marked broken, with the error (the
+        engine fails their requests before each step)."""
+        return self.tiers.failed()
 
     def mark_broken(self, key: str, error: Exception) -> None:
         """The adapter's outputs became non-finite while serving: evict it (once its rows
         leave the step), fail its other requests with ``error`` (:meth:`failed`), refuse it
         until it is replaced, and tell the listeners (``broken``: the platform audits it)."""
-        state = self.adapters.get(key)
-        if state is None or key in self.broken:
+        if not self.tiers.mark_broken(key, error):
             return
         logger.error("adapter %s marked broken: %s", key, error)
-        self.broken[key] = (state.request, error)
-        state.error = error
-        state.pinned = False
-        self.cpu.pop(key, None)
-        self.evict(key)
+        self.slots.unpin(key)
+        self.slots.evict(key)
         self._emit("broken", key)
 
-    def _empty_slot(self) -> int | None:
-        used = set(self.slot_of.values()) | set(self.reserved.values())
-        used |= {slot for _, slot in self._stale}
-        return next((s for s in range(self.max_loras) if s not in used), None)
+    # --- scheduler gate (AdapterGate) -------------------------------------------------------
+    def acquire(self, key: str, in_use: set[str]) -> bool:
+        """True when ``key`` is in a device slot now. Else start bringing it in (disk →
+        CPU tier → a free slot, or one of an idle adapter not in ``in_use``), in the
+        background, and return False: it is ready at a later step, the step never waits."""
+        self.poll()
+        state = self.tiers.state(key)
+        if state is None or state.error is not None:
+            return False
+        if self.slots.is_resident(key):
+            self.slots.touch(key)
+            return True
+        if key in self.tiers.loading:
+            return False
+        weights = self.tiers.cpu.get(key)
+        if weights is None:  # from disk, straight into an empty slot when there is one
+            slot = None if self._write_on_loop else self.slots.empty_slot()
+            if slot is not None:
+                self.slots.reserve(key, slot)
+            self.tiers.start_load(key, slot)
+            return False
+        slot = self.slots.claim(in_use | {key})
+        if slot is None:
+            return False
+        if self._write_on_loop:
+            self.tiers.cpu.move_to_end(key)
+            self.buffers.write(slot, weights)
+            self._place(key, state, LoadResult(weights, slot, {}))
+            return True
+        self.slots.reserve(key, slot)
+        self.tiers.start_write(key, slot)
+        return False
 
-    def _free_or_evictable_slot(self, protected: set[str]) -> int | None:
-        slot = self._empty_slot()
-        if slot is not None:
-            return slot
-        busy = protected | self.running_keys() | self._step_keys
-        for key in self.slot_lru:  # least recently used first
-            state = self.adapters.get(key)
-            if key in busy or (state is not None and state.pinned):
-                continue
-            slot = self.slot_of[key]
-            self._free_slot(key)
-            return slot
-        return None
-
-    def _free_slot(self, key: str) -> None:
-        slot = self.slot_of.pop(key, None)
-        self.slot_lru.pop(key, None)
-        if slot is not None:
-            self.slots.clear(slot)
-            self.num_evictions += 1
-            self._emit("evicted", key)
-
-    # --- loading ---------------------------------------------------------------------
-    def _start_load(self, key: str, slot: int | None) -> None:
-        request = self.adapters[key].request
-        if slot is not None:
-            self.reserved[key] = slot
-
-        def folder() -> tuple[Path, bool]:
-            return self._folder(request), request.lora_path is None
-
-        self.loading[key] = self._loader.load(
-            folder, lambda w: self._check_shapes(request, w), slot
-        )
-
-    def _check_shapes(self, request: LoRARequest, weights: LoraWeights) -> None:
-        shapes = self.model.dims.module_shapes()
-        for layer, modules in weights.layers.items():
-            if layer >= self.model.dims.num_layers:
-                raise LoRAError(
-                    f"adapter {request.lora_name!r} has layer {layer}; the base model has "
-                    f"{self.model.dims.num_layers}"
-                )
-            for name, (a, b) in modules.items():
-                k, n = shapes[name]
-                if a.shape[1] != k or b.shape[0] != n:
-                    raise LoRAError(
-                        f"adapter {request.lora_name!r}: {name} of layer {layer} is "
-                        f"{tuple(b.shape[:1]) + tuple(a.shape[1:])} (out, in); the base model "
-                        f"needs ({n}, {k})"
-                    )
+    def prefetch(self, keys: list[str]) -> None:
+        """Load these adapters (best first) from disk into the CPU tier in the background,
+        while the current batch runs (see ``AdapterTiers.prefetch``)."""
+        self.tiers.prefetch(keys, set(self.slots.slot_of))
 
     def poll(self, wait: float = 0.0) -> None:
         """Apply finished background loads (CPU tier, device slot) and run the evictions
-        whose requests finished (called between steps, and when idle after each command)."""
-        self._run_pending_evictions()
-        for fut, slot in [x for x in self._stale if x[0].done()]:
-            self._stale.remove((fut, slot))
-            if slot is not None:
-                self.slots.clear(slot)
-        if wait and self.loading and not any(f.done() for f in self.loading.values()):
-            futures.wait(
-                list(self.loading.values()), timeout=wait, return_when=futures.FIRST_COMPLETED
-            )
-        for key, fut in list(self.loading.items()):
-            if not fut.done():
-                continue
-            del self.loading[key]
-            slot = self.reserved.pop(key, None)
-            state = self.adapters.get(key)
+        whose requests finished (called between steps, and when idle after each command);
+        ``wait``: seconds to block for a load when none is done yet."""
+        self.slots.run_pending()
+        if wait:
+            self.tiers.wait(wait)
+        for key, fut in self.tiers.finished_loads():
+            slot = self.slots.unreserve(key)
+            state = self.tiers.state(key)
             exc = fut.exception()
-            if state is None or exc is not None or state.error is not None:
-                if slot is not None:  # dropped or marked broken meanwhile, or failed
-                    self.slots.clear(slot)
+            if (state is None or exc is not None or state.error is not None) and slot is not None:
+                self.buffers.clear(slot)  # dropped or marked broken meanwhile, or failed
             if state is None:
                 continue
             if exc is not None:
-                state.error = (  # what the adapter's requests fail with
-                    exc if isinstance(exc, LoRAError)
-                    else LoRAError(f"adapter {key!r} failed to load: {exc}")
-                )
+                self.tiers.fail_load(key, exc)
                 logger.error("adapter %s failed to load: %s", key, exc)
                 continue
             if state.error is not None:  # marked broken while it loaded: it stays out
@@ -354,28 +247,105 @@ class LoRAManager(OperatorActions, StepHook):
             result: LoadResult = fut.result()
             if "disk" in result.seconds:
                 state.load_seconds = result.seconds["disk"]
-                self.cpu[key] = result.weights
-                self._trim_cpu()
+                self.tiers.keep(key, result.weights, self.slots.pinned)
                 self._emit("loaded", key)
             if result.slot is not None:
                 self._place(key, state, result)
             else:
-                self.load_stats.add(result.seconds)
+                self.tiers.load_stats.add(result.seconds)
 
     def _place(self, key: str, state: AdapterState, result: LoadResult) -> None:
         """``key`` now sits in ``result.slot``: count the load per tier."""
         result.seconds.setdefault("cpu", 0.0)
         state.slot_seconds = result.seconds["cpu"]
-        self.load_stats.add(result.seconds)
-        self.slot_of[key] = result.slot
-        self.slot_lru[key] = None
+        self.tiers.load_stats.add(result.seconds)
+        self.slots.place(key, result.slot)
 
-    def _trim_cpu(self) -> None:
-        while len(self.cpu) > self.max_cpu_loras:
-            for key in self.cpu:
-                state = self.adapters.get(key)
-                if state is None or not state.pinned:
-                    self.cpu.pop(key)
-                    break
-            else:
-                return
+    # --- the step -------------------------------------------------------------------------
+    def prepare_step(self, row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
+        """Lay out this step's adapters for the layers (once per step, before the forward
+        pass): row i has ``row_num_tokens[i]`` tokens of adapter ``row_lora_keys[i]``."""
+        keys = frozenset(k for k in row_lora_keys if k is not None)
+        if not keys:
+            self.hook.clear()
+            return
+        self.buffers.wait_ready()
+        slot_of = self.slots.slot_of
+        row_slots = [slot_of[k] if k is not None else -1 for k in row_lora_keys]
+        groups = frozenset().union(*(self.buffers.groups[slot_of[k]] for k in keys))
+        self.hook.prepare(keys, row_slots, row_num_tokens, groups)
+
+    def finish_step(self) -> None:
+        """After the forward pass (also a failed one): release the step's slots and run the
+        evictions that waited for its rows to leave."""
+        self.hook.clear()
+        self.slots.run_pending()
+
+    # --- operator actions (admin API) ---------------------------------------------------------
+    def evict(self, key: str) -> bool:
+        """Free the adapter's device slot now, or once no running request uses it.
+        Returns False when it was not in a slot. Pinned adapters are unpinned first."""
+        self._state(key)
+        self.slots.unpin(key)
+        return self.slots.evict(key)
+
+    def pin(self, key: str) -> None:
+        """Keep the adapter resident (never evicted); loads it if needed."""
+        self._state(key)
+        self.slots.pin(key)
+        self.warm(key)
+
+    def unpin(self, key: str) -> None:
+        """Let the adapter be evicted again."""
+        self._state(key)
+        self.slots.unpin(key)
+
+    def warm(self, key: str) -> bool:
+        """Start loading the adapter into CPU memory (in the background: the engine loop
+        never waits on the disk) and, once it is there, place it in a free or evictable
+        device slot. Returns True once it sits in a device slot; call again until then."""
+        state = self._state(key)
+        if self.slots.is_resident(key):
+            return True
+        self.poll()
+        if state.error is not None:
+            raise state.error
+        return self.acquire(key, set())
+
+    def _state(self, key: str) -> AdapterState:
+        state = self.tiers.state(key)
+        if state is None:
+            raise LoRAError(f"adapter {key!r} is not known to this engine")
+        return state
+
+    # --- what the admin pages show -------------------------------------------------------------
+    def snapshot(self) -> ResidencySnapshot:
+        """The residency as plain data (call on the engine thread)."""
+        return ResidencySnapshot(
+            self.residency(), self.max_loras, self.num_evictions, True, self.max_cpu_loras,
+            self.load_stats.as_dict(),
+        )
+
+    def residency(self) -> list[dict]:
+        """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, in use."""
+        running = self.running_keys()
+        device_tier = "gpu" if self.device.type == "cuda" else "device"
+        slot_of, cpu = self.slots.slot_of, self.tiers.cpu
+        rows = []
+        for key, state in self.tiers.adapters.items():
+            tier = device_tier if key in slot_of else "cpu" if key in cpu else "disk"
+            rows.append(
+                {
+                    "name": key,
+                    "tier": tier,
+                    "slot": slot_of.get(key),
+                    "pinned": key in self.slots.pinned,
+                    "rank": state.rank,
+                    "in_use": key in running,
+                    "loading": key in self.tiers.loading,
+                    "load_seconds": state.load_seconds,
+                    "slot_seconds": state.slot_seconds,
+                    "error": str(state.error) if state.error else None,
+                }
+            )
+        return rows

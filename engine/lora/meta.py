@@ -79,11 +79,11 @@ class LoRABatchMeta:
     @classmethod
     def build(
         cls,
-        token_slots: Sequence[int] | torch.Tensor,
+        token_slots: Sequence[int] | np.ndarray | torch.Tensor,
         slot_ranks: torch.Tensor,
         device: torch.device | str = "cpu",
     ) -> LoRABatchMeta:
-        """Build the layout for one engine step (called once per step by the model runner).
+        """Build the layout for one engine step (called once per step, by ``LoRAStepBatch.prepare``).
 
         ``token_slots``: slot per token in batch order (-1 = none); ``slot_ranks``: rank
         loaded in each slot (0 = empty). Segments of rank-0 slots are dropped; their tokens
@@ -91,6 +91,8 @@ class LoRABatchMeta:
         """
         if isinstance(token_slots, torch.Tensor):
             slots = token_slots.detach().to("cpu", torch.int64).numpy().reshape(-1)
+        elif isinstance(token_slots, np.ndarray):
+            slots = token_slots.astype(np.int64, copy=False).reshape(-1)
         else:
             slots = np.asarray(list(token_slots), dtype=np.int64).reshape(-1)
         ranks_t = torch.as_tensor(slot_ranks).detach().to("cpu", torch.int64).reshape(-1)

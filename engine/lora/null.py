@@ -1,17 +1,20 @@
 """``NoLoRA``: the engine's adapter manager when LoRA is off (``enable_lora=False``).
 
-It answers every call the engine, the scheduler and the platform make of a
-:class:`~loramux.engine.lora.manager.LoRAManager` (``enabled`` False, nothing resident,
-nothing to do per step), so no call site checks for a missing manager.
+It answers every call of :class:`~loramux.engine.lora.interface.AdapterManager` (nothing
+resident, nothing to do per step, every adapter refused or unknown), so no call site checks
+for a missing manager or tests ``enabled`` to avoid a call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from loramux.engine.errors import LoRAError
-from loramux.engine.lora.manager import AdapterListener, ResidencySnapshot
+from loramux.engine.lora.state import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
+
+_NO_SLOTS: Mapping[str, int] = MappingProxyType({})
 
 
 class NoLoRA:
@@ -20,9 +23,11 @@ class NoLoRA:
     enabled = False
     max_loras = 0
     num_evictions = 0
+    hook = None
 
-    def __init__(self) -> None:
-        self.slot_of: dict[str, int] = {}
+    @property
+    def slot_of(self) -> Mapping[str, int]:
+        return _NO_SLOTS
 
     def register(self, request: LoRARequest) -> None:
         raise LoRAError("this engine was started without LoRA (enable_lora=False)")
@@ -30,22 +35,46 @@ class NoLoRA:
     def drop(self, key: str) -> None:
         """Nothing to forget."""
 
-    def poll(self, wait: float = 0.0) -> None:
-        """No background loads."""
-
     def failed(self) -> dict[str, Exception]:
         return {}
 
     def mark_broken(self, key: str, error: Exception) -> None:
         """No adapter runs here: nothing to mark."""
 
-    def prepare_step(self, token_lora_keys: list[str | None]) -> None:
+    def poll(self, wait: float = 0.0) -> None:
+        """No background loads."""
+
+    def acquire(self, key: str, in_use: set[str]) -> bool:
+        return False
+
+    def is_resident(self, key: str) -> bool:
+        return False
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Nothing to load."""
+
+    def prepare_step(self, row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
         """No adapter in any step."""
 
     def finish_step(self) -> None:
         """Nothing step-scoped."""
 
-    def active(self) -> bool:
+    def evict(self, key: str) -> bool:
+        raise self._unknown(key)
+
+    def is_evict_pending(self, key: str) -> bool:
+        return False
+
+    def pin(self, key: str) -> None:
+        raise self._unknown(key)
+
+    def unpin(self, key: str) -> None:
+        raise self._unknown(key)
+
+    def warm(self, key: str) -> bool:
+        raise self._unknown(key)
+
+    def is_loading(self, key: str) -> bool:
         return False
 
     def snapshot(self) -> ResidencySnapshot:
@@ -53,3 +82,7 @@ class NoLoRA:
 
     def add_listener(self, listener: AdapterListener) -> Callable[[], None]:
         return lambda: None
+
+    @staticmethod
+    def _unknown(key: str) -> LoRAError:
+        return LoRAError(f"adapter {key!r} is not known to this engine (started without LoRA)")

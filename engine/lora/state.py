@@ -15,7 +15,6 @@ class AdapterState:
 
     request: LoRARequest
     rank: int
-    pinned: bool = False
     load_seconds: float | None = None
     """Seconds of the last disk → CPU tier load."""
     slot_seconds: float | None = None

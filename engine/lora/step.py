@@ -1,66 +1,66 @@
-"""The per-step LoRA hook of :class:`~loramux.engine.lora.manager.LoRAManager` (the model's
-``LoRAHook``): one batch layout per step, then every projection group of every layer adds
-its adapters' deltas through ``lora.ops``. Runs on the engine thread."""
+"""The per-step LoRA batch: the model's ``LoRAHook``.
+
+Once per step (:meth:`LoRAStepBatch.prepare`, from ``LoRAManager.prepare_step``) the rows'
+slots become one :class:`LoRABatchMeta`; then every projection group of every layer calls
+:meth:`LoRAStepBatch.add`, which runs the kernel chosen once when the engine started (no
+backend lookup per layer call) on the slot buffers. Runs on the engine thread.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from loramux.engine.lora import ops
 from loramux.engine.lora.meta import LoRABatchMeta
-
-if TYPE_CHECKING:
-    from loramux.engine.lora.manager import LoRAManager
+from loramux.engine.lora.slots import SlotBuffers
 
 
-class StepHook:
-    """Mixed into :class:`~loramux.engine.lora.manager.LoRAManager`."""
+class LoRAStepBatch:
+    """This step's adapter layout and the layer hook that reads it."""
 
-    def prepare_step(self: LoRAManager, token_lora_keys: list[str | None]) -> None:
-        """Build this step's LoRABatchMeta from each token's adapter (called once per step)."""
-        keys = {k for k in token_lora_keys if k is not None}
-        self._step_keys = keys
-        if not keys:
-            self._meta = None
-            return
-        self.slots.wait_ready()
-        slots = [self.slot_of[k] if k is not None else -1 for k in token_lora_keys]
-        self._meta = LoRABatchMeta.build(slots, self.slots.ranks, self.model.device)
-        # Groups no adapter of this step targets are skipped (e.g. q/v-only adapters).
-        self._groups = frozenset().union(*(self.slots.groups[self.slot_of[k]] for k in keys))
+    def __init__(self, buffers: SlotBuffers, backend: str, device: torch.device) -> None:
+        """``backend``: ``torch`` or ``triton`` (resolved by the manager, once)."""
+        self.buffers = buffers
+        self.device = device
+        self._kernel = ops.lora_kernel(backend, blockdiag=buffers.blockdiag)
+        self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
+        self._meta: LoRABatchMeta | None = None
+        self._groups: frozenset[str] = frozenset()
+        self.keys: frozenset[str] = frozenset()
+        """The adapters of the step in flight (their slots are busy until :meth:`clear`)."""
 
-    def finish_step(self: LoRAManager) -> None:
-        """Release step-scoped state; run evictions that waited for the batch to drain."""
-        self._step_keys = set()
+    def prepare(self, keys: frozenset[str], row_slots: Sequence[int], row_tokens: Sequence[int],
+                groups: frozenset[str]) -> None:
+        """Lay out a step whose row i has ``row_tokens[i]`` tokens on slot ``row_slots[i]``
+        (-1 = no adapter); ``keys``: its adapters, ``groups``: the projection groups they
+        target (the others are skipped, e.g. for q/v-only adapters)."""
+        self.keys = keys
+        self._groups = groups
+        token_slots = np.repeat(np.asarray(row_slots, dtype=np.int64), row_tokens)  # [T]
+        self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
+
+    def clear(self) -> None:
+        """The step is over (or has no adapter): nothing is added until the next prepare."""
+        self.keys = frozenset()
         self._meta = None
-        self._run_pending_evictions()
+        self._groups = frozenset()
 
-    def _run_pending_evictions(self: LoRAManager) -> None:
-        if self.evict_pending:
-            running = self.running_keys() | self._step_keys
-            for key in list(self.evict_pending):
-                if key not in running:
-                    self._free_slot(key)
-                    self.evict_pending.discard(key)
+    @property
+    def meta(self) -> LoRABatchMeta | None:
+        """This step's layout (None between steps and in steps without adapters)."""
+        return self._meta
 
-    def active(self: LoRAManager) -> bool:
+    def active(self) -> bool:
+        """True when this step has tokens with an adapter (the model skips the hook else)."""
         return self._meta is not None and self._meta.has_lora
 
-    def add(self: LoRAManager, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y += `` this step's adapters' delta for ``x`` in projection ``group`` of ``layer``."""
         if group not in self._groups:
             return
-        blockdiag = self.slots.blockdiag  # A pre-scaled: no per-slot scale
-        ops.add_lora(
-            y,
-            x,
-            self.slots.a[layer][group],
-            self.slots.b[layer][group],
-            self._meta,
-            None if blockdiag else self.slots.scale,
-            self.slots.slice_offsets[group],
-            backend=self.backend,
-            blockdiag=blockdiag,
-        )
+        b = self.buffers
+        self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
+                     b.slice_offsets[group])

@@ -33,6 +33,7 @@ from loramux.platform.adapter_api.uploads import (
     parse_bool,
     parse_preset_field,
     parse_s3_uri,
+    read_local,
     receive_multipart,
 )
 from loramux.platform.errors import BadRequest, Forbidden
@@ -104,11 +105,16 @@ class AdapterService:
         own = [f"{self.own_s3_root}imports/{caller.tenant.name}/"] if self.own_s3_root else []
         return own + self.s3_import_allow
 
+    def import_allowed(self, caller: Caller, source: str) -> bool:
+        """True when ``caller`` may import from the ``s3://`` URI ``source`` (400 when it
+        is not one); nothing is read."""
+        bucket, key = parse_s3_uri(source)
+        return "/../" not in f"/{key}/" and any(
+            f"s3://{bucket}/{key}".startswith(p) for p in self.import_prefixes(caller))
+
     def check_import_source(self, caller: Caller, source: str) -> None:
         """403 for an ``s3://`` source outside the caller's allowed prefixes."""
-        bucket, key = parse_s3_uri(source)
-        if "/../" in f"/{key}/" or not any(
-                f"s3://{bucket}/{key}".startswith(p) for p in self.import_prefixes(caller)):
+        if not self.import_allowed(caller, source):
             raise Forbidden(
                 "this server imports adapters only from your own prefix (imports/<tenant>/ "
                 "in the server's bucket) and the locations its operator allows "
@@ -124,6 +130,17 @@ class AdapterService:
         try:
             return await self._upload(caller, body.name, received, body.preset,
                                       replace_q or bool(body.replace))
+        finally:
+            await run_in_threadpool(received.cleanup)
+
+    async def upload_local(self, caller: Caller, name: str, path: Path, replace: bool) -> AdapterInfo:
+        """Register the adapter at the local ``path`` (a PEFT folder or an archive) that
+        the caller was allowed to name (the route checks the allow-list): copied under
+        the upload cap, then the same validation as an upload."""
+        received: Received = await run_in_threadpool(
+            read_local, path, self.scratch, self.max_upload_bytes)
+        try:
+            return await self._upload(caller, name, received, None, replace)
         finally:
             await run_in_threadpool(received.cleanup)
 

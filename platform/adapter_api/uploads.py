@@ -171,6 +171,44 @@ async def receive_multipart(request: Request, scratch: Path, max_bytes: int) -> 
     return received
 
 
+def read_local(path: Path, scratch: Path, max_bytes: int) -> Received:
+    """Copy a local adapter, a PEFT folder (its ``adapter_config.json`` and
+    ``adapter_model.safetensors``) or one archive file, into a new folder under
+    ``scratch``, under the size cap. Symlinks are never followed (``O_NOFOLLOW``) and only
+    regular files are read; the caller decided that ``path`` may be read. Runs in a
+    worker thread."""
+    import os
+    import stat
+
+    names = ["adapter_config.json", "adapter_model.safetensors"] if path.is_dir() else [None]
+    scratch.mkdir(parents=True, exist_ok=True)
+    received = Received(Path(tempfile.mkdtemp(prefix="local-", dir=scratch)))
+    try:
+        for i, name in enumerate(names):
+            src = path / name if name is not None else path
+            try:
+                fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except FileNotFoundError:
+                continue  # the registry names what is missing
+            except OSError as e:
+                raise BadRequest(f"cannot read {src.name}: {e.strerror}", param="source") from None
+            dest = received.folder / safe_filename(src.name, i)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise BadRequest(f"{src.name} is not a regular file", param="source")
+                with open(dest, "wb") as out:
+                    while chunk := f.read(1 << 20):
+                        received.size += len(chunk)
+                        if received.size > max_bytes:
+                            raise PayloadTooLarge(f"the adapter is larger than {max_bytes} bytes")
+                        out.write(chunk)
+            received.files.append(dest)
+        return received
+    except BaseException:
+        received.cleanup()
+        raise
+
+
 def parse_bool(value: str | None, param: str) -> bool:
     if value is None or value == "":
         return False
@@ -195,6 +233,10 @@ def parse_preset_field(value: str | None) -> dict | None:
 
 
 # --- s3:// sources ------------------------------------------------------------------------
+class NothingToRead(BadRequest):
+    """No object at an ``s3://`` source (400 here; vLLM's load API says 404)."""
+
+
 _S3_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,62})/?(.*)$")
 
 
@@ -239,7 +281,7 @@ def fetch_s3(uri: str, scratch: Path, max_bytes: int, *, endpoint_url: str | Non
                 if not o["Key"].endswith("/") and "/" not in o["Key"][len(prefix):]
             ]
             if not objects:
-                raise BadRequest(f"nothing to read at {uri}", param="source")
+                raise NothingToRead(f"nothing to read at {uri}", param="source")
             if len(objects) > MAX_FILES:
                 raise BadRequest(f"more than {MAX_FILES} objects under {uri}", param="source")
         total = sum(size for _, size in objects)

@@ -17,7 +17,9 @@ from loramux.registry.budgets import DependencyBudgets
 GROUPS = {"max_stop": "request limits", QUOTA_PREFIX + "max_concurrent_requests": "tenant quotas",
           "s3_connect_timeout": "dependencies (timeouts, bulkheads, breakers)",
           "model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
-          "role": "cluster (see loramux.platform.cluster)", "quota_cache_ttl": "isolation"}
+          "role": "cluster (see loramux.platform.cluster)",
+          "protocol_metrics_port": "behind an inference gateway (see loramux.platform.inference_gateway)",
+          "quota_cache_ttl": "isolation"}
 """The flag group that starts at each of these fields (in declaration order)."""
 REGISTRY_FIELDS = ("data_dir", "database_url", "s3_bucket", "s3_endpoint_url", "s3_prefix",
                    "s3_region", *(f.name for f in dataclasses.fields(DependencyBudgets)))

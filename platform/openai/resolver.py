@@ -209,7 +209,7 @@ class ModelResolver:
     def _card(self, name: str, created: int, owner: str, parent: str | None) -> dict[str, Any]:
         return {
             "id": name, "object": "model", "created": created, "owned_by": owner,
-            "root": name if parent is None else None, "parent": parent, "family": self.base_family,
+            "root": name, "parent": parent, "family": self.base_family,
         }
 
     # --- invalidation ----------------------------------------------------------------

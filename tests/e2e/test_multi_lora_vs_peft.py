@@ -108,6 +108,6 @@ def test_batch_invariance_and_reload(llm, adapters):
     manager = llm.llm_engine.lora_manager
     assert manager.evict("a2")
     assert "a2" not in manager.slot_of
-    manager.cpu.pop("a2")  # back to the disk tier
+    manager.tiers.cpu.pop("a2")  # back to the disk tier
     again = llm.generate([PROMPTS[3]], params, lora_request=loras[3])[0].outputs[0].token_ids
     assert again == alone

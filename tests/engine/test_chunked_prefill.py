@@ -40,7 +40,7 @@ def record_plans(llm: LLM) -> list[dict[str, int]]:
 
     def schedule():
         plan = inner()
-        plans.append({s.seq.request_id: s.num_new_tokens for s in plan.scheduled})
+        plans.append({s.request_id: s.num_new_tokens for s in plan.scheduled})
         return plan
 
     sched.schedule = schedule

@@ -76,14 +76,14 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine):
 def test_a_request_failing_in_sampling_fails_alone(engine):
     engine.add_request("alone", "the quick brown fox", GREEDY)
     reference = run_all(engine)["alone"].outputs[0].token_ids
-    original = engine.sampler
+    original = engine.output_processor.sampler
 
     def sampler(logits, seqs):
         if any(s.request_id == "bad" for s in seqs):
             raise ValueError("a broken grammar")
         return original(logits, seqs)
 
-    engine.sampler = sampler
+    engine.output_processor.sampler = sampler
     engine.add_request("good", "the quick brown fox", GREEDY)
     engine.add_request("bad", "jumps over", GREEDY)
     outs = run_all(engine)

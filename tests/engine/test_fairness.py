@@ -18,7 +18,7 @@ def admitted_until(sched, name: str, limit: int = 200) -> int:
     """Steps until sequence ``name`` is first scheduled."""
     for step in range(1, limit + 1):
         plan = run_step(sched)
-        if any(s.seq.request_id == name for s in plan.scheduled):
+        if any(s.request_id == name for s in plan.scheduled):
             return step
     raise AssertionError(f"{name} never ran")
 
@@ -96,7 +96,7 @@ def preempted_names(policy: str) -> list[str]:
     sched.add(seq("quiet", "q", prompt_len=4, max_tokens=12))  # newest, lowest counter
     preempted = []
     while sched.num_unfinished:
-        preempted += [s.request_id for s in run_step(sched).preempted]
+        preempted += [sched.seqs[i].request_id for i in run_step(sched).preempted]
     assert sched.kv.num_free_blocks == 6
     return preempted
 

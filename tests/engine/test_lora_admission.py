@@ -56,7 +56,7 @@ def test_no_starvation_behind_a_stream_for_hot_adapters():
         assert len(adapters_of(plan)) <= 2
         if first_skip is None and rare.skipped_steps:
             first_skip = step
-        if started is None and rare in [s.seq for s in plan.scheduled]:
+        if started is None and rare.seq_id in [s.seq_id for s in plan.scheduled]:
             started = step
     assert first_skip == 3
     assert started is not None, "the request for the rare adapter starved"

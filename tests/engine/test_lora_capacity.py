@@ -105,7 +105,7 @@ def test_engine_without_max_loras_gives_every_cpu_tier_adapter_a_slot(tiny_model
               max_lora_rank=8, max_cpu_loras=40)
     manager = llm.llm_engine.lora_manager
     assert manager.max_loras == 40 and manager.max_cpu_loras == 40
-    assert manager.slots.max_loras == 40
+    assert manager.buffers.max_loras == 40
     assert llm.llm_engine.scheduler.adapters.max_loras == 40
     snap = manager.snapshot()
     assert snap.max_loras == 40 and snap.max_cpu_loras == 40
@@ -121,8 +121,8 @@ def test_cpu_tier_keeps_the_model_dtype_and_is_counted_so(tiny_model_dir):
               max_lora_rank=8, max_loras=2)
     manager = llm.llm_engine.lora_manager
     slot_dtype = matmul_dtype(torch.bfloat16, torch.device("cpu"))
-    assert manager.slots.a[0]["qkv"].dtype == slot_dtype
-    assert manager._loader.cpu_dtype == torch.bfloat16
+    assert manager.buffers.a[0]["qkv"].dtype == slot_dtype
+    assert manager.tiers.cpu_dtype == torch.bfloat16
     per = slot_bytes(SMOL, 32, 4, blockdiag=True) + adapter_bytes(SMOL, 32, 2)
     cap = plan_capacity(LoRAConfig(max_lora_rank=32), SMOL, 4, cpu_element_size=2,
                         device_type="cpu", blockdiag=True)

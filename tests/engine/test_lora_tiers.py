@@ -38,7 +38,7 @@ def test_rotation_through_two_slots(tiny_model_dir, eight_adapters):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), lora_request=loras)
     manager = llm.llm_engine.lora_manager
     assert len(manager.slot_of) <= 2
-    assert len(manager.cpu) <= 3
+    assert len(manager.tiers.cpu) <= 3
     assert manager.num_evictions >= 6
     refs = {}
     for lora, out in zip(loras, outs, strict=True):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from support import scheduler_harness as harness
+
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 
 
@@ -92,7 +93,7 @@ def test_fork_shares_blocks_and_copies_a_partial_block_on_write():
 
 def test_scheduler_starts_after_the_cached_prefix_and_chunks_the_rest():
     kv = KVCacheManager(64, 4, enable_prefix_caching=True)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6), kv, 64)
+    sched = harness.make_scheduler(SchedulerConfig(max_num_batched_tokens=6), kv, 64)
     first = seq("first", list(range(1, 18)))
     sched.add(first)
     chunks = []
@@ -107,13 +108,13 @@ def test_scheduler_starts_after_the_cached_prefix_and_chunks_the_rest():
     second = seq("second", list(range(1, 17)) + [40, 41, 42])
     sched.add(second)
     plan = sched.schedule()
-    by_id = {s.seq.request_id: s.num_new_tokens for s in plan.scheduled}
+    by_id = {s.request_id: s.num_new_tokens for s in plan.scheduled}
     assert by_id == {"first": 1, "second": 3} and second.num_computed_tokens == 16
 
 
 def test_partial_prefills_holding_every_block_make_room_newest_first():
     kv = KVCacheManager(6, 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv, 64)
+    sched = harness.make_scheduler(SchedulerConfig(max_num_batched_tokens=8), kv, 64)
     a, b = seq("a", list(range(1, 17))), seq("b", list(range(21, 37)))
     for s in (a, b):  # both 12 of 16 prompt tokens computed: 3 blocks each, none free
         sched.add(s)
@@ -124,5 +125,5 @@ def test_partial_prefills_holding_every_block_make_room_newest_first():
     for s in (a, b):
         s.status = a.status.RUNNING
     plan = sched.schedule()
-    assert {s.seq.request_id: s.num_new_tokens for s in plan.scheduled} == {"a": 4}
-    assert plan.preempted == [b] and b.num_computed_tokens == 0 and list(sched.waiting) == [b]
+    assert {s.request_id: s.num_new_tokens for s in plan.scheduled} == {"a": 4}
+    assert plan.preempted == [b.seq_id] and b.num_computed_tokens == 0 and list(sched.waiting) == [b]

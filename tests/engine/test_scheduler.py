@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
+import torch
+from support import scheduler_harness as harness
 
 from loramux.engine.block_manager import BlockPool, KVCacheManager, OutOfBlocksError
 from loramux.engine.config import SchedulerConfig
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler, SchedulerOutput
+from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.step_data import ModelOutput, SchedulerOutput
 
 
 def make_scheduler(
@@ -20,7 +24,8 @@ def make_scheduler(
     adapters=None,
     **config,
 ) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size), max_model_len, adapters)
+    return harness.make_scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size),
+                                  max_model_len, adapters)
 
 
 def make_seq(name: str, prompt_len: int = 4, max_tokens: int = 4, lora: str | None = None) -> Sequence:
@@ -28,16 +33,9 @@ def make_seq(name: str, prompt_len: int = 4, max_tokens: int = 4, lora: str | No
 
 
 def run_step(sched: Scheduler) -> SchedulerOutput:
-    """What the engine does after the runner: count computed tokens, append one, finish at max_tokens."""
-    plan = sched.schedule()
-    for s in plan.scheduled:
-        seq = s.seq
-        seq.num_computed_tokens += s.num_new_tokens
-        if seq.num_computed_tokens < seq.num_tokens:
-            continue  # a prompt chunk: nothing sampled yet
-        seq.append_token(101 + seq.num_output_tokens)
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            sched.finish(seq)
+    """One step through the scheduler's plain-data output: the "model" picks 101, 102, ...
+    for each sequence's outputs, ``update_from_output`` applies it (finish at max_tokens)."""
+    plan, _ = harness.step(sched)
     check_invariants(sched)
     return plan
 
@@ -56,7 +54,7 @@ def check_invariants(sched: Scheduler) -> None:
 
 
 def names(plan: SchedulerOutput) -> dict[str, int]:
-    return {s.seq.request_id: s.num_new_tokens for s in plan.scheduled}
+    return {s.request_id: s.num_new_tokens for s in plan.scheduled}
 
 
 # ------------------------------------------------------------------------ continuous batching
@@ -164,7 +162,7 @@ def test_newest_sequence_is_preempted_when_blocks_run_out(caplog):
     with caplog.at_level(logging.WARNING, logger="loramux.engine.scheduler"):
         plan = run_step(sched)
     # a needs a 2nd block: c (newest) is preempted; then b needs one and only itself is left
-    assert plan.preempted == [c, b]
+    assert plan.preempted == [c.seq_id, b.seq_id]
     assert names(plan) == {"a": 1}
     assert list(sched.waiting) == [b, c]  # the older preempted sequence first
     assert sched.num_preemptions == 2 and b.num_preemptions == 1 and c.num_preemptions == 1
@@ -173,7 +171,7 @@ def test_newest_sequence_is_preempted_when_blocks_run_out(caplog):
     assert all("preempted by RECOMPUTE mode" in m and "not enough KV cache space" in m for m in msgs)
     assert "total_num_cumulative_preemption=2" in msgs[-1]
     # nothing is admitted in a step that preempted
-    assert all(s.seq is a for s in plan.scheduled)
+    assert all(s.seq_id == a.seq_id for s in plan.scheduled)
 
 
 def test_preempted_sequence_is_recomputed_with_its_output():
@@ -192,7 +190,7 @@ def test_preempted_sequence_is_recomputed_with_its_output():
         if "b" in names(plan):
             # recompute: prompt + the token generated before preemption, in one prefill
             assert names(plan)["b"] == 5
-            assert [s.is_prefill for s in plan.scheduled if s.seq is b] == [True]
+            assert [s.is_prefill for s in plan.scheduled if s.seq_id == b.seq_id] == [True]
             break
     else:
         pytest.fail("b was never rescheduled")
@@ -291,7 +289,7 @@ class FakeGate:
 
 
 def adapters_of(plan: SchedulerOutput) -> set[str]:
-    return {s.seq.lora_key for s in plan.scheduled if s.seq.lora_key is not None}
+    return {s.lora_key for s in plan.scheduled if s.lora_key is not None}
 
 
 def test_without_a_gate_adapter_requests_wait():
@@ -347,7 +345,7 @@ def test_aging_bounds_the_wait_of_a_starved_adapter():
             sched.add(b)
         plan = run_step(sched)
         assert len(adapters_of(plan)) <= 1
-        if b in [s.seq for s in plan.scheduled] and admitted_at is None:
+        if b.seq_id in [s.seq_id for s in plan.scheduled] and admitted_at is None:
             admitted_at = step
     assert admitted_at is not None, "the request for adapter b starved"
     # starvation_steps skipped steps, then the running "a" requests (4 tokens) drain
@@ -397,3 +395,165 @@ def test_kv_cache_manager_grows_block_tables():
     kv.free(seq)
     assert seq.block_table == [] and seq.num_computed_tokens == 0
     assert kv.num_free_blocks == 8 and kv.usage == 0.0
+
+
+# ------------------------------------------------------------------------ the step as plain data
+
+
+def _no_live_objects(value) -> bool:
+    """True when ``value`` holds only ids, numbers, strings and lists/tuples/dicts of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_no_live_objects(v) for v in value)
+    if isinstance(value, dict):
+        return all(_no_live_objects(k) and _no_live_objects(v) for k, v in value.items())
+    if dataclasses.is_dataclass(value):
+        return all(_no_live_objects(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+def test_the_plan_is_plain_data_the_runner_can_build_tensors_from():
+    sched = make_scheduler(block_size=4, adapters=FakeGate(2))
+    a = make_seq("a", prompt_len=6, max_tokens=3, lora="x")
+    b = make_seq("b", prompt_len=3, max_tokens=3)
+    sched.add(a)
+    run_step(sched)  # a prefills
+    sched.add(b)
+    plan = sched.schedule()
+    assert _no_live_objects(plan) and not any(isinstance(r, Sequence) for r in plan.scheduled)
+    ra, rb = plan.scheduled
+    assert (ra.request_id, ra.seq_id, ra.num_new_tokens, ra.num_computed_tokens, ra.is_prefill,
+            ra.lora_key) == ("a", a.seq_id, 1, 6, False, "x")
+    assert ra.token_ids == [101] and ra.block_ids == a.block_table and len(ra.block_ids) == 2
+    assert (rb.token_ids, rb.num_computed_tokens, rb.is_prefill, rb.lora_key) == ([1, 2, 3], 0, True, None)
+    assert (plan.num_batched_tokens, plan.num_prefill_tokens, plan.num_decode_rows, plan.num_adapters) == (4, 3, 1, 1)
+    a.block_table.append(63)  # the plan is a copy: what happens to the sequences later does not change it
+    assert len(ra.block_ids) == 2
+
+
+def test_forks_share_the_prompt_and_sample_from_its_row_once_it_is_computed():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=6)
+    params = SamplingParams(n=3, max_tokens=2, temperature=1.0)
+    first, *siblings = (Sequence("r", i, list(range(1, 10)), params) for i in range(3))
+    sched.add(first)
+    first.pending_forks = siblings  # as LLMEngine.add_request: one prefill, then forks
+    plan, outcome = harness.step(sched)  # 6 of 9 prompt tokens: nothing sampled, no fork yet
+    assert names(plan) == {"r": 6} and outcome.advanced == [] and outcome.num_forks == 0
+    assert first.pending_forks == siblings and sched.running == [first]
+    plan, outcome = harness.step(sched)  # the last 3: the siblings fork and sample too
+    assert [r.num_new_tokens for r in plan.scheduled] == [3]
+    assert outcome.advanced == ["r"] and outcome.num_forks == 2 and first.pending_forks == []
+    assert [s.output_token_ids for s in (first, *siblings)] == [[101]] * 3
+    assert all(s.block_table == first.block_table for s in siblings)
+    assert all(sched.kv.pool.ref_count(b) == 3 for b in first.block_table)
+    plan, outcome = harness.step(sched)  # three decode rows; the shared tail is copied on write
+    assert [r.seq_id for r in plan.scheduled] == [s.seq_id for s in (first, *siblings)]
+    assert len(plan.copies) == 2 and all(s.is_finished for s in (first, *siblings))
+    assert sched.kv.num_free_blocks == 64 and not sched.seqs
+
+
+def test_a_row_failing_in_the_sampler_fails_only_its_request():
+    sched = make_scheduler()
+    good, bad = make_seq("good", max_tokens=2), make_seq("bad", max_tokens=2)
+    sched.add(good)
+    sched.add(bad)
+    inner = sched.outputs.sampler
+
+    def sampler(logits, seqs):
+        if any(s.request_id == "bad" for s in seqs):
+            raise ValueError("a broken logits processor")
+        return inner(logits, seqs)
+
+    sched.outputs.sampler = sampler
+    plan, outcome = harness.step(sched)
+    assert names(plan) == {"good": 4, "bad": 4}
+    assert outcome.advanced == ["good"] and list(outcome.failed) == ["bad"]
+    assert isinstance(outcome.failed["bad"], ValueError)
+    assert good.output_token_ids == [101] and bad.output_token_ids == []
+    sched.finish(bad)  # the engine ends a failed request
+    run_step(sched)
+    assert good.is_finished and good.output_token_ids == [101, 102]
+
+
+def test_a_non_finite_row_fails_its_request_and_marks_its_adapter_broken():
+    from loramux.engine.errors import AdapterNumericsError
+
+    broken = harness.BrokenLog()
+    sched = harness.Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 64, FakeGate(4),
+                              outputs=harness.make_output_processor(64, broken=broken))
+    seqs = {name: make_seq(name, lora=lora) for name, lora in
+            (("neighbour", None), ("poisoned", "bad"), ("base-nan", None), ("other", "fine"))}
+    for s in seqs.values():
+        sched.add(s)
+    plan = sched.schedule()
+    out = harness.model_output(sched, plan)
+    rows = {r.request_id: i for i, r in enumerate(plan.scheduled)}
+    out.logits[rows["poisoned"], 7] = float("inf")
+    out.logits[rows["base-nan"], 3] = float("nan")
+    out.logits[rows["other"], :] = 3e36  # finite but the row's sum overflows: still fine
+    outcome = sched.update_from_output(plan, out)
+    assert set(outcome.failed) == {"poisoned", "base-nan"}
+    assert all(isinstance(e, AdapterNumericsError) for e in outcome.failed.values())
+    assert outcome.failed["poisoned"].adapter == "bad" and outcome.failed["base-nan"].adapter is None
+    assert [key for key, _ in broken.marked] == ["bad"]
+    assert outcome.advanced == ["neighbour", "other"]
+    assert seqs["neighbour"].output_token_ids == [101] and seqs["poisoned"].num_computed_tokens == 0
+
+
+def test_a_batch_level_error_fails_every_request_of_the_plan():
+    sched = make_scheduler()
+    for name in "ab":
+        sched.add(make_seq(name))
+    plan = sched.schedule()
+    outcome = sched.update_from_output(plan, ModelOutput(plan.scheduled, error=MemoryError("oom")))
+    assert set(outcome.failed) == {"a", "b"} and outcome.advanced == []
+    assert all(s.num_computed_tokens == 0 for s in sched.running)  # nothing was computed
+
+
+def test_prompt_logprobs_of_a_long_prompt_are_read_in_chunks_and_match_a_full_softmax():
+    from loramux.engine.postprocess import LOGPROB_ROWS
+
+    prompt_len = LOGPROB_ROWS * 2 + 5
+    sched = make_scheduler(num_blocks=128, max_model_len=512)
+    seq = Sequence("p", 0, [(7 * i) % harness.VOCAB for i in range(prompt_len)],
+                   SamplingParams(max_tokens=1, prompt_logprobs=2))
+    sched.add(seq)
+    plan = sched.schedule()
+    (row,) = plan.scheduled
+    assert row.num_prompt_logits == prompt_len - 1
+    prompt_logits = torch.randn(prompt_len - 1, harness.VOCAB, generator=torch.Generator().manual_seed(0))
+    out = harness.model_output(sched, plan)
+    out.prompt_logits = {0: prompt_logits}
+    outcome = sched.update_from_output(plan, out)
+    assert outcome.advanced == ["p"] and seq.is_finished
+    lp = torch.log_softmax(prompt_logits, dim=-1)
+    assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == prompt_len
+    for pos in (1, LOGPROB_ROWS, LOGPROB_ROWS + 1, prompt_len - 1):  # across chunk edges
+        tid = seq.prompt_token_ids[pos]
+        entry = seq.prompt_logprobs[pos]
+        want = lp[pos - 1, tid].item()
+        assert entry[tid].logprob == pytest.approx(want, abs=1e-5)
+        assert entry[tid].rank == int((lp[pos - 1] > want).sum()) + 1
+        top = lp[pos - 1].topk(2).indices.tolist()
+        assert set(top) <= set(entry) and len(entry) <= 3
+
+
+def test_stop_tokens_and_eos_finish_in_update_from_output_and_free_the_blocks():
+    sched = harness.Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 64, None,
+                              outputs=harness.make_output_processor(64, eos={0}))
+    stop = Sequence("stop", 0, [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[102]))
+    eos = Sequence("eos", 0, [4, 5], SamplingParams(max_tokens=10))
+    for s in (stop, eos):
+        sched.add(s)
+
+    def token(sched, seq_id):
+        return 0 if sched.seqs[seq_id].request_id == "eos" and sched.seqs[seq_id].num_output_tokens else (
+            harness.next_output_token(sched, seq_id))
+
+    harness.step(sched, token)
+    _, outcome = harness.step(sched, token)
+    assert outcome.advanced == ["stop", "eos"]
+    assert (stop.finish_reason, stop.stop_reason, stop.output_token_ids) == ("stop", 102, [101, 102])
+    assert (eos.finish_reason, eos.output_token_ids) == ("stop", [101, 0])
+    assert sched.num_unfinished == 0 and sched.kv.num_free_blocks == 64

@@ -3,10 +3,12 @@ machine; every planned step is 'measured' with it and fed back to the scheduler.
 
 from __future__ import annotations
 
+from support import scheduler_harness as harness
+
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler, SchedulerOutput
+from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.engine.step_budget import (
     ALONE_EFFICIENCY,
@@ -18,6 +20,7 @@ from loramux.engine.step_budget import (
     StepShape,
     fair_rows,
 )
+from loramux.engine.step_data import SchedulerOutput
 
 C0, C_DEC, C_PRE, C_AD = 0.010, 0.002, 0.0005, 0.003
 
@@ -26,7 +29,7 @@ def fake_seconds(plan: SchedulerOutput) -> float:
     """The fake machine: a step's wall time from what it carries."""
     decode = sum(1 for s in plan.scheduled if not s.is_prefill)
     prefill = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
-    adapters = len({s.seq.lora_key for s in plan.scheduled if s.seq.lora_key is not None})
+    adapters = len({s.lora_key for s in plan.scheduled if s.lora_key is not None})
     return C0 + C_DEC * decode + C_PRE * prefill + C_AD * adapters
 
 
@@ -41,14 +44,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
     if budget is not None and not hasattr(budget, "fake_now"):
         budget.fake_now = 0.0
         budget.clock = lambda: budget.fake_now
-    plan = sched.schedule()
-    for s in plan.scheduled:
-        seq = s.seq
-        seq.num_computed_tokens += s.num_new_tokens
-        if seq.num_computed_tokens >= seq.num_tokens:
-            seq.append_token(101)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq)
+    plan, _ = harness.step(sched)
     sched.observe_step(plan, fake_seconds(plan))
     if budget is not None:
         budget.fake_now += fake_seconds(plan)
@@ -56,7 +52,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 
 def make_scheduler(**config) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=512, **config), KVCacheManager(4096, 16), 4096)
+    return harness.make_scheduler(SchedulerConfig(max_num_seqs=512, **config), KVCacheManager(4096, 16), 4096)
 
 
 def test_cost_model_learns_a_linear_machine():
@@ -96,9 +92,9 @@ def test_never_plans_past_the_budget_and_fair_share_holds():
         seconds = fake_seconds(plan)
         if i >= 8:  # the model has seen capped steps by now
             over.append(seconds * 1000 / target_ms)
-            assert quiet in [s.seq for s in plan.scheduled]  # the small key always runs
+            assert quiet.seq_id in [s.seq_id for s in plan.scheduled]  # the small key always runs
         for s in plan.scheduled:
-            ran[s.seq.request_id] = ran.get(s.seq.request_id, 0) + 1
+            ran[s.request_id] = ran.get(s.request_id, 0) + 1
     assert max(over) <= 1.05, over
     assert quiet.num_output_tokens >= 50
     sched.finish(quiet)
@@ -125,7 +121,7 @@ def test_prompt_chunks_beside_decodes_shrink_to_the_budget():
     chunks = []
     while long.num_output_tokens == 0:
         plan = step(sched)
-        chunks += [s.num_new_tokens for s in plan.scheduled if s.seq is long]
+        chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
         assert fake_seconds(plan) <= 0.030 * 1.05
     assert len(chunks) > 1 and max(chunks) < 600 and sum(chunks) == 600
 
@@ -146,7 +142,7 @@ def test_a_key_alone_prefills_beside_its_decodes_in_full():
     long = make_seq("long", "a", prompt_len=600)
     sched.add(long)
     plan = step(sched)
-    assert [s.num_new_tokens for s in plan.scheduled if s.seq is long] == [600]
+    assert [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id] == [600]
     assert sum(1 for s in plan.scheduled if not s.is_prefill) == 4  # every decode beside it
 
 

@@ -11,14 +11,15 @@ Shapes (``T`` tokens in the step, ``T_lora`` = ``len(meta.sorted_token_idx)``):
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.ops import torch_ops
 
-__all__ = ["add_lora", "lora_expand", "lora_shrink", "resolve_backend", "triton_available"]
+__all__ = ["AddLoRA", "add_lora", "lora_expand", "lora_kernel", "lora_shrink", "resolve_backend",
+           "triton_available"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -51,6 +52,33 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
             "set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter"
         )
     return "triton"
+
+
+AddLoRA = Callable[..., None]
+"""``kernel(y, x, a_stack, b_stack, meta, scale, slice_offsets)``: ``y += expand(shrink(x))``
+for the step's LoRA tokens (the signature of :func:`add_lora` without its options)."""
+
+
+def lora_kernel(backend: str, *, blockdiag: bool) -> AddLoRA:
+    """The one function every LoRA layer of an engine calls, chosen once at start for a
+    resolved ``backend`` (``torch`` | ``triton``, see :func:`resolve_backend`) and the slot
+    layout (``blockdiag``: the torch backend's block-diagonal B, A pre-scaled)."""
+    if blockdiag:
+        if backend != "torch":
+            raise ValueError("the block-diagonal slot layout is the torch backend's")
+        return torch_ops.add_lora_blockdiag
+    if backend == "triton":
+        from loramux.engine.lora.ops import triton_ops
+
+        def add_triton(y, x, a_stack, b_stack, meta: LoRABatchMeta, scale, slice_offsets) -> None:
+            if meta.has_lora:
+                v = triton_ops.lora_shrink(x, a_stack, meta, scale)
+                triton_ops.lora_expand(v, b_stack, meta, y, slice_offsets)
+
+        return add_triton
+    if backend == "torch":
+        return torch_ops.add_lora
+    raise ValueError(f"unknown resolved LoRA backend {backend!r}; expected 'torch' or 'triton'")
 
 
 def lora_shrink(

@@ -138,3 +138,31 @@ lifecycle:
     exec:
       command: ["sleep", {{ .Values.config.preStopSleepSeconds | quote }}]
 {{- end }}
+
+{{/* True (non-empty) when the Gateway API Inference Extension routes (router.mode). */}}
+{{- define "loramux.inferencePool" -}}
+{{- if not (has .Values.router.mode (list "loramux" "inferencepool")) }}
+{{- fail (printf "router.mode must be loramux or inferencepool, got %q" .Values.router.mode) }}
+{{- end }}
+{{- if eq .Values.router.mode "inferencepool" }}true{{ end }}
+{{- end }}
+
+{{/* True when the picker routes on the engines' KV events (precise prefix cache). */}}
+{{- define "loramux.kvEvents" -}}
+{{- if and (include "loramux.inferencePool" .) (eq .Values.router.epp.prefixCache "precise") }}true{{ end }}
+{{- end }}
+
+{{- define "loramux.eppName" -}}
+{{- printf "%s-epp" (include "loramux.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "loramux.eppSelectorLabels" -}}
+{{ include "loramux.selectorLabels" . }}
+app.kubernetes.io/component: endpoint-picker
+{{- end }}
+
+{{/* The engine pods (the InferencePool's and the NetworkPolicy's selector). */}}
+{{- define "loramux.engineSelectorLabels" -}}
+{{ include "loramux.selectorLabels" . }}
+app.kubernetes.io/component: engine
+{{- end }}

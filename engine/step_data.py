@@ -1,0 +1,106 @@
+"""The plain data one engine step hands between its phases (vLLM v1's ``SchedulerOutput`` and
+``ModelRunnerOutput``)::
+
+    Scheduler.schedule()            -> SchedulerOutput   (which rows, their tokens and blocks)
+    ModelRunner (order, execute)    -> ModelOutput       (the rows' logits, or the step's error)
+    Scheduler.update_from_output()  -> StepOutcome       (which requests advanced or failed)
+
+No live :class:`~loramux.engine.sequence.Sequence` crosses a phase: a row names its sequence
+by id and carries what the runner needs to build the step's tensors (its input token ids,
+first position, block ids, adapter), so the scheduler is tested with no model and the runner
+with no scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class ScheduledRow:
+    """One sequence's part of a step: ``num_new_tokens`` tokens computed from position
+    ``num_computed_tokens`` on."""
+
+    request_id: str
+    seq_id: int
+    num_new_tokens: int
+    num_computed_tokens: int
+    """Tokens of the sequence already in the KV cache: the row's first position."""
+    token_ids: list[int]
+    """The row's input tokens this step (``num_new_tokens`` of them)."""
+    block_ids: list[int]
+    """The sequence's block table once this step's blocks are allocated."""
+    lora_key: str | None
+    """The adapter of the row (None = the base model)."""
+    is_prefill: bool
+    """Part of a prompt (or a recompute); a decode row computes the one last token."""
+    num_prompt_logits: int = 0
+    """Prompt positions (0 .. P - 2) whose logits the runner returns for prompt logprobs
+    (0 = none; a row asking for them carries its whole prompt)."""
+    num_prompt_tokens: int = 0
+    """The sequence's prompt length (the rotary of LongRoPE models depends on it)."""
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step: its rows, the sequences it preempted, the copy-on-write copies."""
+
+    scheduled: list[ScheduledRow] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    """Ids of the sequences preempted (recompute) while planning this step."""
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks to copy before the step (copy-on-write)."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled if r.is_prefill)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return sum(1 for r in self.scheduled if not r.is_prefill)
+
+    @property
+    def num_adapters(self) -> int:
+        """Distinct adapters in the step."""
+        return len({r.lora_key for r in self.scheduled if r.lora_key is not None})
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelOutput:
+    """What the execute phase returns: the rows in logits order and their logits, or the
+    batch-level error."""
+
+    rows: list[ScheduledRow]
+    """The plan's rows in the order of ``logits`` (the runner's order)."""
+    logits: torch.Tensor | None = None
+    """[B, V] fp32, row i for ``rows[i]``'s last token of the step."""
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    """row -> [P - 1, V] logits of the prompt positions (prompt logprobs)."""
+    error: Exception | None = None
+    """Set when the step failed as a whole (e.g. an allocation): its requests fail."""
+
+
+@dataclass
+class StepOutcome:
+    """What :meth:`Scheduler.update_from_output` did with a step, for the request bookkeeping
+    (the engine's: error, metrics, finished requests leave)."""
+
+    advanced: list[str] = field(default_factory=list)
+    """Requests with a new token or a finished sequence, in the order they got them."""
+    failed: dict[str, Exception] = field(default_factory=dict)
+    """Requests that failed in this step and why (only theirs: the other rows went on); the
+    caller ends them (their other sequences may be outside the step)."""
+    num_forks: int = 0
+    """Sequences forked (``n`` / ``best_of`` siblings) and sampled beyond the plan's rows."""
