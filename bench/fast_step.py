@@ -59,7 +59,7 @@ def make_workload(tok, args) -> tuple[list[list[int]], list[float]]:
 
 
 def run(model, prompts, arrivals, loras, args, profile: bool, cpu_kernels: str = "1", **options) -> dict:
-    os.environ["LORAMUX_CPU_KERNELS"] = cpu_kernels  # read per kernel call
+    os.environ["LORAMUX_CPU_KERNELS"] = cpu_kernels  # read when the engine picks its paths
     from loramux.engine.config import EngineConfig
     from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams

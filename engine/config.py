@@ -35,13 +35,13 @@ class ModelConfig:
     """Seed of the engine's generator for unseeded sampled requests."""
     attention_backend: str = "auto"
     """auto | torch. auto: on the CPU the compiled C kernel that reads the paged cache in
-    place (falls back to torch, logging why, when it cannot be built), Triton on CUDA;
+    place (falls back to torch, logging why, when the compiled kernels are missing), Triton on CUDA;
     torch: the torch path (gathers each context, then SDPA)."""
     enforce_eager: bool = False
     """vLLM's flag: run the layer's small ops (residual add + RMSNorm, rotary embedding,
-    SiLU-and-mul) as separate torch ops. False: on the CPU each runs as one fused C kernel
-    (``engine/model/small_ops.py``; falls back to eager, logging why, when it cannot be
-    built); CUDA always runs them eagerly."""
+    SiLU-and-mul) as separate torch ops. False: on the CPU each runs as one fused compiled
+    operator (``engine/model/small_ops.py``; falls back to eager, logging why, when the
+    compiled kernels are missing); CUDA always runs them eagerly."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch"):

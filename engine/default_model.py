@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from loramux.engine import envs
 from loramux.engine.errors import DefaultModelError
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ _MARKER = ".complete"
 
 def cache_root() -> Path:
     """Where loramux caches converted models (``LORAMUX_CACHE_DIR`` or ~/.cache/loramux)."""
-    env = os.environ.get("LORAMUX_CACHE_DIR")
+    env = envs.LORAMUX_CACHE_DIR
     return Path(env) if env else Path.home() / ".cache" / "loramux"
 
 

@@ -27,6 +27,7 @@ from loramux.engine.lora.manager import LoRAManager
 from loramux.engine.lora.null import NoLoRA
 from loramux.engine.lora.state import ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
+from loramux.engine.model.kernels.loader import status as kernel_status
 from loramux.engine.model.registry import load_model
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
@@ -379,11 +380,13 @@ class LLMEngine:
         """Counters for the platform's metrics: queue lengths, KV usage, preemptions and the
         prefix cache's lookups (in blocks), hits, hit rate and evictions. Cheap; call any time."""
         pc = self.kv.stats
+        kernels = kernel_status()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
+            cpu_kernels=kernels.state, cpu_kernels_reason=kernels.reason,
         )
 
     def add_kv_listener(self, listener: KVEventListener) -> Callable[[], None]:

@@ -96,7 +96,3 @@ class ModelLoadError(EngineError, ValueError):
 
 class DefaultModelError(EngineError, RuntimeError):
     """The default model cannot be found or converted."""
-
-
-class KernelBuildError(EngineError, RuntimeError):
-    """A CPU kernel could not be compiled or loaded (the message says why)."""

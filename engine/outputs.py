@@ -81,6 +81,12 @@ class EngineStats:
     """Prompt blocks looked up in the prefix cache since start."""
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+    cpu_kernels: str = "ok"
+    """The compiled CPU kernels (``torch.ops.loramux``, ``model/kernels/loader.py``): ``ok``,
+    ``disabled`` (``LORAMUX_CPU_KERNELS=0``) or ``degraded`` (not installed or not loading
+    here: the CPU hot path runs on torch ops, several times slower)."""
+    cpu_kernels_reason: str | None = None
+    """Why the kernels are not ``ok`` (may name paths: for the admin only)."""
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class ModelRunner:
         self, model: DecoderModel, num_blocks: int, block_size: int, attention_backend: str = "auto"
     ) -> None:
         self.model = model
-        # CPU: the C kernel reads K/V blocks in place (built at start-up; logged fallback)
+        # CPU: the compiled kernel reads K/V blocks in place (installed with the package; logged fallback)
         self.cpu_kernel = (
             model.device.type == "cpu" and attention_backend == "auto"
             and cpu_kernel_takes(model.attn_softcap) and kernel_available()

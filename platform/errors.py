@@ -289,8 +289,6 @@ def error_table() -> dict[type[BaseException], ErrorRow]:
                                    detail=_logged("the base model could not be loaded")),
         e.DefaultModelError: ErrorRow(500, server, "model_load_failed", log=True,
                                       detail=_logged("the default model could not be loaded")),
-        e.KernelBuildError: ErrorRow(500, server, "engine_error", log=True,
-                                     detail=_logged("a CPU kernel could not be loaded")),
         # adapters
         AdapterValidationError: ErrorRow(422, bad, "invalid_adapter", detail=_param("field")),
         MergeCheckError: ErrorRow(500, server, "merge_check_failed", log=True, detail=_logged(

@@ -115,6 +115,11 @@ class Metrics:
             "loramux_prefix_cache_hit_rate", "Fraction of prompt blocks served from the prefix cache.",
             registry=r,
         )
+        self.cpu_kernels = Gauge(
+            "loramux_cpu_kernels_available", "1 when the engine runs the compiled CPU kernels "
+            "(torch.ops.loramux); 0 when they are missing (degraded: torch ops) or turned off.",
+            registry=r,
+        )
         self.kv_events_published = Gauge(
             "loramux_kv_events_published", "KV-event messages published over ZeroMQ since start "
             "(--kv-events-endpoint).", registry=r,
@@ -194,6 +199,7 @@ class Metrics:
             self.kv_usage.set(stats.kv_cache_usage)
             self.preemptions.set(stats.num_preemptions)
             self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+            self.cpu_kernels.set(1 if stats.cpu_kernels == "ok" else 0)
         with self._lock:
             pending, self._pending_evictions = self._pending_evictions, _Counter()
         for adapter, n in pending.items():

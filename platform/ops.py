@@ -6,8 +6,10 @@ through its bulkhead with a short deadline, so a stalled one answers "down" in a
 second instead of hanging the probe. A failing dependency makes the server ``degraded``
 (200: base-model requests and cached callers are still served, and every replica shares
 the dependency, so leaving the rotation would not help); a stopped engine or a draining
-server is ``not ready`` (503). Why a dependency is down (which may name a host) is shown
-to the admin key only.
+server is ``not ready`` (503). An engine whose compiled CPU kernels are missing is
+``degraded`` too (``"kernels": "degraded"``: it serves, on the slower torch path). Why a
+dependency is down or the kernels are missing (which may name a host or a path) is shown to
+the admin key only.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ class Readiness(BaseModel):
     """Each part asked and whether it answered."""
     dependencies: dict[str, str] = {}
     """``ok`` / ``degraded`` / ``down`` per dependency (database, object store, redis)."""
+    kernels: str = "ok"
+    """The engine's compiled CPU kernels: ``ok``, ``disabled`` (turned off by the operator) or
+    ``degraded`` (missing: the engine runs on torch ops)."""
     reasons: dict[str, str] | None = None
-    """Why each failing dependency failed: only with the admin key."""
+    """Why each failing dependency failed, and why the kernels are not ok: only with the admin
+    key."""
 
 
 @router.get("/health", response_model=Health)
@@ -70,10 +76,14 @@ async def ready(state: StateDep, request: Request):
     deps, reasons = await state.dependency_report()
     if "database" in deps:
         checks["registry"] = deps["database"] != "down"
+    stats = state.engine.stats()
+    if stats.cpu_kernels_reason is not None:
+        reasons = {**reasons, "kernels": stats.cpu_kernels_reason}
     serving = checks["engine"] and checks["accepting"]
     status = "not ready" if not serving else (
-        "ready" if all(s == "ok" for s in deps.values()) else "degraded")
-    body = Readiness(status=status, checks=checks, dependencies=deps,
+        "ready" if all(s == "ok" for s in deps.values()) and stats.cpu_kernels != "degraded"
+        else "degraded")
+    body = Readiness(status=status, checks=checks, dependencies=deps, kernels=stats.cpu_kernels,
                      reasons=reasons if await _is_admin(state, request) else None)
     return JSONResponse(body.model_dump(), status_code=200 if serving else 503)
 

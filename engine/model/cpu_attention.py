@@ -1,4 +1,5 @@
-"""CPU paged attention through the C kernel (``csrc/paged_attention.c``).
+"""CPU paged attention through the compiled operator (``torch.ops.loramux.paged_attention``,
+``csrc/paged_attention.c``).
 
 The rows of a step that read cached context — decode tokens and prompt chunks that
 continue a computed prefix — attend straight over their sequence's KV blocks: no per-layer
@@ -16,12 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loramux.engine.model.cpu_kernels import DTYPE_CODES, paged_attention_kernel
+from loramux.engine.model.kernels import loader
+from loramux.engine.model.kernels import ops as kernels
 
 
 def kernel_available() -> bool:
-    """True when the compiled kernel is loaded (builds it on first call; logs why not)."""
-    return paged_attention_kernel() is not None
+    """True when the compiled kernels are loaded and on (loads them on first call; logs why not)."""
+    return loader.available()
 
 
 @dataclass
@@ -67,33 +69,26 @@ def build_cpu_metadata(
 
 
 def cpu_paged_attention(
-    q: torch.Tensor,  # [T, H, D] (any token stride; heads and dims contiguous)
+    q: torch.Tensor,  # [T, H, D] (any token stride; heads and dims contiguous, else copied)
     k_cache: torch.Tensor,  # [S, Hkv, D] contiguous
     v_cache: torch.Tensor,  # [S, Hkv, D]
     out: torch.Tensor,  # [T, H * D] contiguous, written for the metadata's rows
     meta: CpuAttentionMetadata,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> None:
-    """Attention of the metadata's rows over their cached context, written into ``out``."""
-    fn = paged_attention_kernel()
-    if fn is None:
-        raise RuntimeError("the CPU paged-attention kernel is not loaded")
+    """Attention of the metadata's rows over their cached context, written into ``out``.
+    ``scale``: softmax scale (default ``1 / sqrt(D)``); ``window``: sliding window of this call
+    (default the metadata's; 0 = none); ``softcap``: attention logit soft-capping (0 = none)."""
     if meta.num_seqs == 0:
         return
-    _, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[1]
-    dtype = DTYPE_CODES.get(q.dtype)
-    if dtype is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or out.dtype != q.dtype:
-        raise ValueError(f"CPU paged attention needs fp32 or bf16 tensors of one dtype; got {q.dtype}")
+    head_dim = q.shape[2]
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
-        raise ValueError("CPU paged attention needs contiguous caches and output")
-    rc = fn(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        meta.tables.data_ptr(), meta.tables.stride(0), meta.row_start.data_ptr(),
-        meta.num_new.data_ptr(), meta.ctx_len.data_ptr(), meta.num_seqs,
-        num_heads, num_kv, head_dim, meta.block_size, meta.window,
-        1.0 / math.sqrt(head_dim), dtype, torch.get_num_threads(),
+    kernels.paged_attention(
+        q, k_cache, v_cache, out, meta.tables, meta.row_start, meta.num_new, meta.ctx_len,
+        block_size=meta.block_size, scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        window=meta.window if window is None else window, softcap=softcap,
     )
-    if rc != 0:
-        raise MemoryError("CPU paged attention could not allocate its work buffers")

@@ -1,12 +1,17 @@
-"""The small ops of a decoder layer: residual add + RMSNorm, rotary embedding, SiLU-and-mul.
+"""The small ops of a decoder layer: residual add + RMSNorm, rotary embedding, SiLU-and-mul
+(and GeGLU's tanh-GELU-and-mul).
 
 Two implementations of one interface. :class:`EagerOps` runs them as separate torch ops
-(what ``--enforce-eager`` selects, and the path on CUDA). :class:`FusedOps` runs each as one
-pass of a C kernel (``csrc/fused_ops.c``, built like the attention kernel) on the CPU: no
-temporaries, one call instead of five to eight per op, and the norm and activation outputs
-written straight in the dtype the next matmul runs in (fp32 holding bf16-rounded values for
-a bf16 model on a CPU without bf16 matmuls, which saves the widening copy before each
-matmul). Both round where the eager bf16 ops round, so greedy outputs agree.
+(what ``--enforce-eager`` selects, the path on CUDA, and the fallback where the compiled
+kernels are missing). :class:`FusedOps` runs each as one call of a compiled CPU operator
+(``torch.ops.loramux.*``, ``kernels/ops.py``): no temporaries, one call instead of five to
+eight per op, and the norm and activation outputs written straight in the dtype the next
+matmul runs in (fp32 holding bf16-rounded values for a bf16 model on a CPU without bf16
+matmuls, which saves the widening copy before each matmul). Both round where the eager bf16
+ops round, so greedy outputs agree.
+
+The model families call these methods (stable names): ``add_rms_norm`` (``unit_offset`` for
+Gemma's ``(1 + w)`` norms), ``rope_state`` / ``rope``, ``silu_mul``, ``gelu_tanh_mul``.
 
 The PyTorch compiler is not used for this: on the CPU each call of a ``torch.compile``d
 function costs ~90-100 µs of guard and wrapper overhead (torch 2.13), more than the eager
@@ -21,9 +26,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from loramux.engine.model.cpu_kernels import DTYPE_CODES, fused_op
+from loramux.engine.model.kernels import loader
+from loramux.engine.model.kernels import ops as kernels
 
 logger = logging.getLogger(__name__)
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the compiled kernels take (never fp16 on the CPU)."""
 
 
 class EagerOps:
@@ -41,12 +50,14 @@ class EagerOps:
                 self.sin.index_select(0, positions).unsqueeze(1))
 
     def add_rms_norm(
-        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+        *, unit_offset: bool = False,
     ) -> torch.Tensor:
-        """``residual += delta`` in place (when given), then RMSNorm(residual) * weight."""
+        """``residual += delta`` in place (when given), then RMSNorm(residual) * weight, or with
+        ``unit_offset`` Gemma's RMSNorm(residual) * (1 + weight) computed in fp32."""
         if delta is not None:
             residual.add_(delta)
-        return rms_norm(residual, weight, self.eps)
+        return rms_norm(residual, weight, self.eps, unit_offset=unit_offset)
 
     def rope(self, qk: torch.Tensor, state: object) -> torch.Tensor:
         """Rotary embedding of ``qk`` [T, heads, D] (rotate-half layout); returns the result
@@ -61,60 +72,44 @@ class EagerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` (GeGLU) for gate|up [T, 2I] → [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class FusedOps(EagerOps):
-    """The small ops as one C kernel call each (CPU, fp32 or bf16)."""
+    """The small ops as one compiled operator call each (CPU, fp32 or bf16)."""
 
     name = "fused"
-
-    def __init__(self, cos, sin, eps, act_dtype) -> None:
-        super().__init__(cos, sin, eps, act_dtype)
-        self.dtype = DTYPE_CODES[cos.dtype]
-        self.act = DTYPE_CODES[act_dtype]
-        self._norm = fused_op("loramux_add_rms_norm")
-        self._rope = fused_op("loramux_rope")
-        self._silu = fused_op("loramux_silu_mul")
 
     def rope_state(self, positions: torch.Tensor) -> object:
         return positions.to(torch.int64).contiguous()
 
-    def add_rms_norm(self, residual, delta, weight):
-        t, h = residual.shape
-        _check_rows(residual)
-        out = torch.empty(t, h, dtype=self.act_dtype)
-        if delta is not None:
-            _check_rows(delta)
-            dptr, dstride, dcode = delta.data_ptr(), delta.stride(0), DTYPE_CODES[delta.dtype]
-        else:
-            dptr, dstride, dcode = None, 0, 0
-        self._norm(residual.data_ptr(), residual.stride(0), dptr, dstride, dcode, weight.data_ptr(),
-                   out.data_ptr(), self.act, t, h, self.eps, self.dtype, torch.get_num_threads())
-        return out
+    def add_rms_norm(self, residual, delta, weight, *, unit_offset=False):
+        return kernels.add_rms_norm(residual, delta, weight, self.eps, out_dtype=self.act_dtype,
+                                    unit_offset=unit_offset)
 
     def rope(self, qk, state):
         t, heads, d = qk.shape
         if qk.stride(2) != 1 or qk.stride(1) != d:
             return super().rope(qk, (self.cos[state].unsqueeze(1), self.sin[state].unsqueeze(1)))
-        self._rope(qk.data_ptr(), qk.stride(0), state.data_ptr(), self.cos.data_ptr(),
-                   self.sin.data_ptr(), t, heads, d, self.dtype, torch.get_num_threads())
-        return qk
+        return kernels.rope(qk, state, self.cos, self.sin)
 
     def silu_mul(self, gate_up):
-        t, two_i = gate_up.shape
-        _check_rows(gate_up)
-        out = torch.empty(t, two_i // 2, dtype=self.act_dtype)
-        self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), self.act, t, two_i // 2,
-                   self.dtype, torch.get_num_threads())
-        return out
+        return kernels.silu_mul(gate_up, out_dtype=self.act_dtype)
+
+    def gelu_tanh_mul(self, gate_up):
+        return kernels.gelu_tanh_mul(gate_up, out_dtype=self.act_dtype)
 
 
-def _check_rows(x: torch.Tensor) -> None:
-    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
-        raise ValueError(f"fused ops need dense CPU fp32/bf16 rows; got {x.dtype} {tuple(x.stride())}")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Hugging Face computes it (low precision: normalize in fp32, cast, scale)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: Llama's (low precision: normalize in fp32, cast,
+    scale), or with ``unit_offset`` Gemma's (normalize and scale by ``1 + w`` in fp32, cast)."""
+    if unit_offset:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
@@ -125,14 +120,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def select_small_ops(
     cos: torch.Tensor, sin: torch.Tensor, eps: float, matmul_dtype: torch.dtype, enforce_eager: bool
 ) -> EagerOps:
-    """The fused ops on a CPU where the kernel loads (unless ``enforce_eager``), else eager."""
+    """The fused ops on a CPU where the compiled kernels load (unless ``enforce_eager``), else
+    eager. Called once when the model is built; logs the choice and why."""
     dtype, device = cos.dtype, cos.device
     ops: EagerOps
-    if enforce_eager or device.type != "cpu" or dtype not in DTYPE_CODES:
+    why = ""
+    if enforce_eager:
+        ops, why = EagerOps(cos, sin, eps, dtype), " (enforce_eager)"
+    elif device.type != "cpu" or dtype not in KERNEL_DTYPES:
         ops = EagerOps(cos, sin, eps, dtype)
-    elif not all(fused_op(s) for s in ("loramux_add_rms_norm", "loramux_rope", "loramux_silu_mul")):
-        ops = EagerOps(cos, sin, eps, dtype)  # the loader logged why
+    elif not loader.available():
+        ops, why = EagerOps(cos, sin, eps, dtype), f" (CPU kernels {loader.status().state})"
     else:
         ops = FusedOps(cos, sin, eps, matmul_dtype)
-    logger.info("layer small ops: %s%s", ops.name, " (enforce_eager)" if enforce_eager else "")
+    logger.info("layer small ops: %s%s", ops.name, why)
     return ops

@@ -94,6 +94,7 @@ class LocalFleet:
             adapter_loads=snap.load_stats,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             tokens_per_s=self.activity.tokens_per_s(), healthy=self.engine.is_ready,
+            cpu_kernels=stats.cpu_kernels, cpu_kernels_reason=stats.cpu_kernels_reason,
         )
         return [FleetEngine(summary, list(snap.rows), set(self.evict_pending))]
 

@@ -72,6 +72,11 @@ class EngineSummary(BaseModel):
     None (shown as n/a) when the engine's report carries none."""
     tokens_per_s: float = 0.0
     healthy: bool = True
+    cpu_kernels: str | None = None
+    """The engine's compiled CPU kernels: ``ok`` / ``disabled`` / ``degraded`` (``EngineStats``);
+    None (shown as n/a) when the engine's report carries none."""
+    cpu_kernels_reason: str | None = None
+    """Why they are not ``ok`` (the admin sees paths)."""
 
     @classmethod
     def of(cls, record: EngineRecord) -> EngineSummary:

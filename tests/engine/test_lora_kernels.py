@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from support.cpu_kernel import require_cpu_kernel
+from support.cpu_kernel import ISAS, forced_isa, require_cpu_kernel
 from support.lora_reference import reference_expand, reference_shrink
 from support.services import IN_CI
 
@@ -470,10 +470,17 @@ def test_blockdiag_runs_path_matches_reference(y_dtype, cpu_lora_path):
     (torch.float32, torch.float32, torch.float32), (torch.float32, torch.bfloat16, torch.bfloat16),
     (torch.bfloat16, torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32, torch.bfloat16),
 ])
-def test_sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
-    """The CPU SGMV kernel against the per-run GEMMs it replaces: mixed ranks in padded slots
-    (rows past an adapter's rank are not read: filled with NaN here), column counts off the
-    kernel's tile and vector widths, base rows between runs left untouched."""
+@pytest.mark.parametrize("isa", ISAS)
+def test_sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype, isa):
+    """The CPU SGMV kernel (each ISA variant this CPU runs) against the per-run GEMMs it
+    replaces: mixed ranks in padded slots (rows past an adapter's rank are not read: filled
+    with NaN here), column counts off the kernel's tile and vector widths, base rows between
+    runs left untouched."""
+    with forced_isa(isa):
+        _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype)
+
+
+def _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
     from loramux.engine.lora.ops import cpu_sgmv
 
     require_cpu_kernel()

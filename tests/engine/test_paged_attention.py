@@ -134,12 +134,20 @@ def _kernel_or_skip():
     require_cpu_kernel()
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
-def test_cpu_kernel_equals_torch_path(dtype, tol, window, heads, kv_heads):
-    """The C kernel reads blocks in place; same answer as the torch path (and the dense one)."""
-    _kernel_or_skip()
+def test_cpu_kernel_equals_torch_path(isa, dtype, tol, window, heads, kv_heads):
+    """The compiled kernel (each ISA variant this CPU runs) reads blocks in place; same answer
+    as the torch path (and the dense one)."""
+    from support.cpu_kernel import forced_isa
+
+    with forced_isa(isa):
+        _cpu_kernel_equals_torch_path(dtype, tol, window, heads, kv_heads)
+
+
+def _cpu_kernel_equals_torch_path(dtype, tol, window, heads, kv_heads):
     tables, q, k, v, k_cache, v_cache = make_case(dtype, heads=heads, kv_heads=kv_heads)
     args = (tables, [s for s, _ in ROWS], [n for _, n in ROWS], NUM_DECODE, BLOCK, window,
             torch.device("cpu"))
@@ -157,9 +165,16 @@ def test_cpu_kernel_equals_torch_path(dtype, tol, window, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cpu_kernel_long_chunks_span_many_tiles_and_blocks(dtype, tol):
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_cpu_kernel_long_chunks_span_many_tiles_and_blocks(dtype, tol, isa):
     """Chunks longer than one query tile, odd head dim, q as a strided view, window on."""
-    _kernel_or_skip()
+    from support.cpu_kernel import forced_isa
+
+    with forced_isa(isa):
+        _long_chunks(dtype, tol)
+
+
+def _long_chunks(dtype, tol):
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, head_dim, block = 6, 2, 40, 8
     rows = [(37, 1), (130, 1), (50, 75), (3, 29)]  # (computed, new)
@@ -181,18 +196,3 @@ def test_cpu_kernel_long_chunks_span_many_tiles_and_blocks(dtype, tol):
         expected = paged_attention(q, k, v, k_cache, v_cache,
                                    build_attention_metadata(*args, pad_slot=200 * block))
         torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-
-
-def test_cpu_kernel_missing_compiler_falls_back_with_a_logged_reason(monkeypatch, tmp_path, caplog):
-    from loramux.engine.model import cpu_kernels
-
-    monkeypatch.setattr(cpu_kernels, "_cache", {})
-    monkeypatch.setenv("LORAMUX_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
-        assert cpu_kernels.paged_attention_kernel() is None
-        assert cpu_kernels.fused_op("loramux_rope") is None
-        assert cpu_kernels.fused_op("loramux_lora_sgmv") is None
-    assert "using torch attention" in caplog.text and "no-such-compiler" in caplog.text
-    assert "using torch path for loramux_lora_sgmv" in caplog.text
-    assert not list(tmp_path.iterdir())  # nothing half-built left behind

@@ -1,16 +1,24 @@
-"""The fused small ops (``csrc/fused_ops.c``) against the eager torch ops they replace:
-bit-exact in bf16 (every rounding where torch rounds), within an ulp in fp32; odd sizes
-(vector tails), strided rows, non-finite values and the engine-level switch."""
+"""The fused small ops (``torch.ops.loramux``, ``csrc/fused_ops.c``) against the eager torch
+ops they replace, under every ISA variant this CPU runs: bit-exact in bf16 (every rounding
+where torch rounds), within an ulp in fp32; odd sizes (vector tails), strided rows,
+non-finite values and the engine-level switch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from support.cpu_kernel import require_cpu_kernel
+from support.cpu_kernel import ISAS, forced_isa, require_cpu_kernel
 
 from loramux.engine.model.small_ops import EagerOps, FusedOps, select_small_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True, params=ISAS)
+def isa(request):
+    """Every test once per ISA variant (skipped where this CPU cannot run it)."""
+    with forced_isa(request.param):
+        yield request.param
 
 
 def ops_pair(dtype, act_dtype, positions=64, head_dim=8):

@@ -1,18 +1,50 @@
-"""Tests of the CPU kernels (attention, fused small ops): skipped only where no C compiler exists."""
+"""The compiled CPU kernels in tests: required wherever a compiler could have built them.
+
+The package build compiles them (``setup.py``); a test that needs them skips only where this
+machine has no C/C++ compiler (so the install had to leave them out). Where a compiler
+exists they must load: a broken build fails the test instead of hiding behind a skip.
+"""
 
 from __future__ import annotations
 
+import shutil
+from contextlib import contextmanager
+
 import pytest
 
-from loramux.engine.model.cpu_attention import kernel_available
-from loramux.engine.model.cpu_kernels import FUSED_OPS_SIGNATURES, find_compiler, fused_op
+
+def compiler_present() -> bool:
+    """A C and a C++ compiler on PATH (what ``setup.py`` needs to build the kernels)."""
+    return bool((shutil.which("cc") or shutil.which("gcc")) and (shutil.which("c++") or shutil.which("g++")))
 
 
 def require_cpu_kernel() -> None:
-    """Skip when this machine has no C compiler; where it has one, the kernels must build
-    and load (a broken kernel fails the test instead of hiding behind a skip)."""
-    if find_compiler() is None:
-        pytest.skip("no C compiler here: the engine uses the torch paths")
-    assert kernel_available(), "a C compiler is present but the CPU attention kernel did not build or load"
-    missing = [s for s in FUSED_OPS_SIGNATURES if fused_op(s) is None]
-    assert not missing, f"a C compiler is present but the fused ops {missing} did not build or load"
+    """Skip without a compiler; else assert the kernels loaded (``loader.status()`` ok)."""
+    from loramux.engine.model.kernels import loader
+
+    st = loader.status()
+    if st.available:
+        return
+    if not compiler_present():
+        pytest.skip(f"no C/C++ compiler here, so no compiled CPU kernels: {st.reason}")
+    raise AssertionError(f"a compiler is present but the CPU kernels are {st.state}: {st.reason}")
+
+
+ISAS = ("scalar", "avx2", "avx512")
+"""Every ISA variant the build may carry (parametrize with it; :func:`forced_isa` skips the
+ones this CPU cannot run)."""
+
+
+@contextmanager
+def forced_isa(name: str):
+    """Run the kernels' ``name`` variant inside the block (``auto`` again after it)."""
+    from loramux.engine.model.kernels import loader
+
+    require_cpu_kernel()
+    if name not in loader.isas():
+        pytest.skip(f"this CPU does not run the {name} kernels (it runs {loader.isas()})")
+    loader.select_isa(name)
+    try:
+        yield
+    finally:
+        loader.select_isa("auto")

@@ -1,4 +1,5 @@
-"""Multi-LoRA on the CPU through the SGMV C kernel (``engine/model/csrc/lora_sgmv.c``).
+"""Multi-LoRA on the CPU through the SGMV operator (``torch.ops.loramux.lora_sgmv``,
+``engine/model/csrc/lora_sgmv.c``).
 
 The runs of a step's tokens that share an adapter slot and are short (decode rows, small
 prompt chunks) go through one kernel call per projection group, reading each slot's A and
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from loramux.engine.lora.meta import LoRABatchMeta
-from loramux.engine.model.cpu_kernels import DTYPE_CODES, fused_op
+from loramux.engine.model.kernels import loader
+from loramux.engine.model.kernels import ops as kernels
 
 # Runs of at most this many tokens go through the kernel; longer runs through GEMMs on the
 # adapter's rank (``torch_ops._add_runs_ranked``: per token the kernel runs at ~1/2 a GEMM's
@@ -20,19 +22,18 @@ from loramux.engine.model.cpu_kernels import DTYPE_CODES, fused_op
 # 300-token runs 0.6-1.25x).
 SGMV_MAX_RUN = 64
 
-def sgmv_kernel():
-    """The C function, or None where it cannot be built (reason logged once)."""
-    return fused_op("loramux_lora_sgmv")
+_FLOATS = (torch.float32, torch.bfloat16)
 
 
 def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether these tensors fit the kernel (CPU, fp32/bf16, dense rows and slots)."""
+    """Whether these tensors fit the kernel (CPU, fp32/bf16, dense rows and slots) and the
+    compiled kernels are loaded and on. Asked at every CPU LoRA layer call."""
     return (
-        x.dtype in DTYPE_CODES and y.dtype in DTYPE_CODES and a_stack.dtype in DTYPE_CODES
+        x.dtype in _FLOATS and y.dtype in _FLOATS and a_stack.dtype in _FLOATS
         and a_stack.dtype == b_blockdiag.dtype and x.device.type == "cpu"
         and x.stride(1) == 1 and y.stride(1) == 1
         and a_stack.is_contiguous() and b_blockdiag.is_contiguous()
-        and sgmv_kernel() is not None
+        and loader.available()
     )
 
 
@@ -53,15 +54,12 @@ def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, 
 _offsets_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
 
-def _offsets(slice_offsets, num_slices: int, n: int) -> torch.Tensor:
-    """``slice_offsets`` as the kernel's int64 array (checked and made once per value)."""
-    key = (*map(int, slice_offsets), num_slices, n)
+def _offsets(slice_offsets) -> torch.Tensor:
+    """``slice_offsets`` as the kernel's int64 tensor (made once per value; the operator checks it)."""
+    key = tuple(map(int, slice_offsets))
     t = _offsets_cache.get(key)
     if t is None:
-        offs = key[:-2]
-        if len(offs) != num_slices + 1 or offs[0] != 0 or offs[-1] != n or list(offs) != sorted(offs):
-            raise ValueError(f"slice_offsets must be {num_slices + 1} ints from 0 to {n}; got {list(offs)}")
-        t = _offsets_cache[key] = torch.tensor(offs, dtype=torch.int64)
+        t = _offsets_cache[key] = torch.tensor(key, dtype=torch.int64)
     return t
 
 
@@ -74,16 +72,6 @@ def add_runs_sgmv(
     ``s`` in rows ``s*R..`` and columns ``slice_offsets[s]..slice_offsets[s+1]`` only."""
     if runs.shape[0] == 0:
         return
-    _, num_slices, max_rank, k = a_stack.shape
-    n = b_blockdiag.shape[2]
-    offs = _offsets(slice_offsets, num_slices, n)
     ranks = slot_ranks if slot_ranks.dtype == torch.int64 and slot_ranks.is_contiguous() else (
         slot_ranks.to(torch.int64).contiguous())
-    rc = sgmv_kernel()(
-        x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], a_stack.data_ptr(), b_blockdiag.data_ptr(),
-        DTYPE_CODES[a_stack.dtype], y.data_ptr(), y.stride(0), DTYPE_CODES[y.dtype], runs.data_ptr(),
-        runs.shape[0], ranks.data_ptr(), num_slices, max_rank, k, n, offs.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise MemoryError("the CPU LoRA kernel could not allocate its work buffer")
+    kernels.lora_sgmv(y, x, a_stack, b_blockdiag, runs, ranks, _offsets(slice_offsets))

@@ -1,9 +1,22 @@
-/* Shared by the CPU kernels: bf16 <-> fp32 as torch converts, and AVX2 helpers.
- * dtype codes: 0 = fp32, 1 = bf16. */
+/* Shared by the CPU kernels: bf16 <-> fp32 as torch converts, the AVX2 helpers, and the
+ * naming of each ISA variant's entry points.
+ * dtype codes: 0 = fp32, 1 = bf16.
+ *
+ * setup.py compiles every kernel source once per ISA variant (its flags, e.g. -mavx2 -mfma)
+ * with -DLMX_ISA=<variant>; LMX_FN(loramux_rope) then names that variant's entry point
+ * (loramux_rope_avx2). Vector code is guarded by the compiler's ISA macros (__AVX2__), so
+ * the scalar variant is the same source without them. */
 #ifndef LORAMUX_BF16_H
 #define LORAMUX_BF16_H
 #include <stdint.h>
 #include <string.h>
+
+#ifndef LMX_ISA
+#define LMX_ISA scalar
+#endif
+#define LMX_CAT_(a, b) a##_##b
+#define LMX_CAT(a, b) LMX_CAT_(a, b)
+#define LMX_FN(name) LMX_CAT(name, LMX_ISA)
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -2,23 +2,28 @@
  * (and one temporary) per arithmetic step.
  *
  *   loramux_add_rms_norm  residual += delta (optional), out = rms_norm(residual) * weight
+ *                         (Llama), or * (1 + weight) in fp32 (Gemma, unit_offset = 1)
  *   loramux_rope          rotary embedding (rotate-half, Llama/NeoX layout) in place on q|k heads
- *   loramux_silu_mul      out = silu(gate) * up over a [T, 2I] gate|up row
+ *   loramux_act_mul       out = act(gate) * up over a [T, 2I] gate|up row; act 0 = SiLU,
+ *                         1 = tanh-approximate GELU (GeGLU, gelu_pytorch_tanh)
  *
  * Numerics follow the eager torch ops they replace, rounding where those round: in bf16
  * (dtype 1) every elementwise result is rounded to bf16 as torch does after each op (the
- * norm in fp32, Hugging Face's order: normalize, round, then scale by the weight); in fp32
- * (dtype 0) the same expressions without rounding. Outputs may be written as fp32 holding
- * bf16-rounded values (out_dtype 0 under dtype 1) for a matmul that runs in fp32.
+ * Llama norm in fp32, Hugging Face's order: normalize, round, then scale by the weight; the
+ * Gemma norm all in fp32, rounded once); in fp32 (dtype 0) the same expressions without
+ * rounding. Outputs may be written as fp32 holding bf16-rounded values (out_dtype 0 under
+ * dtype 1) for a matmul that runs in fp32.
  *
  * Rows are split over OpenMP threads (the process's libgomp, the one torch uses) when a call
  * has enough work. Layouts take a row stride in elements; the rows themselves are dense.
+ * The caller (ops.cpp) has checked every shape, stride, dtype and index.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 static inline float round_bf16(float f) { /* f rounded to bf16 (nearest even), as a float */
     uint32_t u;
@@ -76,10 +81,12 @@ static inline void vstore(void *base, int dtype, int64_t i, __m256 v) { /* v bf1
 #endif
 
 /* residual[T, H] (row stride res_stride) += delta[T, H] (delta_dtype, stride delta_stride;
- * NULL = no add); out[T, H] (dense, out_dtype) = rms_norm(residual) * weight[H]. */
-int loramux_add_rms_norm(void *residual, int64_t res_stride, const void *delta,
-                         int64_t delta_stride, int delta_dtype, const void *weight, void *out,
-                         int out_dtype, int64_t T, int64_t H, float eps, int dtype, int nthreads) {
+ * NULL = no add); out[T, H] (dense, out_dtype) = rms_norm(residual) * weight[H], or with
+ * unit_offset (Gemma) rms_norm(residual) * (1 + weight[H]) computed in fp32, rounded once. */
+int LMX_FN(loramux_add_rms_norm)(void *residual, int64_t res_stride, const void *delta,
+                                 int64_t delta_stride, int delta_dtype, const void *weight,
+                                 void *out, int out_dtype, int64_t T, int64_t H, float eps,
+                                 int unit_offset, int dtype, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         int64_t r0 = t * res_stride, d0 = t * delta_stride, o0 = t * H, h = 0;
@@ -96,6 +103,20 @@ int loramux_add_rms_norm(void *residual, int64_t res_stride, const void *delta,
             acc = _mm256_add_ps(acc, _mm256_mul_ps(r, r));
         }
         sum = hsum8(acc);
+#else
+        /* 8 partial sums added as hsum8 adds its lanes: every variant sums in one order */
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (; h + 8 <= H; h += 8) {
+            for (int j = 0; j < 8; j++) {
+                float r = load_elem(residual, dtype, r0 + h + j);
+                if (delta != NULL) {
+                    r = rnd(r + rnd(load_elem(delta, delta_dtype, d0 + h + j), dtype), dtype);
+                    store(residual, dtype, r0 + h + j, r);
+                }
+                acc[j] = acc[j] + r * r;
+            }
+        }
+        sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 #endif
         for (; h < H; h++) {
             float r = load_elem(residual, dtype, r0 + h);
@@ -107,6 +128,21 @@ int loramux_add_rms_norm(void *residual, int64_t res_stride, const void *delta,
         }
         float inv = 1.0f / sqrtf(sum / (float)H + eps);
         h = 0;
+        if (unit_offset) {
+#ifdef VEC
+            __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+            for (; h + VEC <= H; h += VEC) {
+                __m256 n = _mm256_mul_ps(vload8(residual, dtype, r0 + h), vinv);
+                __m256 w = _mm256_add_ps(one, vload8(weight, dtype, h));
+                vstore(out, out_dtype, o0 + h, vrnd(_mm256_mul_ps(n, w), dtype));
+            }
+#endif
+            for (; h < H; h++) {
+                float n = load_elem(residual, dtype, r0 + h) * inv;
+                store(out, out_dtype, o0 + h, rnd(n * (1.0f + load_elem(weight, dtype, h)), dtype));
+            }
+            continue;
+        }
 #ifdef VEC
         __m256 vinv = _mm256_set1_ps(inv);
         for (; h + VEC <= H; h += VEC) {
@@ -124,8 +160,8 @@ int loramux_add_rms_norm(void *residual, int64_t res_stride, const void *delta,
 
 /* x[t, h, :] for h < nheads (token stride tok_stride, heads dense, D each) rotated in place:
  * x * cos + rotate_half(x) * sin with cos/sin rows [P, D] picked by positions[t]. */
-int loramux_rope(void *x, int64_t tok_stride, const int64_t *positions, const void *cos,
-                 const void *sin, int64_t T, int nheads, int D, int dtype, int nthreads) {
+int LMX_FN(loramux_rope)(void *x, int64_t tok_stride, const int64_t *positions, const void *cos,
+                         const void *sin, int64_t T, int nheads, int D, int dtype, int nthreads) {
     int half = D / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * nheads * D >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < T; t++) {
@@ -161,26 +197,39 @@ int loramux_rope(void *x, int64_t tok_stride, const int64_t *positions, const vo
     return 0;
 }
 
-/* out[T, I] (dense, out_dtype) = silu(gu[t, :I]) * gu[t, I:] for gu [T, 2I] (row stride). */
-int loramux_silu_mul(const void *gu, int64_t gu_stride, void *out, int out_dtype, int64_t T,
-                     int64_t I, int dtype, int nthreads) {
+/* act(g) for one gate value: SiLU g * sigmoid(g), or the tanh-approximate GELU
+ * 0.5 g (1 + tanh(k (g + 0.044715 g^3))) written as g * sigmoid(2 k (g + 0.044715 g^3)), which
+ * never subtracts nearly equal numbers (torch's 1 + tanh does for very negative g). */
+#define GELU_2K 1.5957691216057308f /* 2 * sqrt(2 / pi) */
+#define GELU_C 0.044715f
+static inline float act_scalar(float g, int act) {
+    if (act == 0) return g / (1.0f + expf(-g));
+    return g / (1.0f + expf(-GELU_2K * (g + GELU_C * g * g * g)));
+}
+
+/* out[T, I] (dense, out_dtype) = act(gu[t, :I]) * gu[t, I:] for gu [T, 2I] (row stride);
+ * act 0 = SiLU, 1 = tanh-approximate GELU. */
+int LMX_FN(loramux_act_mul)(const void *gu, int64_t gu_stride, void *out, int out_dtype, int64_t T,
+                            int64_t I, int act, int dtype, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         int64_t g0 = t * gu_stride, o0 = t * I;
         int64_t i = 0;
 #ifdef VEC
         __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+        __m256 k2 = _mm256_set1_ps(-GELU_2K), c = _mm256_set1_ps(GELU_C);
         for (; i + VEC <= I; i += VEC) {
             __m256 g = vload8(gu, dtype, g0 + i);
-            __m256 e = _ZGVdN8v_expf(_mm256_xor_ps(g, neg));
-            __m256 sl = vrnd(_mm256_div_ps(g, _mm256_add_ps(one, e)), dtype);
-            vstore(out, out_dtype, o0 + i, vrnd(_mm256_mul_ps(sl, vload8(gu, dtype, g0 + I + i)), dtype));
+            __m256 z = act == 0 ? _mm256_xor_ps(g, neg)  /* -g */
+                                : _mm256_mul_ps(k2, _mm256_fmadd_ps(_mm256_mul_ps(c, g), _mm256_mul_ps(g, g), g));
+            __m256 e = _ZGVdN8v_expf(z);
+            __m256 a = vrnd(_mm256_div_ps(g, _mm256_add_ps(one, e)), dtype);
+            vstore(out, out_dtype, o0 + i, vrnd(_mm256_mul_ps(a, vload8(gu, dtype, g0 + I + i)), dtype));
         }
 #endif
         for (; i < I; i++) {
-            float g = load_elem(gu, dtype, g0 + i);
-            float s = rnd(g / (1.0f + expf(-g)), dtype);
-            store(out, out_dtype, o0 + i, rnd(s * load_elem(gu, dtype, g0 + I + i), dtype));
+            float a = rnd(act_scalar(load_elem(gu, dtype, g0 + i), act), dtype);
+            store(out, out_dtype, o0 + i, rnd(a * load_elem(gu, dtype, g0 + I + i), dtype));
         }
     }
     return 0;

@@ -11,6 +11,7 @@
  * Expand: columns of y split over threads; per column tile, each token's tile accumulates
  * sum_j v[t, j] * B[j, tile] in fp32 over the slices whose columns (slice_off) meet the tile and is added to y once (a bf16 y rounds once, as a
  * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
+ * The caller (ops.cpp) has checked every shape, stride, dtype, run and rank.
  * Returns 0, or -1 when the work buffer cannot be allocated.
  */
 #include <stdint.h>
@@ -18,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define TILE 64 /* output columns per expand work item */
 
@@ -146,16 +148,16 @@ static void expand_tile2(const float *va, const float *vb, const void *b, int bd
 }
 #endif
 
-int loramux_lora_sgmv(const void *x, int64_t x_stride, int x_dtype, const void *a,
-                      const void *b, int w_dtype, void *y, int64_t y_stride, int y_dtype,
-                      const int64_t *runs, int nruns, const int64_t *ranks, int S, int R,
-                      int K, int N, const int64_t *slice_off, int nthreads) {
+int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, const void *a,
+                              const void *b, int w_dtype, void *y, int64_t y_stride, int y_dtype,
+                              const int64_t *runs, int nruns, const int64_t *ranks, int S, int R,
+                              int K, int N, const int64_t *slice_off, int nthreads) {
     int64_t ntok = 0;
     for (int r = 0; r < nruns; r++) ntok += runs[3 * r + 1] - runs[3 * r];
     if (ntok == 0) return 0;
     int SR = S * R;
-    float *v = malloc((size_t)ntok * SR * sizeof(float)); /* v[row, s*R + i] */
-    int64_t *row_of_run = malloc((size_t)nruns * sizeof(int64_t));
+    float *v = (float *)malloc((size_t)ntok * SR * sizeof(float)); /* v[row, s*R + i] */
+    int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * sizeof(int64_t));
     if (v == NULL || row_of_run == NULL) {
         free(v);
         free(row_of_run);
@@ -198,8 +200,9 @@ int loramux_lora_sgmv(const void *x, int64_t x_stride, int x_dtype, const void *
                 int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
                 int64_t t = runs[3 * r], end = runs[3 * r + 1];
                 const float *v0 = v + row_of_run[r] * SR - t * SR; /* v0 + t * SR: token t's row */
-                float acc[TILE], acc2[TILE];
+                float acc[TILE];
 #ifdef VEC
+                float acc2[TILE];
                 for (; t + 2 <= end && c1 - c0 == TILE; t += 2) { /* two tokens share each B load */
                     expand_tile2(v0 + t * SR, v0 + (t + 1) * SR, b, w_dtype, slot * w_slot_b, S, R, rank,
                                  N, c0, slice_off, acc, acc2);

@@ -6,10 +6,13 @@
  * K/V) attend over the sequence's blocks with an online softmax, fp32 accumulation, and
  * causal + optional sliding-window masks. Work items run in an OpenMP loop (the process's
  * libgomp, the one torch uses). Inputs and output are fp32 (dtype 0) or bf16 (dtype 1).
+ * Scores are q . k * scale, soft-capped when softcap > 0 (Gemma 2: softcap * tanh(s / softcap));
+ * window > 0 keeps the keys of the last `window` positions (sliding window).
  *
  * Layouts: q[t, h, d] at q + t * q_tok_stride + h * D + d; k/v cache [S, Hkv, D];
  * out [T, H * D]; tables [nseq, table_stride] int32 block ids; row_start/num_new/ctx_len
  * [nseq] int32 (first step row, new tokens, context length after the step).
+ * The caller (ops.cpp) has checked every shape, stride, dtype and block id.
  * Returns 0, or -1 when a buffer cannot be allocated.
  */
 #include <math.h>
@@ -18,6 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define MAX_TILE_QUERIES 64 /* query vectors (rows x heads of a group) per work item */
 
@@ -86,6 +90,21 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
+/* s[j] = cap * tanh(s[j] / cap) for j < n (n a multiple of 8, or the tail is scalar):
+ * tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1, the sign put back */
+static void softcap_scores(float *s, int n, float cap) {
+    const __m256 m2 = _mm256_set1_ps(-2.0f / cap), c = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(s + j);
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, v), m2)); /* exp(-2|v|/cap) */
+        const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(s + j, _mm256_or_ps(_mm256_mul_ps(c, t), _mm256_and_ps(sign, v)));
+    }
+    for (; j < n; j++) s[j] = cap * tanhf(s[j] / cap);
+}
+
 /* p[j] = exp(s[j] - m) for j < cnt (cnt <= KEY_CHUNK); returns the sum */
 static float softmax_exp(float *s, int cnt, float m) {
     __m256 sum = _mm256_setzero_ps();
@@ -122,8 +141,9 @@ static void accumulate(float *acc, float corr, const float *p, const float *cons
  * 4 queries x 16 dims per step. qpos: position of the tile's first row. */
 #define HAVE_BLOCK_PATH 1
 static void chunk_block(const float *qbuf, int M, int G, int D, int qpos, int c0, int cnt,
-                        int window, const float *const *krow, const float *const *vrow,
-                        float *kT, float *P, float *cr, float *acc, float *mx, float *ls) {
+                        int window, float softcap, const float *const *krow,
+                        const float *const *vrow, float *kT, float *P, float *cr, float *acc,
+                        float *mx, float *ls) {
     for (int d = 0; d < D; d++)
         for (int j = cnt; j < KEY_CHUNK; j++) kT[d * KEY_CHUNK + j] = 0.0f; /* finite pads */
     for (int j = 0; j < cnt; j++)
@@ -165,6 +185,8 @@ static void chunk_block(const float *qbuf, int M, int G, int D, int qpos, int c0
             _mm256_storeu_ps(P + (int64_t)i * KEY_CHUNK + sb * KEY_SUB + 8, s1);
         }
     }
+    if (softcap > 0.0f) /* the columns scored above (pads are the finite 0 . q) */
+        for (i = 0; i < M; i++) softcap_scores(P + (int64_t)i * KEY_CHUNK, nsub * KEY_SUB, softcap);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (i = 0; i < M; i++) {
         const int pos = qpos + i / G;
@@ -236,6 +258,10 @@ static void scores(const float *q, const float *const *k, int cnt, int D, float 
     }
 }
 
+static void softcap_scores(float *s, int n, float cap) {
+    for (int j = 0; j < n; j++) s[j] = cap * tanhf(s[j] / cap);
+}
+
 static float softmax_exp(float *s, int cnt, float m) {
     float sum = 0.0f;
     for (int j = 0; j < cnt; j++) sum += (s[j] = expf(s[j] - m));
@@ -258,7 +284,7 @@ typedef struct {
 static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
                      void *out, const int32_t *table, int row0, int n, int ctx, const Tile *tile,
                      int kvh, int H, int Hkv, int G, int D, int bs, int window, float scale,
-                     int dtype, float *qbuf, float *acc, float *kbuf, float *vbuf, float *mx,
+                     float softcap, int dtype, float *qbuf, float *acc, float *kbuf, float *vbuf, float *mx,
                      float *ls, float *kT, float *P, float *cr) {
     const int m = tile->r1 - tile->r0, M = m * G;
     const int qpos0 = ctx - n; /* position of the sequence's first new row */
@@ -297,8 +323,8 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
         }
 #ifdef HAVE_BLOCK_PATH
         if (M >= 8) {
-            chunk_block(qbuf, M, G, D, qpos0 + tile->r0, c0, c1 - c0 + 1, window, krow, vrow, kT, P,
-                        cr, acc, mx, ls);
+            chunk_block(qbuf, M, G, D, qpos0 + tile->r0, c0, c1 - c0 + 1, window, softcap, krow,
+                        vrow, kT, P, cr, acc, mx, ls);
             continue;
         }
 #else
@@ -312,6 +338,7 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
             if (jmax < jmin) continue;
             const int cnt = jmax - jmin + 1;
             scores(qbuf + (int64_t)i * D, krow + (jmin - c0), cnt, D, sbuf);
+            if (softcap > 0.0f) softcap_scores(sbuf, cnt, softcap);
             float bmax = sbuf[0];
             for (int j = 1; j < cnt; j++) bmax = sbuf[j] > bmax ? sbuf[j] : bmax;
             const float newm = bmax > mx[i] ? bmax : mx[i];
@@ -337,11 +364,12 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
         }
 }
 
-int loramux_paged_attention(const void *q, int64_t q_tok_stride, const void *k_cache,
-                            const void *v_cache, void *out, const int32_t *tables,
-                            int64_t table_stride, const int32_t *row_start, const int32_t *num_new,
-                            const int32_t *ctx_len, int nseq, int H, int Hkv, int D, int bs,
-                            int window, float scale, int dtype, int nthreads) {
+int LMX_FN(loramux_paged_attention)(const void *q, int64_t q_tok_stride, const void *k_cache,
+                                    const void *v_cache, void *out, const int32_t *tables,
+                                    int64_t table_stride, const int32_t *row_start,
+                                    const int32_t *num_new, const int32_t *ctx_len, int nseq,
+                                    int H, int Hkv, int D, int bs, int window, float scale,
+                                    float softcap, int dtype, int nthreads) {
     const int G = H / Hkv;
     int rows_per_tile = MAX_TILE_QUERIES / G;
     if (rows_per_tile < 1) rows_per_tile = 1;
@@ -378,7 +406,7 @@ int loramux_paged_attention(const void *q, int64_t q_tok_stride, const void *k_c
             const int s = tl->seq;
             run_item(q, q_tok_stride, k_cache, v_cache, out, tables + (int64_t)s * table_stride,
                      row_start[s], num_new[s], ctx_len[s], tl, (int)(it % Hkv), H, Hkv, G, D, bs,
-                     window, scale, dtype, qbuf, acc, kbuf, vbuf, mx, ls, kT, P, cr);
+                     window, scale, softcap, dtype, qbuf, acc, kbuf, vbuf, mx, ls, kT, P, cr);
         }
         free(buf);
     }

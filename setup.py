@@ -1,0 +1,77 @@
+"""The CPU kernels' build; everything else about the package is in pyproject.toml.
+
+The kernels (``engine/model/csrc``) become one extension, ``loramux.engine.model.kernels._C``,
+built by torch's C++ extension tooling against the torch of the build environment
+(``[build-system] requires`` pins it; ``make install`` builds with ``--no-build-isolation``
+against the venv's torch, so the binary matches the torch it runs with). ``ops.cpp`` registers
+the ``torch.ops.loramux.*`` operators; each C kernel source is compiled once per ISA variant
+(:data:`ISA_VARIANTS`, never ``-march=native``), and ``ops.cpp`` runs the best variant the CPU
+supports, chosen when the extension loads: one binary for every x86-64 machine.
+
+A machine without a C and C++ compiler installs the package without the extension and says
+so; the engine then runs on torch ops and reports itself ``degraded``. Where a compiler is
+present, a kernel that does not build fails the install.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+CSRC = "engine/model/csrc"
+KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c")]
+HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h")]
+C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]
+"""Flags of every kernel object. OpenMP: the process's libgomp at run time is torch's own."""
+
+X86_LINUX = sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64")
+ISA_VARIANTS: dict[str, list[str]] = {"scalar": []}
+"""ISA variant -> the compiler flags its copy of each kernel is built with (the vector paths
+are guarded by the compiler's ISA macros, so ``scalar`` is the plain C)."""
+if X86_LINUX:
+    ISA_VARIANTS["avx2"] = ["-mavx2", "-mfma"]
+    ISA_VARIANTS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]
+
+
+class BuildKernels(BuildExtension):
+    """torch's ``BuildExtension``, plus: the kernel objects per ISA variant (compiled here with
+    their own flags, linked into the extension), and no extension where no compiler exists."""
+
+    def build_extensions(self) -> None:
+        cc, cxx = self.compiler.compiler_so[0], self.compiler.compiler_cxx[0]
+        missing = [exe for exe in (cc, cxx) if shutil.which(exe) is None]
+        if missing:
+            banner = "=" * 78
+            print(f"\n{banner}\nloramux: no compiler here ({', '.join(missing)} not found): the CPU "
+                  "kernels are NOT built.\nThe engine will run on torch ops (several times "
+                  f"slower on the CPU) and report itself degraded.\n{banner}\n", file=sys.stderr)
+            self.extensions = []
+            return
+        for ext in self.extensions:
+            objects = []
+            for isa, flags in ISA_VARIANTS.items():
+                objects += self.compiler.compile(
+                    KERNEL_SOURCES, output_dir=os.path.join(self.build_temp, isa),
+                    macros=[("LMX_ISA", isa)], include_dirs=[CSRC],
+                    extra_postargs=[*C_FLAGS, *flags], depends=HEADERS,
+                )
+            ext.extra_objects = [*objects, *(ext.extra_objects or [])]
+        super().build_extensions()
+
+
+kernels = CppExtension(
+    "loramux.engine.model.kernels._C",
+    sources=[f"{CSRC}/ops.cpp"],
+    include_dirs=[os.path.abspath(CSRC)],
+    define_macros=[(f"LMX_HAVE_{isa.upper()}", "1") for isa in ISA_VARIANTS if isa != "scalar"],
+    extra_compile_args=["-O3"],
+    extra_link_args=["-fopenmp", *(["-lmvec"] if X86_LINUX else []), "-lm"],
+    depends=[*KERNEL_SOURCES, *HEADERS],
+)
+
+setup(ext_modules=[kernels], cmdclass={"build_ext": BuildKernels})
