@@ -16,7 +16,7 @@ import torch
 
 from loramux.engine.block_manager import pad_slot
 from loramux.engine.config import CacheConfig
-from loramux.engine.model.attention import build_step_attention, cpu_kernel_takes
+from loramux.engine.model.attention import build_step_attention
 from loramux.engine.model.cpu_attention import kernel_available
 from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.step_data import ScheduledRow, SchedulerOutput
@@ -78,8 +78,7 @@ class ModelRunner:
         self.model = model
         # CPU: the compiled kernel reads K/V blocks in place (installed with the package; logged fallback)
         self.cpu_kernel = (
-            model.device.type == "cpu" and attention_backend == "auto"
-            and cpu_kernel_takes(model.attn_softcap) and kernel_available()
+            model.device.type == "cpu" and attention_backend == "auto" and kernel_available()
         )
         if model.device.type == "cpu":
             logger.info("CPU attention: %s", "C paged kernel" if self.cpu_kernel else "torch")

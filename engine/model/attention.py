@@ -19,9 +19,6 @@ its own. The softmax ``scale`` (default ``head_dim ** -0.5``) and a logit ``soft
 
 from __future__ import annotations
 
-import functools
-import inspect
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,21 +72,6 @@ class AttentionMetadata:
     fresh_groups: list[FreshPrefillGroup] = field(default_factory=list)
     triton: object | None = None  # TritonAttentionMetadata on CUDA
     cpu: object | None = None  # CpuAttentionMetadata: rows the C kernel attends (CPU)
-
-
-@functools.cache
-def _kernel_takes_scale() -> bool:
-    """Whether ``cpu_paged_attention`` takes ``scale`` / ``softcap`` (the compiled operator's
-    wrapper does; the older one scales by ``D ** -0.5`` and has no cap). Looked up once."""
-    from loramux.engine.model.cpu_attention import cpu_paged_attention
-
-    return "softcap" in inspect.signature(cpu_paged_attention).parameters
-
-
-def cpu_kernel_takes(softcap: float | None) -> bool:
-    """Whether the CPU attention kernel can attend with this soft-cap (None: no cap), i.e.
-    whether the runner may plan rows for it."""
-    return not softcap or _kernel_takes_scale()
 
 
 def build_attention_metadata(
@@ -251,13 +233,7 @@ def paged_attention(
     if meta.cpu is not None:
         from loramux.engine.model.cpu_attention import cpu_paged_attention
 
-        if _kernel_takes_scale():
-            cpu_paged_attention(q, k_cache, v_cache, out, meta.cpu, scale=scale, softcap=softcap or 0.0)
-        else:  # a kernel with the fixed D^-0.5 scale and no cap
-            if softcap:
-                raise ValueError("the CPU attention kernel has no soft-capping; plan without it")
-            qk = q if scale is None else q * (scale * math.sqrt(head_dim))
-            cpu_paged_attention(qk, k_cache, v_cache, out, meta.cpu)
+        cpu_paged_attention(q, k_cache, v_cache, out, meta.cpu, scale=scale, softcap=softcap or 0.0)
     for g in meta.decode_groups:
         b, length = g.kv_idx.shape
         flat = g.kv_idx.reshape(-1)

@@ -162,7 +162,6 @@ class DecoderModel:
             except KeyError:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing") from None
 
-        prep = self.norms.prepare
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
         for i, ls in enumerate(s.layers):
@@ -178,21 +177,21 @@ class DecoderModel:
                                                                    sd.pop(p + "mlp.down_proj.bias", None)), act))
             self.layers.append(
                 LayerWeights(
-                    attn_norm=prep(take(p + "input_layernorm.weight")),
+                    attn_norm=take(p + "input_layernorm.weight"),
                     qkv=self._qkv(sd, p, take),
                     o=Linear(take(p + "self_attn.o_proj.weight"), sd.pop(p + "self_attn.o_proj.bias", None)),
-                    ffn_norm=prep(take(p + names[1] + ".weight")),
+                    ffn_norm=take(p + names[1] + ".weight"),
                     mlp=mlp,
                     ops=ops,
                     rope=ls.rope,
                     window=ls.window,
-                    q_norm=prep(take(p + "self_attn.q_norm.weight")) if s.qk_norm else None,
-                    k_norm=prep(take(p + "self_attn.k_norm.weight")) if s.qk_norm else None,
-                    attn_out_norm=prep(take(p + names[0] + ".weight")) if names[0] else None,
-                    ffn_out_norm=prep(take(p + names[2] + ".weight")) if names[2] else None,
+                    q_norm=take(p + "self_attn.q_norm.weight") if s.qk_norm else None,
+                    k_norm=take(p + "self_attn.k_norm.weight") if s.qk_norm else None,
+                    attn_out_norm=take(p + names[0] + ".weight") if names[0] else None,
+                    ffn_out_norm=take(p + names[2] + ".weight") if names[2] else None,
                 )
             )
-        self.norm = prep(take("model.norm.weight"))
+        self.norm = take("model.norm.weight")
         if not d.tie_word_embeddings:
             self.lm_head = Linear(take("lm_head.weight"))
         else:
@@ -291,11 +290,11 @@ class DecoderModel:
             if lora is not None:
                 lora.add(i, "o", a, o)
             if w.attn_out_norm is not None:
-                o = norms.norm(o, w.attn_out_norm)
+                o = norms.sandwich(o, w.attn_out_norm)
             x = norms.add_norm(residual, o, w.ffn_norm)
             delta = w.mlp(x, i, lora)
             if w.ffn_out_norm is not None:
-                delta = norms.norm(delta, w.ffn_out_norm)
+                delta = norms.sandwich(delta, w.ffn_out_norm)
         if delta is not None:
             residual.add_(delta)
         last = residual.index_select(0, logits_rows)

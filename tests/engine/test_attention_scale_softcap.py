@@ -13,7 +13,6 @@ import torch
 from loramux.engine.model.attention import (
     build_attention_metadata,
     build_step_attention,
-    cpu_kernel_takes,
     paged_attention,
     write_kv,
 )
@@ -77,7 +76,7 @@ def test_torch_path_scale_and_softcap(window, scale, softcap):
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_cpu_kernel_takes_the_scale(window):
+def test_cpu_kernel_takes_the_scale_and_softcap(window):
     from support.cpu_kernel import require_cpu_kernel
 
     require_cpu_kernel()
@@ -88,13 +87,9 @@ def test_cpu_kernel_takes_the_scale(window):
     got = paged_attention(q, k, v, k_cache, v_cache, meta, scale=24**-0.5)
     torch.testing.assert_close(got.double(), dense(tables, q, k_cache, v_cache, window, 24**-0.5, None),
                                atol=1e-5, rtol=1e-5)
-    if cpu_kernel_takes(5.0):  # the compiled operator caps too
-        got = paged_attention(q, k, v, k_cache, v_cache, meta, scale=24**-0.5, softcap=5.0)
-        torch.testing.assert_close(got.double(), dense(tables, q, k_cache, v_cache, window, 24**-0.5, 5.0),
-                                   atol=1e-5, rtol=1e-5)
-    else:  # the runner plans no rows for it (the torch path caps)
-        with pytest.raises(ValueError, match="soft-capping"):
-            paged_attention(q, k, v, k_cache, v_cache, meta, softcap=5.0)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, scale=24**-0.5, softcap=5.0)
+    torch.testing.assert_close(got.double(), dense(tables, q, k_cache, v_cache, window, 24**-0.5, 5.0),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 6])

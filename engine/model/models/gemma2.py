@@ -1,8 +1,8 @@
 """Gemma 2 (``Gemma2ForCausalLM``): Gemma 3's layer without q/k norms — ``(1 + w)`` RMSNorms
 in float32, four per layer, GeGLU (tanh), embeddings times ``sqrt(hidden_size)``, softmax scale
 ``query_pre_attn_scalar ** -0.5``, sliding / global layers (``layer_types``) sharing one rotary
-base — plus attention logit soft-capping (``attn_logit_softcapping``: on the CPU such a model
-runs the torch attention path, the C kernel has no cap) and ``final_logit_softcapping``."""
+base — plus attention logit soft-capping (``attn_logit_softcapping``) and
+``final_logit_softcapping``."""
 
 from __future__ import annotations
 
