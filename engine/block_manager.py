@@ -283,6 +283,8 @@ class KVCacheManager:
         seq.block_table = list(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_registered_blocks = len(cached)
+        if seq.num_cached_tokens is None:  # what the first admission found (vLLM's count)
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def register_computed(self, seq: Sequence) -> None:
         """Key the blocks of ``seq`` that became full and computed; called after each step."""

@@ -64,5 +64,6 @@ class Request:
             finished=finished,
             metrics=self.metrics,
             lora_request=self.lora_request,
+            num_cached_tokens=(self.seqs[0].num_cached_tokens or 0) if self.seqs else 0,
             extra={"error": self.error} if self.error is not None else {},
         )

@@ -50,6 +50,9 @@ class Sequence:
     """Prefix-cache keys of the leading full blocks of ``token_ids`` (memo, see block_manager)."""
     num_registered_blocks: int = 0
     """Leading blocks of ``block_table`` already keyed in the prefix cache."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache when the sequence was first admitted
+    (None before; ``RequestOutput.num_cached_tokens``)."""
     pending_forks: list[Sequence] = field(default_factory=list)
     """Siblings (``best_of`` > 1) that fork from this sequence once its prompt is computed."""
     status: SequenceStatus = SequenceStatus.WAITING

@@ -30,6 +30,7 @@ from loramux.platform.server import LoramuxApp
 from loramux.platform.settings import Settings
 from loramux.platform.state import VERSION, aclose_state, build_state
 from loramux.platform.tenant_api import routes as tenant_routes
+from loramux.platform.usage import routes as usage_routes
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -102,6 +103,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(adapter_routes.router)
     app.include_router(tenant_routes.router)
+    app.include_router(usage_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(admin_pages.router)
     app.include_router(ops.router)

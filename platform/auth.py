@@ -56,7 +56,7 @@ class Authenticator:
         if self.registry is not None:
             row = self.registry.authenticate_key(key)
             if row is not None:
-                return Caller(row.tenant, is_admin=bool(row.is_admin))
+                return Caller(row.tenant, is_admin=bool(row.is_admin), key_prefix=row.prefix)
         return None
 
     async def lookup(self, key: str | None) -> Caller | None:

@@ -22,6 +22,7 @@ from loramux.platform.bulkheads import DependencyPolicy
 from loramux.platform.errors import ErrorContext
 from loramux.platform.limits.request import RequestLimits
 from loramux.platform.settings import QUOTA_PREFIX, Settings
+from loramux.platform.usage.policy import UsagePolicy
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas
 
@@ -61,6 +62,12 @@ def dependency_policy(settings: Settings) -> DependencyPolicy:
     """The bulkheads' sizes, deadlines and breakers for these settings."""
     return DependencyPolicy(**{f.name: getattr(settings, f.name)
                                for f in dataclasses.fields(DependencyPolicy)})
+
+
+def usage_policy(settings: Settings) -> UsagePolicy:
+    """How usage records are written and kept, for these settings."""
+    return UsagePolicy(**{f.name: getattr(settings, f.name)
+                          for f in dataclasses.fields(UsagePolicy)})
 
 
 def error_context(settings: Settings) -> ErrorContext:

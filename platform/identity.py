@@ -29,6 +29,9 @@ class Caller:
 
     tenant: TenantLike | None = None
     is_admin: bool = False
+    key_prefix: str | None = None
+    """The public prefix of the API key used (usage records, sticky rollouts); None for
+    the operator's admin key and anonymous callers."""
 
     @property
     def tenant_id(self) -> int | None:

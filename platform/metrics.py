@@ -1,7 +1,10 @@
 """Prometheus metrics, one ``CollectorRegistry`` per app (tests build many apps).
 
 Per-adapter series carry an ``adapter`` label: the engine key of a tenant adapter
-(``"<tenant id>/<name>@<digest>"``), the static adapter's key, or ``base``.
+(``"<tenant id>/<name>@<digest>"``), the static adapter's key, or ``base``. Per-version
+series (``loramux_adapter_version_*``) carry ``tenant`` (id), ``adapter`` (the name) and
+``version``, so a canary compares with the live version (``histogram_quantile`` over
+their TTFT / TPOT buckets). The usage writer's series are ``loramux_usage_records_*``.
 Engine gauges (queue depth, KV cache usage, adapter residency) are refreshed from
 the engine on every scrape.
 """
@@ -131,6 +134,22 @@ class Metrics:
         self.rejected = Counter(
             "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
         )
+        version = ["tenant", "adapter", "version"]
+        self.version_requests = Counter(
+            "loramux_adapter_version_requests", "Finished requests per tenant adapter version.",
+            [*version, "status"], registry=r)
+        self.version_tokens = Counter(
+            "loramux_adapter_version_tokens", "Tokens per tenant adapter version (kind: prompt, "
+            "cached (prompt tokens from the prefix cache), completion).", [*version, "kind"],
+            registry=r)
+        self.version_ttft = Histogram(
+            "loramux_adapter_version_time_to_first_token_seconds", "Time to first token per "
+            "tenant adapter version.", version, buckets=_LATENCY_BUCKETS, registry=r)
+        self.version_tpot = Histogram(
+            "loramux_adapter_version_time_per_output_token_seconds", "Mean time per output token "
+            "per tenant adapter version.", version, buckets=_LATENCY_BUCKETS, registry=r)
+        self.usage = UsageSeries(r)
+        """The usage writer's counters (``loramux_usage_records_*``)."""
         self._lock = threading.Lock()
         self._pending_evictions: _Counter[str] = _Counter()
         self._known_residency: set[tuple[str, str]] = set()
@@ -167,6 +186,21 @@ class Metrics:
                 self.goodput.labels(adapter).inc()
                 self._goodput[0] += 1
             self.goodput_share.set(self._goodput[0] / self._goodput[1])
+
+    def observe_version(self, tenant_id: int, adapter: str, version: int, status: str, *,
+                        prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                        ttft: float | None, tpot: float | None) -> None:
+        """One finished request of a tenant adapter version (called with its usage record)."""
+        labels = (str(tenant_id), adapter, str(version))
+        self.version_requests.labels(*labels, status).inc()
+        for kind, n in (("prompt", prompt_tokens), ("cached", cached_tokens),
+                        ("completion", completion_tokens)):
+            if n:
+                self.version_tokens.labels(*labels, kind).inc(n)
+        if ttft is not None:
+            self.version_ttft.labels(*labels).observe(ttft)
+        if tpot is not None:
+            self.version_tpot.labels(*labels).observe(tpot)
 
     def goodput_share_value(self) -> float | None:
         """Share of checked requests that met both targets (None before any)."""
@@ -235,3 +269,34 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class UsageSeries:
+    """The usage writer's series (``loramux.platform.usage.recorder.UsageCounters``)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self._written = Counter("loramux_usage_records_written", "Usage records written to "
+                                "the database.", registry=r)
+        self._spilled = Counter("loramux_usage_records_spilled", "Usage records written to the "
+                                "local spill file while the database was down (replayed later).",
+                                registry=r)
+        self._dropped = Counter("loramux_usage_records_dropped", "Usage records lost (reason: "
+                                "queue_full, spill_full, spill_failed, refused).", ["reason"],
+                                registry=r)
+        self._pending = Gauge("loramux_usage_records_pending", "Usage records not yet in the "
+                              "database (where: queue, spill).", ["where"], registry=r)
+        for reason in ("queue_full", "spill_full", "spill_failed", "refused"):
+            self._dropped.labels(reason)
+
+    def written(self, n: int) -> None:
+        self._written.inc(n)
+
+    def spilled(self, n: int) -> None:
+        self._spilled.inc(n)
+
+    def dropped(self, reason: str, n: int) -> None:
+        self._dropped.labels(reason).inc(n)
+
+    def pending(self, queued: int, spilled: int) -> None:
+        self._pending.labels("queue").set(queued)
+        self._pending.labels("spill").set(spilled)

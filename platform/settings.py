@@ -34,6 +34,7 @@ from loramux.engine.config import (
 from loramux.platform.bulkheads import DependencyPolicy
 from loramux.platform.cluster.routing import RouterConfig
 from loramux.platform.limits.request import RequestLimits
+from loramux.platform.usage.policy import UsagePolicy
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas
 
@@ -61,7 +62,7 @@ def _fields_of(dataclass: type, prefix: str = "", doc_suffix: str = "") -> dict[
     }
 
 
-_LimitSettings = create_model(  # caps, default quotas, dependency budgets: one source of truth
+_LimitSettings = create_model(  # caps, default quotas, dependency budgets, usage: one source of truth
     "_LimitSettings",
     __base__=BaseSettings,
     **_fields_of(RequestLimits),
@@ -69,6 +70,7 @@ _LimitSettings = create_model(  # caps, default quotas, dependency budgets: one 
                  "(`loramux tenants quota`); None = unlimited."),
     **_fields_of(DependencyBudgets),
     **_fields_of(DependencyPolicy),
+    **_fields_of(UsagePolicy),
 )
 
 

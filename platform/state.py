@@ -26,6 +26,7 @@ from loramux.platform.builders import (
     dependency_policy,
     error_context,
     request_limits,
+    usage_policy,
 )
 from loramux.platform.bulkheads import Dependencies
 from loramux.platform.identity import EngineKey
@@ -37,6 +38,7 @@ from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.probes import Report, dependency_report
 from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
+from loramux.platform.usage.recorder import UsageRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class AppState:
     """Request caps, chat-template rendering and tenant quotas (see openai/gate.py)."""
     deps: Dependencies = field(default_factory=Dependencies)
     """The database and object-store bulkheads every registry call runs in."""
+    usage: UsageRecorder | None = None
+    """The usage writer (finished requests' records to SQL); None without a registry."""
     protocol_metrics: ProtocolMetricsListener | None = None
     """The model-server protocol metrics listener (``--protocol-metrics-port``)."""
     kv_events: KVEventPublisher | None = None
@@ -128,9 +132,10 @@ def build_state(settings: Settings, engine: AsyncEngine,
     metrics = Metrics(settings.goodput_ttft_ms / 1000, settings.goodput_tpot_ms / 1000)
 
     def drop_engine_key(key: str) -> None:
-        """A deleted or replaced version: its queued requests fail now, running ones finish."""
-        message = (f"adapter {EngineKey.parse(key).name!r} was deleted or "
-                   "replaced before this request started; send it again")
+        """A deleted adapter or a removed version: its queued requests fail now, running
+        ones finish."""
+        message = (f"adapter {EngineKey.parse(key).name!r} (this version) was deleted before "
+                   "this request started; send it again")
 
         engine.drop_adapter(key, message, timeout=30)
 
@@ -159,14 +164,16 @@ def build_state(settings: Settings, engine: AsyncEngine,
         request_limits(settings), registry, default_quotas(settings),
         quota_ttl=settings.quota_cache_ttl, enforce_quotas=not behind_gateway, deps=deps,
     )
+    usage = build_usage_recorder(settings, registry, metrics)
     openai = OpenAIServing(
         engine, resolver, metrics, fingerprint=fingerprint, gate=gate,
         errors=error_context(settings), max_prompts=settings.max_prompts_per_request,
+        usage=usage,
     )
     adapters = AdapterService(
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
         s3_endpoint_url=settings.s3_endpoint_url, s3_import_allow=settings.s3_import_allow,
-        own_s3_root=_own_s3_root(settings),
+        own_s3_root=_own_s3_root(settings), flush_usage=usage.flush if usage else None,
     ) if registry is not None else None
     fleet = LocalFleet(engine, metrics.activity)
     admin = AdminService(
@@ -174,8 +181,9 @@ def build_state(settings: Settings, engine: AsyncEngine,
         dtype=engine.dtype, device=engine.device, base_family=resolver.base_family,
     )
     admin.goodput = metrics.goodput_report
+    admin.flush_usage = usage.flush if usage is not None else None
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
-                     adapters, scratch, gate=gate, deps=deps)
+                     adapters, scratch, gate=gate, deps=deps, usage=usage)
     admin.health = state.dependency_report
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
@@ -186,12 +194,28 @@ def build_state(settings: Settings, engine: AsyncEngine,
         state.cleanups.append(engine.add_adapter_listener(_broken_audit(registry, resolver)))
     state.cleanups.append(fleet.remove_listener)
     state.cleanups.append(deps.shutdown)
+    if usage is not None:
+        state.cleanups.append(usage.close)  # cleanups run reversed: after the ones added later
     try:
         inference_gateway.attach(state)
     except BaseException:
         close_state(state)
         raise
     return state
+
+
+def build_usage_recorder(settings: Settings, registry: RegistryService | None,
+                         metrics: Metrics) -> UsageRecorder | None:
+    """The usage writer of a server with a registry (started), spilling to
+    ``usage_spill_dir`` (default ``<data dir>/usage-spill``)."""
+    if registry is None:
+        return None
+    spill = settings.usage_spill_dir
+    if spill is None:
+        spill = (Path(registry.tmp_dir).parent if registry.tmp_dir is not None
+                 else Path(tempfile.gettempdir()) / "loramux") / "usage-spill"
+    return UsageRecorder(registry.usage.append, spill, usage_policy(settings),
+                         prune=registry.usage.prune, counters=metrics.usage).start()
 
 
 def _broken_audit(registry: RegistryService, resolver) -> Callable[[str, str], None]:

@@ -49,7 +49,7 @@ class AdapterAudit:
             if row is None:
                 raise AdapterNotFound(f"adapter id {adapter_id} not found")
             s.add(self._event(row, kind, actor, details))
-            handle = self._handle(row)
+            handle = self._newest(s, [row])[0]
         self._notify(kind, handle)
 
     def events(
@@ -88,8 +88,10 @@ class AdapterAudit:
         actor: str | None = None,
         overwrite: bool = False,
         progress: bool = True,
+        version: int | None = None,
     ) -> Path:
-        """Merge the adapter into the base model and save a Hugging Face folder at ``out``."""
+        """Merge one version of the adapter (default: the newest) into the base model and
+        save a Hugging Face folder at ``out``."""
         from loramux.adapters.merge import export_merged
 
         base = Path(base_model_path) if base_model_path else self.base_model_path
@@ -98,7 +100,7 @@ class AdapterAudit:
                 "export needs the base model folder; pass base_model= to build_registry "
                 "(or --base-model to the CLI)"
             )
-        handle = self.get(tenant, name)
+        handle = self.get(tenant, name) if version is None else self.get_version(tenant, name, version)
         path = export_merged(
             base,
             handle.local_path(),
@@ -108,5 +110,6 @@ class AdapterAudit:
             overwrite=overwrite,
             progress=progress,
         )
-        self.record_event(handle.id, "exported", actor=actor, details={"out": str(path)})
+        self.record_event(handle.id, "exported", actor=actor,
+                          details={"out": str(path), "version": handle.version})
         return path

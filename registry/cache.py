@@ -142,6 +142,11 @@ class AdapterCache:
     def entries(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))
 
+    def remove(self, name: str) -> None:
+        """Remove one entry (no error when it is absent)."""
+        if name and not name.startswith(".") and "/" not in name:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+
     def prune(self, keep: Iterable[str]) -> list[str]:
         """Remove every entry whose name is not in ``keep``; return the removed names."""
         keep = set(keep)

@@ -24,7 +24,8 @@ class InvalidQuota(RegistryError, ValueError):
 
 
 class QuotaExceeded(RegistryError):
-    """An upload would take a tenant past ``max_adapters`` or ``max_stored_bytes``.
+    """An upload would take a tenant past ``max_adapters``, ``max_stored_bytes`` or
+    ``max_versions_per_adapter`` (every older version in use by the rollout).
 
     ``quota`` is the field name, ``limit`` its value, ``current`` the tenant's usage
     before the upload and ``requested`` what the upload adds.
@@ -32,9 +33,11 @@ class QuotaExceeded(RegistryError):
 
     def __init__(self, quota: str, limit: int, current: int, requested: int, unit: str) -> None:
         self.quota, self.limit, self.current, self.requested = quota, limit, current, requested
+        advice = ("change the rollout so that an older version is free to go, delete a "
+                  "version" if quota == "max_versions_per_adapter" else "delete adapters")
         super().__init__(
             f"quota {quota} exceeded: the tenant uses {current} {unit} of {limit} and this "
-            f"upload needs {requested} more; delete adapters or ask the operator to raise it"
+            f"upload needs {requested} more; {advice} or ask the operator to raise it"
         )
 
 
@@ -72,3 +75,23 @@ class ObjectNotFound(ObjectStoreError, LookupError):
 
 class ObjectIntegrityError(ObjectStoreError):
     """An object's bytes do not match its sha256."""
+
+
+class VersionNotFound(AdapterNotFound):
+    """The adapter has no version by that number (never had, or it was removed)."""
+
+
+class InvalidRollout(RegistryError, ValueError):
+    """A rollout's weights or sticky mode are not valid; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str = "weights") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class VersionInUse(RegistryError):
+    """A version the adapter's rollout names cannot be deleted."""
+
+
+class NoPreviousVersion(RegistryError):
+    """A rollback needs a version that was live before the current rollout; there is none."""

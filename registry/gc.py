@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from loramux.registry.cache import remove_old
-from loramux.registry.models import Adapter
+from loramux.registry.cache import cache_entry_name, remove_old
+from loramux.registry.models import AdapterVersion
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -90,6 +90,32 @@ def _pending(store: ObjectStore, digest: str | None = None) -> list:
     return list(store.list(PENDING_PREFIX + (f"{digest}/" if digest else "")))
 
 
+def _referenced(registry: RegistryService, object_key: str) -> bool:
+    with registry.db.session() as s:
+        return s.scalar(select(AdapterVersion.id).where(AdapterVersion.object_key == object_key)
+                        .limit(1)) is not None
+
+
+def delete_if_unreferenced(registry: RegistryService, object_key: str) -> bool:
+    """Delete one version's weights at once (called after the version's row is gone) unless
+    a version still uses them or an upload of the same bytes is in progress; the cache
+    entries of that content go too. Returns whether the object was deleted."""
+    digest = object_key[len(OBJECT_PREFIX):].split("/")[0]
+    stale_cutoff = datetime.now(timezone.utc) - timedelta(seconds=LEFTOVER_AGE_S)
+    if _referenced(registry, object_key) or any(
+            m.last_modified > stale_cutoff for m in _pending(registry.store, digest)):
+        return False
+    registry.store.delete(object_key)
+    with registry.db.session() as s:
+        configs = s.scalars(select(AdapterVersion.config).where(AdapterVersion.sha256 == digest))
+        keep = {cache_entry_name(digest, c) for c in configs}
+    for name in registry.cache.entries():
+        if name.startswith(f"{digest}-") and name not in keep:
+            registry.cache.remove(name)
+    logger.info("removed the weights %s (no version uses them)", object_key)
+    return True
+
+
 def collect(registry: RegistryService, *, min_age_seconds: float = DEFAULT_GC_MIN_AGE_S,
             leftover_age_s: float = LEFTOVER_AGE_S) -> GcReport:
     """One gc pass (see the module doc)."""
@@ -98,7 +124,7 @@ def collect(registry: RegistryService, *, min_age_seconds: float = DEFAULT_GC_MI
     cutoff = now - timedelta(seconds=min_age_seconds)
     live = {m.key.split("/")[1] for m in _pending(store) if m.last_modified > stale_cutoff}
     with registry.db.session() as s:
-        referenced = set(s.scalars(select(Adapter.object_key).distinct()))
+        referenced = set(s.scalars(select(AdapterVersion.object_key).distinct()))
     deleted = []
     for info in list(store.list(OBJECT_PREFIX)):
         digest = info.key[len(OBJECT_PREFIX):].split("/")[0]
@@ -107,9 +133,8 @@ def collect(registry: RegistryService, *, min_age_seconds: float = DEFAULT_GC_MI
         # again, just before deleting: an upload may have started (marker) or committed
         if any(m.last_modified > stale_cutoff for m in _pending(store, digest)):
             continue
-        with registry.db.session() as s:
-            if s.scalar(select(Adapter.id).where(Adapter.object_key == info.key).limit(1)):
-                continue
+        if _referenced(registry, info.key):
+            continue
         store.delete(info.key)
         deleted.append(info.key)
     leftovers = []
@@ -118,7 +143,7 @@ def collect(registry: RegistryService, *, min_age_seconds: float = DEFAULT_GC_MI
             store.delete(marker.key)
             leftovers.append(marker.key)
     leftovers += remove_leftovers(registry, leftover_age_s)
-    keep = {h.cache_key for h in registry.list_all()}
+    keep = {h.cache_key for h in registry.list_all_versions()}
     pruned = registry.cache.prune(keep)
     if deleted or pruned or leftovers:
         logger.info("gc: deleted %d objects, pruned %d cache entries, removed %d leftovers",

@@ -1,5 +1,6 @@
-"""What the registry hands out: adapter snapshots (:class:`AdapterHandle`), audit events
-(:class:`AdapterEventInfo`), the object key of an adapter's weights and the listener type."""
+"""What the registry hands out: snapshots of one adapter version (:class:`AdapterHandle`),
+an adapter with its versions and rollout (:class:`Release`), audit events
+(:class:`AdapterEventInfo`), the object key of a version's weights and the listener type."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from loramux.adapters.archive import WEIGHTS_NAME
 from loramux.registry.cache import cache_entry_name
 from loramux.registry.gc import OBJECT_PREFIX
+from loramux.registry.rollouts import Rollout
 
 Listener = Callable[[str, "AdapterHandle | None"], None]
 """``listener(kind, handle)``: an adapter change (handle set) or ``key_revoked`` (None)."""
@@ -25,17 +27,20 @@ def object_key(sha256: str) -> str:
 
 @dataclass(frozen=True)
 class AdapterHandle:
-    """A snapshot of one adapter row, with its weights one call away.
+    """A snapshot of one version of an adapter (with what all its versions share), its
+    weights one call away.
 
+    ``id`` is the adapter's (every version shares it), ``version`` this version's number.
     ``local_path()`` fetches the weights into the local disk cache on first use and
-    returns a PEFT folder. Engines use the
-    handle (or ``RegistryService.fetch_by_id``) as their adapter source.
+    returns a PEFT folder. Engines use the handle (or ``RegistryService.fetch_by_id``) as
+    their adapter source.
     """
 
     id: int
     tenant_id: int
     name: str
     version: int
+    """This version's number (1, 2, ...; never reused)."""
     base_model: str
     rank: int
     alpha: float
@@ -48,12 +53,14 @@ class AdapterHandle:
     config: dict[str, Any]
     description: str | None
     created_at: datetime
+    """When this version was uploaded."""
     updated_at: datetime
     _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
 
     @property
     def cache_key(self) -> str:
-        """Identifies the content (weights + config); changes when the adapter is replaced."""
+        """Identifies the content (weights + config): versions with other weights or config
+        have another one."""
         return cache_entry_name(self.sha256, self.config)
 
     def local_path(self) -> Path:
@@ -71,6 +78,28 @@ class AdapterHandle:
         d["created_at"] = self.created_at.isoformat()
         d["updated_at"] = self.updated_at.isoformat()
         return d
+
+
+@dataclass(frozen=True)
+class Release:
+    """An adapter as requests see it: its retained versions and its rollout. What the
+    resolvers (engine and gateway) cache per (tenant, name)."""
+
+    versions: dict[int, AdapterHandle]
+    """Every retained version by number (oldest first)."""
+    rollout: Rollout
+
+    @property
+    def newest(self) -> AdapterHandle:
+        return self.versions[max(self.versions)]
+
+    @property
+    def name(self) -> str:
+        return self.newest.name
+
+    @property
+    def tenant_id(self) -> int:
+        return self.newest.tenant_id
 
 
 @dataclass(frozen=True)

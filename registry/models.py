@@ -30,7 +30,8 @@ NAMING_CONVENTION = {
 }
 
 ADAPTER_STATUSES = ("ready", "disabled")
-EVENT_KINDS = ("uploaded", "replaced", "deleted", "evicted", "exported", "preset_changed")
+EVENT_KINDS = ("uploaded", "version_added", "version_removed", "rollout_changed", "rolled_back",
+               "deleted", "evicted", "exported", "preset_changed")
 
 
 def utcnow() -> datetime:
@@ -101,8 +102,9 @@ MAX_DESCRIPTION_CHARS = 2000
 
 
 class Adapter(Base):
-    """One tenant's LoRA adapter. The weights live in the object store under ``object_key``
-    (content-addressed by ``sha256``); the normalized ``adapter_config.json`` lives in ``config``."""
+    """One tenant's adapter name: its immutable versions (:class:`AdapterVersion`), the
+    rollout that spreads requests for the plain name over them, and what every version
+    shares (default preset, description, status)."""
 
     __tablename__ = "adapters"
     __table_args__ = (UniqueConstraint("tenant_id", "name"),)
@@ -110,7 +112,41 @@ class Adapter(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(128))
-    version: Mapped[int] = mapped_column(default=1)
+    last_version: Mapped[int] = mapped_column(default=0)
+    """The highest version number ever given (numbers are never reused)."""
+    status: Mapped[str] = mapped_column(String(16), default="ready")
+    default_preset: Mapped[dict[str, Any] | None]
+    description: Mapped[str | None] = mapped_column(String(MAX_DESCRIPTION_CHARS), default=None)
+    """The tenant's free-text note on the adapter."""
+    rollout_weights: Mapped[dict[str, Any] | None]
+    """``{"<version>": percent, ...}`` summing to 100; NULL = the newest version takes every
+    request (and each upload moves there)."""
+    rollout_sticky: Mapped[str] = mapped_column(String(8), default="user")
+    """What keeps one caller on one version: ``user``, ``key`` or ``none``."""
+    previous_live: Mapped[int | None]
+    """The version that alone took every request before the rollout now in effect (the
+    target of a rollback); NULL when there is none."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="adapters")
+    versions: Mapped[list[AdapterVersion]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="AdapterVersion.number",
+    )
+
+
+class AdapterVersion(Base):
+    """One immutable version of an adapter. The weights live in the object store under
+    ``object_key`` (content-addressed by ``sha256``); the normalized ``adapter_config.json``
+    lives in ``config``."""
+
+    __tablename__ = "adapter_versions"
+    __table_args__ = (UniqueConstraint("adapter_id", "number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"))
+    number: Mapped[int]
     base_model: Mapped[str] = mapped_column(String(256))
     rank: Mapped[int]
     alpha: Mapped[float] = mapped_column(Float)
@@ -119,14 +155,9 @@ class Adapter(Base):
     sha256: Mapped[str] = mapped_column(String(64), index=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     object_key: Mapped[str] = mapped_column(String(512), index=True)
-    status: Mapped[str] = mapped_column(String(16), default="ready")
-    default_preset: Mapped[dict[str, Any] | None]
-    description: Mapped[str | None] = mapped_column(String(MAX_DESCRIPTION_CHARS), default=None)
-    """The tenant's free-text note on the adapter."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
-    tenant: Mapped[Tenant] = relationship(back_populates="adapters")
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")
 
 
 class AdapterEvent(Base):
@@ -160,4 +191,43 @@ class TenantQuota(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
     max_adapters: Mapped[int | None]
     max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    max_versions_per_adapter: Mapped[int | None]
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class UsageRecord(Base):
+    """One finished inference request, for billing and per-version numbers. Written in
+    batches off the request path (``loramux.platform.usage``); ``request_id`` is unique, so a
+    batch replayed after a database outage is never counted twice. ``tenant_id`` carries
+    no foreign key: records outlive their tenant, and a batch never fails on one."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        Index(None, "tenant_id", "created_at"),
+        Index(None, "tenant_id", "adapter", "version", "created_at"),
+        Index(None, "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(80), unique=True)
+    tenant_id: Mapped[int | None]
+    key_prefix: Mapped[str | None] = mapped_column(String(16))
+    """The API key's public prefix (never the key)."""
+    adapter: Mapped[str | None] = mapped_column(String(128))
+    """The adapter's name; NULL = the base model."""
+    version: Mapped[int | None]
+    """The version that served (NULL: the base model or a static adapter)."""
+    endpoint: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(default=0)
+    cached_tokens: Mapped[int] = mapped_column(default=0)
+    completion_tokens: Mapped[int] = mapped_column(default=0)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    error: Mapped[str | None] = mapped_column(String(64))
+    """Why the request failed (an error code, ``cancelled``); NULL when it finished."""
+    duration_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_ms: Mapped[float | None] = mapped_column(Float)
+    day: Mapped[str] = mapped_column(String(10))
+    """``YYYY-MM-DD`` (UTC) of ``created_at``: the ``group_by=day`` key on every backend."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    """When the request finished."""

@@ -2,7 +2,7 @@
 
 A field left ``None`` is unlimited. A tenant without its own row in ``tenant_quotas``
 gets the operator's defaults (``RegistryService(default_quotas=...)``). The registry
-enforces ``max_adapters`` and ``max_stored_bytes`` at upload; the platform's limiter
+enforces ``max_adapters``, ``max_stored_bytes`` and ``max_versions_per_adapter`` at upload; the platform's limiter
 (``loramux.platform.limits``) enforces the other four per request.
 """
 
@@ -31,14 +31,17 @@ class Quotas:
     max_adapters: int | None = field(default=None, metadata={"doc": (
         "Adapters the tenant may store.")})
     max_stored_bytes: int | None = field(default=None, metadata={"doc": (
-        "Sum of the tenant's adapter weight sizes (``size_bytes``).")})
+        "Sum of the tenant's adapter weight sizes (``size_bytes``, each stored object once).")})
+    max_versions_per_adapter: int | None = field(default=5, metadata={"doc": (
+        "Versions kept per adapter: an upload past it removes the oldest version no rollout "
+        "uses (and its weights); when every older version is in use the upload is refused.")})
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
                 continue
-            low = 0 if f.name in STORAGE_QUOTAS else 1
+            low = 0 if f.name in ("max_adapters", "max_stored_bytes") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidQuota(
                     f"quota {f.name} must be an integer >= {low} or null (unlimited), "
@@ -60,13 +63,15 @@ class Quotas:
         return cls(**dict(data))
 
 
-STORAGE_QUOTAS = ("max_adapters", "max_stored_bytes")
+STORAGE_QUOTAS = ("max_adapters", "max_stored_bytes", "max_versions_per_adapter")
+"""The quotas the registry enforces (the others are the platform limiter's)."""
 QUOTA_FIELDS = tuple(f.name for f in fields(Quotas))
 
 
 @dataclass(frozen=True)
 class TenantUsage:
-    """What a tenant stores now: adapter count and the sum of their ``size_bytes``."""
+    """What a tenant stores now: adapter count and the bytes of its versions' weights (an
+    object several versions share counted once)."""
 
     adapters: int
     stored_bytes: int

@@ -1,10 +1,11 @@
-"""``RegistryService``: adapters over SQL + an object store (tenants, keys and quotas: tenants.py).
+"""``RegistryService``: adapters over SQL + an object store (tenants, keys and quotas:
+tenants.py; versions and rollouts: versions.py; the audit log: audit.py).
 
 Upload is validate → write the weights to the store under a content-addressed key →
-commit the row (and its audit event) in one transaction. A failure at any point leaves
-no row; an object written by a failed upload is unreferenced and ``gc()`` removes it.
-Every adapter query is scoped to one tenant: another tenant's adapter is reported
-exactly like a missing one.
+commit the new version (and its audit event, and what the retention quota removes) in
+one transaction. A failure at any point leaves no row; an object written by a failed
+upload is unreferenced and ``gc()`` removes it. Every adapter query is scoped to one
+tenant: another tenant's adapter is reported exactly like a missing one.
 """
 
 from __future__ import annotations
@@ -44,19 +45,23 @@ from loramux.registry.handles import AdapterHandle, Listener, object_key
 from loramux.registry.models import (
     MAX_DESCRIPTION_CHARS,
     Adapter,
+    AdapterVersion,
     Tenant,
     utcnow,
 )
 from loramux.registry.names import check_name
 from loramux.registry.presets import PresetCheck, check_preset
 from loramux.registry.quotas import Quotas, check_storage
+from loramux.registry.rollouts import BUCKETS, next_previous_live
 from loramux.registry.store import ObjectStore, sha256_file
 from loramux.registry.tenants import TenantAccounts, TenantRef
+from loramux.registry.usage import UsageLedger
+from loramux.registry.versions import AdapterReleases, rollout_of
 
 logger = logging.getLogger(__name__)
 
 
-class RegistryService(TenantAccounts, AdapterAudit):
+class RegistryService(TenantAccounts, AdapterAudit, AdapterReleases):
     """Tenants, API keys and adapters. Thread-safe; one per process.
 
     ``base_config`` (a ``config.json`` dict or ``PretrainedConfig``) and
@@ -95,14 +100,17 @@ class RegistryService(TenantAccounts, AdapterAudit):
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self._listeners: list[Listener] = []
         self.default_quotas = default_quotas or Quotas()
+        self.usage = UsageLedger(db)
+        """Finished requests' usage records (appended by the platform's usage writer)."""
 
     # -- events ---------------------------------------------------------------------
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener(kind, handle)`` after each committed change (uploaded, replaced,
-        deleted, preset_changed, described, evicted, exported; ``key_revoked``
-        with handle None); the platform relays it to engines and caches. Returns the
-        function that unsubscribes it."""
+        """Call ``listener(kind, handle)`` after each committed change (uploaded,
+        version_added, version_removed, rollout_changed, rolled_back, deleted,
+        preset_changed, described, evicted, exported; ``key_revoked`` and
+        ``quotas_changed`` with handle None); the platform relays it to engines and caches.
+        Returns the function that unsubscribes it."""
         self._listeners.append(listener)
         return lambda: self.unsubscribe(listener)
 
@@ -118,45 +126,13 @@ class RegistryService(TenantAccounts, AdapterAudit):
             except Exception:  # a listener must not undo a committed change
                 logger.exception("registry event listener failed for %s", kind)
 
-    # -- tenants and keys -----------------------------------------------------------
-
-    def _handle(self, row: Adapter) -> AdapterHandle:
-        return AdapterHandle(
-            id=row.id,
-            tenant_id=row.tenant_id,
-            name=row.name,
-            version=row.version,
-            base_model=row.base_model,
-            rank=row.rank,
-            alpha=row.alpha,
-            target_modules=tuple(row.target_modules),
-            sha256=row.sha256,
-            size_bytes=row.size_bytes,
-            object_key=row.object_key,
-            status=row.status,
-            default_preset=row.default_preset,
-            config=dict(row.config),
-            description=row.description,
-            created_at=row.created_at,
-            updated_at=row.updated_at,
-            _fetch=self._fetch,
-        )
-
+    # -- adapters -------------------------------------------------------------------
     def _fetch(self, handle: AdapterHandle) -> Path:
         return self.cache.fetch(self.store, handle.object_key, handle.sha256, handle.config)
 
     def cached_path(self, handle: AdapterHandle) -> Path | None:
         """The adapter's local folder when the disk cache holds it (no store call), else None."""
         return self.cache.lookup(handle.sha256, handle.config)
-
-    def _row(self, s: Session, tenant_id: int, name: str) -> Adapter:
-        row = s.scalar(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name))
-        if row is None:
-            raise AdapterNotFound(
-                f"adapter {name!r} not found; list yours with GET /v1/adapters or "
-                "`loramux adapters list`"
-            )
-        return row
 
     def _require_base(self) -> None:
         if self.base_config is None:
@@ -183,14 +159,20 @@ class RegistryService(TenantAccounts, AdapterAudit):
         source: str | os.PathLike,
         *,
         actor: str | None = None,
-        replace: bool = False,
+        replace: bool = True,
         default_preset: dict[str, Any] | None = None,
     ) -> AdapterHandle:
-        """Validate an adapter folder or archive and register it as ``name``.
+        """Validate an adapter folder or archive and register it as ``name``: version 1
+        of a new adapter, or the next version of an existing one. An adapter that follows
+        the latest version (no explicit rollout) sends every request to the new version at
+        once; one with an explicit rollout keeps it (``name@N`` reaches the new version).
+        The tenant's ``max_versions_per_adapter`` removes the oldest version the rollout
+        does not name. ``replace=False`` refuses an existing name instead
+        (:class:`AdapterConflict`).
 
         Raises AdapterValidationError (bad adapter), InvalidName, InvalidPreset,
-        TenantNotFound, QuotaExceeded (``max_adapters``/``max_stored_bytes``), AdapterConflict (name taken, unless ``replace=True``, which
-        bumps the version), ObjectStoreError.
+        TenantNotFound, QuotaExceeded (``max_adapters``, ``max_stored_bytes``,
+        ``max_versions_per_adapter``), AdapterConflict, ObjectStoreError.
         """
         check_name(name)
         preset = check_preset(default_preset, self.preset_check)
@@ -221,23 +203,22 @@ class RegistryService(TenantAccounts, AdapterAudit):
                 sha256=digest,
                 size_bytes=weights_path.stat().st_size,
                 object_key=object_key(digest),
-                status="ready",
             )
-            if preset is not None:
-                fields["default_preset"] = preset
             # the marker keeps gc() off the object until the row is committed (or not)
             with pending_marker(self.store, digest, self.tmp_dir):
                 # Always (re)write: it refreshes the object's age too.
                 self.store.put_file(fields["object_key"], weights_path, sha256=digest)
-                handle, kind = self._commit_upload(tenant_id, name, fields, actor, replace)
+                handle, kind, removed = self._commit_upload(
+                    tenant_id, name, fields, preset, actor, replace)
         self._notify(kind, handle)
+        self._after_removal(removed)
         return handle
 
     @staticmethod
     def _conflict(name: str) -> AdapterConflict:
         return AdapterConflict(
-            f"adapter {name!r} already exists; delete it first, pick another name, or "
-            "upload with replace"
+            f"adapter {name!r} already exists; pick another name, or upload it as a new "
+            "version (replace)"
         )
 
     def _commit_upload(
@@ -245,100 +226,131 @@ class RegistryService(TenantAccounts, AdapterAudit):
         tenant_id: int,
         name: str,
         fields: dict[str, Any],
+        preset: dict[str, Any] | None,
         actor: str | None,
         replace: bool,
-    ) -> tuple[AdapterHandle, str]:
-        """The one transaction of an upload: the quota check, the row and its audit event."""
+    ) -> tuple[AdapterHandle, str, list[AdapterHandle]]:
+        """The one transaction of an upload: the new version, the quota checks, what the
+        retention removes and the audit events."""
         quotas = self.get_quotas(tenant_id)
         try:
             with self.db.session() as s:
                 # A no-op write takes the tenant's row lock (PostgreSQL) or the database's
                 # write lock (SQLite) first, so concurrent uploads of one tenant cannot both
-                # pass the storage check.
+                # pass the storage checks.
                 s.execute(update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name))
-                row = None
-                if replace:
-                    row = s.scalar(
-                        select(Adapter)
-                        .where(Adapter.tenant_id == tenant_id, Adapter.name == name)
-                        .with_for_update()
-                    )
-                old_bytes = row.size_bytes if row is not None else 0
-                check_storage(
-                    quotas,
-                    self._usage(s, tenant_id),
-                    0 if row is not None else 1,
-                    fields["size_bytes"] - old_bytes,
+                before = self._usage(s, tenant_id)
+                row = s.scalar(
+                    select(Adapter)
+                    .where(Adapter.tenant_id == tenant_id, Adapter.name == name)
+                    .with_for_update()
                 )
-                if row is not None:
-                    for k, v in fields.items():
-                        setattr(row, k, v)
-                    row.version += 1
-                    row.updated_at = utcnow()
-                    kind = "replaced"
-                else:
-                    row = Adapter(tenant_id=tenant_id, name=name, version=1, **fields)
+                if row is not None and not replace:
+                    raise self._conflict(name)
+                if row is None:
+                    check_storage(quotas, before, 1, 0)
+                    row = Adapter(tenant_id=tenant_id, name=name, last_version=0,
+                                  status="ready", rollout_sticky="user")
                     s.add(row)
-                    kind = "uploaded"
+                    s.flush()
+                    kind, numbers = "uploaded", []
+                else:
+                    kind = "version_added"
+                    numbers = [v.number for v in self._versions(s, row.id)]
+                if preset is not None:
+                    row.default_preset = preset
+                number = row.last_version + 1
+                version = AdapterVersion(adapter_id=row.id, number=number, **fields)
+                s.add(version)
+                row.last_version = number
+                row.status = "ready"
+                row.updated_at = utcnow()
+                if row.rollout_weights is None and numbers:  # follows the latest: moves on
+                    row.previous_live = next_previous_live(
+                        rollout_of(row, numbers), ((number, BUCKETS),))
                 s.flush()
-                s.add(self._event(row, kind, actor, {"version": row.version, "sha256": row.sha256}))
+                removed = self._retain(s, row, quotas.max_versions_per_adapter, number, actor)
                 s.flush()
-                handle = self._handle(row)
+                after = self._usage(s, tenant_id)
+                check_storage(quotas, before, 0, after.stored_bytes - before.stored_bytes)
+                s.add(self._event(row, kind, actor, {"version": number, "sha256": version.sha256}))
+                s.flush()
+                handle = self._handle(row, version)
         except IntegrityError:
             raise self._conflict(name) from None
-        return handle, kind
+        return handle, kind, removed
+
+    def _newest(self, s: Session, rows) -> list[AdapterHandle]:
+        """One handle per adapter row: its newest version."""
+        rows = list(rows)
+        if not rows:
+            return []
+        newest: dict[int, AdapterVersion] = {}
+        for v in s.scalars(select(AdapterVersion).where(
+                AdapterVersion.adapter_id.in_([r.id for r in rows]))):
+            if v.adapter_id not in newest or v.number > newest[v.adapter_id].number:
+                newest[v.adapter_id] = v
+        return [self._handle(r, newest[r.id]) for r in rows if r.id in newest]
 
     def list(self, tenant: TenantRef) -> list[AdapterHandle]:
-        """The tenant's adapters, by name."""
+        """The tenant's adapters by name, each as its newest version."""
         with self.db.session() as s:
             tenant_id = self._tenant_id(s, tenant)
-            rows = s.scalars(
-                select(Adapter).where(Adapter.tenant_id == tenant_id).order_by(Adapter.name)
-            )
-            return [self._handle(r) for r in rows]
+            return self._newest(s, s.scalars(
+                select(Adapter).where(Adapter.tenant_id == tenant_id).order_by(Adapter.name)))
 
     def list_all(self) -> list[AdapterHandle]:
-        """Every tenant's adapters (admin dashboard)."""
+        """Every tenant's adapters, each as its newest version (admin dashboard)."""
         with self.db.session() as s:
-            rows = s.scalars(select(Adapter).order_by(Adapter.tenant_id, Adapter.name))
-            return [self._handle(r) for r in rows]
+            return self._newest(s, s.scalars(select(Adapter).order_by(Adapter.tenant_id,
+                                                                       Adapter.name)))
 
     def get(self, tenant: TenantRef, name: str) -> AdapterHandle:
-        """One of the tenant's adapters; :class:`AdapterNotFound` if it has none by that name."""
+        """One of the tenant's adapters as its newest version; :class:`AdapterNotFound` if
+        it has none by that name."""
         with self.db.session() as s:
-            return self._handle(self._row(s, self._tenant_id(s, tenant), name))
+            return self._newest(s, [self._row(s, self._tenant_id(s, tenant), name)])[0]
 
-    def resolve(self, tenant: TenantRef, model_name: str) -> AdapterHandle:
-        """The adapter a request's ``model`` names, for the engine. Another tenant's adapter
-        and a disabled one resolve exactly like a missing one."""
-        handle = self.get(tenant, model_name)
-        if handle.status != "ready":
-            raise AdapterNotFound(
-                f"adapter {model_name!r} not found; list yours with GET /v1/adapters or "
-                "`loramux adapters list`"
-            )
-        return handle
-
-    def get_by_id(self, adapter_id: int) -> AdapterHandle:
-        """Any tenant's adapter by id (admin and engine use only)."""
+    def get_by_id(self, adapter_id: int, version: int | None = None) -> AdapterHandle:
+        """Any tenant's adapter by id (admin and engine use only): one version, default
+        the newest."""
         with self.db.session() as s:
             row = s.get(Adapter, adapter_id)
-            if row is None:
-                raise AdapterNotFound(f"adapter id {adapter_id} not found")
-            return self._handle(row)
+            versions = self._versions(s, adapter_id) if row is not None else []
+            if version is not None:
+                versions = [v for v in versions if v.number == version]
+            if not versions:
+                raise AdapterNotFound(f"adapter id {adapter_id} (version {version}) not found")
+            return self._handle(row, versions[-1])
 
-    def fetch_by_id(self, adapter_id: int) -> Path:
-        """Adapter source for engines: the local PEFT folder of an adapter id."""
-        return self.get_by_id(adapter_id).local_path()
+    def fetch_by_id(self, adapter_id: int, version: int | None = None) -> Path:
+        """Adapter source for engines: the local PEFT folder of an adapter id's version."""
+        return self.get_by_id(adapter_id, version).local_path()
 
     def delete(self, tenant: TenantRef, name: str, *, actor: str | None = None) -> AdapterHandle:
-        """Remove the row (the name becomes free); the weights go at the next ``gc()``."""
+        """Remove the adapter and every version (the name becomes free); the weights go at
+        the next ``gc()``. Listeners hear ``deleted`` with the newest version's handle."""
         with self.db.session() as s:
             row = self._row(s, self._tenant_id(s, tenant), name)
-            handle = self._handle(row)
-            s.add(self._event(row, "deleted", actor, {"version": row.version}))
+            handle = self._newest(s, [row])[0]
+            versions = [v.number for v in self._versions(s, row.id)]
+            s.add(self._event(row, "deleted", actor, {"version": row.last_version,
+                                                      "versions": versions}))
             s.delete(row)
         self._notify("deleted", handle)
+        return handle
+
+    def _change(self, tenant: TenantRef, name: str, kind: str, actor: str | None,
+                details: dict[str, Any] | None, **values: Any) -> AdapterHandle:
+        with self.db.session() as s:
+            row = self._row(s, self._tenant_id(s, tenant), name)
+            for k, v in values.items():
+                setattr(row, k, v)
+            row.updated_at = utcnow()
+            s.add(self._event(row, kind, actor, details))
+            s.flush()
+            handle = self._newest(s, [row])[0]
+        self._notify(kind, handle)
         return handle
 
     def set_preset(
@@ -349,17 +361,11 @@ class RegistryService(TenantAccounts, AdapterAudit):
         *,
         actor: str | None = None,
     ) -> AdapterHandle:
-        """Store (or with ``None`` clear) the adapter's default sampling preset."""
+        """Store (or with ``None`` clear) the adapter's default sampling preset (every
+        version shares it)."""
         checked = check_preset(preset, self.preset_check)
-        with self.db.session() as s:
-            row = self._row(s, self._tenant_id(s, tenant), name)
-            row.default_preset = checked
-            row.updated_at = utcnow()
-            s.add(self._event(row, "preset_changed", actor, {"preset": checked}))
-            s.flush()
-            handle = self._handle(row)
-        self._notify("preset_changed", handle)
-        return handle
+        return self._change(tenant, name, "preset_changed", actor, {"preset": checked},
+                            default_preset=checked)
 
     def set_description(
         self, tenant: TenantRef, name: str, description: str | None, *, actor: str | None = None
@@ -370,15 +376,8 @@ class RegistryService(TenantAccounts, AdapterAudit):
                 f"a description may hold at most {MAX_DESCRIPTION_CHARS} characters, "
                 f"got {len(description)}"
             )
-        with self.db.session() as s:
-            row = self._row(s, self._tenant_id(s, tenant), name)
-            row.description = description or None
-            row.updated_at = utcnow()
-            s.add(self._event(row, "described", actor, None))
-            s.flush()
-            handle = self._handle(row)
-        self._notify("described", handle)
-        return handle
+        return self._change(tenant, name, "described", actor, None,
+                            description=description or None)
 
     # -- garbage collection ---------------------------------------------------------
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from loramux.registry import auth
 from loramux.registry.errors import TenantConflict, TenantNotFound
-from loramux.registry.models import Adapter, ApiKey, Tenant, TenantQuota, utcnow
+from loramux.registry.models import Adapter, AdapterVersion, ApiKey, Tenant, TenantQuota, utcnow
 from loramux.registry.names import check_name
 from loramux.registry.quotas import QUOTA_FIELDS, Quotas, TenantUsage
 
@@ -178,17 +178,17 @@ class TenantAccounts:
         return self.default_quotas if quotas is None else quotas
 
     def get_usage(self, tenant: TenantRef) -> TenantUsage:
-        """What the tenant stores now (adapter count, sum of their sizes)."""
+        """What the tenant stores now (adapter count, bytes of its versions' weights)."""
         with self.db.session() as s:
             return self._usage(s, self._tenant_id(s, tenant))
 
     @staticmethod
     def _usage(s: Session, tenant_id: int) -> TenantUsage:
-        count, total = s.execute(
-            select(func.count(Adapter.id), func.coalesce(func.sum(Adapter.size_bytes), 0)).where(
-                Adapter.tenant_id == tenant_id
-            )
-        ).one()
-        return TenantUsage(int(count), int(total))
+        count = s.scalar(select(func.count(Adapter.id)).where(Adapter.tenant_id == tenant_id))
+        objects = (select(AdapterVersion.object_key, AdapterVersion.size_bytes)
+                   .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
+                   .where(Adapter.tenant_id == tenant_id).distinct().subquery())
+        total = s.scalar(select(func.coalesce(func.sum(objects.c.size_bytes), 0)))
+        return TenantUsage(int(count or 0), int(total or 0))
 
     # -- adapters -------------------------------------------------------------------

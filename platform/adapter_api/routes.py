@@ -1,4 +1,4 @@
-"""Tenant adapter API: ``/v1/adapters``."""
+"""Tenant adapter API: ``/v1/adapters`` (adapters, their versions, rollout and rollback)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from loramux.platform.adapter_api.schemas import (
     AdapterList,
     AdapterPatch,
     ExportRequest,
+    RolloutBody,
+    RolloutInfo,
     S3Upload,
+    VersionDeleted,
+    VersionInfo,
+    VersionList,
 )
 from loramux.platform.deps import AdaptersDep, TenantDep
 from loramux.platform.errors import PayloadTooLarge, UnsupportedMediaType
@@ -41,7 +46,8 @@ _UPLOAD_BODY = {
                             "or one .tar.gz / .zip archive",
                         },
                         "preset": {"type": "string", "description": "JSON object"},
-                        "replace": {"type": "boolean"},
+                        "replace": {"type": "boolean", "description": "accepted for older "
+                                    "clients: an upload to an existing name adds a version"},
                     },
                 }
             },
@@ -71,13 +77,16 @@ async def _json_body(request: Request, model: type[BaseModel], required: bool = 
 @router.post("", status_code=201, openapi_extra=_UPLOAD_BODY, response_model=AdapterInfo)
 async def upload_adapter(request: Request, caller: TenantDep, service: AdaptersDep,
                          replace: bool = False):
-    """Upload an adapter (multipart), or register one from an ``s3://`` URI (JSON)."""
+    """Upload an adapter (multipart), or register one from an ``s3://`` URI (JSON). An
+    existing name gets its next version (``replace`` changes nothing); an adapter that
+    follows the latest version sends every request to it at once, one with an explicit
+    rollout keeps it."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
-        return await service.upload_multipart(caller, request, replace)
+        return await service.upload_multipart(caller, request)
     if ctype == "application/json":
         body = await _json_body(request, S3Upload)
-        return await service.upload_s3(caller, body, replace)
+        return await service.upload_s3(caller, body)
     raise UnsupportedMediaType(
         "send multipart/form-data (files) or application/json ({name, source: s3://...})"
     )
@@ -101,8 +110,54 @@ async def patch_adapter(name: str, body: AdapterPatch, caller: TenantDep, servic
 
 @router.delete("/{name}", response_model=AdapterDeleted)
 async def delete_adapter(name: str, caller: TenantDep, service: AdaptersDep):
-    """Delete the adapter; the engine drops it from its slots and memory."""
+    """Delete the adapter and every version; the engine drops them from its slots and memory."""
     return await service.delete(caller, name)
+
+
+@router.get("/{name}/versions", response_model=VersionList)
+async def list_versions(name: str, caller: TenantDep, service: AdaptersDep):
+    """The retained versions (oldest first), each with its share of the rollout and its
+    numbers over the last hour (requests, errors, tokens, TTFT / TPOT percentiles)."""
+    return await service.releases.list_versions(caller, name)
+
+
+@router.get("/{name}/versions/{version}", response_model=VersionInfo)
+async def get_version(name: str, version: int, caller: TenantDep, service: AdaptersDep):
+    return await service.releases.get_version(caller, name, version)
+
+
+@router.delete("/{name}/versions/{version}", response_model=VersionDeleted)
+async def delete_version(name: str, version: int, caller: TenantDep, service: AdaptersDep):
+    """Remove one version and its weights; 409 while the rollout names it."""
+    return await service.releases.delete_version(caller, name, version)
+
+
+@router.get("/{name}/rollout", response_model=RolloutInfo)
+async def get_rollout(name: str, caller: TenantDep, service: AdaptersDep):
+    return await service.releases.rollout(caller, name)
+
+
+@router.put("/{name}/rollout", response_model=RolloutInfo,
+            openapi_extra={"requestBody": {"required": True, "content": {
+                "application/json": {"schema": RolloutBody.model_json_schema()}}}})
+async def put_rollout(name: str, request: Request, caller: TenantDep, service: AdaptersDep):
+    """Send the plain name's requests to versions by integer percent (summing to 100),
+    sticky per the request's ``user`` (or the API key, or none). New requests follow at
+    once on every server; queued and running ones keep their version."""
+    body = await _json_body(request, RolloutBody)
+    return await service.releases.set_rollout(caller, name, body)
+
+
+@router.delete("/{name}/rollout", response_model=RolloutInfo)
+async def follow_latest(name: str, caller: TenantDep, service: AdaptersDep):
+    """Drop the explicit rollout: the newest version takes every request, uploads move there."""
+    return await service.releases.follow_latest(caller, name)
+
+
+@router.post("/{name}/rollback", response_model=RolloutInfo)
+async def rollback(name: str, caller: TenantDep, service: AdaptersDep):
+    """Every request to the previous live version, in one step (409 when there is none)."""
+    return await service.releases.rollback(caller, name)
 
 
 @router.post("/{name}/export", response_model=AdapterExport, openapi_extra={"requestBody": {
@@ -111,4 +166,4 @@ async def export_adapter(name: str, request: Request, caller: TenantDep, service
     """Merge the adapter into the base model (``merge_and_unload``) and write the folder to
     the object store; the response's ``location`` says where."""
     body = await _json_body(request, ExportRequest, required=False)
-    return await service.export(caller, name, body.check)
+    return await service.export(caller, name, body.check, body.version)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loramux.registry.models import MAX_DESCRIPTION_CHARS
 
 if TYPE_CHECKING:
-    from loramux.registry.handles import AdapterHandle
+    from loramux.registry.handles import AdapterHandle, Release
 
 
 class S3Upload(BaseModel):
@@ -21,7 +21,8 @@ class S3Upload(BaseModel):
     source: str = Field(description="`s3://bucket/key` of an archive, or `s3://bucket/prefix/` "
                         "of a folder with adapter_config.json + adapter_model.safetensors.")
     preset: dict[str, Any] | None = Field(None, description="Default sampling parameters.")
-    replace: bool = False
+    replace: bool = Field(False, description="Accepted for older clients: an upload to an "
+                          "existing name always adds a version.")
 
 
 class AdapterPatch(BaseModel):
@@ -36,6 +37,7 @@ class ExportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     check: bool = Field(False, description="Compare the merged model's logits with base + adapter.")
+    version: int | None = Field(None, ge=1, description="The version to merge; default the newest.")
 
 
 class AdapterInfo(BaseModel):
@@ -92,3 +94,97 @@ class AdapterExport(BaseModel):
     location: str
     """A URI a person can use: ``s3://bucket/...`` or ``file:///...``."""
     files: list[str]
+
+
+class RolloutBody(BaseModel):
+    """``PUT /v1/adapters/{name}/rollout``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weights: dict[str, Any] = Field(description='Integer percent per version number, summing '
+                                    'to 100: `{"3": 90, "4": 10}`.')
+    sticky: str = Field("user", description="What keeps a caller on one version: `user` (the "
+                        "request's `user` field; requests without one are drawn by weight), "
+                        "`key` (the API key) or `none`.")
+
+
+class RolloutInfo(BaseModel):
+    """How requests for the plain name spread over the versions."""
+
+    object: Literal["adapter.rollout"] = "adapter.rollout"
+    adapter: str
+    weights: dict[str, int]
+    """Percent per version number (as a string)."""
+    sticky: str
+    follow_latest: bool
+    """True: no explicit rollout; the newest version takes everything, uploads move there."""
+    rollback_to: int | None
+    """What ``POST /v1/adapters/{name}/rollback`` puts 100% on (None: nothing to roll back to)."""
+    updated_at: str
+
+    @classmethod
+    def of(cls, release: Release) -> RolloutInfo:
+        r = release.rollout
+        return cls(adapter=release.name, weights={str(v): w for v, w in r.weights},
+                   sticky=r.sticky, follow_latest=r.follow_latest, rollback_to=r.rollback_to,
+                   updated_at=release.newest.updated_at.isoformat())
+
+
+class Percentiles(BaseModel):
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+class VersionNumbers(BaseModel):
+    """A version's numbers over the last ``window_s`` seconds (every server's requests)."""
+
+    window_s: int
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: Percentiles = Percentiles()
+    tpot_ms: Percentiles = Percentiles()
+
+
+class VersionInfo(BaseModel):
+    """One immutable version; ``model: "<name>@<version>"`` pins it."""
+
+    object: Literal["adapter.version"] = "adapter.version"
+    id: str
+    """``<name>@<version>``."""
+    adapter: str
+    version: int
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    sha256: str
+    size_bytes: int
+    created_at: str
+    weight: int
+    """Percent of the plain name's requests it takes now."""
+    stats: VersionNumbers
+
+    @classmethod
+    def of(cls, handle: AdapterHandle, weight: int, stats: VersionNumbers) -> VersionInfo:
+        return cls(id=f"{handle.name}@{handle.version}", adapter=handle.name,
+                   version=handle.version, base_model=handle.base_model, rank=handle.rank,
+                   alpha=handle.alpha, target_modules=list(handle.target_modules),
+                   sha256=handle.sha256, size_bytes=handle.size_bytes,
+                   created_at=handle.created_at.isoformat(), weight=weight, stats=stats)
+
+
+class VersionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VersionInfo]
+    """Oldest first."""
+    rollout: RolloutInfo
+
+
+class VersionDeleted(BaseModel):
+    id: str
+    object: Literal["adapter.version"] = "adapter.version"
+    deleted: bool = True

@@ -1,5 +1,7 @@
-"""The tenant adapter API's logic: upload (multipart or ``s3://``), list, get, patch,
-delete (which evicts the adapter from the engine), export (merged model to the store).
+"""The tenant adapter API's logic: upload (multipart or ``s3://``; a new name is version 1,
+an existing one gets its next version), list, get, patch, delete (which evicts every
+version from the engine), export (merged model to the store); versions and rollouts in
+:mod:`.releases`.
 
 Short registry calls run in the database bulkhead, uploads and exports in a worker
 thread; registry errors are raised as they are
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from loramux.platform.adapter_api.releases import ReleaseService
 from loramux.platform.adapter_api.schemas import (
     AdapterDeleted,
     AdapterExport,
@@ -60,7 +63,10 @@ class AdapterService:
         s3_endpoint_url: str | None = None,
         s3_import_allow: list[str] | None = None,
         own_s3_root: str | None = None,
+        flush_usage=None,
     ) -> None:
+        """``flush_usage``: the usage writer's flush (the versions' numbers see this
+        server's last requests)."""
         self.registry = registry
         self.resolver = resolver
         self.scratch = scratch_dir
@@ -69,6 +75,9 @@ class AdapterService:
         self.s3_import_allow = [_as_prefix(p) for p in s3_import_allow or ()]
         self.own_s3_root = _as_prefix(own_s3_root) if own_s3_root else None
         self._export_lock = asyncio.Lock()
+        self.releases = ReleaseService(registry, resolver.deps, flush_usage)
+        """Versions, rollouts and rollback (``/v1/adapters/{name}/versions``, ``/rollout``,
+        ``/rollback``)."""
 
     async def _call(self, fn, *args, **kwargs):
         """A short registry call (database) in the database bulkhead, within its deadline;
@@ -87,15 +96,17 @@ class AdapterService:
         return f"tenant:{caller.tenant.name}" if caller.tenant is not None else "admin"
 
     # --- upload -------------------------------------------------------------------------
-    async def upload_multipart(self, caller: Caller, request: Request, replace_q: bool) -> AdapterInfo:
+    async def upload_multipart(self, caller: Caller, request: Request) -> AdapterInfo:
+        """A new adapter, or a new version of an existing one (``replace`` is accepted for
+        older clients and changes nothing)."""
         received = await receive_multipart(request, self.scratch, self.max_upload_bytes)
         try:
             name = received.fields.get("name") or ""
             if not name:
                 raise BadRequest("the form field `name` is required", param="name")
             preset = parse_preset_field(received.fields.get("preset"))
-            replace = replace_q or parse_bool(received.fields.get("replace"), "replace")
-            return await self._upload(caller, name, received, preset, replace)
+            parse_bool(received.fields.get("replace"), "replace")
+            return await self._upload(caller, name, received, preset)
         finally:
             await run_in_threadpool(received.cleanup)
 
@@ -121,15 +132,14 @@ class AdapterService:
                 "(--s3-import-allow)", param="source", code="source_not_allowed",
             )
 
-    async def upload_s3(self, caller: Caller, body: S3Upload, replace_q: bool) -> AdapterInfo:
+    async def upload_s3(self, caller: Caller, body: S3Upload, replace: bool = True) -> AdapterInfo:
         self.check_import_source(caller, body.source)
         received: Received = await run_in_threadpool(
             fetch_s3, body.source, self.scratch, self.max_upload_bytes,
             endpoint_url=self.s3_endpoint_url,
         )
         try:
-            return await self._upload(caller, body.name, received, body.preset,
-                                      replace_q or bool(body.replace))
+            return await self._upload(caller, body.name, received, body.preset, replace)
         finally:
             await run_in_threadpool(received.cleanup)
 
@@ -145,7 +155,9 @@ class AdapterService:
             await run_in_threadpool(received.cleanup)
 
     async def _upload(self, caller: Caller, name: str, received: Received, preset,
-                      replace: bool) -> AdapterInfo:
+                      replace: bool = True) -> AdapterInfo:
+        """``replace`` False refuses an existing name (vLLM's load API without
+        ``load_inplace``); else an existing name gets its next version."""
         if preset is not None:
             validate_preset(preset)
         handle = await self._long(
@@ -190,8 +202,10 @@ class AdapterService:
         return AdapterDeleted(id=handle.name)
 
     # --- export -------------------------------------------------------------------------
-    async def export(self, caller: Caller, name: str, check: bool) -> AdapterExport:
-        handle = await self._call(self.registry.get, caller.tenant.id, name)
+    async def export(self, caller: Caller, name: str, check: bool,
+                     version: int | None = None) -> AdapterExport:
+        handle = await self._call(self.registry.get, caller.tenant.id, name) if version is None \
+            else await self._call(self.registry.get_version, caller.tenant.id, name, version)
         async with self._export_lock:
             self.scratch.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix="export-", dir=self.scratch))
@@ -199,7 +213,7 @@ class AdapterService:
                 out = tmp / "merged"
                 await self._long(
                     self.registry.export, caller.tenant.id, name, out, check=check,
-                    actor=self._actor(caller), progress=False,
+                    actor=self._actor(caller), progress=False, version=handle.version,
                 )
                 prefix = (
                     f"exports/tenant-{handle.tenant_id}/{handle.name}/"

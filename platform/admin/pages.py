@@ -120,8 +120,12 @@ async def adapters_page(request: Request, session: PageSession, service: AdminSe
         rows = [r for r in rows if r.tier == tier]
     rows = sorted(rows, key=SORTS.get(sort, SORTS["key"]), reverse=desc)
     engines = [e.id for e in (await service.overview()).engines]
+    releases = (await service.releases()).data
+    if tenant:
+        releases = [r for r in releases if r.tenant == tenant]
     return _render(request, session, "adapters.html", rows=rows, tenants=tenants, tiers=tiers,
-                   tenant=tenant, tier=tier, sort=sort, desc=desc, engines=engines)
+                   tenant=tenant, tier=tier, sort=sort, desc=desc, engines=engines,
+                   releases=releases)
 
 
 @router.get("/ui/tenants", response_class=HTMLResponse)

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from loramux.platform.admin.schemas import ActionResult, AuditLog, Overview, Residency, TenantList
+from loramux.platform.admin.schemas import (
+    ActionResult,
+    AuditLog,
+    Overview,
+    ReleaseRow,
+    Releases,
+    Residency,
+    TenantList,
+)
 from loramux.platform.deps import AdminDep, AdminServiceDep
 from loramux.platform.openai.protocol import ERROR_RESPONSES
 
@@ -36,6 +44,19 @@ async def events(_: AdminDep, service: AdminServiceDep, tenant: str | None = Non
                  kind: str | None = None, limit: int = Query(200, ge=1, le=1000)):
     """Recent adapter and key events, newest first (filter by tenant name and kind)."""
     return await service.audit(tenant, kind, limit)
+
+
+@router.get("/releases", response_model=Releases)
+async def releases(_: AdminDep, service: AdminServiceDep):
+    """Every tenant adapter: its versions, the live split, the rollback target, and each
+    version's numbers over the last hour (requests, errors, tokens, TTFT / TPOT)."""
+    return await service.releases()
+
+
+@router.post("/releases/{tenant}/{adapter}/rollback", response_model=ReleaseRow)
+async def rollback(tenant: str, adapter: str, _: AdminDep, service: AdminServiceDep):
+    """Put 100% on the adapter's previous live version (409 when there is none)."""
+    return await service.rollback(tenant, adapter)
 
 
 @router.post("/adapters/{key:path}/{action}", response_model=ActionResult)

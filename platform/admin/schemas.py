@@ -172,3 +172,43 @@ class AuditEvent(BaseModel):
 class AuditLog(BaseModel):
     object: Literal["list"] = "list"
     data: list[AuditEvent]
+
+
+class ReleaseVersion(BaseModel):
+    """One version of an adapter on the dashboard: its share of the rollout and its last
+    hour's numbers (every server's requests, from the usage records)."""
+
+    version: int
+    weight: int
+    created_at: datetime
+    size_bytes: int
+    sha256: str
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p99_ms: float | None = None
+
+
+class ReleaseRow(BaseModel):
+    """One tenant adapter: its versions and its rollout."""
+
+    tenant: str | None
+    tenant_id: int
+    adapter: str
+    sticky: str
+    follow_latest: bool
+    rollback_to: int | None
+    """What a rollback puts 100% on (None: nothing to roll back to)."""
+    split: str
+    """The live split, e.g. ``v3 90% · v4 10%``."""
+    versions: list[ReleaseVersion]
+
+
+class Releases(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ReleaseRow]
+    window_s: int = 3600

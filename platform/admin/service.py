@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
+
+from starlette.concurrency import run_in_threadpool
 
 from loramux.platform.admin.actions import ACTIONS
 from loramux.platform.admin.activity import Activity
@@ -24,6 +26,9 @@ from loramux.platform.admin.schemas import (
     Overview,
     QuotaUse,
     RejectionInfo,
+    ReleaseRow,
+    Releases,
+    ReleaseVersion,
     Residency,
     ResidencyRow,
     TenantInfo,
@@ -60,6 +65,9 @@ class AdminService:
         """The server's dependency report for the overview (``dependency_report``)."""
         self.goodput: Callable[[], dict[str, float | int | None]] | None = None
         """The server's goodput against its targets (``Metrics.goodput_report``)."""
+        self.flush_usage: Callable[[], object] | None = None
+        """The usage writer's flush (blocking): the releases' numbers see this server's
+        last requests; None where nothing writes usage (a gateway)."""
 
     def _registry_rows(self) -> list[tuple[str, AdapterHandle, str]]:
         if self.registry is None:
@@ -67,7 +75,7 @@ class AdminService:
         tenants = {t.id: t.name for t in self.registry.list_tenants()}
         return [
             (str(EngineKey.for_handle(h)), h, tenants.get(h.tenant_id, "?"))
-            for h in self.registry.list_all()
+            for h in self.registry.list_all_versions()
         ]
 
     async def overview(self) -> Overview:
@@ -164,6 +172,59 @@ class AdminService:
                                         actor="admin")
         except Exception:
             logger.exception("could not record the %s of %s", kind, key)
+
+    # --- releases: versions, rollouts, rollback ------------------------------------------
+    def _releases(self, window_s: int) -> Releases:
+        reg = self.registry
+        if reg is None:
+            return Releases(data=[], window_s=window_s)
+        names = {t.id: t.name for t in reg.list_tenants()}
+        since = datetime.now(timezone.utc) - timedelta(seconds=window_s)
+        stats = reg.usage.version_stats(since=since)
+        rows = []
+        for release in reg.releases():
+            r = release.rollout
+            versions = []
+            for n, h in release.versions.items():
+                st = stats.get((h.tenant_id, h.name, n))
+                versions.append(ReleaseVersion(
+                    version=n, weight=r.weight(n), created_at=h.created_at,
+                    size_bytes=h.size_bytes, sha256=h.sha256,
+                    **({} if st is None else dict(
+                        requests=st.requests, errors=st.errors, prompt_tokens=st.prompt_tokens,
+                        completion_tokens=st.completion_tokens,
+                        ttft_p50_ms=st.ttft_ms.get("p50"), ttft_p99_ms=st.ttft_ms.get("p99"),
+                        tpot_p50_ms=st.tpot_ms.get("p50"), tpot_p99_ms=st.tpot_ms.get("p99")))))
+            rows.append(ReleaseRow(
+                tenant=names.get(release.tenant_id), tenant_id=release.tenant_id,
+                adapter=release.name, sticky=r.sticky, follow_latest=r.follow_latest,
+                rollback_to=r.rollback_to, versions=versions,
+                split=" · ".join(f"v{v} {w}%" for v, w in r.weights if w)))
+        return Releases(data=rows, window_s=window_s)
+
+    async def releases(self, window_s: int = 3600) -> Releases:
+        """Every tenant adapter's versions, live split and last-hour numbers per version."""
+        if self.flush_usage is not None:
+            await run_in_threadpool(self.flush_usage)
+        return await self.resolver.deps.db.call(self._releases, window_s)
+
+    async def rollback(self, tenant: str, adapter: str) -> ReleaseRow:
+        """Roll one tenant's adapter back to its previous live version (the dashboard's
+        button); the change reaches every server like a tenant's own."""
+        if self.registry is None:
+            raise NotFound("this server runs without an adapter registry")
+        tenants = await self.resolver.deps.db.call(self.registry.list_tenants)
+        tenant_id = next((t.id for t in tenants if t.name == tenant), None)
+        if tenant_id is None:
+            raise NotFound(f"no tenant {tenant[:60]!r}", param="tenant", code="tenant_not_found")
+        await self.resolver.deps.db.call(self.registry.rollback, tenant_id, adapter,
+                                         actor="admin")
+        logger.info("admin rollback %s/%s", tenant, adapter,
+                    extra={"tenant": tenant, "adapter": adapter, "action": "rollback"})
+        for row in (await self.releases()).data:
+            if row.tenant_id == tenant_id and row.adapter == adapter:
+                return row
+        raise NotFound(f"adapter {adapter!r} not found", code="adapter_not_found")
 
     # --- tenants and audit (registry reads, in a worker thread) ---------------------------
     def _tenants(self) -> TenantList:

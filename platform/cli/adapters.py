@@ -1,4 +1,5 @@
-"""``loramux adapters``: validate, upload, list, delete, set-preset."""
+"""``loramux adapters``: validate, upload, list, delete, set-preset; releases: versions,
+delete-version, rollout (show, set weights, follow the latest), rollback."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from loramux.platform.cli.common import (
     resolve_base_model,
 )
 from loramux.platform.cli.flags import settings_from_args
+from loramux.registry.rollouts import STICKY_MODES
 
 
 def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +34,9 @@ def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
     upload.add_argument("path", help="adapter folder, .tar.gz or .zip")
     upload.add_argument("--tenant", required=True)
     upload.add_argument("--name", required=True)
-    upload.add_argument("--replace", action="store_true", help="replace an existing adapter")
+    upload.add_argument("--replace", action="store_true",
+                        help="accepted for older scripts: an upload to an existing name always "
+                        "adds its next version")
     upload.add_argument("--preset", help="default sampling preset as JSON")
     upload.set_defaults(func=cmd_adapters_upload)
     lst = asub.add_parser("list", parents=[registry_options()], help="a tenant's adapters")
@@ -50,6 +54,34 @@ def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
     preset.add_argument("preset", help="JSON object, or 'null' to clear")
     preset.add_argument("--tenant", required=True)
     preset.set_defaults(func=cmd_adapters_set_preset)
+    versions = asub.add_parser("versions", parents=[registry_options()],
+                               help="an adapter's versions and its rollout")
+    versions.add_argument("name")
+    versions.add_argument("--tenant", required=True)
+    versions.add_argument("--json", action="store_true", help="one JSON object per line")
+    versions.set_defaults(func=cmd_adapters_versions)
+    delv = asub.add_parser("delete-version", parents=[registry_options()],
+                           help="remove one version (not one the rollout names)")
+    delv.add_argument("name")
+    delv.add_argument("version", type=int)
+    delv.add_argument("--tenant", required=True)
+    delv.set_defaults(func=cmd_adapters_delete_version)
+    rollout = asub.add_parser("rollout", parents=[registry_options()],
+                              help="show or set how requests spread over versions")
+    rollout.add_argument("name")
+    rollout.add_argument("--tenant", required=True)
+    how = rollout.add_mutually_exclusive_group()
+    how.add_argument("--weights", help="percent per version, summing to 100: 3=90,4=10")
+    how.add_argument("--follow-latest", action="store_true",
+                     help="drop the explicit rollout: the newest version takes everything")
+    rollout.add_argument("--sticky", choices=STICKY_MODES, default=None,
+                         help="what keeps a caller on one version (default: user)")
+    rollout.set_defaults(func=cmd_adapters_rollout)
+    rollback = asub.add_parser("rollback", parents=[registry_options()],
+                               help="every request to the previous live version")
+    rollback.add_argument("name")
+    rollback.add_argument("--tenant", required=True)
+    rollback.set_defaults(func=cmd_adapters_rollback)
 
 
 def cmd_adapters_validate(args: argparse.Namespace) -> int:
@@ -96,7 +128,6 @@ def cmd_adapters_upload(args: argparse.Namespace) -> int:
         args.name,
         args.path,
         actor=actor(),
-        replace=args.replace,
         default_preset=_preset_arg(args.preset),
     )
     print(
@@ -132,4 +163,67 @@ def cmd_adapters_set_preset(args: argparse.Namespace) -> int:
         args.tenant, args.name, _preset_arg(args.preset), actor=actor()
     )
     print(json.dumps(handle.default_preset))
+    return EXIT_OK
+
+
+def _print_rollout(release) -> None:
+    r = release.rollout
+    split = ", ".join(f"v{v} {w}%" for v, w in r.weights)
+    mode = " (follows the latest)" if r.follow_latest else ""
+    back = f"v{r.rollback_to}" if r.rollback_to is not None else "none"
+    print(f"{release.name}: {split}{mode}; sticky {r.sticky}; rollback to {back}")
+
+
+def cmd_adapters_versions(args: argparse.Namespace) -> int:
+    release = registry_from_args(args).release(args.tenant, args.name)
+    for n, h in release.versions.items():
+        if args.json:
+            print(json.dumps({**h.to_dict(), "weight": release.rollout.weight(n)}, sort_keys=True))
+        else:
+            print(f"v{n}\t{release.rollout.weight(n)}%\trank {h.rank}\t{h.size_bytes} B\t"
+                  f"sha256 {h.sha256[:12]}\t{h.created_at:%Y-%m-%d %H:%M}")
+    if not args.json:
+        _print_rollout(release)
+    return EXIT_OK
+
+
+def cmd_adapters_delete_version(args: argparse.Namespace) -> int:
+    handle = registry_from_args(args).delete_version(args.tenant, args.name, args.version,
+                                                     actor=actor())
+    print(f"deleted {handle.name!r} v{handle.version}")
+    return EXIT_OK
+
+
+def _weights_arg(text: str) -> dict[str, int | str]:
+    """``3=90,4=10`` as the API's JSON object (the registry checks the numbers)."""
+    out: dict[str, int | str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        version, sep, weight = part.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --weights takes VERSION=PERCENT pairs, got {part!r}")
+        out[version.strip().lstrip("v")] = int(weight) if weight.strip().lstrip("-").isdigit() \
+            else weight.strip()
+    return out
+
+
+def cmd_adapters_rollout(args: argparse.Namespace) -> int:
+    registry = registry_from_args(args)
+    if args.follow_latest:
+        release = registry.follow_latest(args.tenant, args.name, actor=actor())
+    elif args.weights is not None:
+        release = registry.set_rollout(args.tenant, args.name, _weights_arg(args.weights),
+                                       args.sticky or "user", actor=actor())
+    elif args.sticky is not None:
+        current = registry.release(args.tenant, args.name).rollout
+        release = registry.set_rollout(args.tenant, args.name,
+                                       {str(v): w for v, w in current.weights}, args.sticky,
+                                       actor=actor())
+    else:
+        release = registry.release(args.tenant, args.name)
+    _print_rollout(release)
+    return EXIT_OK
+
+
+def cmd_adapters_rollback(args: argparse.Namespace) -> int:
+    _print_rollout(registry_from_args(args).rollback(args.tenant, args.name, actor=actor()))
     return EXIT_OK

@@ -13,7 +13,9 @@
     it serves (:func:`~.heartbeat.read_record`, from the engine's public residency snapshot), at
     once whenever the engine's adapter event hook reports a load, eviction or drop;
   * applies fanned-out admin actions (evict / pin / unpin / warm) and registry events
-    (adapter deleted or replaced: drop its weights; key revoked: forget cached keys);
+    (adapter deleted: drop every version's weights; a version removed: drop its weights;
+    adapter changed (new version, rollout): forget its cached resolution; key revoked:
+    forget cached keys);
   * publishes the registry events of changes made through it (the adapter API), so every
     other engine and gateway hears of them.
 
@@ -73,7 +75,7 @@ class GatewayIdentityAuthenticator(Authenticator):
         identity = read_identity(self.secret, key)
         if identity is None:
             return None
-        tid, is_admin = identity
+        tid, is_admin, key_prefix = identity
         if tid is None:
             return Caller(None, is_admin=is_admin)
         if self.registry is None:
@@ -83,7 +85,7 @@ class GatewayIdentityAuthenticator(Authenticator):
                 self._tenants, tid, lambda: self.deps.db.call(self.registry.get_tenant, tid))
         except LookupError:  # a deleted tenant (TenantNotFound)
             return None
-        return Caller(tenant, is_admin=is_admin)
+        return Caller(tenant, is_admin=is_admin, key_prefix=key_prefix)
 
     def forget(self) -> None:
         super().forget()
@@ -165,19 +167,27 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
                     cluster.push_reply(ev.reply_to, reply)
                 except Exception as e:
                     logger.warning("could not answer %s %s: %s", ev.kind, ev.adapter_id, e)
-        elif ev.kind in ("adapter_deleted", "adapter_replaced"):
-            if ev.tenant_id is not None and ev.name is not None:
-                state.resolver.invalidate(int(ev.tenant_id), ev.name)
-            drop = state.resolver.drop_engine_key
-            if ev.kind == "adapter_deleted" and ev.adapter_id and drop is not None:
-                drop(ev.adapter_id)
+        elif ev.kind in ("adapter_deleted", "adapter_changed", "version_removed"):
+            if ev.tenant_id is None or ev.name is None:
+                return
+            tenant_id = int(ev.tenant_id)
+            state.resolver.invalidate(tenant_id, ev.name)
+            if ev.kind == "adapter_deleted":  # every version this engine served
+                state.resolver.drop_adapter(tenant_id, ev.name,
+                                            {ev.adapter_id} if ev.adapter_id else set())
+            elif ev.kind == "version_removed" and ev.adapter_id:
+                state.resolver.drop_version(tenant_id, ev.name, ev.adapter_id)
         elif ev.kind == "key_revoked":
             auth.forget()
 
     if state.registry is not None:
         state.cleanups.append(state.registry.subscribe(
             lambda kind, handle: publish_registry_event(cluster, kind, handle, origin=engine_id)))
-    events = cluster.subscribe(on_event, name=f"events-{engine_id}")
+    def resync() -> None:  # Redis came back: what the outage's events said was missed
+        state.resolver.forget_all()
+        auth.forget()
+
+    events = cluster.subscribe(on_event, name=f"events-{engine_id}", on_resubscribe=resync)
     recent = prefixes or RecentPrefixes()
     hb = EngineHeartbeat(cluster, lambda: read_record(
         state, engine_id=engine_id, url=url, started_at=started, prefixes=recent.snapshot()),
@@ -190,18 +200,25 @@ def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str
     return role
 
 
+REGISTRY_EVENTS = {"deleted": "adapter_deleted", "version_removed": "version_removed",
+                   "uploaded": "adapter_changed", "version_added": "adapter_changed",
+                   "rollout_changed": "adapter_changed", "rolled_back": "adapter_changed",
+                   "preset_changed": "adapter_changed", "described": "adapter_changed"}
+"""The registry's change kinds that every other gateway and engine must hear, as cluster
+events."""
+
+
 def publish_registry_event(cluster: ClusterState, kind: str, handle, *, origin: str) -> None:
-    """Relay a committed registry change (``deleted``/``replaced``, ``key_revoked``) to
+    """Relay a committed registry change (:data:`REGISTRY_EVENTS`, ``key_revoked``) to
     the cluster."""
     if kind == "key_revoked":
         ev = ClusterEvent("key_revoked", origin=origin)
-    elif kind not in ("deleted", "replaced") or handle is None:
+    elif kind not in REGISTRY_EVENTS or handle is None:
         return
     else:
-        ev = ClusterEvent(f"adapter_{kind}",
-                      adapter_id=str(EngineKey.for_handle(handle)),
-                      tenant_id=str(handle.tenant_id), name=handle.name, origin=origin)
+        ev = ClusterEvent(REGISTRY_EVENTS[kind], adapter_id=str(EngineKey.for_handle(handle)),
+                          tenant_id=str(handle.tenant_id), name=handle.name, origin=origin)
     try:
         cluster.publish_event(ev)
     except Exception as e:  # the change is committed; peers still expire their caches by TTL
-        logger.warning("could not fan out %s of %s: %s", kind, handle.name, e)
+        logger.warning("could not fan out %s of %s: %s", kind, ev.name or "-", e)

@@ -60,11 +60,13 @@ from loramux.platform.limits.tenant import (
     QuotaHold,
     TenantLimiter,
 )
+from loramux.platform.openai.resolver import VERSION_HEADER, choose_version, split_version
 from loramux.platform.probes import probe
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
+    from loramux.registry.handles import Release
     from loramux.registry.quotas import Quotas
     from loramux.registry.service import RegistryService
 
@@ -105,7 +107,8 @@ class Gateway:
     secret: str
     gateway_id: str
     resolve_ttl: float
-    """Seconds a (tenant, model) resolution is cached (``model_cache_ttl``)."""
+    """Seconds a (tenant, adapter) release is cached (``model_cache_ttl``); a registry
+    change reaches every gateway at once through the fan-out."""
     quota_ttl: float
     """Seconds a tenant's quotas are cached (``quota_cache_ttl``)."""
     max_request_bytes: int = setting_default("max_request_bytes")
@@ -116,7 +119,7 @@ class Gateway:
     """The database bulkhead the registry reads run in (stale-on-error caches)."""
 
     def __post_init__(self) -> None:
-        self._resolved: TTLCache[tuple[int, str], str | None] = self.deps.stale_cache(
+        self._resolved: TTLCache[tuple[int, str], Release | None] = self.deps.stale_cache(
             self.resolve_ttl)
         self._quotas: TTLCache[int, Quotas] = self.deps.stale_cache(self.quota_ttl)
 
@@ -143,43 +146,70 @@ class Gateway:
             return None
 
     # --- model resolution ---------------------------------------------------------------
-    def _registry_key(self, tenant_id: int, name: str) -> str | None:
+    def _release(self, tenant_id: int, name: str) -> Release | None:
         from loramux.registry import AdapterNotFound, InvalidName
 
         try:
-            h = self.registry.resolve(tenant_id, name)
+            return self.registry.resolve(tenant_id, name)
         except (AdapterNotFound, InvalidName):
             return None
-        return str(EngineKey.for_handle(h))
 
-    async def resolve(self, caller: Caller, name: str) -> str | None:
-        """The routing id of ``model``: a tenant adapter's engine key, ``static/<name>``,
-        or None for the base model; ModelNotFound when no live engine serves it."""
+    async def resolve(self, caller: Caller, name: str, *, user: str | None = None,
+                      pinned: int | None = None) -> tuple[str | None, int | None]:
+        """``(routing id, version)`` of ``model``: a tenant adapter version's engine key and
+        number (``name@N`` or ``pinned``, else by the rollout, as an engine would choose),
+        ``static/<name>``, or None for the base model; ModelNotFound when nothing serves it.
+        The version goes to the engine pinned (:data:`VERSION_HEADER`), so the engine
+        serves what was routed for, whatever its own cache says."""
         if caller.tenant is not None and self.registry is not None:
             tenant_id = caller.tenant.id
-            key = await self.deps.read_through(
-                self._resolved, (tenant_id, name), lambda: self.deps.db.call(self._registry_key, tenant_id, name))
-            if key is not None:
-                return key
+            adapter, number = split_version(name)
+            release = await self.deps.read_through(
+                self._resolved, (tenant_id, adapter),
+                lambda: self.deps.db.call(self._release, tenant_id, adapter))
+            if release is not None:
+                version = choose_version(release, caller, user,
+                                         number if number is not None else pinned)
+                if version is None:
+                    raise ModelNotFound(f"The model `{name}` does not exist: adapter `{adapter}` "
+                                        f"has no version {number or pinned}.", param="model")
+                return str(EngineKey.for_handle(release.versions[version])), version
         for v in self.view.live():
             if name in v.static:
-                return f"static/{name}"
+                return f"static/{name}", None
             if name in v.models:
-                return None
+                return None, None
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 
     def on_event(self, ev: ClusterEvent) -> None:
-        """Fan-out listener: forget cached resolutions and keys; drop evicted residency."""
-        if ev.kind in ("adapter_deleted", "adapter_replaced"):
-            if ev.tenant_id is not None and ev.name is not None:
-                self._resolved.pop((int(ev.tenant_id), ev.name))
-            else:
-                self._resolved.clear()
+        """Fan-out listener: forget cached releases and keys; drop evicted residency."""
+        if ev.kind in ("adapter_deleted", "adapter_changed", "version_removed"):
+            self.forget(int(ev.tenant_id) if ev.tenant_id is not None else None, ev.name)
         elif ev.kind == "key_revoked":
             self.auth.forget()
             self._quotas.clear()
         elif ev.kind == "evict" and ev.adapter_id:
             self.view.pool.note_evicted(ev.adapter_id)
+
+    def forget(self, tenant_id: int | None, name: str | None) -> None:
+        """Drop the cached release of one adapter (every one without both)."""
+        if tenant_id is not None and name is not None:
+            self._resolved.pop((tenant_id, name))
+        else:
+            self._resolved.clear()
+
+    def resync(self) -> None:
+        """Redis came back: the fan-out's events of the outage were missed, so every
+        cached release and key is looked up again."""
+        self.forget(None, None)
+        self.auth.forget()
+        self._quotas.clear()
+
+    def on_registry_event(self, kind: str, handle) -> None:
+        """The gateway's own registry changes (the dashboard's rollback): effective here
+        at once (the fan-out tells the others)."""
+        if handle is not None:
+            self.forget(handle.tenant_id, handle.name)
 
     # --- proxying -----------------------------------------------------------------------
     def _headers(self, request: Request, caller: Caller | None) -> dict[str, str]:
@@ -187,8 +217,8 @@ class Gateway:
              if k.lower() in _FORWARD and k.lower() != "authorization"}
         h[SECRET_HEADER] = self.secret
         if caller is not None:
-            h["authorization"] = "Bearer " + identity_token(self.secret, caller.tenant_id,
-                                                            caller.is_admin)
+            h["authorization"] = "Bearer " + identity_token(
+                self.secret, caller.tenant_id, caller.is_admin, caller.key_prefix)
         return h
 
     async def optional_caller(self, request: Request) -> Caller | None:
@@ -204,10 +234,12 @@ class Gateway:
     async def forward(self, request: Request, body: bytes, *, caller: Caller | None,
                       adapter_id: str | None, prefixes: list[str] = (),
                       stream: bool = False, hold: QuotaHold | None = None,
-                      done: Callable[[], Awaitable[object]] | None = None) -> Response:
+                      done: Callable[[], Awaitable[object]] | None = None,
+                      version: int | None = None) -> Response:
         """Send to the routed engine; retry once elsewhere if nothing reached the client.
         A relayed stream awaits ``done()`` when it ends (the caller's job otherwise);
-        a JSON answer's usage is charged to ``hold``."""
+        a JSON answer's usage is charged to ``hold``; ``version``: the adapter version
+        chosen here, pinned for the engine."""
         tried: list[str] = []
         last = "no engine answered"
         for attempt in range(2):
@@ -223,6 +255,8 @@ class Gateway:
                 self.metrics.retries.inc()
             url = view.url.rstrip("/") + request.url.path
             sent = self._headers(request, caller)
+            if version is not None:
+                sent[VERSION_HEADER] = str(version)
             if prefixes:
                 sent[PREFIX_HEADER] = ",".join(prefixes)
             req = self.http.build_request(request.method, url, params=request.query_params,

@@ -20,6 +20,7 @@ from loramux.platform.cluster.routing import prefix_hashes
 from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.error_handlers import install_error_handlers
 from loramux.platform.errors import DEFAULT_CONTEXT, BadRequest, ErrorContext, PayloadTooLarge
+from loramux.platform.openai.resolver import pinned_version
 from loramux.platform.probes import PROBE_TIMEOUT_S
 from loramux.platform.server import LoramuxApp
 
@@ -65,14 +66,16 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
         relayed = False
         try:
             hold = await gw.hold_quota(caller, parsed, stack)
-            adapter = await gw.resolve(caller, parsed["model"])
+            user = parsed.get("user") if isinstance(parsed.get("user"), str) else None
+            adapter, version = await gw.resolve(caller, parsed["model"], user=user,
+                                                pinned=pinned_version(request.headers))
             cfg = gw.router.config
             prefixes = prefix_hashes(adapter, prompt_text(parsed),
                                      chunk_chars=cfg.prefix_chunk_chars,
                                      max_chunks=cfg.max_prefix_chunks)
             resp = await gw.forward(request, body, caller=caller, adapter_id=adapter,
                                     prefixes=prefixes, stream=bool(parsed.get("stream")),
-                                    hold=hold, done=stack.aclose)
+                                    hold=hold, done=stack.aclose, version=version)
             relayed = isinstance(resp, StreamingResponse)  # the stream releases it
             return resp
         finally:

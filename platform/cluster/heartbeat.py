@@ -69,11 +69,14 @@ def read_record(state: AppState, *, engine_id: str, url: str, started_at: float,
 @dataclass
 class EventSubscription:
     """A daemon thread delivering :class:`ClusterEvent` s to ``handler``; reconnects after
-    Redis errors. ``ready`` is set once subscribed (events published before are not seen)."""
+    Redis errors. ``ready`` is set once subscribed (events published before are not seen);
+    ``on_resubscribe`` runs each time it subscribes again after a failure (events of the
+    outage were missed: what was cached on their strength must be forgotten)."""
 
     state: ClusterState
     handler: Callable[[ClusterEvent], None]
     name: str = "cluster-events"
+    on_resubscribe: Callable[[], None] | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -89,12 +92,19 @@ class EventSubscription:
 
     def _run(self) -> None:
         backoff = 0.1
+        failed = False
         while not self._stop.is_set():
             pubsub = self.state.client.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(self.state.channel)
                 self.ready.set()
                 backoff = 0.1
+                if failed and self.on_resubscribe is not None:
+                    try:
+                        self.on_resubscribe()
+                    except Exception:
+                        logger.exception("cluster events: the resubscribe hook failed")
+                failed = False
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=0.2)
                     if msg is None or msg.get("type") != "message":
@@ -105,6 +115,7 @@ class EventSubscription:
                         logger.exception("cluster event handler failed")
             except redis.RedisError as e:
                 self.ready.clear()
+                failed = True
                 logger.warning("cluster events: Redis unavailable (%s); retrying", e)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Self
+from typing import NamedTuple, Self
 
 from loramux.platform.admin.actions import ACTIONS
 
@@ -29,7 +29,10 @@ ENGINE_HEADER = "X-LoRAMux-Engine"
 """On every proxied response: the engine that served it."""
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 """Engine routes served without the cluster secret (probes, scraping)."""
-REGISTRY_KINDS = ("adapter_deleted", "adapter_replaced", "key_revoked")
+REGISTRY_KINDS = ("adapter_deleted", "adapter_changed", "version_removed", "key_revoked")
+"""Registry changes fanned out: an adapter deleted (drop every version), changed (a new
+version, a rollout, a preset: forget cached resolutions), one version removed (drop its
+engine key), an API key revoked."""
 EVENT_KINDS = frozenset(ACTIONS) | frozenset(REGISTRY_KINDS)
 REPLY_TTL_S = 60
 """Seconds an unread reply list lives in Redis."""
@@ -41,22 +44,35 @@ def identity_mac(secret: str, payload: str) -> str:
     return hmac.new(secret.encode(), payload.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def identity_token(secret: str, tenant_id: int | None, is_admin: bool) -> str:
+class Identity(NamedTuple):
+    """Who a gateway vouches for."""
+
+    tenant_id: int | None
+    is_admin: bool
+    key_prefix: str | None = None
+    """The public prefix of the client's API key (usage records)."""
+
+
+def identity_token(secret: str, tenant_id: int | None, is_admin: bool,
+                   key_prefix: str | None = None) -> str:
     """The bearer token a gateway sends an engine for an authenticated caller
-    (``lmxgw.<tenant id>.<admin>.<mac>``)."""
+    (``lmxgw.<tenant id>.<admin>[.<key prefix>].<mac>``)."""
     payload = f"{'' if tenant_id is None else tenant_id}.{int(is_admin)}"
+    if key_prefix:
+        payload += f".{key_prefix}"
     return f"{IDENTITY_PREFIX}{payload}.{identity_mac(secret, payload)}"
 
 
-def read_identity(secret: str, token: str | None) -> tuple[int | None, bool] | None:
-    """``(tenant id or None, is admin)`` of a valid identity token, else None."""
+def read_identity(secret: str, token: str | None) -> Identity | None:
+    """The :class:`Identity` of a valid identity token, else None."""
     if token is None or not token.startswith(IDENTITY_PREFIX):
         return None
     payload, _, mac = token[len(IDENTITY_PREFIX):].rpartition(".")
     if not hmac.compare_digest(mac, identity_mac(secret, payload)):
         return None
-    tid, _, admin = payload.partition(".")
-    return (int(tid) if tid else None), admin == "1"
+    tid, _, rest = payload.partition(".")
+    admin, _, prefix = rest.partition(".")
+    return Identity(int(tid) if tid else None, admin == "1", prefix or None)
 
 
 _SETS = ("resident", "cpu_resident", "prefixes")
@@ -131,7 +147,7 @@ class JsonMessage:
 @dataclass(frozen=True)
 class ClusterEvent(JsonMessage):
     """One fan-out message. ``kind`` in :data:`EVENT_KINDS`; ``adapter_id`` for adapter
-    events (the engine-side adapter id), ``key_id`` for ``key_revoked``."""
+    events (the engine key of the version concerned), ``key_id`` for ``key_revoked``."""
 
     kind: str
     adapter_id: str | None = None

@@ -98,7 +98,8 @@ class ClusterState:
         return out
 
     def subscribe(self, handler: Callable[[ClusterEvent], None], *,
-                  name: str = "cluster-events") -> EventSubscription:
-        sub = EventSubscription(self, handler, name=name)
+                  name: str = "cluster-events",
+                  on_resubscribe: Callable[[], None] | None = None) -> EventSubscription:
+        sub = EventSubscription(self, handler, name=name, on_resubscribe=on_resubscribe)
         sub.start()
         return sub

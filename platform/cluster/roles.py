@@ -105,7 +105,13 @@ def build_gateway_app(settings: Settings):
                      settings.redis_url, prefix=f"{settings.redis_namespace}:limits:",
                      timeouts=(policy.redis_socket_timeout, policy.redis_connect_timeout))))
     ticker = view.start(settings.heartbeat_interval)
-    events = cluster.subscribe(gw.on_event, name="gateway-events")
+    events = cluster.subscribe(gw.on_event, name="gateway-events", on_resubscribe=gw.resync)
+    # what the dashboard here changes (a rollback): effective here at once, fanned out
+    from loramux.platform.cluster.engine_role import publish_registry_event
+
+    registry.subscribe(gw.on_registry_event)
+    registry.subscribe(lambda kind, handle: publish_registry_event(
+        cluster, kind, handle, origin=gw.gateway_id))
     return create_gateway_app(gw, on_shutdown=(ticker.stop, events.close, deps.shutdown),
                               admin=gateway_admin_state(gw, settings),
                               errors=error_context(settings))

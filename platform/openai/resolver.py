@@ -1,35 +1,46 @@
 """Which model a request's ``model`` field names: the base model, a static adapter
-(``--lora-modules``) or one of the caller's tenant adapters (registry, cached).
+(``--lora-modules``) or one of the caller's tenant adapters (registry, cached), and for a
+tenant adapter which version: ``name@N`` pins version N; the plain name follows the
+adapter's rollout (:meth:`loramux.registry.rollouts.Rollout.choose`, sticky per the
+request's ``user`` or the caller's API key).
 
 Engine adapter keys (:class:`~loramux.platform.identity.EngineKey`) are unique across
-tenants and versions, so a replaced adapter never serves stale weights;
-:meth:`ModelResolver.on_registry_event` drops superseded keys from the engine.
+tenants and versions: the versions of one adapter are distinct
+engine adapters, so a rollout change moves only new requests (queued and running ones keep
+the version they resolved to). :meth:`ModelResolver.on_registry_event` drops the keys of
+removed versions and deleted adapters from the engine (their queued requests fail with
+``adapter_gone``; running ones finish).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loramux.engine.lora_request import LoRARequest
 from loramux.platform.bulkheads import Dependencies
-from loramux.platform.errors import ModelNotFound
+from loramux.platform.errors import BadRequest, ModelNotFound
 from loramux.platform.identity import STATIC_OWNER, Caller, EngineKey
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
-    from loramux.registry.handles import AdapterHandle
+    from loramux.registry.handles import AdapterHandle, Release
     from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
+
+VERSION_HEADER = "X-LoRAMux-Adapter-Version"
+"""On a response: the tenant adapter version that served it. On a request: the version to
+serve (a gateway pins what it chose by the rollout)."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +55,71 @@ class ServedModel:
     created: int = 0
     adapter_id: int | None = None
     """Registry id of a tenant adapter."""
+    version: int | None = None
+    """The tenant adapter's version serving the request (None: base model, static adapter)."""
+    tenant_id: int | None = None
 
     @property
     def label(self) -> str:
         """Metrics label: the engine key, or ``base``."""
         return self.lora.lora_name if self.lora is not None else "base"
+
+    @property
+    def adapter(self) -> str | None:
+        """The adapter's name (None for the base model): what usage records carry."""
+        return self.name if self.lora is not None else None
+
+
+def split_version(model: str) -> tuple[str, int | None]:
+    """``"sql-lora@3"`` → ``("sql-lora", 3)``; any other name → ``(name, None)`` (adapter
+    names never hold ``@``)."""
+    name, sep, number = model.rpartition("@")
+    if sep and name and number.isascii() and number.isdigit() and len(number) <= 9:
+        return name, int(number)
+    return model, None
+
+
+def pinned_version(headers: Mapping[str, str]) -> int | None:
+    """The version a request's :data:`VERSION_HEADER` pins (what a gateway sends once it
+    chose by the rollout; a client may pin its own adapter so too), None without one."""
+    raw = headers.get(VERSION_HEADER)
+    if raw is None:
+        return None
+    raw = raw.strip()
+    if not (raw.isascii() and raw.isdigit() and 0 < len(raw) <= 9) or int(raw) < 1:
+        raise BadRequest(f"the {VERSION_HEADER} header must be a version number, got "
+                         f"{raw[:20]!r}", param=VERSION_HEADER, code="invalid_parameter")
+    return int(raw)
+
+
+def sticky_value(release: Release, caller: Caller, user: str | None) -> str | None:
+    """What keeps ``caller`` on one version of ``release``'s rollout (None: drawn by weight)."""
+    mode = release.rollout.sticky
+    if mode == "user":
+        return user or None
+    if mode == "key":
+        return caller.key_prefix
+    return None
+
+
+def choose_version(release: Release, caller: Caller, user: str | None,
+                   pinned: int | None = None) -> int | None:
+    """The version one request is served by: ``pinned`` if given (None when the adapter has
+    no such version), else by the rollout. Gateways and engines pick alike."""
+    if pinned is not None:
+        return pinned if pinned in release.versions else None
+    salt = f"{release.tenant_id}/{release.name}"
+    return release.rollout.choose(salt, sticky_value(release, caller, user))
+
+
+@dataclass
+class _Entry:
+    """A cached release and what was built from it (per version)."""
+
+    release: Release
+    paths: dict[int, Path | None]
+    """Each version's local folder when the disk cache held it at lookup (else None)."""
+    served: dict[int, ServedModel] = field(default_factory=dict)
 
 
 def _int_id(key: str) -> int:
@@ -121,63 +192,116 @@ class ModelResolver:
                 name, LoRARequest(key, _int_id(key), str(path)), {}, "loramux", self.created
             )
         self.deps = deps or Dependencies()
-        self._cache: TTLCache[tuple[int, str], ServedModel] = self.deps.stale_cache(
+        self._cache: TTLCache[tuple[int, str], _Entry] = self.deps.stale_cache(
             ttl, cache_none=False)
-        self._keys: dict[int, str] = {}  # adapter id -> engine key in use
+        self._owner: dict[str, int] = {}  # engine key in use -> adapter id
+        self._keys: dict[tuple[int, str], set[str]] = {}  # (tenant, name) -> engine keys in use
+        self._generation: dict[tuple[int, str], int] = {}
+        self._fetching: dict[str, asyncio.Future] = {}  # cache key -> store fetch in flight
         self._lock = threading.Lock()
 
     def adapter_id_of(self, key: str) -> int | None:
-        """The registry id of the adapter version served under engine key ``key`` (None
-        when no resolution in use has it, e.g. a static ``--lora-modules`` adapter)."""
+        """The registry id of the adapter whose version is served under engine key ``key``
+        (None when no resolution in use has it, e.g. a static ``--lora-modules`` adapter)."""
         with self._lock:
-            return next((aid for aid, k in self._keys.items() if k == key), None)
+            return self._owner.get(key)
 
     # --- resolution ----------------------------------------------------------------
-    async def resolve(self, caller: Caller, name: str) -> ServedModel:
+    async def resolve(self, caller: Caller, name: str, *, user: str | None = None,
+                      pinned: int | None = None) -> ServedModel:
         """The model ``name`` means for ``caller``; ModelNotFound when it means nothing
-        (another tenant's adapter looks exactly like a missing one)."""
+        (another tenant's adapter looks exactly like a missing one). For a tenant adapter:
+        ``name@N`` (or ``pinned``, what a gateway chose) is version N, the plain name a
+        version by the rollout, sticky per ``user`` or the caller's key."""
         if name in self.base_names:
             return self.base
         if caller.tenant is not None and self.registry is not None and self.lora_enabled:
-            served = await self._tenant_adapter(caller.tenant.id, name)
-            if served is not None:
-                return served
+            adapter, number = split_version(name)
+            entry = await self._tenant_adapter(caller.tenant.id, adapter)
+            if entry is not None:
+                version = choose_version(entry.release, caller, user,
+                                         number if number is not None else pinned)
+                if version is None:
+                    raise ModelNotFound(
+                        f"The model `{name}` does not exist: adapter `{adapter}` has no version "
+                        f"{number if number is not None else pinned} (its versions: "
+                        f"{', '.join(map(str, entry.release.versions))}).", param="model")
+                return await self._served(entry, version)
         if name in self.static:
             return self.static[name]
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 
-    async def _tenant_adapter(self, tenant_id: int, name: str) -> ServedModel | None:
+    async def release(self, caller: Caller, name: str) -> Release | None:
+        """The caller's adapter ``name`` with its versions and rollout (cached), or None."""
+        if caller.tenant is None or self.registry is None:
+            return None
+        entry = await self._tenant_adapter(caller.tenant.id, name)
+        return entry.release if entry is not None else None
+
+    async def _tenant_adapter(self, tenant_id: int, name: str) -> _Entry | None:
         return await self.deps.read_through(self._cache, (tenant_id, name),
                                             lambda: self._lookup(tenant_id, name))
 
-    async def _lookup(self, tenant_id: int, name: str) -> ServedModel | None:
-        """The row from the database bulkhead; the weights from the local cache, else
-        fetched in the store's bulkhead (ObjectStoreError, DependencyUnavailable: the
-        error table's 503, naming no bucket, key or endpoint)."""
-        found = await self.deps.db.call(self._row, tenant_id, name)
-        if found is None:
-            return None
-        handle, path = found
-        if path is None:
-            path = await self.deps.store.call(handle.local_path)
-        return self.served_from_handle(handle, path)
+    async def _lookup(self, tenant_id: int, name: str) -> _Entry | None:
+        """The release from the database bulkhead (again if it changed meanwhile: a
+        listener bumped its generation), with each version's local folder when cached."""
+        key = (tenant_id, name)
+        for _ in range(2):
+            generation = self._generation.get(key, 0)
+            found = await self.deps.db.call(self._row, tenant_id, name)
+            if self._generation.get(key, 0) == generation:
+                break
+        return found
 
-    def _row(self, tenant_id: int, name: str) -> tuple[AdapterHandle, Path | None] | None:
+    def _row(self, tenant_id: int, name: str) -> _Entry | None:
         from loramux.registry import AdapterNotFound, InvalidName
 
         try:
-            handle = self.registry.resolve(tenant_id, name)
+            release = self.registry.resolve(tenant_id, name)
         except (AdapterNotFound, InvalidName):
             return None
-        return handle, self.registry.cached_path(handle)
+        return _Entry(release, {n: self.registry.cached_path(h)
+                                for n, h in release.versions.items()})
+
+    async def _served(self, entry: _Entry, version: int) -> ServedModel:
+        """The ServedModel of one version: the weights from the local cache, else fetched
+        in the store's bulkhead (ObjectStoreError, DependencyUnavailable: the error table's
+        503, naming no bucket, key or endpoint)."""
+        served = entry.served.get(version)
+        if served is not None:
+            return served
+        handle = entry.release.versions[version]
+        path = entry.paths.get(version)
+        if path is None:
+            path = entry.paths[version] = await self._fetch(handle)
+        served = entry.served[version] = self.served_from_handle(handle, path)
+        return served
+
+    async def _fetch(self, handle: AdapterHandle) -> Path:
+        """One version's weights from the store, once for every request waiting on them
+        (a burst for a cold adapter is one store call, not one per request)."""
+        key = handle.cache_key
+        loop = asyncio.get_running_loop()
+        pending = self._fetching.get(key)
+        if pending is None or pending.get_loop() is not loop:
+            pending = asyncio.ensure_future(self.deps.store.call(handle.local_path))
+            self._fetching[key] = pending
+
+            def done(f: asyncio.Future, k: str = key) -> None:
+                if self._fetching.get(k) is f:
+                    del self._fetching[k]
+                if not f.cancelled():
+                    f.exception()  # retrieved: a failure reaches every waiter, not the log
+
+            pending.add_done_callback(done)
+        return await asyncio.shield(pending)
 
     def served_from_handle(self, handle: AdapterHandle, path: Path | None) -> ServedModel:
+        """The ServedModel of one adapter version whose weights are at ``path``."""
         key = str(EngineKey.for_handle(handle))
         with self._lock:
-            old = self._keys.get(handle.id)
-            self._keys[handle.id] = key
-        if old is not None and old != key and self.drop_engine_key is not None:
-            self.drop_engine_key(old)
+            self._owner[key] = handle.id
+            self._keys.setdefault((handle.tenant_id, handle.name), set()).add(key)
         return ServedModel(
             handle.name,
             LoRARequest(key, _int_id(key), str(path) if path is not None else None),
@@ -185,6 +309,8 @@ class ModelResolver:
             f"tenant-{handle.tenant_id}",
             int(handle.created_at.timestamp()),
             handle.id,
+            handle.version,
+            handle.tenant_id,
         )
 
     # --- listing ---------------------------------------------------------------------
@@ -214,28 +340,68 @@ class ModelResolver:
 
     # --- invalidation ----------------------------------------------------------------
     def invalidate(self, tenant_id: int, name: str | None = None) -> None:
-        """Forget the cached resolutions of ``tenant_id`` (of one ``name``, when given)."""
+        """Forget the cached resolutions of ``tenant_id`` (of one ``name``, when given);
+        a lookup in flight is done again."""
+        with self._lock:
+            for key in [k for k in self._generation if k[0] == tenant_id] if name is None \
+                    else [(tenant_id, name)]:
+                self._generation[key] = self._generation.get(key, 0) + 1
         self._cache.discard_where(lambda key: key[0] == tenant_id and (name is None or key[1] == name))
 
+    def forget_all(self) -> None:
+        """Forget every cached resolution (events may have been missed)."""
+        with self._lock:
+            for key in self._generation:
+                self._generation[key] += 1
+        self._cache.clear()
+
+    def drop_adapter(self, tenant_id: int, name: str, keys: set[str] = frozenset()) -> None:
+        """Drop from the engine every version of ``(tenant_id, name)`` this server served
+        (and ``keys``): the adapter was deleted."""
+        with self._lock:
+            dropped = self._keys.pop((tenant_id, name), set()) | set(keys)
+            for key in dropped:
+                self._owner.pop(key, None)
+        if self.drop_engine_key is not None:
+            for key in dropped:
+                self.drop_engine_key(key)
+
+    def drop_version(self, tenant_id: int, name: str, key: str) -> None:
+        """Drop one removed version's engine key from the engine, unless a version still
+        retained has the same content (one engine adapter serves both). Called from the
+        registry's listeners and the cluster's events (threads, never the event loop)."""
+        if self._still_served(tenant_id, name, key):
+            return
+        with self._lock:
+            self._keys.get((tenant_id, name), set()).discard(key)
+            self._owner.pop(key, None)
+        if self.drop_engine_key is not None:
+            self.drop_engine_key(key)
+
+    def _still_served(self, tenant_id: int, name: str, key: str) -> bool:
+        from loramux.registry import AdapterNotFound
+
+        if self.registry is None:
+            return False
+        try:
+            release = self.registry.release(tenant_id, name)
+        except AdapterNotFound:
+            return False
+        except Exception:  # the database is down: drop it (a later request reloads it)
+            logger.warning("could not check whether %s is still in use; dropping it", key)
+            return False
+        return any(str(EngineKey.for_handle(h)) == key for h in release.versions.values())
+
     def on_registry_event(self, kind: str, handle: AdapterHandle | None) -> None:
-        """Registry listener: forget cached resolutions; drop deleted or replaced weights
-        from the engine (a deleted adapter is evicted). Events without an adapter
-        (``key_revoked``) are not this cache's business."""
+        """Registry listener: forget cached resolutions (a new version, a rollout change
+        take effect for the next request); drop deleted adapters and removed versions
+        from the engine. Events without an adapter (``key_revoked``) are not this
+        cache's business."""
         if handle is None:
             return
         self.invalidate(handle.tenant_id, handle.name)
+        key = str(EngineKey.for_handle(handle))
         if kind == "deleted":
-            with self._lock:
-                old = self._keys.pop(handle.id, None)
-            keys = {old, str(EngineKey.for_handle(handle))} - {None}
-            if self.drop_engine_key is not None:
-                for key in keys:
-                    self.drop_engine_key(key)
-        elif kind == "replaced":
-            with self._lock:
-                old = self._keys.get(handle.id)
-            new = str(EngineKey.for_handle(handle))
-            if old is not None and old != new and self.drop_engine_key is not None:
-                self.drop_engine_key(old)
-                with self._lock:
-                    self._keys.pop(handle.id, None)
+            self.drop_adapter(handle.tenant_id, handle.name, {key})
+        elif kind == "version_removed":
+            self.drop_version(handle.tenant_id, handle.name, key)

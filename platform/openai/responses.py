@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loramux.engine.outputs import CompletionOutput, RequestOutput
+from loramux.platform.identity import Caller
 from loramux.platform.openai.logprobs import TokenRenderer
 from loramux.platform.openai.params import BuiltParams
 from loramux.platform.openai.protocol import (
@@ -168,6 +169,8 @@ class RequestContext:
     rid: str = ""
     fairness_key: str | None = None
     """The engine's fair-share key: the caller's tenant (None = anonymous callers share one)."""
+    caller: Caller | None = None
+    """Who sent it (the usage record's tenant and key)."""
     created: int = field(default_factory=lambda: int(time.time()))
     recorded: bool = False
     handed_off: bool = False

@@ -41,9 +41,11 @@ from loramux.platform.openai.gate import RequestGate
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.openai.resolver import ModelResolver
+from loramux.platform.openai.resolver import VERSION_HEADER, ModelResolver, pinned_version
 from loramux.platform.openai.responses import RequestContext, ResponseRenderer, StreamState
 from loramux.platform.openai.streaming import Pump, SSEResponse, dumps, sse, until_disconnect
+from loramux.platform.usage.recorder import UsageRecorder
+from loramux.platform.usage.records import usage_record
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,12 @@ class OpenAIServing:
         gate: RequestGate,
         errors: ErrorContext = DEFAULT_CONTEXT,
         max_prompts: int = 64,
+        usage: UsageRecorder | None = None,
     ) -> None:
-        """``errors``: the server's Retry-After values for the error table's answers."""
+        """``usage``: where each finished request's usage record goes (None: nowhere);
+        ``errors``: the server's Retry-After values for the error table's answers."""
         self.engine = engine
+        self.usage = usage
         self.max_model_len = engine.max_model_len
         self.resolver = resolver
         self.metrics = metrics
@@ -78,18 +83,20 @@ class OpenAIServing:
 
     # --- entry points ---------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, caller: Caller, request: Request) -> Response:
-        served = await self.resolver.resolve(caller, req.model)
+        served = await self.resolver.resolve(caller, req.model, user=req.user,
+                                             pinned=pinned_version(request.headers))
         built = build_params(req, served.preset, default_max_tokens=16)
         prompts = await self.prompts.completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
             built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
         self.gate.check_caps(built.params)
         ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions",
-                             fairness_key=_fairness_key(caller))
+                             fairness_key=_fairness_key(caller), caller=caller)
         return await self._respond(ctx, req, request, caller)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
-        served = await self.resolver.resolve(caller, req.model)
+        served = await self.resolver.resolve(caller, req.model, user=req.user,
+                                             pinned=pinned_version(request.headers))
         built = build_params(req, served.preset, default_max_tokens=None)
         self.gate.check_caps(built.params)
         if req.chat_template is not None:  # the caller's own: refused unless trusted
@@ -103,7 +110,7 @@ class OpenAIServing:
         else:
             prompt = self.prompts.chat_prompt(req)
         ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat",
-                             fairness_key=_fairness_key(caller))
+                             fairness_key=_fairness_key(caller), caller=caller)
         return await self._respond(ctx, req, request, caller)
 
     def _check_lengths(self, ctx: RequestContext) -> None:
@@ -125,6 +132,8 @@ class OpenAIServing:
             raise ServiceUnavailable("the engine is not running", code="engine_dead")
         self._check_lengths(ctx)
         headers = ctx.built.headers()
+        if ctx.served.version is not None:  # which version served (the body keeps the name sent)
+            headers[VERSION_HEADER] = str(ctx.served.version)
         # the tenant's quota is held for the request's whole life (the stream's, if streaming)
         quota = contextlib.AsyncExitStack()
         hold = await quota.enter_async_context(self.gate.hold_quota(
@@ -151,7 +160,7 @@ class OpenAIServing:
                 first = await until_disconnect(self._prime(pump, ctx), request.receive)
                 if first is None:
                     pump.cancel()
-                    self._record(ctx, pump, "cancelled")
+                    self._record(ctx, pump, "cancelled", error="cancelled")
                     return Response(status_code=499)
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -163,16 +172,18 @@ class OpenAIServing:
             finals = await until_disconnect(self._collect(pump, ctx), request.receive)
             if finals is None:
                 pump.cancel()
-                self._record(ctx, pump, "cancelled")
+                self._record(ctx, pump, "cancelled", error="cancelled")
                 return Response(status_code=499)
         except BaseException as exc:
             pump.cancel()
-            self._record(ctx, pump, metric_label(exc))
             if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+                self._record(ctx, pump, "cancelled", error="cancelled")
                 raise
-            raise to_api_error(exc, self._error_context(ctx)) from None
-        self._record(ctx, pump, "ok")
+            err = to_api_error(exc, self._error_context(ctx))
+            self._record(ctx, pump, metric_label(exc), error=err.code or err.type)
+            raise err from None
         body = self.render.completion_body(ctx, finals) if ctx.kind == "cmpl" else self.render.chat_body(ctx, finals)
+        self._record(ctx, pump, "ok", usage=body.usage.model_dump())
         return JSONResponse(body.model_dump(), headers=headers)
 
     def _error_context(self, ctx: RequestContext) -> ErrorContext:
@@ -198,7 +209,10 @@ class OpenAIServing:
                 finals[i] = out
         return finals  # type: ignore[return-value]
 
-    def _record(self, ctx: RequestContext, pump: Pump, status: str) -> None:
+    def _record(self, ctx: RequestContext, pump: Pump, status: str, *,
+                usage: dict[str, int] | None = None, error: str | None = None) -> None:
+        """Once per request, when it ends (before the client hears the end): metrics, the
+        access log line and the usage record (``usage``: the usage object the client got)."""
         if ctx.recorded:
             return
         ctx.recorded = True
@@ -214,13 +228,27 @@ class OpenAIServing:
                 label, ctx.endpoint, status, prompt_tokens=t.prompt_tokens,
                 generated_tokens=t.output_tokens, ttft=ttft, tpot=tpot, e2e=e2e,
             )
+        caller = ctx.caller or Caller()
+        record = usage_record(
+            request_id=ctx.rid, tenant_id=caller.tenant_id, key_prefix=caller.key_prefix,
+            adapter=ctx.served.adapter, version=ctx.served.version, endpoint=ctx.endpoint,
+            tracks=pump.tracks, usage=usage, error=error)
+        if ctx.served.version is not None and ctx.served.tenant_id is not None:
+            self.metrics.observe_version(
+                ctx.served.tenant_id, ctx.served.name, ctx.served.version, status,
+                prompt_tokens=record["prompt_tokens"], cached_tokens=record["cached_tokens"],
+                completion_tokens=record["completion_tokens"],
+                ttft=_s(record["ttft_ms"]), tpot=_s(record["tpot_ms"]))
+        if self.usage is not None:
+            self.usage.record(record)
         logger.info(
             "%s %s %s", ctx.endpoint, ctx.model, status,
             extra={
                 "id": ctx.rid, "model": ctx.model, "adapter": label, "status": status,
-                "prompt_tokens": sum(t.prompt_tokens for t in pump.tracks),
-                "completion_tokens": sum(t.output_tokens for t in pump.tracks),
-                "ttft_ms": _ms(min((t.first - t.start for t in pump.tracks if t.first), default=None)),
+                "version": ctx.served.version,
+                "prompt_tokens": record["prompt_tokens"],
+                "completion_tokens": record["completion_tokens"],
+                "ttft_ms": record["ttft_ms"],
             },
         )
 
@@ -229,7 +257,6 @@ class OpenAIServing:
                       continuous: bool, release: Callable[[], Awaitable[None]]
                       ) -> AsyncIterator[str]:
         state = StreamState(ctx)
-        status = "ok"
         # every chunk shares its head: render it once
         prefix = dumps(self.render.head(ctx, stream=True))[:-1] + ',"choices":['
         try:
@@ -253,24 +280,22 @@ class OpenAIServing:
                         parts.append(f"data: {prefix}{dumps(choice)}]{tail}}}\n\n")
                 if parts:
                     yield "".join(parts)
+            self._record(ctx, pump, "ok", usage=state.usage())  # before the client hears the end
             if include_usage:
                 yield sse({**self.render.head(ctx, stream=True), "choices": [],
                            "usage": state.usage()})
             yield sse("[DONE]")
-        except asyncio.CancelledError:
-            status = "cancelled"
-            raise
-        except GeneratorExit:
-            status = "cancelled"
+        except (asyncio.CancelledError, GeneratorExit):
+            self._record(ctx, pump, "cancelled", error="cancelled")
             raise
         except BaseException as exc:
-            status = metric_label(exc)
             err = to_api_error(exc, self._error_context(ctx))
+            self._record(ctx, pump, metric_label(exc), error=err.code or err.type)
             yield sse(err.body())
             yield sse("[DONE]")
         finally:
             pump.cancel()
-            self._record(ctx, pump, status)
+            self._record(ctx, pump, "cancelled", error="cancelled")  # no-op once recorded
             await release()
 
 
@@ -279,6 +304,6 @@ def _used(pump: Pump) -> int:
     return sum(t.prompt_tokens + t.output_tokens for t in pump.tracks)
 
 
-def _ms(seconds: float | None) -> float | None:
-    return round(seconds * 1000, 2) if seconds is not None else None
+def _s(ms: float | None) -> float | None:
+    return ms / 1000 if ms is not None else None
 

@@ -86,22 +86,28 @@ def sse(data: dict | str) -> str:
 
 @dataclass
 class Track:
-    """Timing of one engine request, for metrics and logs."""
+    """Timing and counts of one engine request, for metrics, logs and usage records."""
 
     start: float = field(default_factory=time.monotonic)
     first: float | None = None
     end: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    finish_reason: str | None = None
+    """The first completion's, once finished."""
 
     def update(self, out: RequestOutput) -> None:
         self.prompt_tokens = len(out.prompt_token_ids)
+        self.cached_tokens = out.num_cached_tokens
         n = sum(len(o.token_ids) for o in out.outputs)
         if n and self.first is None:
             self.first = time.monotonic()
         self.output_tokens = n
         if out.finished:
             self.end = time.monotonic()
+            self.finish_reason = out.outputs[0].finish_reason if out.outputs else None
 
 
 class Pump:

@@ -64,8 +64,8 @@ async def test_engines_take_the_caller_from_the_gateways_signed_identity():
 
     reg = FakeRegistry()
     auth = GatewayIdentityAuthenticator(reg, "s3cret", allow_anonymous=False)
-    caller = await auth.lookup(identity_token("s3cret", 7, False))
-    assert caller.tenant_id == 7 and not caller.is_admin
+    caller = await auth.lookup(identity_token("s3cret", 7, False, "0123456789ab"))
+    assert caller.tenant_id == 7 and not caller.is_admin and caller.key_prefix == "0123456789ab"
     await auth.lookup(identity_token("s3cret", 7, False))
     assert reg.calls == 1  # cached
     admin = await auth.lookup(identity_token("s3cret", None, True))
@@ -95,7 +95,9 @@ def test_the_engine_role_builds_its_authenticator_once():
 def test_identity_tokens_read_back():
     from loramux.platform.cluster.protocol import identity_token, read_identity
 
-    assert read_identity("s", identity_token("s", 7, False)) == (7, False)
-    assert read_identity("s", identity_token("s", None, True)) == (None, True)
+    assert read_identity("s", identity_token("s", 7, False)) == (7, False, None)
+    assert read_identity("s", identity_token("s", None, True)) == (None, True, None)
+    assert read_identity("s", identity_token("s", 7, False, "0123456789ab")) == (
+        7, False, "0123456789ab")
     assert read_identity("other", identity_token("s", 7, True)) is None
     assert read_identity("s", None) is None and read_identity("s", "lmx_key") is None

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 SECRET = "cluster-" + uuid.uuid4().hex
 ADMIN = "admin-" + uuid.uuid4().hex
 TTL = 1.5
-ADAPTERS = ("alpha", "beta", "hot", "evictme", "doomed", "crash")
+ADAPTERS = ("alpha", "beta", "hot", "evictme", "doomed", "crash", "canary")
 RPM = 3
 """The ``limited`` tenant's requests_per_minute (burst = RPM, then one per 60/RPM s)."""
 
@@ -266,6 +266,66 @@ def test_redis_killed_gateways_route_on_and_say_degraded(cluster):
     assert wait_for(lambda: all(cluster.ready(g)["status"] == "ready"
                                 and len(cluster.ready(g)["engines"]) == 2
                                 for g in cluster.gateways), 15)
+
+
+def _version(cluster: Cluster, gw: str, model: str, user: str | None = None) -> str:
+    r = chat(cluster, gw, model, max_tokens=1, **({"user": user} if user else {}))
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == model  # the name the client sent
+    return r.headers["x-loramux-adapter-version"]
+
+
+def _agree_after(cluster: Cluster, want: str, model: str = "canary") -> float:
+    """Seconds from now until a round of requests to both gateways at once (the round's
+    start: what each answered was their state then) all served version ``want``."""
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(len(cluster.gateways)) as pool:
+        while time.monotonic() - t0 < 10:
+            started = time.monotonic()
+            got = list(pool.map(lambda gw: _version(cluster, gw, model), cluster.gateways))
+            if all(g == want for g in got):
+                return started - t0
+            time.sleep(0.02)
+    return float("inf")
+
+
+def test_a_rollout_change_reaches_both_gateways_within_a_second(cluster, tmp_path):
+    """Gateways choose the version (their resolutions are cached for 60 s: only the
+    fan-out can move them) and pin it for the engine; both pick alike per user."""
+    gws, h = cluster.gateways, {"Authorization": f"Bearer {cluster.key}"}
+    channel = f"{cluster.ns}:events"  # every gateway and engine listens (again: Redis restarted)
+    assert wait_for(lambda: cluster.state().client.pubsub_numsub(channel)[0][1] >= 4, 15)
+    folder = write_random_adapter(cluster.model, tmp_path / "canary-v2", seed=77)
+    files = [("file", (n, (folder / n).read_bytes()))
+             for n in ("adapter_config.json", "adapter_model.safetensors")]
+    for gw in gws:
+        assert _version(cluster, gw, "canary") == "1"
+    r = httpx.post(f"{gws[0]}/v1/adapters", headers=h, data={"name": "canary"}, files=files,
+                   timeout=60)
+    assert r.status_code == 201 and r.json()["version"] == 2, r.text
+    # it follows the latest: v2 takes over on both gateways at once
+    assert _agree_after(cluster, "2") < 1.0
+    for weights, want in (({"1": 100}, "1"), ({"2": 100}, "2")):
+        r = httpx.put(f"{gws[1]}/v1/adapters/canary/rollout", headers=h, timeout=30,
+                      json={"weights": weights})
+        assert r.status_code == 200, r.text
+        assert _agree_after(cluster, want) < 1.0
+    r = httpx.put(f"{gws[0]}/v1/adapters/canary/rollout", headers=h, timeout=30,
+                  json={"weights": {"1": 50, "2": 50}, "sticky": "user"})
+    assert r.status_code == 200, r.text
+    time.sleep(0.5)
+    seen = {}
+    for i in range(12):
+        picks = {_version(cluster, gw, "canary", user=f"user-{i}") for gw in gws}
+        assert len(picks) == 1, (i, picks)  # one user, one version, whichever gateway
+        seen[i] = picks.pop()
+    assert set(seen.values()) == {"1", "2"}
+    assert _version(cluster, gws[1], "canary@1") == "1"  # a pin wins over the split
+    # a rollback drops the split: its oldest version takes everything, on both gateways
+    r = httpx.post(f"{gws[1]}/v1/adapters/canary/rollback", headers=h, timeout=30)
+    assert r.status_code == 200 and r.json()["weights"] == {"1": 100}, r.text
+    assert wait_for(lambda: all(_version(cluster, gw, "canary", user=f"user-{i}") == "1"
+                                for gw in gws for i in seen), 1.5, 0.02)
 
 
 def test_failover_when_an_engine_dies(cluster):

@@ -130,8 +130,10 @@ def test_redis_down_gateway_routes_on_last_view_and_recovers(private_redis):
     view = GatewayView(st)
     assert view.refresh() and not view.degraded
     received = []
-    sub = st.subscribe(received.append)
+    resyncs = []
+    sub = st.subscribe(received.append, on_resubscribe=lambda: resyncs.append(time.monotonic()))
     assert sub.ready.wait(5)
+    assert resyncs == []  # the first subscription is no resubscription
 
     private_redis.kill()
     assert not view.refresh()
@@ -147,6 +149,7 @@ def test_redis_down_gateway_routes_on_last_view_and_recovers(private_redis):
     assert wait_for(lambda: view.refresh() and not view.degraded, timeout=3.0)
     assert [v.engine_id for v in view.live()] == ["e0"]  # e1 never beat again
     assert wait_for(lambda: sub.ready.is_set(), timeout=5.0)  # subscriber reconnected
+    assert wait_for(lambda: len(resyncs) == 1, timeout=3.0)  # told to forget what it missed
     assert wait_for(lambda: st.publish_event(ClusterEvent("evict", adapter_id="a")) == 1, 3.0)
     assert wait_for(lambda: len(received) == 1, timeout=3.0)
     hb.stop()

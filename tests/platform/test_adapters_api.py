@@ -1,5 +1,5 @@
 """Tenant adapter API: uploads (multipart files, archive, s3://), caps, preset PATCH,
-delete (evicts from the engine), replace (new engine key), export to the store."""
+delete (evicts from the engine), a new version (its own engine key), export to the store."""
 
 from __future__ import annotations
 
@@ -74,27 +74,31 @@ async def test_upload_use_patch_delete(client, env, adapter_dirs):
     assert (await client.get("/v1/adapters/up1", headers=h)).status_code == 404
 
 
-async def test_archive_upload_replace_and_conflict(client, env, adapter_dirs):
+async def test_archive_upload_then_a_new_version(client, env, adapter_dirs):
     h = env.headers(env.key_a)
+    body = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}
     r = await client.post("/v1/adapters", headers=h, data={"name": "arch"},
                           files={"file": ("adapter.tar.gz", _tar(adapter_dirs[0]))})
     assert r.status_code == 201, r.text
-    await client.post("/v1/completions", headers=h, json={"model": "arch", "prompt": "x", "max_tokens": 1})
+    first = await client.post("/v1/completions", headers=h, json={"model": "arch", **body})
+    assert first.headers["x-loramux-adapter-version"] == "1"
     old = {k for k in await _engine_keys(client) if "/arch@" in k}
-    r = await client.post("/v1/adapters", headers=h, data={"name": "arch"},
-                          files={"file": ("adapter.tar.gz", _tar(adapter_dirs[2]))})
-    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
     r = await client.post("/v1/adapters?replace=true", headers=h, data={"name": "arch"},
                           files=_files(adapter_dirs[2]))
     assert r.status_code == 201 and r.json()["version"] == 2
-    out = await client.post("/v1/completions", headers=h,
-                            json={"model": "arch", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0})
+    out = await client.post("/v1/completions", headers=h, json={"model": "arch", **body})
     ref = await client.post("/v1/completions", headers=env.headers(env.key_b),
-                            json={"model": "b-only", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0})
+                            json={"model": "b-only", **body})
+    assert out.headers["x-loramux-adapter-version"] == "2" and out.json()["model"] == "arch"
     assert out.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]  # new weights
+    pinned = await client.post("/v1/completions", headers=h, json={"model": "arch@1", **body})
+    assert pinned.headers["x-loramux-adapter-version"] == "1"
+    assert pinned.json()["model"] == "arch@1"  # the name the client sent
+    assert pinned.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]  # kept
     new = {k for k in await _engine_keys(client) if "/arch@" in k}
-    assert old and new and not (old & new)  # the stale version left the engine
+    assert old and old < new  # a version is its own engine adapter; the old one stays
     assert (await client.delete("/v1/adapters/arch", headers=h)).status_code == 200
+    assert not {k for k in await _engine_keys(client) if "/arch@" in k}  # every version left
 
 
 async def test_bad_uploads(client, env, adapter_dirs, tiny_model_dir, tmp_path):

@@ -73,3 +73,35 @@ def test_cli_errors(cli, tiny_model_dir, tmp_path):
     assert rc == 1 and "invalid tenant name" in err
     with pytest.raises(SystemExit):
         cli("adapters", "upload", str(adapter))  # --tenant and --name are required
+
+
+def test_cli_releases(cli, tiny_model_dir, tmp_path):
+    """versions, rollout (show / set / follow the latest), rollback, delete-version."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    base = ["--base-model", str(tiny_model_dir)]
+    assert cli("tenants", "create", "acme")[0] == 0
+    for i in range(3):
+        folder = write_random_adapter(config, tmp_path / f"v{i}", r=4, seed=i)
+        rc, out, _ = cli("adapters", "upload", str(folder), "--tenant", "acme", "--name", "sql",
+                         *base)
+        assert rc == 0 and f"uploaded 'sql' v{i + 1}" in out
+    rc, out, _ = cli("adapters", "versions", "sql", "--tenant", "acme")
+    lines = out.splitlines()
+    assert rc == 0 and [line.split("\t")[:2] for line in lines[:3]] == [
+        ["v1", "0%"], ["v2", "0%"], ["v3", "100%"]]
+    assert lines[3] == "sql: v3 100% (follows the latest); sticky user; rollback to v2"
+    rc, out, _ = cli("adapters", "rollout", "sql", "--tenant", "acme", "--weights", "2=90,3=10",
+                     "--sticky", "key")
+    assert rc == 0 and out.strip() == "sql: v2 90%, v3 10%; sticky key; rollback to v2"
+    rc, _, err = cli("adapters", "rollout", "sql", "--tenant", "acme", "--weights", "2=90,3=20")
+    assert rc == 1 and "sum to 100" in err
+    rc, _, err = cli("adapters", "delete-version", "sql", "3", "--tenant", "acme")
+    assert rc == 1 and "is in its rollout (2: 90%, 3: 10%)" in err
+    rc, out, _ = cli("adapters", "rollback", "sql", "--tenant", "acme")
+    assert rc == 0 and out.startswith("sql: v2 100%;")
+    rc, out, _ = cli("adapters", "delete-version", "sql", "1", "--tenant", "acme")
+    assert rc == 0 and out.strip() == "deleted 'sql' v1"
+    rc, out, _ = cli("adapters", "rollout", "sql", "--tenant", "acme", "--follow-latest")
+    assert rc == 0 and out.startswith("sql: v3 100% (follows the latest)")
+    rc, out, _ = cli("adapters", "versions", "sql", "--tenant", "acme", "--json")
+    assert [json.loads(line)["version"] for line in out.splitlines()] == [2, 3]

@@ -11,7 +11,8 @@ from loramux.registry import SchemaOutOfDate
 from loramux.registry.db import Database, migrations_dir
 from loramux.registry.models import Base
 
-TABLES = {"tenants", "api_keys", "adapters", "adapter_events", "tenant_quotas"}
+TABLES = {"tenants", "api_keys", "adapters", "adapter_events", "tenant_quotas",
+          "adapter_versions", "usage_records"}
 
 
 def diff(db: Database, metadata: MetaData = Base.metadata) -> list:
@@ -64,4 +65,41 @@ def test_migrations_found_without_repo_cwd(tmp_path, monkeypatch):
     db = Database(f"sqlite:///{tmp_path / 'y.db'}")
     db.upgrade()
     assert db.current_revision() == db.head_revision()
+    db.dispose()
+
+
+def test_versions_migration_carries_the_data_both_ways(database_url):
+    """0004 moves each adapter's weights into its one version (keeping its number) and
+    back down to the newest version; the quota rows get the default retention."""
+    from sqlalchemy import text
+
+    db = Database(database_url)
+    db.upgrade("0003_tenant_quotas")
+    now = "2026-11-30 12:00:00+00:00"
+    with db.engine.begin() as c:
+        c.execute(text("INSERT INTO tenants (id, name, created_at) VALUES (1, 'acme', :t)"),
+                  {"t": now})
+        c.execute(text(
+            "INSERT INTO adapters (id, tenant_id, name, version, base_model, rank, alpha, "
+            "target_modules, config, sha256, size_bytes, object_key, status, created_at, "
+            "updated_at) VALUES (7, 1, 'sql', 3, 'tiny', 4, 8.0, :tm, :cfg, :sha, 123, :key, "
+            "'ready', :t, :t)"),
+            {"tm": '["q_proj"]', "cfg": '{"r": 4}', "sha": "ab" * 32,
+             "key": f"adapters/sha256/{'ab' * 32}/adapter_model.safetensors", "t": now})
+        c.execute(text("INSERT INTO tenant_quotas (tenant_id, max_adapters, updated_at) "
+                       "VALUES (1, 9, :t)"), {"t": now})
+    db.upgrade()
+    with db.engine.connect() as c:
+        row = c.execute(text("SELECT adapter_id, number, rank, sha256, size_bytes "
+                             "FROM adapter_versions")).one()
+        assert tuple(row) == (7, 3, 4, "ab" * 32, 123)
+        a = c.execute(text("SELECT last_version, rollout_weights, rollout_sticky, "
+                           "previous_live FROM adapters")).one()
+        assert tuple(a) == (3, None, "user", None)
+        assert c.execute(text("SELECT max_versions_per_adapter FROM tenant_quotas")).scalar() == 5
+    db.downgrade("0003_tenant_quotas")
+    with db.engine.connect() as c:
+        row = c.execute(text("SELECT id, version, rank, sha256, size_bytes, object_key "
+                             "FROM adapters")).one()
+        assert tuple(row)[:5] == (7, 3, 4, "ab" * 32, 123)
     db.dispose()

@@ -12,7 +12,7 @@ from loramux.registry.quotas import QUOTA_FIELDS
 
 
 def test_quotas_validation():
-    assert Quotas().to_dict() == dict.fromkeys(QUOTA_FIELDS)
+    assert Quotas().to_dict() == {**dict.fromkeys(QUOTA_FIELDS), "max_versions_per_adapter": 5}
     assert Quotas(max_adapters=0, max_stored_bytes=0).max_adapters == 0
     for field, bad in [
         ("requests_per_minute", 0),
@@ -21,6 +21,7 @@ def test_quotas_validation():
         ("max_queued_sequences", True),
         ("max_adapters", -1),
         ("max_stored_bytes", "10"),
+        ("max_versions_per_adapter", 0),
     ]:
         with pytest.raises(InvalidQuota, match=field):
             Quotas(**{field: bad})
@@ -59,7 +60,7 @@ def test_adapter_count_quota(registry, make_adapter):
         registry.upload("acme", "three", src)
     assert (e.value.quota, e.value.limit, e.value.current, e.value.requested) == (
         "max_adapters", 2, 2, 1)
-    registry.upload("acme", "two", src, replace=True)  # a replacement adds no adapter
+    registry.upload("acme", "two", src)  # a new version adds no adapter
     registry.upload("globex", "three", src)  # another tenant is not affected
     registry.delete("acme", "one")
     registry.upload("acme", "three", src)
@@ -78,13 +79,16 @@ def test_stored_bytes_quota(registry, make_adapter):
         registry.upload("acme", "b", big)
     assert (e.value.current, e.value.requested) == (size_small, size_big)
     assert registry.get_usage("acme") == usage  # nothing committed
-    # a replacement is charged only the difference
-    assert registry.upload("acme", "a", big, replace=True).size_bytes == size_big
+    with pytest.raises(QuotaExceeded, match="max_stored_bytes"):  # a version is charged too
+        registry.upload("acme", "a", big)
+    assert registry.release("acme", "a").versions.keys() == {1}
+    # the same bytes again are one stored object: a second version of them costs nothing
+    assert registry.upload("acme", "a", small).version == 2
+    assert registry.get_usage("acme") == TenantUsage(1, size_small)
+    # retention makes room: with one version kept, the old one's bytes are freed
+    registry.set_quotas("acme", Quotas(max_stored_bytes=size_big, max_versions_per_adapter=1))
+    assert registry.upload("acme", "a", big).version == 3
     assert registry.get_usage("acme") == TenantUsage(1, size_big)
-    registry.set_quotas("acme", Quotas(max_stored_bytes=size_small))  # below usage now
-    assert registry.upload("acme", "a", small, replace=True).size_bytes == size_small
-    with pytest.raises(QuotaExceeded, match="max_stored_bytes"):
-        registry.upload("acme", "a", big, replace=True)
     registry.set_quotas("acme", Quotas(max_adapters=0))
     with pytest.raises(QuotaExceeded, match="max_adapters"):
         registry.upload("acme", "c", small)

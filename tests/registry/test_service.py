@@ -42,7 +42,9 @@ def test_upload_get_list_resolve_roundtrip(registry, make_adapter):
 
     assert registry.get("acme", "sql-lora") == handle
     assert [h.name for h in registry.list("acme")] == ["sql-lora"]
-    resolved = registry.resolve("acme", "sql-lora")
+    release = registry.resolve("acme", "sql-lora")
+    assert release.versions == {1: handle} and release.rollout.live == 1
+    resolved = release.newest
     folder = resolved.local_path()
     assert (folder / "adapter_model.safetensors").read_bytes() == (
         src / "adapter_model.safetensors"
@@ -100,19 +102,24 @@ def test_unknown_tenant(registry, make_adapter):
     assert count_rows(registry) == 0 and objects(registry) == []
 
 
-def test_conflict_and_replace(registry, make_adapter):
+def test_uploads_add_versions(registry, make_adapter):
     registry.create_tenant("acme")
     first = registry.upload("acme", "a", make_adapter("one", seed=1))
-    with pytest.raises(AdapterConflict, match="already exists"):
-        registry.upload("acme", "a", make_adapter("two", seed=2))
-    assert registry.get("acme", "a").sha256 == first.sha256
     seen = []
     registry.subscribe(lambda kind, h: seen.append((kind, h.version)))
-    second = registry.upload("acme", "a", make_adapter("two", seed=2), replace=True)
+    second = registry.upload("acme", "a", make_adapter("two", seed=2))
     assert second.version == 2 and second.sha256 != first.sha256 and second.id == first.id
     assert second.cache_key != first.cache_key
-    assert seen == [("replaced", 2)]
-    assert registry.gc(min_age_seconds=0).deleted_objects == [first.object_key]
+    assert seen == [("version_added", 2)]
+    assert registry.get("acme", "a") == second  # the newest
+    old = registry.get_version("acme", "a", 1)  # the old one is kept, unchanged
+    assert (old.sha256, old.cache_key, old.created_at) == (first.sha256, first.cache_key,
+                                                           first.created_at)
+    assert registry.gc(min_age_seconds=0).deleted_objects == []
+    with pytest.raises(AdapterConflict, match="already exists"):
+        registry.upload("acme", "a", make_adapter("three", seed=3), replace=False)
+    assert registry.release("acme", "a").versions.keys() == {1, 2}
+    assert [e.kind for e in registry.events("acme")] == ["version_added", "uploaded"]
 
 
 def test_delete_gc_and_shared_objects(registry, make_adapter):
@@ -183,13 +190,11 @@ def test_two_concurrent_uploads_of_one_name(registry, make_adapter, monkeypatch)
         t.start()
     for t in threads:
         t.join(60)
-    conflicts = [r for r in results if isinstance(r, AdapterConflict)]
-    winners = [r for r in results if not isinstance(r, Exception)]
-    assert len(conflicts) == 1 and len(winners) == 1, results
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert sorted(r.version for r in results) == [1, 2]  # one adapter, two versions
     assert count_rows(registry) == 1
-    assert registry.get("acme", "race").sha256 == winners[0].sha256
-    assert registry.gc(min_age_seconds=0).deleted_objects != []
-    assert objects(registry) == [winners[0].object_key]
+    assert registry.release("acme", "race").versions.keys() == {1, 2}
+    assert sorted(objects(registry)) == sorted(r.object_key for r in results)
 
 
 def test_failure_between_object_write_and_commit(registry, make_adapter, monkeypatch):

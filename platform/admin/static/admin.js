@@ -23,6 +23,21 @@ async function post(path) {
 }
 
 document.addEventListener("click", async (ev) => {
+  const b = ev.target.closest("button[data-rollback]");
+  if (!b) return;
+  const label = b.dataset.tenant + "/" + b.dataset.rollback;
+  flash.className = ""; flash.textContent = "rollback " + label + " …";
+  try {
+    const res = await post("/admin/releases/" + encodeURIComponent(b.dataset.tenant) + "/" +
+                           encodeURIComponent(b.dataset.rollback) + "/rollback");
+    flash.textContent = "rollback " + label + ": live split now " + res.split;
+  } catch (err) {
+    flash.className = "bad"; flash.textContent = "rollback " + label + " failed: " + err.message;
+  }
+  refresh();
+});
+
+document.addEventListener("click", async (ev) => {
   const b = ev.target.closest("button[data-act]");
   if (!b) return;
   const engine = (document.getElementById("engine") || {}).value || "";
