@@ -25,11 +25,13 @@ from typing import Any
 import torch
 
 from loramux.adapters.arch import (
+    LORA_MODULES,
     MODULE_PARENT,
-    SUPPORTED_MODULES,
+    NON_TEXT_KEY_RE,
     TENSOR_KEY_RE,
     BaseModelDims,
     base_dims,
+    family_mismatch,
     tensor_key,
 )
 from loramux.adapters.archive import (
@@ -72,14 +74,19 @@ DEFAULT_MAX_ADAPTER_BYTES = 1024**3
 class LoraWeights:
     """A loaded adapter.
 
-    ``layers[i][module] = (A, B)`` with A ``[r, in_features]`` and B ``[out_features, r]``;
-    a layer or module without tensors has no LoRA. ``warnings`` carries what validation
-    noticed but accepted (a different ``base_model_name_or_path``).
+    ``layers[i][module] = (A, B)`` with A ``[r, in_features]`` and B ``[out_features, r]``,
+    ``module`` as the adapter names it (split ``q_proj`` or fused ``qkv_proj``); a layer or
+    module without tensors has no LoRA. ``warnings`` carries what validation noticed but
+    accepted (a different ``base_model_name_or_path``). ``prefix`` is where the decoder sits
+    in its tensor names (``model.``; ``model.language_model.`` for a multimodal base);
+    ``unserved`` names the tensors of parts the engine does not run (a vision tower).
     """
 
     spec: LoraSpec
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]
     warnings: list[str] = field(default_factory=list)
+    prefix: str = "model."
+    unserved: tuple[str, ...] = ()
 
     def num_bytes(self) -> int:
         """Bytes held by all A and B tensors."""
@@ -108,25 +115,52 @@ def _weights_file(folder: Path) -> Path:
 _Pair = dict[str, TensorInfo]  # "A" / "B" -> header entry
 
 
+def _check_float(info: TensorInfo) -> None:
+    if info.dtype not in FLOAT_DTYPES:
+        raise AdapterValidationError(
+            f"{info.name}: dtype {info.dtype}; expected a float dtype ({', '.join(FLOAT_DTYPES)})",
+            field=info.name,
+        )
+
+
 def _collect(
     infos: Mapping[str, TensorInfo], spec: LoraSpec, dims: BaseModelDims | None
-) -> dict[tuple[int, str], _Pair]:
-    """Group tensors by (layer, module); refuse stray names and non-float dtypes."""
+) -> tuple[dict[tuple[int, str], _Pair], str, list[TensorInfo]]:
+    """Group the text model's tensors by (layer, module); the decoder prefix of their names;
+    the tensors of unserved parts (a multimodal base's vision tower). Refuse stray names,
+    modules the base's family has not and non-float dtypes."""
     found: dict[tuple[int, str], _Pair] = {}
+    unserved: list[TensorInfo] = []
+    prefixes: set[str] = set()
+    arch = dims.arch if dims is not None else None
+    accepted = dims.family.lora_modules if dims is not None else LORA_MODULES
+    example = tensor_key(0, accepted[0], "A", arch.peft_prefix if arch is not None else "model.")
     for key in sorted(infos):
         info = infos[key]
         m = TENSOR_KEY_RE.match(key)
         if m is None:
+            if NON_TEXT_KEY_RE.match(key) and (arch is None or arch.ignored_prefixes):
+                _check_float(info)
+                unserved.append(info)
+                continue
             raise AdapterValidationError(
-                f"{key}: unexpected tensor; expected only LoRA weights named like "
-                f"'{tensor_key(0, 'q_proj', 'A')}'",
+                f"{key}: unexpected tensor; expected only LoRA weights named like '{example}'",
                 field=key,
             )
         layer, module = int(m["layer"]), m["module"]
-        if module not in SUPPORTED_MODULES or MODULE_PARENT[module] != m["parent"]:
+        prefixes.add(m["prefix"])
+        if arch is not None and m["prefix"] not in (arch.peft_prefix, *arch.peft_prefix_aliases):
             raise AdapterValidationError(
-                f"{key}: {module!r} is not a supported target module; supported: "
-                f"{', '.join(SUPPORTED_MODULES)}",
+                f"{key}: unexpected tensor name; the base model ({arch.name}) has its layers "
+                f"under '{arch.peft_prefix}' (expected names like '{example}'): the adapter was "
+                f"trained for another architecture",
+                field=key,
+            )
+        if module not in accepted or MODULE_PARENT.get(module) != m["parent"]:
+            family = f" of {dims.family.title} models" if dims is not None else ""
+            raise AdapterValidationError(
+                f"{key}: {module!r} is not a supported target module{family}; supported: "
+                f"{', '.join(accepted)}",
                 field=key,
             )
         if module not in spec.target_modules:
@@ -147,13 +181,12 @@ def _collect(
             )
         if layer >= MAX_LAYER_INDEX:
             raise AdapterValidationError(f"{key}: layer index {layer} is out of range", field=key)
-        if info.dtype not in FLOAT_DTYPES:
-            raise AdapterValidationError(
-                f"{key}: dtype {info.dtype}; expected a float dtype ({', '.join(FLOAT_DTYPES)})",
-                field=key,
-            )
+        _check_float(info)
         found.setdefault((layer, module), {})[m["which"]] = info
-    return found
+    if len(prefixes) > 1:
+        raise refuse(WEIGHTS_NAME, f"tensor names mix decoder paths {sorted(prefixes)}")
+    prefix = prefixes.pop() if prefixes else (arch.peft_prefix if arch is not None else "model.")
+    return found, prefix, unserved
 
 
 def _shape_error(
@@ -181,7 +214,8 @@ def _check_layers(spec: LoraSpec, dims: BaseModelDims) -> None:
 
 
 def _check_layout(
-    found: dict[tuple[int, str], _Pair], spec: LoraSpec, dims: BaseModelDims | None, hint: str = ""
+    found: dict[tuple[int, str], _Pair], spec: LoraSpec, dims: BaseModelDims | None, hint: str = "",
+    prefix: str = "model.",
 ) -> None:
     """Refuse missing tensors and wrong shapes."""
     r = spec.r
@@ -203,7 +237,7 @@ def _check_layout(
         pair = found.get((layer, module), {})
         for which in ("A", "B"):
             if which not in pair:
-                key = tensor_key(layer, module, which)
+                key = tensor_key(layer, module, which, prefix)
                 raise AdapterValidationError(f"{key}: missing tensor", field=key)
         a, b = pair["A"], pair["B"]
         if dims is not None:
@@ -236,24 +270,40 @@ def _load_layers(
     return layers
 
 
+def _check_finite(weights_path: Path, infos: list[TensorInfo]) -> None:
+    for info in infos:
+        t = load_tensors(weights_path, [info.name], dtype=torch.float32)[info.name]
+        if not bool(torch.isfinite(t).all()):
+            raise AdapterValidationError(
+                f"{info.name}: contains NaN or infinite values; expected finite weights",
+                field=info.name,
+            )
+
+
 def _short_name(name: str | None) -> str | None:
     if not name:
         return None
     return name.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
-def load_adapter(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> LoraWeights:
+def load_adapter(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, family: Any = None
+) -> LoraWeights:
     """Read a PEFT LoRA adapter folder or archive with no base-model checks.
 
     Checks the format (config, tensor names, ranks, A/B pairing, float dtype, finite
-    values) but not the base model's dimensions. Raises :class:`AdapterValidationError`.
+    values) but not the base model's dimensions. ``family`` (the served base's
+    :class:`~loramux.adapters.arch.BaseModelDims`) only says what ``all-linear`` means.
+    Tensors of unserved parts (a vision tower) are not loaded. Raises
+    :class:`AdapterValidationError`.
     """
     with adapter_folder(path) as folder:
-        spec = parse_config(read_config(folder / CONFIG_NAME))
+        spec = parse_config(read_config(folder / CONFIG_NAME), family)
         weights_path = _weights_file(folder)
-        found = _collect(read_header(weights_path), spec, None)
-        _check_layout(found, spec, None)
-        return LoraWeights(spec, _load_layers(weights_path, found, dtype))
+        found, prefix, unserved = _collect(read_header(weights_path), spec, None)
+        _check_layout(found, spec, None, prefix=prefix)
+        return LoraWeights(spec, _load_layers(weights_path, found, dtype), prefix=prefix,
+                           unserved=tuple(i.name for i in unserved))
 
 
 def validate_adapter(
@@ -288,7 +338,10 @@ def validate_adapter(
                 f"{WEIGHTS_NAME} is {weights_path.stat().st_size} bytes, above the limit of "
                 f"{max_bytes} bytes",
             )
-        spec = parse_config(read_config(folder / CONFIG_NAME))
+        spec = parse_config(read_config(folder / CONFIG_NAME), dims)
+        mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)
+        if mismatch:
+            raise refuse("base_model_name_or_path", mismatch)
         if spec.r > max_lora_rank:
             raise refuse("r", f"rank {spec.r} is above max_lora_rank={max_lora_rank} (the serving limit, --max-lora-rank)")
         _check_layers(spec, dims)
@@ -302,15 +355,22 @@ def validate_adapter(
                 f" (the adapter was trained on {spec.base_model_name_or_path!r}, "
                 f"not on {base_model_name or dims.name_or_path!r})"
             )
-        found = _collect(read_header(weights_path), spec, dims)
-        _check_layout(found, spec, dims, hint)
+        found, prefix, unserved = _collect(read_header(weights_path), spec, dims)
+        _check_layout(found, spec, dims, hint, prefix)
         if hint:
             warnings.append(
                 f"base_model_name_or_path is {spec.base_model_name_or_path!r} but the base model "
                 f"is {base_model_name or dims.name_or_path!r}; the shapes match"
             )
             logger.warning("%s: %s", Path(path).name, warnings[-1])
-        weights = LoraWeights(spec, _load_layers(weights_path, found, dtype), warnings)
+        if unserved:
+            _check_finite(weights_path, unserved)
+            warnings.append(
+                f"{len(unserved)} LoRA tensors of the vision tower are kept for export but not "
+                f"served (loramux serves {dims.arch.name} text-only)"
+            )
+        weights = LoraWeights(spec, _load_layers(weights_path, found, dtype), warnings,
+                              prefix=prefix, unserved=tuple(i.name for i in unserved))
     from loramux.adapters.probe import probe_adapter  # the probe reads LoraWeights
 
     probe_adapter(weights, serving_dtype)
@@ -326,8 +386,9 @@ def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     for layer, modules in weights.layers.items():
         for module, (a, b) in modules.items():
-            tensors[tensor_key(layer, module, "A")] = a.contiguous()
-            tensors[tensor_key(layer, module, "B")] = b.contiguous()
+            tensors[tensor_key(layer, module, "A", weights.prefix)] = a.contiguous()
+            tensors[tensor_key(layer, module, "B", weights.prefix)] = b.contiguous()
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(weights.spec.to_config(), indent=2) + "\n")
+    config = weights.spec.to_config(weights.prefix)
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return path

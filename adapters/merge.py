@@ -4,7 +4,9 @@
 ``merge_and_unload()`` and saves a standard Hugging Face folder (safetensors weights,
 config, generation config, tokenizer). With ``check=True`` (or :func:`check_merged`
 afterwards) it reloads the result and compares its logits with PEFT's unmerged
-base + adapter on a few prompts.
+base + adapter on a few prompts. Every family is merged by PEFT; an adapter that names the
+base's projections in another spelling (split names on Phi-3's fused checkpoints) is first
+rewritten in the base's own names (``fused.py``: the same delta).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from loramux.adapters.arch import base_dims
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
-from loramux.adapters.format import validate_adapter
+from loramux.adapters.format import LoraWeights, load_adapter, validate_adapter
+from loramux.adapters.fused import needs_rewrite, write_native
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,17 @@ def _copy_adapter(src: Path, dest: Path) -> Path:
     return dest
 
 
+def _peft_adapter(src: Path, base_config: dict, dest: Path, weights: LoraWeights | None = None) -> Path:
+    """The adapter as PEFT can load it onto the base: its two files, or rewritten in the
+    base family's module names."""
+    dims = base_dims(base_config)
+    if weights is None:
+        weights = load_adapter(src, family=dims)
+    if needs_rewrite(weights, dims):
+        return write_native(weights, dims, dest)
+    return _copy_adapter(src, dest)
+
+
 def _load_peft(base_model: Path, adapter_dir: Path, dtype: torch.dtype):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -111,7 +126,8 @@ def check_merged(
 
     base_model, merged = Path(base_model), Path(merged)
     with adapter_folder(adapter) as folder, tempfile.TemporaryDirectory() as tmp:
-        reference = _load_peft(base_model, _copy_adapter(folder, Path(tmp)), dtype)
+        adapter_dir = _peft_adapter(folder, _read_base_config(base_model), Path(tmp))
+        reference = _load_peft(base_model, adapter_dir, dtype)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(
         merged if (merged / "tokenizer_config.json").exists() else base_model
@@ -146,7 +162,8 @@ def export_merged(
     base_model, out = Path(base_model), Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
-    validate_adapter(adapter, _read_base_config(base_model), max_lora_rank=max_lora_rank)
+    base_config = _read_base_config(base_model)
+    weights = validate_adapter(adapter, base_config, max_lora_rank=max_lora_rank)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = ["load base + adapter", "merge", "save", *(["check"] if check else [])]
     with (
@@ -155,7 +172,7 @@ def export_merged(
         tempfile.TemporaryDirectory() as tmp_adapter,
     ):
         bar.set_postfix_str(steps[0])
-        adapter_dir = _copy_adapter(folder, Path(tmp_adapter))
+        adapter_dir = _peft_adapter(folder, base_config, Path(tmp_adapter), weights)
         model = _load_peft(base_model, adapter_dir, dtype)
         bar.update()
         bar.set_postfix_str(steps[1])

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loramux.adapters.arch import MODULE_PARENT, SUPPORTED_MODULES
+from loramux.adapters.arch import (
+    FUSED_MODULES,
+    LORA_MODULES,
+    MODULE_PARENT,
+    SUPPORTED_MODULES,
+    BaseModelDims,
+)
 from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError, pickle_refusal
 from loramux.adapters.safetensors_io import looks_like_pickle
@@ -63,7 +69,8 @@ class LoraSpec:
     """What ``adapter_config.json`` says, normalized.
 
     ``target_modules`` holds canonical module names (``"q_proj"`` …) in the order of
-    :data:`~loramux.adapters.arch.SUPPORTED_MODULES`: every module that has LoRA in some
+    :data:`~loramux.adapters.arch.LORA_MODULES` (split names, then fused ones such as
+    ``qkv_proj``, as the adapter names them): every module that has LoRA in some
     layer. ``layers_to_transform`` is ``None`` for every layer. ``module_layers`` lists
     ``(layer, module)`` pairs for modules that PEFT targeted by full path in single layers
     (``model.layers.0.self_attn.q_proj``, as it writes for ``all-linear`` on some
@@ -71,7 +78,7 @@ class LoraSpec:
     ``layers_to_transform``). Use :meth:`targets` rather than reading these directly.
     ``fan_in_fan_out`` is kept as written, but the tensors in
     :class:`LoraWeights` are always in PEFT's ``nn.Linear`` orientation (PEFT itself
-    ignores the flag for ``nn.Linear`` layers, which is all a Llama-family model has).
+    ignores the flag for ``nn.Linear`` layers, which is all every served family has).
     """
 
     r: int
@@ -97,8 +104,9 @@ class LoraSpec:
         """The factor on ``B @ A``: ``alpha / sqrt(r)`` with rsLoRA, else ``alpha / r``."""
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
-    def to_config(self) -> dict[str, Any]:
-        """A PEFT ``adapter_config.json`` dict for this spec."""
+    def to_config(self, prefix: str = "model.") -> dict[str, Any]:
+        """A PEFT ``adapter_config.json`` dict for this spec (``prefix``: where the decoder's
+        layers sit, :attr:`~loramux.adapters.arch.Architecture.peft_prefix`)."""
         return {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -106,7 +114,7 @@ class LoraSpec:
             "lora_alpha": self.lora_alpha,
             "target_modules": [
                 *(m for m in self.target_modules if all(p[1] != m for p in self.module_layers)),
-                *(f"model.layers.{i}.{MODULE_PARENT[m]}.{m}" for i, m in self.module_layers),
+                *(f"{prefix}layers.{i}.{MODULE_PARENT[m]}.{m}" for i, m in self.module_layers),
             ],
             "use_rslora": self.use_rslora,
             "fan_in_fan_out": self.fan_in_fan_out,
@@ -149,21 +157,29 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 _TARGET_RE = re.compile(
-    r"^(?:(?P<full>model\.)?layers\.(?P<layer>\d{1,6})\.)?(?:(?P<parent>self_attn|mlp)\.)?"
-    r"(?P<module>[A-Za-z0-9_]+)$"
+    r"^(?:(?P<full>model\.language_model\.|language_model\.model\.|model\.)?layers\.(?P<layer>\d{1,6})\.)?"
+    r"(?:(?P<parent>self_attn|mlp)\.)?(?P<module>[A-Za-z0-9_]+)$"
 )
+_NON_TEXT_TARGET_RE = re.compile(r"^(?:model\.)?(?:vision_tower|vision_model|multi_modal_projector)\.")
 
 
-def _parse_target(entry: Any) -> tuple[str, int | None, bool]:
+def _parse_target(entry: Any, accepted: tuple[str, ...]) -> tuple[str, int | None, bool]:
     """``(module, layer or None, exact)`` for one ``target_modules`` entry."""
-    supported = ", ".join(SUPPORTED_MODULES)
+    supported = ", ".join(accepted)
     if not isinstance(entry, str) or not entry:
         raise refuse("target_modules", f"entries must be module names, got {entry!r}")
     m = _TARGET_RE.match(entry)
     module = m["module"] if m else entry.rsplit(".", 1)[-1]
-    if module not in SUPPORTED_MODULES:
+    if module not in accepted:
+        hint = ""
+        if module in LORA_MODULES:
+            hint = (" (a fused checkpoint's name, as Phi-3 has: the adapter was trained for another "
+                    "family)" if module in FUSED_MODULES else
+                    " (this family's checkpoints fuse it: target the fused module)")
         raise refuse(
-            "target_modules", f"{entry!r} is not a supported target module; supported: {supported}"
+            "target_modules",
+            f"{entry!r} is not a supported target module of this base model{hint}; supported: "
+            f"{supported}",
         )
     if m is None or (m["parent"] and m["parent"] != MODULE_PARENT[module]):
         raise refuse(
@@ -184,27 +200,36 @@ def _parse_target(entry: Any) -> tuple[str, int | None, bool]:
 
 
 def _parse_targets(
-    value: Any, layers: tuple[int, ...] | None
+    value: Any, layers: tuple[int, ...] | None, base: BaseModelDims | None
 ) -> tuple[tuple[str, ...], tuple[tuple[int, str], ...]]:
-    """``(target_modules, module_layers)`` from the config's ``target_modules``."""
+    """``(target_modules, module_layers)`` from the config's ``target_modules``: the names
+    ``base``'s family accepts (any family's without a base); a multimodal base's vision-tower
+    targets are left out (it is served text-only)."""
+    accepted = base.family.lora_modules if base is not None else LORA_MODULES
+    native = base.family.native_modules if base is not None else SUPPORTED_MODULES
+    ignored = base.arch.ignored_modules if base is not None else ()
     if value is None:
         raise refuse("target_modules", "missing; expected a list of module names")
     if isinstance(value, str):
         if value == "all-linear":
-            return SUPPORTED_MODULES, ()
-        if value in SUPPORTED_MODULES:
+            return tuple(m for m in LORA_MODULES if m in native), ()
+        if value in accepted:
             return (value,), ()
         raise refuse(
             "target_modules",
             f"regular expressions ({value!r}) are not accepted; list the module names "
-            f"(supported: {', '.join(SUPPORTED_MODULES)}) or use 'all-linear'",
+            f"(supported: {', '.join(accepted)}) or use 'all-linear'",
         )
     if not isinstance(value, list | tuple) or not value:
         raise refuse("target_modules", f"expected a non-empty list of module names, got {value!r}")
     everywhere: set[str] = set()
     pairs: set[tuple[int, str]] = set()
     for entry in value:
-        module, layer, exact = _parse_target(entry)
+        if ignored and isinstance(entry, str) and (
+            entry in ignored or _NON_TEXT_TARGET_RE.match(entry)
+        ):
+            continue
+        module, layer, exact = _parse_target(entry, accepted)
         if layer is None:
             everywhere.add(module)
         elif exact or layers is None or layer in layers:
@@ -212,7 +237,17 @@ def _parse_targets(
             pairs.add((layer, module))
     pairs = {p for p in pairs if p[1] not in everywhere}
     modules = everywhere | {m for _, m in pairs}
-    return tuple(m for m in SUPPORTED_MODULES if m in modules), tuple(sorted(pairs))
+    if not modules:
+        raise refuse("target_modules", "targets no module of the text model")
+    for fused, parts in FUSED_MODULES.items():
+        both = [p for p in parts if p in modules]
+        if fused in modules and both:
+            raise refuse(
+                "target_modules",
+                f"{fused!r} and {both[0]!r} both target the same projection (fused and split "
+                f"names in one adapter cannot be mapped onto one base model)",
+            )
+    return tuple(m for m in LORA_MODULES if m in modules), tuple(sorted(pairs))
 
 
 def _parse_layers(config: Mapping[str, Any]) -> tuple[int, ...] | None:
@@ -220,7 +255,7 @@ def _parse_layers(config: Mapping[str, Any]) -> tuple[int, ...] | None:
     pattern = config.get("layers_pattern")
     if pattern not in (None, "", "layers", [], ["layers"]):
         raise refuse(
-            "layers_pattern", f"expected 'layers' for a Llama-family model, got {pattern!r}"
+            "layers_pattern", f"expected 'layers' (every served family's decoder layers), got {pattern!r}"
         )
     if value is None or value == []:
         return None
@@ -242,8 +277,10 @@ def _bool(config: Mapping[str, Any], key: str) -> bool:
     return value
 
 
-def parse_config(config: Mapping[str, Any]) -> LoraSpec:
-    """Turn an ``adapter_config.json`` dict into a :class:`LoraSpec`, refusing what is unsupported."""
+def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None) -> LoraSpec:
+    """Turn an ``adapter_config.json`` dict into a :class:`LoraSpec`, refusing what is
+    unsupported. With ``served`` (the served base model) the target modules must be those its
+    family accepts, and ``all-linear`` means its projections."""
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise refuse("peft_type", f"expected 'LORA', got {peft_type!r}")
@@ -271,7 +308,7 @@ def parse_config(config: Mapping[str, Any]) -> LoraSpec:
     if base is not None and not isinstance(base, str):
         raise refuse("base_model_name_or_path", f"expected a string, got {base!r}")
     layers = _parse_layers(config)
-    targets, module_layers = _parse_targets(config.get("target_modules"), layers)
+    targets, module_layers = _parse_targets(config.get("target_modules"), layers, served)
     return LoraSpec(
         r=r,
         lora_alpha=float(alpha),

@@ -22,7 +22,7 @@ class ModelConfig:
     """Which model to run and how."""
 
     model: str | None = None
-    """Hugging Face folder of a Llama-family model; None = the default model."""
+    """Hugging Face folder of a supported model (``adapters.arch.ARCHITECTURES``); None = the default model."""
     tokenizer: str | None = None
     """Tokenizer folder; None = the model folder."""
     dtype: str = "auto"

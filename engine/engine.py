@@ -28,7 +28,7 @@ from loramux.engine.lora.null import NoLoRA
 from loramux.engine.lora.state import ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.kernels.loader import status as kernel_status
-from loramux.engine.model.llama import LlamaModel
+from loramux.engine.model.registry import load_model
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
 from loramux.engine.postprocess import Postprocessor
@@ -80,6 +80,14 @@ def resolve_dtype(name: str, device: torch.device, model_path: Path) -> torch.dt
     return dtype
 
 
+def _prefix_cache_id(adapter: str | None, salt: str | None) -> str | None:
+    """A sequence's prefix-cache identity: its adapter's, and what the model says sets its
+    keys apart (``DecoderModel.prefix_cache_salt``)."""
+    if salt is None:
+        return adapter
+    return f"{adapter or ''}#{salt}"
+
+
 class LLMEngine:
     """Owns the model, KV cache, scheduler, sampler and (optionally) LoRA slots."""
 
@@ -99,7 +107,7 @@ class LLMEngine:
         self.model_path = model_path
         self.device = resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, self.device, model_path)
-        self.model = LlamaModel(model_path, dtype, self.device, enforce_eager=mc.enforce_eager)
+        self.model = load_model(model_path, dtype, self.device, enforce_eager=mc.enforce_eager)
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_path)
         dims = self.model.dims
         self.max_model_len = mc.max_model_len or dims.max_position_embeddings
@@ -222,7 +230,10 @@ class LLMEngine:
         for i in range(params.best_of):
             seq = Sequence(request_id, i, ids, params, lora_key, fairness_key=fairness_key,
                            fairness_weight=weight)
-            seq.adapter_id = lora_request.prefix_cache_id if lora_request is not None else None
+            seq.adapter_id = _prefix_cache_id(
+                lora_request.prefix_cache_id if lora_request is not None else None,
+                self.model.prefix_cache_salt(len(ids)),
+            )
             if params.prompt_logprobs is not None and len(ids) == 1:
                 seq.prompt_logprobs = [None]
             if params.structured_outputs is not None:

@@ -91,7 +91,7 @@ class OutOfBlocksError(EngineError, RuntimeError):
 
 # --- the engine cannot start --------------------------------------------------------------
 class ModelLoadError(EngineError, ValueError):
-    """The folder is not a loadable Llama-family model."""
+    """The folder is not a loadable model of a supported architecture (``adapters.arch``)."""
 
 
 class DefaultModelError(EngineError, RuntimeError):

@@ -16,9 +16,9 @@ import torch
 
 from loramux.engine.block_manager import pad_slot
 from loramux.engine.config import CacheConfig
-from loramux.engine.model.attention import build_attention_metadata
+from loramux.engine.model.attention import build_step_attention
 from loramux.engine.model.cpu_attention import kernel_available
-from loramux.engine.model.llama import LlamaModel
+from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.step_data import ScheduledRow, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class StepBatch:
         return [r.num_new_tokens for r in self.rows]
 
 
-def plan_num_blocks(model: LlamaModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
+def plan_num_blocks(model: DecoderModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
     """How many KV blocks fit the configured memory."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
@@ -73,7 +73,7 @@ class ModelRunner:
     """Builds the step's tensors and runs the forward pass."""
 
     def __init__(
-        self, model: LlamaModel, num_blocks: int, block_size: int, attention_backend: str = "auto"
+        self, model: DecoderModel, num_blocks: int, block_size: int, attention_backend: str = "auto"
     ) -> None:
         self.model = model
         # CPU: the compiled kernel reads K/V blocks in place (installed with the package; logged fallback)
@@ -127,13 +127,13 @@ class ModelRunner:
             ids.extend(r.token_ids)
             starts.append(r.num_computed_tokens)
             counts.append(r.num_new_tokens)
-        attn = build_attention_metadata(
+        attn = build_step_attention(
             [r.block_ids for r in rows],
             starts,
             counts,
             batch.num_decode,
             self.block_size,
-            self.model.dims.sliding_window,
+            self.model.attention_windows,
             dev,
             pad_slot=self.pad_slot,
             cpu_kernel=self.cpu_kernel,
@@ -143,6 +143,8 @@ class ModelRunner:
         # token t of row i sits at starts[i] + (t - first token of row i)
         shift = torch.repeat_interleave(torch.tensor(starts) - (ends - counts_t), counts_t)  # [T]
         positions = torch.arange(len(ids)) + shift  # [T]
+        # [T] each token's prompt length: the rotary of some models depends on it (LongRoPE)
+        prompt_lens = torch.repeat_interleave(torch.tensor([r.num_prompt_tokens for r in rows]), counts_t)
         logit_rows = [ends - 1]
         prompt_rows: dict[int, tuple[int, int]] = {}  # row -> (offset in logits, count)
         offset = len(rows)
@@ -158,6 +160,7 @@ class ModelRunner:
             attn,
             self.kv_caches,
             torch.cat(logit_rows).to(dev),
+            prompt_lens.to(dev),
         )
         b = len(rows)
         extra = {row: logits[o : o + c] for row, (o, c) in prompt_rows.items()}

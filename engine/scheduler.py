@@ -58,7 +58,8 @@ class _Planned:
         if n > 1 and seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None:
             prompt_logits = seq.num_prompt_tokens - 1
         return ScheduledRow(seq.request_id, seq.seq_id, n, start, seq.token_ids[start : start + n],
-                            list(seq.block_table), seq.lora_key, self.is_prefill, prompt_logits)
+                            list(seq.block_table), seq.lora_key, self.is_prefill, prompt_logits,
+                            seq.num_prompt_tokens)
 
 
 class _Plan:

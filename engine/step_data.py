@@ -41,6 +41,8 @@ class ScheduledRow:
     num_prompt_logits: int = 0
     """Prompt positions (0 .. P - 2) whose logits the runner returns for prompt logprobs
     (0 = none; a row asking for them carries its whole prompt)."""
+    num_prompt_tokens: int = 0
+    """The sequence's prompt length (the rotary of LongRoPE models depends on it)."""
 
 
 @dataclass

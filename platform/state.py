@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loramux.adapters.arch import folder_family
 from loramux.engine.async_engine import AsyncEngine
 from loramux.platform.adapter_api.service import AdapterService
 from loramux.platform.admin.fleet import LocalFleet
@@ -148,6 +149,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
         ttl=settings.model_cache_ttl,
         drop_engine_key=drop_engine_key,
         deps=deps,
+        base_family=folder_family(engine.model_path),
     )
     fingerprint = "fp_" + hashlib.sha256(
         f"loramux-{VERSION}-{engine.model_path}-{engine.dtype}".encode()
@@ -176,7 +178,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
     fleet = LocalFleet(engine, metrics.activity)
     admin = AdminService(
         fleet, registry, resolver, metrics.activity, base_model=engine.model_path.name,
-        dtype=engine.dtype, device=engine.device,
+        dtype=engine.dtype, device=engine.device, base_family=resolver.base_family,
     )
     admin.goodput = metrics.goodput_report
     admin.flush_usage = usage.flush if usage is not None else None

@@ -19,7 +19,7 @@ PLATFORM_ONLY = (
 )  # fmt: skip
 ENGINE_MODULES = (
     "loramux.engine", "loramux.adapters", "loramux.engine.llm", "loramux.engine.engine",
-    "loramux.engine.async_engine", "loramux.engine.model.llama",
+    "loramux.engine.async_engine", "loramux.engine.model.registry",
     "loramux.engine.model.triton_attention", "loramux.engine.lora.ops",
     "loramux.engine.lora.ops.triton_ops", "loramux.engine.lora.manager",
     "loramux.engine.structured_output", "loramux.adapters.format", "loramux.adapters.merge",

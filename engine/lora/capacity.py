@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loramux.adapters.arch import BaseModelDims
+from loramux.adapters.arch import PROJECTION_GROUPS, SUPPORTED_MODULES, BaseModelDims
 from loramux.engine.config import (
     DEFAULT_CPU_LORA_MEMORY,
     GPU_LORA_MEMORY_SHARE,
     MAX_DERIVED_LORAS,
     LoRAConfig,
 )
-from loramux.engine.model.llama import PROJECTION_GROUPS
 
 GPU_RESERVE_BYTES = 1 << 30
 """Device memory left free for activations and the allocator (as the KV cache plan does)."""
@@ -74,7 +73,7 @@ def adapter_bytes(
     """Bytes of an adapter's weights at its own rank (its CPU-tier copy): ``r * (in + out)``
     per targeted projection and layer; ``modules`` None = all seven."""
     shapes = dims.module_shapes()
-    names = modules if modules is not None else tuple(shapes)
+    names = modules if modules is not None else SUPPORTED_MODULES
     return dims.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in names) * element_size
 
 

@@ -12,7 +12,7 @@ from loramux.engine.lora.state import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 
 if TYPE_CHECKING:
-    from loramux.engine.model.llama import LoRAHook
+    from loramux.engine.model.decoder import LoRAHook
 
 
 class AdapterManager(Protocol):

@@ -59,8 +59,11 @@ class LoadStats:
 class AdapterLoader:
     """Runs disk loads and slot writes on their own threads."""
 
-    def __init__(self, slots: SlotBuffers, cpu_dtype: torch.dtype, pin_memory: bool) -> None:
+    def __init__(
+        self, slots: SlotBuffers, cpu_dtype: torch.dtype, pin_memory: bool, family=None
+    ) -> None:
         self.slots = slots
+        self.family = family  # the base's dims: what all-linear means
         self.cpu_dtype = cpu_dtype
         self.pin_memory = pin_memory
         self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-disk")
@@ -87,7 +90,7 @@ class AdapterLoader:
         t1 = time.perf_counter()
         if fetched:
             seconds["store"] = t1 - t0
-        weights = load_adapter(path, dtype=self.cpu_dtype)
+        weights = load_adapter(path, dtype=self.cpu_dtype, family=self.family)
         check(weights)
         if self.pin_memory:
             for modules in weights.layers.values():

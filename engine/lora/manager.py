@@ -41,8 +41,8 @@ from loramux.engine.lora.state import AdapterListener, AdapterState, ResidencySn
 from loramux.engine.lora.step import LoRAStepBatch
 from loramux.engine.lora.tiers import AdapterTiers
 from loramux.engine.lora_request import LoRARequest
+from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.model.linear import matmul_dtype
-from loramux.engine.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class LoRAManager:
     def __init__(
         self,
         config: LoRAConfig,
-        model: LlamaModel,
+        model: DecoderModel,
         adapter_source: Callable[[str], str | Path] | None = None,
         running_keys: Callable[[], set[str]] | None = None,
         gpu_utilization: float = 0.9,

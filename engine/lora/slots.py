@@ -8,14 +8,17 @@ max_lora_rank, N_total] holding each slice's B.T on the block diagonal, with A a
 multiplied by the adapter's scale; plus a
 per-slot ``scale`` [max_loras] fp32 and ``ranks`` [max_loras] int64 (0 = empty).
 Rows/columns beyond an adapter's rank, and modules it does not target, are zero.
+
+A LoRA on a fused checkpoint projection (Phi-3's ``qkv_proj``: A ``[r, H]``, B ``[q + 2kv, r]``)
+fills every slice of its group: the same A in each slice, B split by the slices' rows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from loramux.adapters.arch import GROUP_FUSED_MODULE, PROJECTION_GROUPS
 from loramux.adapters.format import LoraWeights
-from loramux.engine.model.llama import PROJECTION_GROUPS
 from loramux.engine.model.weights import ModelDims
 
 
@@ -92,7 +95,8 @@ class SlotBuffers:
     def _write(self, slot: int, weights: LoraWeights, r: int) -> None:
         self.groups[slot] = frozenset(
             g for g, names in PROJECTION_GROUPS.items()
-            if any(n in modules for modules in weights.layers.values() for n in names)
+            if any(n in modules for modules in weights.layers.values()
+                   for n in (*names, GROUP_FUSED_MODULE.get(g)))
         )
         for layer in range(self.dims.num_layers):
             modules = weights.layers.get(layer, {})
@@ -102,8 +106,11 @@ class SlotBuffers:
                 a.zero_()
                 b.zero_()
                 offs = self.slice_offsets[group]
+                fused = modules.get(GROUP_FUSED_MODULE.get(group))
                 for s, name in enumerate(names):
                     pair = modules.get(name)
+                    if fused is not None:  # one A for every slice, B by the slice's rows
+                        pair = (fused[0], fused[1][offs[s] : offs[s + 1]])
                     if pair is None:
                         continue
                     wa, wb = pair

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from loramux.adapters.arch import SUPPORTED_MODULES
 from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights
@@ -64,7 +63,7 @@ class AdapterTiers:
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, oldest first
         self.loading: dict[str, Future] = {}
         self.load_stats = LoadStats()
-        self._loader = AdapterLoader(buffers, cpu_dtype, pin_memory=pin_memory)
+        self._loader = AdapterLoader(buffers, cpu_dtype, pin_memory=pin_memory, family=dims)
 
     # --- registration --------------------------------------------------------------------
     def state(self, key: str) -> AdapterState | None:
@@ -89,7 +88,7 @@ class AdapterTiers:
             return
         folder = self.folder(request)
         try:
-            spec = parse_config(read_config(folder / CONFIG_NAME))
+            spec = parse_config(read_config(folder / CONFIG_NAME), self.dims)
         except AdapterValidationError as e:
             raise LoRAError(f"adapter {request.lora_name!r}: {e}") from None
         if spec.r > self.config.max_lora_rank:
@@ -97,7 +96,7 @@ class AdapterTiers:
                 f"adapter {request.lora_name!r} has rank {spec.r}, above max_lora_rank="
                 f"{self.config.max_lora_rank}"
             )
-        unsupported = [m for m in spec.target_modules if m not in SUPPORTED_MODULES]
+        unsupported = [m for m in spec.target_modules if m not in self.dims.family.lora_modules]
         if unsupported:
             raise LoRAError(
                 f"adapter {request.lora_name!r} targets unsupported modules {unsupported}"

@@ -1,1 +1,2 @@
-"""Llama-family model implementation over a paged KV cache."""
+"""The base models' forward pass over a paged KV cache: one decoder (``decoder.py``) driven by each
+family's spec (``models/``), chosen by ``registry.py``."""

@@ -10,6 +10,11 @@ similar decodes, and its temporary memory is bounded by the tiles below, never b
 Three backends read the same :class:`AttentionMetadata`: plain torch (CPU, and the
 reference), a C kernel that reads the blocks in place (CPU, ``cpu_attention.py``) and a
 Triton kernel (CUDA, ``triton_attention.py``).
+
+Layers may differ in their sliding window (Gemma 3's local / global pattern): the runner
+builds one metadata per distinct window (:func:`build_step_attention`) and each layer reads
+its own. The softmax ``scale`` (default ``head_dim ** -0.5``) and a logit ``softcap``
+(``cap * tanh(s / cap)``) are per call.
 """
 
 from __future__ import annotations
@@ -122,6 +127,29 @@ def build_attention_metadata(
     return meta
 
 
+def build_step_attention(
+    block_tables: list[list[int]],
+    starts: list[int],
+    num_new: list[int],
+    num_decode: int,
+    block_size: int,
+    windows: tuple[int | None, ...],
+    device: torch.device,
+    *,
+    pad_slot: int,
+    cpu_kernel: bool = False,
+) -> dict[int | None, AttentionMetadata]:
+    """:func:`build_attention_metadata` for every sliding window the model's layers use
+    (``DecoderModel.attention_windows``); called by the runner once a step."""
+    metas: dict[int | None, AttentionMetadata] = {}
+    for window in windows:
+        metas[window] = build_attention_metadata(
+            block_tables, starts, num_new, num_decode, block_size, window, device,
+            pad_slot=pad_slot, cpu_kernel=cpu_kernel,
+        )
+    return metas
+
+
 def _plan_cpu_kernel(meta, block_tables, starts, num_new, num_decode, block_size, window) -> None:
     """Fresh prompts (no cached prefix) as causal SDPA groups; every other row to the kernel."""
     from loramux.engine.model.cpu_attention import build_cpu_metadata
@@ -187,12 +215,17 @@ def paged_attention(
     k_cache: torch.Tensor,  # [S, Hkv, D]
     v_cache: torch.Tensor,  # [S, Hkv, D]
     meta: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H * D]
-    """Causal attention of every new token over its sequence's context."""
+    """Causal attention of every new token over its sequence's context; ``scale`` is the
+    softmax scale (None: ``head_dim ** -0.5``), ``softcap`` caps the logits (None: no cap)."""
     if meta.triton is not None:
         from loramux.engine.model.triton_attention import triton_paged_attention
 
-        return triton_paged_attention(q, k_cache, v_cache, meta.triton, meta.window)
+        return triton_paged_attention(q, k_cache, v_cache, meta.triton, meta.window,
+                                      scale=scale, softcap=softcap)
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     group = num_heads // num_kv
@@ -200,14 +233,14 @@ def paged_attention(
     if meta.cpu is not None:
         from loramux.engine.model.cpu_attention import cpu_paged_attention
 
-        cpu_paged_attention(q, k_cache, v_cache, out, meta.cpu)
+        cpu_paged_attention(q, k_cache, v_cache, out, meta.cpu, scale=scale, softcap=softcap or 0.0)
     for g in meta.decode_groups:
         b, length = g.kv_idx.shape
         flat = g.kv_idx.reshape(-1)
         keys = k_cache.index_select(0, flat).view(b, length, num_kv, head_dim).transpose(1, 2)
         vals = v_cache.index_select(0, flat).view(b, length, num_kv, head_dim).transpose(1, 2)
         qg = q.index_select(0, g.rows).view(b, num_kv, group, head_dim)  # [b, Hkv, G, D]
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=g.mask)
+        o = _sdpa(qg, keys, vals, g.mask, scale=scale, softcap=softcap)
         out.index_copy_(0, g.rows, o.reshape(b, num_heads * head_dim))
     for fg in meta.fresh_groups:
         n = fg.n
@@ -218,18 +251,39 @@ def paged_attention(
             .transpose(1, 2)
             for t in (q, k, v)
         )
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=group > 1)
+        o = _sdpa(qs, ks, vs, None, scale=scale, softcap=softcap, causal=True)
         o = o.transpose(1, 2).reshape(-1, num_heads * head_dim)
         if rows is None:
             out[fg.starts[0] : fg.starts[0] + n] = o
         else:
             out.index_copy_(0, rows.to(out.device), o)
     for p in meta.prefills:
-        out[p.start : p.start + p.n] = _chunk(q[p.start : p.start + p.n], k_cache, v_cache, p, meta.window)
+        out[p.start : p.start + p.n] = _chunk(q[p.start : p.start + p.n], k_cache, v_cache, p, meta.window,
+                                              scale, softcap)
     return out
 
 
-def _chunk(q, k_cache, v_cache, item: PrefillItem, window: int | None) -> torch.Tensor:
+def _sdpa(q, k, v, mask, *, scale: float | None, softcap: float | None, causal: bool = False):
+    """Attention of q [B, Hkv, G*, D] (or [B, H, n, D]) over k/v [B, Hkv, L, D]: torch's SDPA,
+    or with a soft-cap the same computed step by step (SDPA has no cap)."""
+    group = q.shape[1] // k.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=group > 1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        n, length = s.shape[-2], s.shape[-1]
+        mask = torch.ones(n, length, dtype=torch.bool, device=s.device).tril(length - n)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(s, dim=-1).to(v.dtype)) @ v
+
+
+def _chunk(q, k_cache, v_cache, item: PrefillItem, window: int | None, scale=None,
+           softcap=None) -> torch.Tensor:
     """One prompt chunk over its whole context, in query tiles of bounded mask size."""
     n, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
@@ -248,6 +302,6 @@ def _chunk(q, k_cache, v_cache, item: PrefillItem, window: int | None) -> torch.
         # fold each KV group's query heads into the query axis: [1, Hkv, G * m, D]
         m = t1 - t0
         qg = q[t0:t1].view(m, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, group * m, head_dim)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.repeat(group, 1))
+        o = _sdpa(qg, keys, vals, mask.repeat(group, 1), scale=scale, softcap=softcap)
         out[t0:t1] = o.view(num_kv, group, m, head_dim).permute(2, 0, 1, 3).reshape(m, -1)
     return out

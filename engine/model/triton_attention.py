@@ -64,10 +64,10 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr,
     tile_seq_ptr, tile_row_ptr, tile_rows_ptr, tile_pos_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
-    scale, window,
+    scale, window, softcap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -102,6 +102,8 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [M, N]
+        if USE_SOFTCAP:  # cap * tanh(s / cap), tanh from exp (saturates to +-1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -126,7 +128,12 @@ def triton_paged_attention(
     v_cache: torch.Tensor,  # [S, Hkv, D]
     meta: TritonAttentionMetadata,
     window: int | None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, H * D]
+    """``scale``: softmax scale (None: ``head_dim ** -0.5``); ``softcap``: logits capped as
+    ``cap * tanh(s / cap)`` (None: no cap)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     q = q.contiguous()
@@ -137,9 +144,10 @@ def triton_paged_attention(
         meta.tile_seq, meta.tile_row, meta.tile_rows, meta.tile_pos,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        head_dim ** -0.5, window or 0,
+        head_dim ** -0.5 if scale is None else scale, window or 0, softcap or 1.0,
         GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=meta.block_size, USE_WINDOW=window is not None,
+        USE_SOFTCAP=bool(softcap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32: no TF32
     )
     return out.view(num_tokens, num_heads * head_dim)

@@ -1,4 +1,4 @@
-"""Load a Llama-family Hugging Face folder (safetensors) into fused tensors."""
+"""Load a Hugging Face model folder (config + safetensors) of a supported architecture."""
 
 from __future__ import annotations
 
@@ -9,53 +9,55 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loramux.adapters.arch import SUPPORTED_ARCHITECTURES, BaseModelDims, base_dims
+from loramux.adapters.arch import Architecture, BaseModelDims, base_dims, resolve_architecture
+from loramux.adapters.errors import AdapterValidationError
 from loramux.engine.errors import ModelLoadError
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDims(BaseModelDims):
     """The base model's description (:class:`~loramux.adapters.arch.BaseModelDims`: layers,
-    heads, projection shapes) plus what the runner and the KV cache need."""
+    heads, projection shapes, architecture) plus what the runner and the KV cache need."""
 
     vocab_size: int
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    sliding_window: int | None
 
 
 def read_hf_config(path: Path):
-    """The transformers config of a model folder, checked for a supported architecture."""
+    """The transformers config of a model folder, checked for a supported architecture.
+    (Multimodal checkpoints: the whole config; :func:`text_config` gives the text model's.)"""
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
-    config = AutoConfig.from_pretrained(path)
-    archs = getattr(config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelLoadError(
-            f"{path}: architecture {archs or config.model_type!r} is not supported; "
-            f"loramux runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return config
+    try:
+        resolve_architecture(json.loads((path / "config.json").read_text()))
+    except AdapterValidationError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    return AutoConfig.from_pretrained(path)
+
+
+def text_config(config):
+    """The text model's config of ``config`` (itself unless the architecture nests one)."""
+    arch = resolve_architecture(config)
+    return getattr(config, arch.text_config) if arch.text_config else config
 
 
 def dims_from_config(config) -> ModelDims:
     """The engine's dimensions: the shared description (``base_dims``) plus the rest."""
-    window = getattr(config, "sliding_window", None)
-    if not getattr(config, "use_sliding_window", True):
-        window = None
     base = base_dims(config)
+    text = text_config(config)
+    tie = getattr(text, "tie_word_embeddings", None)
+    if tie is None:
+        tie = getattr(config, "tie_word_embeddings", False)
     return ModelDims(
         **{f.name: getattr(base, f.name) for f in fields(BaseModelDims)},
-        vocab_size=config.vocab_size,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-        sliding_window=window,
+        vocab_size=text.vocab_size,
+        rms_norm_eps=text.rms_norm_eps,
+        max_position_embeddings=text.max_position_embeddings,
+        tie_word_embeddings=bool(tie),
     )
 
 
@@ -72,11 +74,28 @@ def _safetensor_files(path: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder, cast to ``dtype`` on ``device``."""
+def canonical_name(key: str, arch: Architecture) -> str | None:
+    """A checkpoint tensor's name as the loader reads it (``model.layers.…``, ``lm_head.weight``),
+    or None for tensors the text model does not use (a vision tower)."""
+    for prefix in arch.weight_prefixes:
+        if key.startswith(prefix):
+            return "model." + key[len(prefix) :]
+    if any(key.startswith(p) for p in arch.ignored_prefixes):
+        return None
+    if key.endswith("lm_head.weight"):
+        return "lm_head.weight"
+    return key
+
+
+def load_state_dict(
+    path: Path, dtype: torch.dtype, device: torch.device, arch: Architecture | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor the text model uses, by :func:`canonical_name`, cast to ``dtype`` on ``device``."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensor_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+                name = canonical_name(key, arch) if arch is not None else key
+                if name is not None:
+                    tensors[name] = f.get_tensor(key).to(device=device, dtype=dtype)
     return tensors

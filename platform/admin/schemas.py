@@ -108,6 +108,8 @@ class Goodput(BaseModel):
 
 class Overview(BaseModel):
     base_model: str
+    base_family: str | None = None
+    """The base model's family and architecture (``qwen3 (Qwen3ForCausalLM)``)."""
     dtype: str
     device: str
     engines: list[EngineSummary]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
+from loramux.adapters.arch import folder_family
 from loramux.platform.admin.activity import Activity
 from loramux.platform.admin.fleet import FleetEngine, Outcome
 from loramux.platform.admin.schemas import EngineSummary
@@ -116,9 +117,11 @@ def gateway_admin_state(gw: Gateway, settings: Settings) -> GatewayAdminState:
     base = settings.model or ""  # a gateway may run without --model (engines load it);
     # the resolver only lists static adapters here (none at a gateway)
     resolver = ModelResolver([base or "base"], registry=gw.registry,
-                             ttl=settings.model_cache_ttl, deps=gw.deps)
+                             ttl=settings.model_cache_ttl, deps=gw.deps,
+                             base_family=folder_family(base) if base else None)
     admin = AdminService(fleet, gw.registry, resolver, Activity(), base_model=base,
-                         dtype=settings.dtype, device=settings.device)
+                         dtype=settings.dtype, device=settings.device,
+                         base_family=resolver.base_family)
     admin.health = functools.partial(dependency_report, gw.deps, gw.registry,
                                      [gw.limiter.backend] if gw.limiter is not None else [])
     return GatewayAdminState(settings, gw.auth, admin)

@@ -109,6 +109,9 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str | None = None
     parent: str | None = None
+    family: str | None = None
+    """The base model's family and architecture (``qwen3 (Qwen3ForCausalLM)``); an adapter
+    shows its base's."""
 
 
 class ModelList(BaseModel):

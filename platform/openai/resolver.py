@@ -170,9 +170,11 @@ class ModelResolver:
         ttl: float = setting_default("model_cache_ttl"),
         drop_engine_key: Callable[[str], None] | None = None,
         deps: Dependencies | None = None,
+        base_family: str | None = None,
     ) -> None:
         """``deps``: registry lookups run in the database bulkhead, adapter fetches in the
-        store's; a resolution seen before serves on (``outage_staleness``) while they fail."""
+        store's; a resolution seen before serves on (``outage_staleness``) while they fail.
+        ``base_family``: the base model's family, shown on every model card."""
         if not base_names:
             raise ValueError("the base model needs at least one name")
         self.base_names = list(base_names)
@@ -182,6 +184,7 @@ class ModelResolver:
         self.ttl = ttl
         self.drop_engine_key = drop_engine_key
         self.base = ServedModel(self.base_names[0], None, {}, "loramux", self.created)
+        self.base_family = base_family
         self.static: dict[str, ServedModel] = {}
         for name, path in (static_modules or {}).items():
             key = str(EngineKey.of(STATIC_OWNER, name, folder_digest(path)))
@@ -329,11 +332,10 @@ class ModelResolver:
                 cards.append(self._card(name, self.created, "loramux", self.base.name))
         return cards
 
-    @staticmethod
-    def _card(name: str, created: int, owner: str, parent: str | None) -> dict[str, Any]:
+    def _card(self, name: str, created: int, owner: str, parent: str | None) -> dict[str, Any]:
         return {
             "id": name, "object": "model", "created": created, "owned_by": owner,
-            "root": name, "parent": parent,
+            "root": name, "parent": parent, "family": self.base_family,
         }
 
     # --- invalidation ----------------------------------------------------------------

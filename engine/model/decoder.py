@@ -1,0 +1,336 @@
+"""The decoder forward pass every family runs, with fused projections and LoRA hooks.
+
+A family is data (:class:`~loramux.engine.model.spec.DecoderSpec`, built by
+``models/<family>.py``): norm offset, sandwich norms, q/k norms, activation, embedding
+scale, softmax scale, soft-caps, per-layer windows and rotary tables, fused checkpoint
+names. Projections are fused per layer (q|k|v and gate|up) so a step runs four matmuls per
+layer; a LoRA hook, when attached, adds each token's adapter delta to the output of every
+projection group (:data:`~loramux.adapters.arch.PROJECTION_GROUPS`). Attention reads the
+paged KV cache through the step's metadata of the layer's window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from loramux.adapters.arch import PROJECTION_GROUPS, resolve_architecture
+from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from loramux.engine.model.layers import Norms, gated_activation
+from loramux.engine.model.linear import Linear, matmul_dtype
+from loramux.engine.model.rotary import RotaryTable, rotary_table
+from loramux.engine.model.small_ops import EagerOps, select_small_ops
+from loramux.engine.model.spec import DecoderSpec
+from loramux.engine.model.weights import (
+    ModelDims,
+    ModelLoadError,
+    dims_from_config,
+    load_state_dict,
+    read_hf_config,
+    text_config,
+)
+
+__all__ = ["PROJECTION_GROUPS", "DecoderModel", "GatedMLP", "LayerMLP", "LoRAHook"]
+
+
+class LoRAHook(Protocol):
+    """Adds adapter deltas; attached by the LoRA manager, called by every layer."""
+
+    def active(self) -> bool:
+        """True when this step has tokens with an adapter."""
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[T, N] += LoRA delta of group ``group`` in ``layer`` for input x[T, K]."""
+
+
+class LayerMLP(Protocol):
+    """A layer's feed-forward block: the dense :class:`GatedMLP`, or what a family's
+    ``DecoderSpec.mlp`` builds (MoE experts and their router)."""
+
+    linears: list[Linear]
+    """Its weights (``weight_bytes``)."""
+
+    def __call__(self, x: torch.Tensor, layer: int, lora: LoRAHook | None) -> torch.Tensor:
+        """The block's output [T, H] for its normalized input x [T, H] (adding LoRA deltas
+        through ``lora`` where the block has projection groups)."""
+
+
+class GatedMLP:
+    """``down(act(gate) * up)`` with gate|up fused into one projection."""
+
+    def __init__(self, gate_up: Linear, down: Linear, act) -> None:
+        self.gate_up = gate_up  # [2 I, H]
+        self.down = down  # [H, I]
+        self.act = act
+
+    def __call__(self, x: torch.Tensor, layer: int, lora: LoRAHook | None) -> torch.Tensor:
+        gu = self.gate_up(x)  # [T, 2 I]
+        if lora is not None:
+            lora.add(layer, "gate_up", x, gu)
+        m = self.act(gu)  # [T, I]
+        y = self.down(m)  # [T, H]
+        if lora is not None:
+            lora.add(layer, "down", m, y)
+        return y
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [self.gate_up, self.down]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: Linear  # [q + 2 kv, H]
+    o: Linear  # [H, q]
+    ffn_norm: torch.Tensor
+    mlp: LayerMLP
+    ops: EagerOps  # the small ops bound to this layer's rotary table
+    rope: str | None  # this layer's rotary table
+    window: int | None  # this layer's sliding window
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms [H]
+    ffn_out_norm: torch.Tensor | None = None
+
+
+class DecoderModel:
+    """The base model's weights and forward pass (no autograd, no nn.Module overhead).
+    Built by :func:`~loramux.engine.model.registry.load_model` from a family's spec."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        enforce_eager: bool = False,
+        spec: DecoderSpec | None = None,
+        hf_config=None,
+    ) -> None:
+        path = Path(path)
+        self.path = path
+        self.hf_config = hf_config if hf_config is not None else read_hf_config(path)
+        self.arch = resolve_architecture(self.hf_config)
+        self.text_config = text_config(self.hf_config)
+        self.dims: ModelDims = dims_from_config(self.hf_config)
+        if spec is None:
+            from loramux.engine.model.models.llama import decoder_spec
+
+            spec = decoder_spec(self.text_config)
+        if len(spec.layers) != self.dims.num_layers:
+            raise ModelLoadError(f"{path}: {len(spec.layers)} layer specs for {self.dims.num_layers} layers")
+        self.spec = spec
+        self.family = self.dims.family
+        self.dtype = dtype
+        self.device = device
+        self.lora: LoRAHook | None = None
+        self.max_positions = self.dims.max_position_embeddings
+        self.rotary: dict[str | None, RotaryTable] = {
+            kind: rotary_table(self.text_config, kind, self.max_positions, dtype, device)
+            for kind in spec.rope_layer_types
+        }
+        # residual add + norm, rope, activation: fused CPU kernels unless enforce_eager
+        act_dtype = matmul_dtype(dtype, device)
+        self.ops_by_rope = {
+            kind: select_small_ops(t.cos, t.sin, self.dims.rms_norm_eps, act_dtype, enforce_eager)
+            for kind, t in self.rotary.items()
+        }
+        self.ops = next(iter(self.ops_by_rope.values()))
+        self.norms = Norms(self.ops, self.dims.rms_norm_eps, spec.norm_offset)
+        self._load(load_state_dict(path, dtype, device, self.arch))
+        self.attention_windows = spec.windows
+        """The distinct sliding windows of the layers (the runner builds metadata per window)."""
+        self.embed_scale = (
+            torch.tensor(spec.embed_scale, dtype=torch.float32).to(dtype).item()
+            if spec.embed_scale is not None else None
+        )
+        self.attn_scale = spec.attn_scale
+        self.attn_softcap = spec.attn_softcap
+
+    # --- loading ---------------------------------------------------------------------
+    def _load(self, sd: dict[str, torch.Tensor]) -> None:
+        d, s = self.dims, self.spec
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return sd.pop(name)
+            except KeyError:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} is missing") from None
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers: list[LayerWeights] = []
+        for i, ls in enumerate(s.layers):
+            p = f"model.layers.{i}."
+            ops = self.ops_by_rope[ls.rope]
+            act = gated_activation(s.activation, ops)
+            if s.sandwich_norms:
+                names = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+            else:
+                names = (None, "post_attention_layernorm", None)
+            mlp = (s.mlp(take, p, self) if s.mlp is not None
+                   else GatedMLP(self._gate_up(sd, p, take), Linear(take(p + "mlp.down_proj.weight"),
+                                                                   sd.pop(p + "mlp.down_proj.bias", None)), act))
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=take(p + "input_layernorm.weight"),
+                    qkv=self._qkv(sd, p, take),
+                    o=Linear(take(p + "self_attn.o_proj.weight"), sd.pop(p + "self_attn.o_proj.bias", None)),
+                    ffn_norm=take(p + names[1] + ".weight"),
+                    mlp=mlp,
+                    ops=ops,
+                    rope=ls.rope,
+                    window=ls.window,
+                    q_norm=take(p + "self_attn.q_norm.weight") if s.qk_norm else None,
+                    k_norm=take(p + "self_attn.k_norm.weight") if s.qk_norm else None,
+                    attn_out_norm=take(p + names[0] + ".weight") if names[0] else None,
+                    ffn_out_norm=take(p + names[2] + ".weight") if names[2] else None,
+                )
+            )
+        self.norm = take("model.norm.weight")
+        if not d.tie_word_embeddings:
+            self.lm_head = Linear(take("lm_head.weight"))
+        else:
+            sd.pop("lm_head.weight", None)
+            self.lm_head = Linear(self.embed)
+        leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ModelLoadError(f"{self.path}: unexpected tensors {leftover[:5]}")
+
+    def _qkv(self, sd: dict, prefix: str, take) -> Linear:
+        fused = self.spec.fused_qkv
+        if fused is not None:
+            p = f"{prefix}self_attn.{fused}"
+            return Linear(take(p + ".weight"), sd.pop(p + ".bias", None))
+        q, k, v = (take(prefix + f"self_attn.{m}_proj.weight") for m in "qkv")
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        bias = self._fused_bias(sd, prefix, names, (q, k, v), required=self.spec.qkv_bias)
+        return Linear(torch.cat([q, k, v]), bias)
+
+    def _gate_up(self, sd: dict, prefix: str, take) -> Linear:
+        fused = self.spec.fused_gate_up
+        if fused is not None:
+            p = f"{prefix}mlp.{fused}"
+            return Linear(take(p + ".weight"), sd.pop(p + ".bias", None))
+        gate, up = take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")
+        bias = self._fused_bias(sd, prefix, ("mlp.gate_proj", "mlp.up_proj"), (gate, up), required=False)
+        return Linear(torch.cat([gate, up]), bias)
+
+    def _fused_bias(
+        self, sd: dict, prefix: str, names, weights, *, required: bool
+    ) -> torch.Tensor | None:
+        """The biases of fused projections, concatenated (zeros where one has none)."""
+        biases = [sd.pop(f"{prefix}{n}.bias", None) for n in names]
+        if all(b is None for b in biases):
+            if required:
+                raise ModelLoadError(f"{self.path}: tensor {prefix}{names[0]}.bias is missing")
+            return None
+        return torch.cat(
+            [
+                b if b is not None else w.new_zeros(w.shape[0])
+                for b, w in zip(biases, weights, strict=True)
+            ]
+        )
+
+    # --- forward -----------------------------------------------------------------------
+    def prefix_cache_salt(self, num_prompt_tokens: int) -> str | None:
+        """What sets a sequence's keys apart from others' at the same positions (LongRoPE
+        with a long prompt), for its prefix-cache identity; None for most models. Called
+        when a request is added."""
+        salts = {t.prefix_cache_salt(num_prompt_tokens) for t in self.rotary.values()} - {None}
+        return "|".join(sorted(salts)) or None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: dict[int | None, AttentionMetadata] | AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_rows: torch.Tensor,  # [B] rows whose logits are needed
+        prompt_lens: torch.Tensor | None = None,  # [T] prompt length of each token's sequence
+    ) -> torch.Tensor:  # [B, V] fp32
+        """One step over the batch's new tokens; ``attn`` holds the step's attention metadata
+        per sliding window (:attr:`attention_windows`)."""
+        d, s = self.dims, self.spec
+        lora = self.lora if self.lora is not None and self.lora.active() else None
+        norms = self.norms
+        if isinstance(attn, AttentionMetadata):
+            attn = dict.fromkeys(self.attention_windows, attn)
+        residual = F.embedding(input_ids, self.embed)  # [T, H], updated in place by each layer
+        if self.embed_scale is not None:
+            residual.mul_(self.embed_scale)
+        rope = {
+            kind: self.ops_by_rope[kind].rope_state(t.index(positions, prompt_lens))
+            for kind, t in self.rotary.items()
+        }
+        heads, kv_heads, head_dim = d.num_heads, d.num_kv_heads, d.head_dim
+        qs, kvs = d.q_size, d.kv_size
+        delta = None  # what the previous layer's MLP adds to the residual
+        for i, w in enumerate(self.layers):
+            x = norms.add_norm(residual, delta, w.attn_norm)
+            qkv = w.qkv(x)  # [T, q + 2 kv]
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
+            qk = qkv[:, : qs + kvs].view(-1, heads + kv_heads, head_dim)  # [T, H + Hkv, D]
+            if w.q_norm is not None:
+                qk = torch.cat([norms.norm(qk[:, :heads], w.q_norm), norms.norm(qk[:, heads:], w.k_norm)], 1)
+            qk = self._rope(qk, w, rope[w.rope])
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, qs + kvs :].reshape(-1, kv_heads, head_dim)
+            k_cache, v_cache = kv_caches[i]
+            meta = attn[w.window]
+            write_kv(k_cache, v_cache, k, v, meta)
+            a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.attn_scale,
+                                softcap=self.attn_softcap)  # [T, q]
+            o = w.o(a)
+            if lora is not None:
+                lora.add(i, "o", a, o)
+            if w.attn_out_norm is not None:
+                o = norms.sandwich(o, w.attn_out_norm)
+            x = norms.add_norm(residual, o, w.ffn_norm)
+            delta = w.mlp(x, i, lora)
+            if w.ffn_out_norm is not None:
+                delta = norms.sandwich(delta, w.ffn_out_norm)
+        if delta is not None:
+            residual.add_(delta)
+        last = residual.index_select(0, logits_rows)
+        # A hidden state that overflowed (its squared norm is not finite) would normalize to
+        # zeros and serve garbage as if fine: its logits row reads NaN instead, so the engine
+        # fails that request alone (adapter_numerics).
+        overflow = ~torch.isfinite(last.float().pow(2).sum(-1))
+        logits = self.lm_head(norms.add_norm(last, None, self.norm)).float()
+        cap = s.final_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        if bool(overflow.any()):
+            logits[overflow] = float("nan")
+        return logits
+
+    def _rope(self, qk: torch.Tensor, w: LayerWeights, state) -> torch.Tensor:
+        """Rotary embedding of q|k [T, H + Hkv, D] (of the first ``rotary_dim`` dims of each head)."""
+        rot = self.rotary[w.rope].rotary_dim
+        if rot == qk.shape[-1]:
+            return w.ops.rope(qk, state)
+        part = qk[..., :rot]
+        rotated = w.ops.rope(part, state)
+        if rotated is not part:
+            part.copy_(rotated)
+        return qk
+
+    def kv_bytes_per_token(self) -> int:
+        d = self.dims
+        return 2 * d.num_layers * d.kv_size * torch.finfo(self.dtype).bits // 8
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm]
+        linears = [self.lm_head]
+        for w in self.layers:
+            tensors += [t for t in (w.attn_norm, w.ffn_norm, w.q_norm, w.k_norm, w.attn_out_norm,
+                                    w.ffn_out_norm) if t is not None]
+            linears += [w.qkv, w.o, *w.mlp.linears]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(x.nbytes for x in linears)
+

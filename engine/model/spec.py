@@ -1,0 +1,77 @@
+"""What a family's decoder is, as data: the shared forward pass (``decoder.py``) reads a
+:class:`DecoderSpec` that each family module (``models/<family>.py``) builds from the Hugging
+Face config. Everything that differs between the dense families is a field here; a family
+whose layers need other code (MoE experts) supplies its own MLP (``mlp``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer's attention: its sliding window and its rotary table."""
+
+    window: int | None = None
+    """Keys within the last ``window`` positions (None: the whole context)."""
+    rope: str | None = None
+    """Key of the layer's table in :attr:`DecoderSpec.rope_layer_types` (None: the model's one)."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """How one family's decoder differs from Llama's (the defaults)."""
+
+    layers: tuple[LayerSpec, ...]
+    norm_offset: float = 0.0
+    """RMSNorm scales by ``offset + w`` (Gemma: 1, computed in float32)."""
+    sandwich_norms: bool = False
+    """Norms after attention and after the MLP too (Gemma's four norms per layer; the
+    checkpoint names them post_attention / pre_feedforward / post_feedforward_layernorm)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before rotary (``self_attn.q_norm`` / ``k_norm``)."""
+    activation: str = "silu"
+    """The gated MLP's activation (``hidden_act`` / ``hidden_activation``)."""
+    embed_scale: float | None = None
+    """Embeddings times this, in the model dtype (Gemma: ``sqrt(hidden_size)``)."""
+    attn_scale: float | None = None
+    """Softmax scale (None: ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``)."""
+    attn_softcap: float | None = None
+    """Attention logits soft-capped as ``cap * tanh(s / cap)`` (None: not capped)."""
+    final_softcap: float | None = None
+    """Output logits soft-capped likewise (Gemma's ``final_logit_softcapping``)."""
+    qkv_bias: bool = False
+    """q/k/v biases are required (Qwen2); present ones are always loaded."""
+    fused_qkv: str | None = None
+    """Checkpoint name of the fused q|k|v projection (Phi-3: ``qkv_proj``); None = split."""
+    fused_gate_up: str | None = None
+    """Checkpoint name of the fused gate|up projection (Phi-3: ``gate_up_proj``)."""
+    rope_layer_types: tuple[str | None, ...] = (None,)
+    """The rotary tables to build (``rope_parameters[layer_type]``; None: the flat one)."""
+    mlp: Callable[..., Any] | None = None
+    """Builds a layer's feed-forward block from the checkpoint: ``mlp(take, prefix, model)``
+    (``take(name)`` pops a canonical tensor, ``prefix`` is ``model.layers.<i>.``) returns a
+    ``decoder.LayerMLP``; None: the gated dense MLP. The MoE families plug in here."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else a family's own code needs."""
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct sliding windows of the layers (attention metadata is built per window)."""
+        return tuple(dict.fromkeys(layer.window for layer in self.layers))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it: ``layer_types`` when the config
+    has them (``sliding_attention`` layers get ``sliding_window``), else ``sliding_window`` on
+    every layer unless ``use_sliding_window`` is false."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" and window else None for t in types[:n]]
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    return [window or None] * n
