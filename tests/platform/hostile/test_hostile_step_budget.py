@@ -78,7 +78,7 @@ def test_flood_of_256_sequences_leaves_the_neighbour_within_3x_idle(live, tenant
         while flood_engine.stats().num_running < FLOOD_STREAMS * FLOOD_N:
             assert time.monotonic() < deadline, f"flood never reached {FLOOD_STREAMS * FLOOD_N} sequences"
             time.sleep(0.05)
-        beside = [_quiet(url, tenants.neighbour_key) for _ in range(3)]
+        beside = [_quiet(url, tenants.neighbour_key) for _ in range(5)]  # median of 5: one slow outlier is noise
         running = flood_engine.stats().num_running
     finally:
         flood.stop()
