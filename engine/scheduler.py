@@ -127,7 +127,7 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         """Every sequence queued or running, by id (rows of a plan name them so)."""
         self.num_preemptions = 0
-        self.budget = StepBudget(config.target_step_ms) if config.enable_step_budget else None
+        self.budget = StepBudget(config.target_itl_ms) if config.enable_step_budget else None
         """The step-time budget (None = token/sequence limits only)."""
         self._prefill_cap: int | None = None  # this step's prompt tokens (step budget)
 
@@ -384,6 +384,11 @@ class Scheduler:
         capped = len(limits.decode) < len(decodes)  # slack: one full step's charge of this step
         self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
         return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
+
+    def itl_target(self) -> float | None:
+        """The inter-token latency target now (seconds; None: no step budget, or not known
+        yet)."""
+        return self.budget.itl_target() if self.budget is not None else None
 
     def observe_step(self, plan: SchedulerOutput, seconds: float, extra_rows: int = 0) -> None:
         """Feed the step budget's cost model the measured wall time of ``plan``'s step;
