@@ -317,7 +317,9 @@ class Scheduler:
         )
 
     def _admit_waiting(self, plan: _Plan) -> None:
-        for victim in self.admission.plan(self.waiting, self.running):
+        order = self.policy.order(self.waiting)
+        fair = self.config.fairness_policy == "vtc"
+        for victim in self.admission.plan(order, self.running, fair_order=fair):
             # a closed adapter that did not drain in time: its slot goes to a starving one
             self.running.remove(victim)
             plan.drop(victim)
@@ -329,7 +331,7 @@ class Scheduler:
         def has_place(seq: Sequence) -> bool:
             return len(self.running) + len(admitted) < max_seqs and self._budget(plan, seq) > 0
 
-        for seq in self.policy.order(self.waiting):
+        for seq in order:
             if not self._make_room(seq, plan, lambda s=seq: has_place(s)):
                 break
             if not self.admission.allows(seq, in_use):
