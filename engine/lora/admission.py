@@ -28,7 +28,11 @@ sequences, and then :meth:`AdapterAdmission.allows` per waiting sequence. The po
   a slot, a tenant holds at most its share (``max_loras`` over the tenants with adapter
   work, at least one): its further adapters get no place, may not push out a tenant under
   its share, and when no slot is free one of its busy adapters (the least queued work) is
-  closed at once, as for a starving adapter. Within a tenant the order above holds.
+  closed at once, as for a starving adapter. A tenant that had adapter work within
+  :data:`RECENT_S` still counts (interactive clients send their next request right after the
+  last one ends): when the slots give every such tenant one, its last adapter stays in its
+  slot, safe from the other tenants' loads, so its next request waits for no load. Within a
+  tenant the order above holds.
 * **Prefetch.** The ranked adapters beyond this step's places are handed to the gate's
   ``prefetch`` (disk → CPU tier in the background) so they are loaded by the time a slot
   frees; those of the tenants (fairness keys) placed this step first, so a tenant's
@@ -39,11 +43,13 @@ It only sees plain sequences and the :class:`AdapterGate`, so it is tested with 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
 from loramux.engine.sequence import Sequence
+from loramux.engine.step_budget import RECENT_S
 
 
 class AdapterGate(Protocol):
@@ -73,6 +79,9 @@ class AdapterAdmission:
         self.closed: dict[str, int] = {}
         """Busy adapters that admit nothing new until they drain (key → step closed)."""
         self._places: set[str] = set()
+        self._recent: dict = {}  # tenant -> (clock time it last had adapter work, that adapter)
+        self.clock = time.monotonic
+        """Seconds (monotonic); tests put a fake clock here."""
 
     def plan(self, waiting: Iterable[Sequence], running: Iterable[Sequence],
              fair_order: bool = False) -> list[Sequence]:
@@ -82,7 +91,7 @@ class AdapterAdmission:
         slots are shared across their fairness keys."""
         self.step += 1
         self._places = set()
-        running = list(running)
+        running, waiting = list(running), list(waiting)
         busy = Counter(s.lora_key for s in running if s.lora_key is not None)
         for key in [k for k in self.closed if k not in busy]:
             del self.closed[key]  # drained: its slot is free for the starving adapter
@@ -103,7 +112,17 @@ class AdapterAdmission:
         resident = {k for k in wanted if gate.is_resident(k)}
         owner = {s.lora_key: s.fairness_key for s in running if s.lora_key is not None}
         held = Counter(owner[k] for k in busy)  # slots each tenant's running adapters hold
-        share = self._share(gate.max_loras, set(held) | {tenant[k] for k in wanted}) if fair_order else None
+        share = None
+        kept: dict = {}  # tenant -> its last adapter, idle in a slot, kept for its next request
+        if fair_order:
+            recent = self._note_recent(running, waiting)
+            tenants = set(held) | {tenant[k] for k in wanted} | set(recent)
+            share = self._share(gate.max_loras, tenants)
+            if len(tenants) <= gate.max_loras:  # a slot for everyone: keep the idle ones.
+                kept = {t: k for t, k in recent.items()
+                        if k not in busy and k not in queued and gate.is_resident(k)}
+            for t in kept:
+                held[t] += 1
 
         def rank(key: str) -> tuple:
             starving = age[key] >= self.bound
@@ -112,7 +131,8 @@ class AdapterAdmission:
                     -queued[key], -age[key])
 
         def others_wait(t) -> bool:
-            return any(tenant[k] != t and k not in self._places for k in wanted)
+            return any(x != t for x in kept) or any(
+                tenant[k] != t and k not in self._places for k in wanted)
 
         ranked = sorted(wanted, key=rank)
         free = gate.max_loras - len(busy)
@@ -129,7 +149,8 @@ class AdapterAdmission:
                 continue  # no more loads than places: the rest is prefetch's
             tried.add(key)
             keep = set(busy) | self._places
-            if not starving:  # only a starving adapter displaces queued work ...
+            if not starving:  # only a starving adapter displaces queued work (and kept ones) ...
+                keep |= {k for x, k in kept.items() if x != t}
                 under = share is not None and held[t] < share
                 # ... or, for a tenant under its share, that of tenants within theirs
                 keep |= {k for k in resident - {key}
@@ -154,6 +175,16 @@ class AdapterAdmission:
         gate.prefetch(rest[: self.prefetch_depth])
         return [s for s in running if s.lora_key in self.closed
                 and self.step - self.closed[s.lora_key] >= self.bound]
+
+    def _note_recent(self, running: list[Sequence], waiting: Iterable[Sequence]) -> dict:
+        """Tenant -> its last adapter, for the tenants with adapter work within RECENT_S."""
+        now = self.clock()
+        for seq in (*running, *waiting):
+            if seq.lora_key is not None:
+                self._recent[seq.fairness_key] = (now, seq.lora_key)
+        for t in [t for t, (seen, _) in self._recent.items() if now - seen > RECENT_S]:
+            del self._recent[t]
+        return {t: k for t, (_, k) in self._recent.items()}
 
     @staticmethod
     def _share(slots: int, tenants: set) -> int:

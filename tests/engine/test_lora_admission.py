@@ -172,3 +172,41 @@ def test_a_least_served_tenant_gets_the_next_free_slot_first():
         if not sched.num_unfinished:
             break
     assert order[:2] == ["spray0", "mine"], order  # before the sprayer's next adapters
+
+
+def test_a_recent_tenants_idle_adapter_keeps_its_slot_between_its_requests():
+    """Two slots, two tenants: the neighbour's adapter stays in its slot between two of its
+    requests (the sprayer loads its ten adapters through the other slot), and once the
+    neighbour has been quiet longer than RECENT_S the sprayer may take both slots."""
+    from loramux.engine.step_budget import RECENT_S
+
+    gate = FakeGate(max_loras=2)
+    sched = make_scheduler(num_blocks=1024, adapters=gate)
+    now = [0.0]
+    sched.admission.clock = lambda: now[0]
+    n = 0
+
+    def spray() -> None:
+        nonlocal n
+        while sum(1 for s in [*sched.running, *sched.waiting] if s.fairness_key == "sprayer") < 12:
+            sched.add(_tenant_seq(f"s{n}", f"spray{n % 10}", "sprayer", max_tokens=3))
+            n += 1
+
+    def run(steps: int) -> list[set]:
+        seen = []
+        for _ in range(steps):
+            spray()
+            seen.append(adapters_of(run_step(sched)))
+            now[0] += 0.01
+        return seen
+
+    sched.add(_tenant_seq("q0", "mine", "neighbour", max_tokens=3))
+    run(10)
+    assert "mine" in gate.resident
+    seen = run(50)  # the neighbour thinks for 0.5 s
+    assert "mine" in gate.resident and "mine" not in gate.evicted
+    assert all(len(keys) <= 1 for keys in seen[5:])  # the sprayer keeps to the other slot
+    sched.add(_tenant_seq("q1", "mine", "neighbour", max_tokens=3))
+    assert "mine" in run(1)[0]  # no load, no wait
+    run(int(RECENT_S / 0.01) + 10)  # quiet for longer than RECENT_S
+    assert "mine" in gate.evicted
