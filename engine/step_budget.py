@@ -21,7 +21,8 @@ to a time, not to a fixed token/sequence count:
     A step with no decode row gives its prompts the whole token budget (no one's ITL is at
     stake).
   - While more than one fairness key has work (or had, within :data:`RECENT_S`) the step
-    aims at :data:`CONTENTION_SHARE` of the target: decode rows are capped to what fits and
+    aims at :data:`CONTENTION_SHARE` of the target of one row with its adapter (however many
+    adapters the step's rows use: a tenant spraying adapters cannot stretch it): decode rows are capped to what fits and
     shared fairly across keys (water-filling; within a key the least recently scheduled
     rows first, so a flooder's surplus rotates and a small key's rows run every step), with
     room kept for waiting keys' prompts.
@@ -172,30 +173,35 @@ class StepBudget:
         decode = candidates
         n = len(candidates)
         alone = len(self._last_seen) <= 1  # no other key had work within RECENT_S
-        target = self.target(adapters) * (1.0 if alone else CONTENTION_SHARE)
-        if n > 1 and c_dec > 0:
+        # alone, the target follows the key's own batch; while keys compete it is that of one
+        # row with its adapter: a tenant spraying adapters must not stretch its neighbours' ITL
+        target = self.target(adapters) if alone else CONTENTION_SHARE * self.target(min(adapters, 1))
+        # a row's cost, its share of the adapters' included: the fit may put a step's cost on
+        # either when rows and adapters grow together (one tenant spraying its adapters)
+        c_row = c_dec + (c_ad * adapters / n if n else 0.0)
+        if n > 1 and c_row > 0:
             fixed = c0 + c_ad * adapters
             reserve = c_pre * MIN_CHUNK_TOKENS if keys_with_prompts else 0.0
             # every key with decodes keeps at least one row: nobody stops
             max_rows = max(len({s.fairness_key for s in candidates}),
-                           int((target - fixed - reserve) / c_dec))
+                           int((target - c0 - reserve) / c_row))
             if alone and keys_with_prompts:
                 # alone with prompts to compute: every row runs and the prompts take what the
                 # target leaves (capping its own decodes cost it ~10% throughput, ~2x TTFT)
                 max_rows = n
             elif alone:  # decodes only: the rows its throughput needs
                 e = ALONE_EFFICIENCY
-                max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * c_dec)))
+                max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * max(c_dec, 1e-9))))
             if max_rows < n:
                 decode = fair_rows(candidates, max_rows, keys_with_prompts, by_key=fair)
         for seq in decode:
             seq.budget_ran = self.steps
         if not decode or c_pre <= 0:  # a prompt alone: nobody's inter-token latency at stake
             return StepLimits(decode, None)
-        decode_cost = c_dec * len(decode)
-        left = max(target - (c0 + c_ad * adapters) - decode_cost, CHUNK_SHARE * decode_cost)
+        decode_cost = c_dec * len(decode) + c_ad * (adapters if alone else
+                                                    len({s.lora_key for s in decode if s.lora_key}) + 1)
+        left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
         return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
-
 
 def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,
               by_key: bool = True) -> list[Sequence]:

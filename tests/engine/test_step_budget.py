@@ -211,3 +211,25 @@ def test_fair_rows_water_fills_by_weight_and_rotates():
     again = fair_rows(seqs, 4, set())
     assert {s.request_id for s in again if s.fairness_key == "a"}.isdisjoint(
         {s.request_id for s in got if s.fairness_key == "a"})
+
+
+def test_a_sprayers_adapters_cannot_stretch_a_neighbours_steps():
+    """The cost model may put a step's cost on adapters rather than rows (one tenant's rows
+    each on their own adapter grow together): the rows are capped all the same, the target
+    is that of one row with one adapter, and the neighbour's row runs."""
+    model = StepCostModel()
+    model.coef = [0.010, 0.0, 0.0005, 0.003]  # nothing per row, 3 ms per adapter
+    model.num_observed = WARM_STEPS
+    budget = StepBudget(None, model)
+    spray = [make_seq(f"s{i}", "sprayer") for i in range(12)]
+    for i, seq in enumerate(spray):
+        seq.lora_key = f"spray-{i % 10}"
+    neighbour = make_seq("n", "neighbour")
+    neighbour.lora_key = "mine"
+    limits = budget.plan([*spray, neighbour], set(), adapters=11)
+    target = CONTENTION_SHARE * budget.target(1)  # 19.5 ms, not the 11-adapter step's
+    assert abs(target - CONTENTION_SHARE * DEFAULT_MULTIPLE * 0.013) < 1e-9
+    assert neighbour in limits.decode
+    rows = len(limits.decode)
+    assert 2 <= rows < 13
+    assert 0.010 + rows * 0.003 <= target * 1.05  # the step, its rows' adapters counted
