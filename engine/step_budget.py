@@ -22,7 +22,8 @@ to a time, not to a fixed token/sequence count:
     stake).
   - While more than one fairness key has work (or had, within :data:`RECENT_S`) the step
     aims at :data:`CONTENTION_SHARE` of the target of one row with its adapter (however many
-    adapters the step's rows use: a tenant spraying adapters cannot stretch it): decode rows are capped to what fits and
+    adapters the step's rows use: a tenant spraying adapters cannot stretch it): decode rows
+    are capped to what fits, each row costed with its share of the step's adapters, and
     shared fairly across keys (water-filling; within a key the least recently scheduled
     rows first, so a flooder's surplus rotates and a small key's rows run every step), with
     room kept for waiting keys' prompts.
