@@ -11,7 +11,8 @@ to a time, not to a fixed token/sequence count:
   prompt tokens + c_adapter · adapters`` online (least squares with forgetting) from the
   measured cycle of every step (planning to the next step: outputs delivered included).
 * :class:`StepBudget` turns the **ITL target** (``SchedulerConfig.target_itl_ms``; unset,
-  :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine)
+  :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine,
+  and for a key alone at least :data:`DEFAULT_MULTIPLE` × the step of its running decodes)
   into limits for the next step:
 
   - While any decode row runs, the step's prompt tokens are capped so the predicted step
@@ -134,6 +135,8 @@ class StepBudget:
         self.target_s = target_itl_ms / 1000.0 if target_itl_ms else None
         self.model = model or StepCostModel()
         self.steps = 0
+        self.last_target: float | None = None
+        """Seconds: the target the last step with decode rows was held to."""
         self._last_seen: dict = {}  # fairness key -> clock time it last had work
         self.clock = time.monotonic
         """Seconds (monotonic); tests put a fake clock here."""
@@ -146,10 +149,11 @@ class StepBudget:
         return DEFAULT_MULTIPLE * self.model.predict(StepShape(1, 0, adapters))
 
     def itl_target(self) -> float | None:
-        """The ITL target a decode row is promised now (seconds; None until it is known)."""
+        """The ITL target the last step with decode rows promised them (else the one-row
+        target; seconds; None until it is known)."""
         if self.target_s is None and not self.model.warm:
             return None
-        return self.target(1)
+        return self.last_target if self.last_target is not None else self.target(1)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.model.observe(shape, seconds)
@@ -174,9 +178,10 @@ class StepBudget:
         decode = candidates
         n = len(candidates)
         alone = len(self._last_seen) <= 1  # no other key had work within RECENT_S
-        # alone, the target follows the key's own batch; while keys compete it is that of one
-        # row with its adapter: a tenant spraying adapters must not stretch its neighbours' ITL
-        target = self.target(adapters) if alone else CONTENTION_SHARE * self.target(min(adapters, 1))
+        # the target of one row with its adapter: a tenant spraying adapters must not stretch
+        # its neighbours' ITL
+        one = self.target(min(adapters, 1))
+        target = one if alone else CONTENTION_SHARE * one
         # a row's cost, its share of the adapters' included: the fit may put a step's cost on
         # either when rows and adapters grow together (one tenant spraying its adapters)
         c_row = c_dec + (c_ad * adapters / n if n else 0.0)
@@ -197,10 +202,16 @@ class StepBudget:
                 decode = fair_rows(candidates, max_rows, keys_with_prompts, by_key=fair)
         for seq in decode:
             seq.budget_ran = self.steps
-        if not decode or c_pre <= 0:  # a prompt alone: nobody's inter-token latency at stake
-            return StepLimits(decode, None)
         decode_cost = c_dec * len(decode) + c_ad * (adapters if alone else
                                                     len({s.lora_key for s in decode if s.lora_key}) + 1)
+        if alone and self.target_s is None:
+            # derived, alone: DEFAULT_MULTIPLE x this step's decodes (at least x one row's), so
+            # a prompt chunk stretches the tenant's own inter-token gaps by that much at most
+            target = max(target, DEFAULT_MULTIPLE * (c0 + decode_cost))
+        if decode:
+            self.last_target = target
+        if not decode or c_pre <= 0:  # a prompt alone: nobody's inter-token latency at stake
+            return StepLimits(decode, None)
         left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
         return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
 
