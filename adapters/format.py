@@ -181,6 +181,12 @@ def _collect(
             )
         if layer >= MAX_LAYER_INDEX:
             raise AdapterValidationError(f"{key}: layer index {layer} is out of range", field=key)
+        if dims is not None and not dims.has_module(layer, module):
+            raise AdapterValidationError(
+                f"{key}: unexpected tensor; layer {layer} of the base model is a mixture-of-experts "
+                f"layer with no dense {module} (its experts are targeted through target_parameters)",
+                field=key,
+            )
         _check_float(info)
         found.setdefault((layer, module), {})[m["which"]] = info
     if len(prefixes) > 1:
@@ -224,7 +230,7 @@ def _check_layout(
             (layer, module)
             for layer in range(dims.num_layers)
             for module in spec.target_modules
-            if spec.targets(layer, module)
+            if spec.targets(layer, module) and dims.has_module(layer, module)
         ]
         if not expected:
             raise refuse("target_modules", "selects no module of the base model")
