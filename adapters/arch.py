@@ -368,8 +368,8 @@ def moe_dims(cfg: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
 _NAME_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
     (t, re.compile(p, re.IGNORECASE))
     for t, p in (
-        ("qwen3", r"qwen-?3(?![.\d]|-?(?:moe|next|vl|omni|asr))(?!.*-a\d+(?:\.\d+)?b)"),
-        ("qwen3_moe", r"qwen-?3-?(?:moe|.*-a\d+(?:\.\d+)?b)"),
+        ("qwen3", r"qwen-?3(?![.\d]|[-_]?(?:moe|next|vl|omni|asr))(?!.*-a\d+(?:\.\d+)?b)"),
+        ("qwen3_moe", r"qwen-?3(?:[-_]?moe|.*-a\d+(?:\.\d+)?b)"),
         ("qwen2", r"qwen-?(?:2(?!-?vl|\.5-?vl|-?moe)|1\.5)|qwq"),
         ("gemma3_text", r"gemma-?3(?!n)"),
         ("gemma2", r"gemma-?2"),
