@@ -134,7 +134,7 @@ class LoraSpec:
             "target_modules": [
                 *(m for m in self.target_modules if all(p[1] != m for p in self.module_layers)),
                 *(f"{prefix}layers.{i}.{MODULE_PARENT[m]}.{m}" for i, m in self.module_layers),
-            ],
+            ] or None,
             "use_rslora": self.use_rslora,
             "fan_in_fan_out": self.fan_in_fan_out,
             "bias": "none",

@@ -45,3 +45,29 @@ def test_a_dense_qwen3_adapter_is_told_apart_from_an_moe_base():
     d = base_dims({**QWEN3_MOE, "_name_or_path": "Qwen/Qwen3-30B-A3B"})
     assert family_mismatch("Qwen/Qwen3-8B", d, "Qwen/Qwen3-30B-A3B") is not None
     assert family_mismatch("Qwen/Qwen3-30B-A3B-Base", d, "Qwen/Qwen3-30B-A3B") is None
+
+
+def test_expert_lora_saves_back_as_peft_wrote_it(tmp_path, default_model_dir):
+    """``save_adapter`` writes the experts' LoRA in PEFT's layout (names, A expert-major, B
+    rank-major) and per-parameter ranks: the round trip gives PEFT's tensors back."""
+    from safetensors.torch import load_file
+    from support.lora_fixtures import make_peft_adapter
+    from support.tiny_models import make_tiny_model
+
+    from loramux.adapters.format import load_adapter, save_adapter
+
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "qwen3_moe", num_hidden_layers=2)
+    adapter = make_peft_adapter(base, tmp_path / "a", r=4, target_modules=None, seed=1,
+                                target_parameters=["mlp.experts.gate_up_proj"],
+                                rank_pattern={".*\\.gate_up_proj": 8}, alpha_pattern={".*\\.gate_up_proj": 4})
+    weights = load_adapter(adapter)
+    assert weights.spec.parameter_ranks == (("gate_up_proj", 8, 4.0),)
+    assert weights.spec.expert_scale("gate_up_proj") == 0.5
+    a, b = weights.experts[0]["gate_up_proj"]
+    assert a.shape == (8, 8, 64) and b.shape == (8, 64, 8)
+    out = save_adapter(weights, tmp_path / "b")
+    want, got = load_file(adapter / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
+    again = load_adapter(out)
+    assert again.spec.parameter_ranks == weights.spec.parameter_ranks
+    assert again.spec.target_modules == ()
