@@ -12,7 +12,9 @@ rows: for every expert with rows, one shrink over the active slots' A of that ex
 (``[c, K] @ [K, S R]``), a mask keeping each row's own adapter's R columns, and one expand
 (``[c, S R] @ [S R, N]``) added to the rows — one matmul pair per (expert, projection),
 batched over adapters as the torch backend's block-diagonal path is; its extra FLOPs are a
-fraction ``S R / K`` of the expert's own projection.
+fraction ``S R / K`` of the expert's own projection. A step with few rows (decode, up to
+:data:`GATHER_ROWS`) gathers each row's own A and B instead and runs two batched matmuls
+over the rows (memory bounded by the row limit).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from loramux.adapters.experts import EXPERT_PARAMS, expert_shapes
 from loramux.adapters.format import LoraWeights
 
 GROUP_PARAM = {"gate_up": "gate_up_proj", "down": "down_proj"}
+GATHER_ROWS = 64
+"""Up to this many (token, expert) rows (decode steps) each row's A and B are gathered and
+applied in two batched matmuls; above it, the per-expert matmul pair over all active slots."""
 """An MoE block's projection group → the expert parameter its LoRA targets."""
 
 
@@ -125,6 +130,9 @@ class ExpertStep:
         active = self._active
         s, r = active.numel(), self.slots.max_rank
         row_local = self._token_local.index_select(0, tokens)  # [M]
+        if x.shape[0] <= GATHER_ROWS:
+            self._add_gathered(a_all, b_all, x, y, row_local, counts)
+            return
         mask = (row_local.unsqueeze(1) == torch.arange(s, device=x.device)).to(a_all.dtype)  # [M, S]
         start = 0
         for e, c in enumerate(counts):
@@ -137,3 +145,18 @@ class ExpertStep:
             h = x[rows].to(a.dtype) @ a.T  # [c, S R]
             h = (h.view(c, s, r) * mask[rows].unsqueeze(2)).view(c, s * r)
             y[rows] += (h @ b).to(y.dtype)
+
+    def _add_gathered(self, a_all, b_all, x, y, row_local, counts) -> None:
+        """Few rows (decode): each adapter row's own expert A and B gathered, two batched
+        matmuls over the rows (no per-expert loop)."""
+        idx = (row_local >= 0).nonzero().squeeze(1)  # [m] rows with an expert adapter
+        if not idx.numel():
+            return
+        experts = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                          torch.tensor(counts, device=x.device))  # [M]
+        slots = self._active.index_select(0, row_local.index_select(0, idx))
+        rows = experts.index_select(0, idx)
+        a = a_all[slots, rows]  # [m, R, K]
+        b = b_all[slots, rows]  # [m, R, N]
+        h = torch.bmm(a, x.index_select(0, idx).to(a.dtype).unsqueeze(2))  # [m, R, 1]
+        y.index_add_(0, idx, torch.bmm(h.transpose(1, 2), b).squeeze(1).to(y.dtype))
