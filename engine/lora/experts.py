@@ -7,8 +7,13 @@ each expert's B transposed (R = ``max_lora_rank``; rows past an adapter's rank a
 adapter without expert LoRA leaves its slot's part untouched and unread.
 
 Per step (:class:`ExpertStep`): the slots of the step that carry expert LoRA, each token's
-index among them. An MoE block calls :meth:`ExpertStep.add_experts` on its expert-sorted
-rows: for every expert with rows, one shrink over the active slots' A of that expert
+index among them. An MoE block calls :meth:`ExpertStep.add` on its expert-sorted rows. With
+the torch backend (the CPU) the expert slots are read as the block-diagonal slot layout of
+``max_loras * E`` virtual slots (``slot * E + expert``, A ``[.., 1, R, K]``, B ``[.., R, N]``)
+and the rows go through the engine's own LoRA kernel (the CPU SGMV kernel: one call per
+projection over all (token, adapter, expert) runs; the layout is built once per layer and
+shared by its gate_up and down calls). Otherwise (the Triton backend's layout): for every
+expert with rows, one shrink over the active slots' A of that expert
 (``[c, K] @ [K, S R]``), a mask keeping each row's own adapter's R columns, and one expand
 (``[c, S R] @ [S R, N]``) added to the rows — one matmul pair per (expert, projection),
 batched over adapters as the torch backend's block-diagonal path is; its extra FLOPs are a
@@ -24,6 +29,7 @@ import torch
 
 from loramux.adapters.experts import EXPERT_PARAMS, expert_shapes
 from loramux.adapters.format import LoraWeights
+from loramux.engine.lora.meta import LoRABatchMeta
 
 GROUP_PARAM = {"gate_up": "gate_up_proj", "down": "down_proj"}
 GATHER_ROWS = 64
@@ -61,10 +67,14 @@ class ExpertSlots:
                           for p in EXPERT_PARAMS} for layer in dims.moe_layers}
         self.has = np.zeros(max_loras, dtype=bool)
         """Slots whose adapter has expert LoRA (only those are read)."""
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)
+        """The largest expert-LoRA rank of each slot (0: none)."""
 
     def write(self, slot: int, weights: LoraWeights) -> None:
         """Copy the adapter's expert LoRA into ``slot`` (called by ``SlotBuffers._write``)."""
         self.has[slot] = bool(weights.experts)
+        self.ranks[slot] = max((a.shape[1] for params in weights.experts.values()
+                                for a, _ in params.values()), default=0)
         if not weights.experts:
             return
         spec = weights.spec
@@ -85,6 +95,7 @@ class ExpertSlots:
 
     def clear(self, slot: int) -> None:
         self.has[slot] = False
+        self.ranks[slot] = 0
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.a, self.b) for g in d.values()
@@ -95,11 +106,18 @@ class ExpertStep:
     """One step's expert-LoRA layout: the model's :class:`~loramux.engine.model.moe.ExpertLoRAHook`
     through ``LoRAStepBatch``."""
 
-    def __init__(self, slots: ExpertSlots, device) -> None:
+    def __init__(self, slots: ExpertSlots, device, kernel=None) -> None:
+        """``kernel``: the engine's LoRA kernel when its slots are the torch backend's
+        block-diagonal layout (``ops.lora_kernel``), which the experts' slots share: each
+        (slot, expert) is then one virtual slot of the CPU SGMV kernel."""
         self.slots = slots
         self.device = device
+        self._kernel = kernel
         self._active: torch.Tensor | None = None  # [S] slots with expert LoRA in this step
+        self._active_np: np.ndarray | None = None
         self._token_local: torch.Tensor | None = None  # [T] index into _active, -1: none
+        self._virtual_ranks: torch.Tensor | None = None  # [max_loras * E] rank of (slot, expert)
+        self._layer_meta: tuple[int, LoRABatchMeta] | None = None  # the layer's rows' layout
 
     def prepare(self, token_slots: np.ndarray) -> None:
         """Lay out a step whose token t uses slot ``token_slots[t]`` (-1: none)."""
@@ -110,13 +128,17 @@ class ExpertStep:
             return
         local = np.full(self.slots.has.shape[0], -1, dtype=np.int64)
         local[active] = np.arange(active.size)
-        self._active = torch.from_numpy(active.astype(np.int64)).to(self.device)
+        self._active_np = active.astype(np.int64)
+        self._active = torch.from_numpy(self._active_np).to(self.device)
+        self._virtual_ranks = self.slots.ranks.repeat_interleave(self.slots.dims.num_experts)
+        self._layer_meta = None
         self._token_local = torch.from_numpy(np.where(token_slots >= 0, local[np.maximum(token_slots, 0)],
                                                       -1)).to(self.device)
 
     def clear(self) -> None:
         self._active = None
         self._token_local = None
+        self._layer_meta = None
 
     def active(self, layer: int) -> bool:
         return self._active is not None and layer in self.slots.a
@@ -130,6 +152,12 @@ class ExpertStep:
         active = self._active
         s, r = active.numel(), self.slots.max_rank
         row_local = self._token_local.index_select(0, tokens)  # [M]
+        if self._kernel is not None:
+            meta = self._meta(layer, row_local, counts)
+            n_slots, e, r_max, k = a_all.shape
+            self._kernel(y, x, a_all.view(n_slots * e, 1, r_max, k), b_all.view(n_slots * e, r_max, -1),
+                         meta, None, [0, y.shape[1]])
+            return
         if x.shape[0] <= GATHER_ROWS:
             self._add_gathered(a_all, b_all, x, y, row_local, counts)
             return
@@ -160,3 +188,16 @@ class ExpertStep:
         b = b_all[slots, rows]  # [m, R, N]
         h = torch.bmm(a, x.index_select(0, idx).to(a.dtype).unsqueeze(2))  # [m, R, 1]
         y.index_add_(0, idx, torch.bmm(h.transpose(1, 2), b).squeeze(1).to(y.dtype))
+
+    def _meta(self, layer: int, row_local: torch.Tensor, counts: list[int]) -> LoRABatchMeta:
+        """The rows' layout over virtual slots ``slot * E + expert`` (-1: no expert adapter),
+        built at a layer's gate_up call and reused by its down call (the same rows)."""
+        if self._layer_meta is not None and self._layer_meta[0] == layer:
+            return self._layer_meta[1]
+        e = self.slots.dims.num_experts
+        experts = np.repeat(np.arange(len(counts), dtype=np.int64), counts)  # [M]
+        local = row_local.cpu().numpy()
+        virtual = np.where(local >= 0, self._active_np[np.maximum(local, 0)] * e + experts, -1)
+        meta = LoRABatchMeta.build(virtual, self._virtual_ranks, self.device)
+        self._layer_meta = (layer, meta)
+        return meta

@@ -168,3 +168,50 @@ def test_slots_and_capacity_count_the_experts(qwen_moe):
     assert torch.equal(slots.experts.b[0]["gate_up_proj"][1, :, :4], b.transpose(1, 2))
     assert torch.count_nonzero(slots.experts.a[0]["gate_up_proj"][1, :, 4:]) == 0
     assert slots.experts.has[1] and not slots.experts.has[0]
+
+
+@pytest.mark.parametrize("rows", [24, 300])  # decode-sized (gathered) and prefill-sized (per expert)
+def test_expert_delta_paths_equal_the_definition(rows):
+    """Every path of the experts' delta (the SGMV kernel over (slot, expert) virtual slots; the
+    torch paths used with the Triton backend) equals ``scale * B_e @ A_e @ x`` of each row's
+    own adapter and expert, with rows of no adapter and of dense-only adapters untouched."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from loramux.engine.lora import ops
+    from loramux.engine.lora.experts import ExpertSlots, ExpertStep
+
+    g = torch.Generator().manual_seed(0)
+    dims = SimpleNamespace(num_experts=6, hidden_size=32, moe_intermediate_size=24, moe_layers=(0, 2))
+    slots = ExpertSlots(dims, 4, 8, torch.float32, "cpu")
+    ranks = {0: 8, 2: 4, 3: 6}  # slot 1: a dense-only adapter
+    for layer in dims.moe_layers:
+        for p in ("gate_up_proj", "down_proj"):
+            for d in (slots.a, slots.b):
+                d[layer][p].copy_(torch.randn(d[layer][p].shape, generator=g))
+                for slot in range(4):
+                    d[layer][p][slot, :, ranks.get(slot, 0):] = 0
+    slots.has[:] = [True, False, True, True]
+    slots.ranks[:] = torch.tensor([8, 0, 4, 6])
+    tokens_n, k = (rows + 1) // 2, 2
+    token_slots = np.random.default_rng(0).integers(-1, 4, tokens_n)
+    experts = torch.randint(0, 6, (tokens_n * k,), generator=g)
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts, minlength=6).tolist()
+    tokens = order // k
+    x = torch.randn(tokens_n * k, 32, generator=g)
+    want = torch.zeros(tokens_n * k, 48)
+    e_sorted = experts[order]
+    for j in range(tokens_n * k):
+        s = int(token_slots[tokens[j]])
+        if s >= 0 and slots.has[s]:
+            a, b = slots.a[2]["gate_up_proj"][s, e_sorted[j]], slots.b[2]["gate_up_proj"][s, e_sorted[j]]
+            want[j] = (a @ x[j]) @ b
+    assert want.abs().sum() > 0
+    for kernel in (ops.lora_kernel("torch", blockdiag=True), None):
+        step = ExpertStep(slots, "cpu", kernel)
+        step.prepare(token_slots)
+        y = torch.zeros_like(want)
+        step.add(2, "gate_up", x, y, tokens, counts)
+        assert torch.allclose(y, want, atol=1e-4), kernel
