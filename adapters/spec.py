@@ -146,7 +146,8 @@ class LoraSpec:
             "use_dora": False,
             "modules_to_save": None,
             "inference_mode": True,
-            **({"target_parameters": [f"mlp.experts.{p}" for p in self.target_parameters],
+            **({"target_parameters": [f"mlp.experts.{p}" if p != "router" else "mlp.gate.weight"
+                                      for p in self.target_parameters],
                 "rank_pattern": {f".*\\.{p}": r for p, r, _ in self.parameter_ranks if r != self.r},
                 "alpha_pattern": {f".*\\.{p}": a for p, _, a in self.parameter_ranks
                                   if a != self.lora_alpha}}

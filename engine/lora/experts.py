@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loramux.adapters.experts import EXPERT_PARAMS, expert_shapes
+from loramux.adapters.experts import EXPERT_PARAMS, ROUTER, expert_shapes
 from loramux.adapters.format import LoraWeights
 from loramux.engine.lora.meta import LoRABatchMeta
 
@@ -42,7 +42,9 @@ def expert_slot_bytes(dims, max_rank: int, element_size: int) -> int:
     """Bytes of one slot's expert part (0 for a dense base)."""
     if not dims.num_experts:
         return 0
-    per_layer = sum(k + n for k, n in expert_shapes(dims).values()) * dims.num_experts * max_rank
+    shapes = expert_shapes(dims)
+    per_layer = sum(sum(shapes[p]) for p in EXPERT_PARAMS) * dims.num_experts * max_rank
+    per_layer += sum(shapes[ROUTER]) * max_rank
     return len(dims.moe_layers) * per_layer * element_size
 
 
@@ -69,15 +71,32 @@ class ExpertSlots:
         """Slots whose adapter has expert LoRA (only those are read)."""
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         """The largest expert-LoRA rank of each slot (0: none)."""
+        h = dims.hidden_size
+        self.router_a = {layer: alloc(max_loras, max_rank, h, dtype=dtype, device=device)
+                         for layer in dims.moe_layers}  # [L, R, H] pre-scaled
+        self.router_b = {layer: alloc(max_loras, max_rank, e, dtype=dtype, device=device)
+                         for layer in dims.moe_layers}  # [L, R, E]
+        self.has_router = np.zeros(max_loras, dtype=bool)
+        """Slots whose adapter has LoRA on the router."""
 
     def write(self, slot: int, weights: LoraWeights) -> None:
         """Copy the adapter's expert LoRA into ``slot`` (called by ``SlotBuffers._write``)."""
-        self.has[slot] = bool(weights.experts)
-        self.ranks[slot] = max((a.shape[1] for params in weights.experts.values()
-                                for a, _ in params.values()), default=0)
-        if not weights.experts:
-            return
         spec = weights.spec
+        self.has[slot] = any(p in spec.target_parameters for p in EXPERT_PARAMS)
+        self.ranks[slot] = max((a.shape[-2] for params in weights.experts.values()
+                                for p, (a, _) in params.items() if p != ROUTER), default=0)
+        self.has_router[slot] = ROUTER in spec.target_parameters
+        if self.has_router[slot]:
+            for layer in self.dims.moe_layers:
+                a, b = self.router_a[layer][slot], self.router_b[layer][slot]
+                a.zero_()
+                b.zero_()
+                wa, wb = weights.experts.get(layer, {}).get(ROUTER, (None, None))
+                if wa is not None:
+                    a[: wa.shape[0]].copy_(wa.to(a.dtype) * spec.expert_scale(ROUTER))
+                    b[: wa.shape[0]].copy_(wb.t())
+        if not self.has[slot]:
+            return
         for layer in self.dims.moe_layers:
             for p in EXPERT_PARAMS:
                 a, b = self.a[layer][p][slot], self.b[layer][p][slot]
@@ -95,11 +114,13 @@ class ExpertSlots:
 
     def clear(self, slot: int) -> None:
         self.has[slot] = False
+        self.has_router[slot] = False
         self.ranks[slot] = 0
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.a, self.b) for g in d.values()
-                   for t in g.values())
+                   for t in g.values()) + sum(t.numel() * t.element_size() for d in
+                                              (self.router_a, self.router_b) for t in d.values())
 
 
 class ExpertStep:
@@ -118,13 +139,17 @@ class ExpertStep:
         self._token_local: torch.Tensor | None = None  # [T] index into _active, -1: none
         self._virtual_ranks: torch.Tensor | None = None  # [max_loras * E] rank of (slot, expert)
         self._layer_meta: tuple[int, LoRABatchMeta] | None = None  # the layer's rows' layout
+        self.clear()
 
     def prepare(self, token_slots: np.ndarray) -> None:
         """Lay out a step whose token t uses slot ``token_slots[t]`` (-1: none)."""
+        self.clear()
         used = np.unique(token_slots[token_slots >= 0])
+        self._router_slots = [int(s) for s in used if self.slots.has_router[s]]
+        if self._router_slots:
+            self._token_slots = torch.from_numpy(np.asarray(token_slots, dtype=np.int64)).to(self.device)
         active = used[self.slots.has[used]] if used.size else used
         if not active.size:
-            self.clear()
             return
         local = np.full(self.slots.has.shape[0], -1, dtype=np.int64)
         local[active] = np.arange(active.size)
@@ -139,14 +164,27 @@ class ExpertStep:
         self._active = None
         self._token_local = None
         self._layer_meta = None
+        self._router_slots: list[int] = []
+        self._token_slots: torch.Tensor | None = None  # [T] (steps with router LoRA)
 
     def active(self, layer: int) -> bool:
-        return self._active is not None and layer in self.slots.a
+        return (self._active is not None or bool(self._router_slots)) and layer in self.slots.a
+
+    def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """``logits[t] +=`` the router LoRA of token t's adapter (x [T, H], logits [T, E]):
+        one matmul pair per adapter of the step with router LoRA, over its tokens."""
+        for slot in self._router_slots:
+            rows = (self._token_slots == slot).nonzero().squeeze(1)
+            a, b = self.slots.router_a[layer][slot], self.slots.router_b[layer][slot]  # [R, H], [R, E]
+            delta = (x.index_select(0, rows).to(a.dtype) @ a.T) @ b  # [n, E]
+            logits.index_add_(0, rows, delta.to(logits.dtype))
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
             tokens: torch.Tensor, counts: list[int]) -> None:
         """``y[j] +=`` row j's expert delta (rows sorted by expert, ``counts[e]`` each; row j is
         token ``tokens[j]``)."""
+        if self._active is None:
+            return  # only router LoRA in this step
         p = GROUP_PARAM[group]
         a_all, b_all = self.slots.a[layer][p], self.slots.b[layer][p]  # [L, E, R, K], [L, E, R, N]
         active = self._active

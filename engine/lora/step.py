@@ -81,3 +81,7 @@ class LoRAStepBatch:
                     tokens: torch.Tensor, counts: list[int]) -> None:
         """The MoE block's hook (``moe.ExpertLoRAHook``): ``y += `` each expert-sorted row's delta."""
         self.experts.add(layer, group, x, y, tokens, counts)
+
+    def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """The MoE router's hook: ``logits += `` each token's adapter's router LoRA delta."""
+        self.experts.add_router(layer, x, logits)

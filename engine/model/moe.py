@@ -53,6 +53,9 @@ class ExpertLoRAHook(Protocol):
     def experts_active(self, layer: int) -> bool:
         """True when this step has tokens whose adapter targets ``layer``'s experts."""
 
+    def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """``logits [T, E] +=`` each token's adapter's router LoRA delta for x [T, H]."""
+
     def add_experts(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
                     tokens: torch.Tensor, counts: list[int]) -> None:
         """``y[j] +=`` the expert delta of row j (token ``tokens[j]``, routed to the expert of
@@ -81,9 +84,12 @@ class MoEBlock:
     def linears(self) -> list[Linear]:
         return [*self.gate_up, *self.down, Linear(self.router, pack=False)]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k], experts [T, k])`` of each token, as transformers' router."""
+    def route(self, x: torch.Tensor, layer: int = 0, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k], experts [T, k])`` of each token, as transformers' router (with
+        each token's adapter's router LoRA when ``lora`` has one)."""
         logits = F.linear(x.to(self.router.dtype), self.router)  # [T, E]
+        if lora is not None:
+            lora.add_router(layer, x, logits)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -93,15 +99,15 @@ class MoEBlock:
         return weights, experts
 
     def __call__(self, x: torch.Tensor, layer: int, lora) -> torch.Tensor:
-        weights, experts = self.route(x)  # [T, k]
+        expert_lora = lora if lora is not None and hasattr(lora, "experts_active") \
+            and lora.experts_active(layer) else None
+        weights, experts = self.route(x, layer, expert_lora)  # [T, k]
         k = self.top_k
         flat = experts.reshape(-1)  # [T k]
         order = torch.argsort(flat, stable=True)  # rows sorted by expert, token order within
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k  # [T k] each row's token
         xs = x.index_select(0, tokens)  # [T k, H]
-        expert_lora = lora if lora is not None and hasattr(lora, "experts_active") \
-            and lora.experts_active(layer) else None
         gu = self._grouped(self.gate_up, xs, counts)  # [T k, 2 I]
         if expert_lora is not None:
             expert_lora.add_experts(layer, "gate_up", xs, gu, tokens, counts)

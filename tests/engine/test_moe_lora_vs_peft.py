@@ -1,7 +1,7 @@
 """LoRA on the experts (PEFT ``target_parameters`` on ``mlp.experts.gate_up_proj`` /
 ``down_proj``) of tiny Qwen3-MoE and Mixtral bases, in one mixed batch with attention-only
 adapters and base rows, every token teacher-forced against PEFT (float32, CPU): ranks 4..32,
-one parameter or both, PEFT's own mapping of ``gate_proj`` / ``up_proj`` / ``down_proj`` onto
+one parameter or both, the router (``mlp.gate.weight``, as PEFT's ``all-linear`` targets it), PEFT's own mapping of ``gate_proj`` / ``up_proj`` / ``down_proj`` onto
 the experts (gate_up at twice the rank), rsLoRA; chunked prefill (a small token budget) and a
 prefix-cache hit; validation refusing another expert count or layout with the parameter and
 the expected shape; slot memory and capacity counting the experts."""
@@ -25,11 +25,13 @@ BASES = {  # name: (family, overrides, [(rank, target_modules, target_parameters
         (4, ["k_proj", "v_proj"], None, {}),
         (16, ["o_proj"], ["mlp.experts.down_proj"], {"use_rslora": True}),
         (4, ["q_proj", "gate_proj", "up_proj", "down_proj"], None, {}),  # PEFT maps these onto the experts
+        (8, "all-linear", None, {}),  # attention, the experts (gate_up at rank 16) and the router
     ]),
     "mixtral": ("mixtral", {}, [
         (32, ["q_proj"], EXPERTS, {}),
         (8, ["v_proj", "o_proj"], None, {}),
         (4, None, ["mlp.experts.gate_up_proj"], {}),
+        (4, ["k_proj"], ["mlp.gate.weight"], {}),  # the router alone
     ]),
 }
 
@@ -128,7 +130,7 @@ def test_an_adapter_for_another_expert_layout_is_refused(qwen_moe, changes, need
     assert e.value.field.startswith("base_model.model.model.layers.0.mlp.experts.")
 
 
-def test_expert_lora_on_a_dense_base_or_the_router_is_refused(qwen_moe, tmp_path, tiny_model_dir):
+def test_expert_lora_on_a_dense_base_or_unknown_parameters_is_refused(qwen_moe, tmp_path, tiny_model_dir):
     from loramux.adapters.format import AdapterValidationError, validate_adapter
 
     base, adapter = qwen_moe
@@ -137,9 +139,13 @@ def test_expert_lora_on_a_dense_base_or_the_router_is_refused(qwen_moe, tmp_path
                          base_model_name="x")
     router = shutil.copytree(adapter, tmp_path / "router")
     cfg = json.loads((router / "adapter_config.json").read_text())
-    cfg["target_parameters"] = ["mlp.gate.weight", *EXPERTS]
+    cfg["target_parameters"] = ["mlp.gate.weight", *EXPERTS]  # names the router: its tensors are missing
     (router / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(AdapterValidationError, match="LoRA on the router is not supported"):
+    with pytest.raises(AdapterValidationError, match=r"layers\.0\.mlp\.gate\.lora_A\.weight: missing tensor"):
+        validate_adapter(router, _config(base), max_lora_rank=16)
+    cfg["target_parameters"] = ["mlp.experts.up_proj"]
+    (router / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterValidationError, match="'mlp.experts.up_proj' is not an expert parameter"):
         validate_adapter(router, _config(base), max_lora_rank=16)
 
 
@@ -153,7 +159,7 @@ def test_slots_and_capacity_count_the_experts(qwen_moe):
     base, adapter = qwen_moe
     dims = dims_from_config(read_hf_config(base))
     e, h, i, r = dims.num_experts, dims.hidden_size, dims.moe_intermediate_size, 8
-    expert_part = len(dims.moe_layers) * e * r * ((h + 2 * i) + (i + h)) * 4
+    expert_part = len(dims.moe_layers) * (e * r * ((h + 2 * i) + (i + h)) + r * (h + e)) * 4  # + the router
     slots = SlotBuffers(dims, 2, r, torch.float32, "cpu", blockdiag=True)
     assert slots.num_bytes() == 2 * slot_bytes(dims, r, 4, blockdiag=True)
     assert slots.experts.num_bytes() == 2 * expert_part
