@@ -34,7 +34,8 @@ if HAS_TRITON:
     @triton.jit
     def _grouped_gemm(x_ptr, w_ptr, y_ptr, blk_expert_ptr, blk_row_ptr, blk_end_ptr, N, K,
                       stride_xm, stride_we, stride_wn, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
@@ -52,7 +53,7 @@ if HAS_TRITON:
                         mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                         mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc += tl.dot(a, b)
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         out = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -89,5 +90,6 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (blk_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm[grid](x, w, y, blk_expert, blk_row, blk_end, n, k, x.stride(0), w.stride(0), w.stride(1),
-                        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+                        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None)  # fp32: no TF32
     return y
