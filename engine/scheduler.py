@@ -437,7 +437,9 @@ class Scheduler:
         ``extra_rows``: sequences sampled beyond the plan's rows (forks of ``n`` siblings)."""
         if self.budget is None or plan.is_empty:
             return
-        shape = StepShape(plan.num_decode_rows + extra_rows, plan.num_prefill_tokens, plan.num_adapters)
+        # a verify row's drafts cost what prompt tokens after a cached context cost
+        shape = StepShape(plan.num_decode_rows + extra_rows,
+                          plan.num_prefill_tokens + plan.num_draft_tokens, plan.num_adapters)
         self.budget.observe(shape, seconds)
 
     def _make_room(self, seq: Sequence, plan: _Plan, fits) -> bool:

@@ -68,6 +68,11 @@ class SchedulerOutput:
         return sum(r.num_new_tokens for r in self.scheduled if r.is_prefill)
 
     @property
+    def num_draft_tokens(self) -> int:
+        """Drafted tokens the verify rows compute (speculative decoding)."""
+        return sum(r.num_draft_tokens for r in self.scheduled)
+
+    @property
     def num_decode_rows(self) -> int:
         return sum(1 for r in self.scheduled if not r.is_prefill)
 
