@@ -35,7 +35,7 @@ from loramux.engine.fairness import DECODE_COST, AdmissionPolicy, make_policy
 from loramux.engine.lora.admission import AdapterAdmission, AdapterGate
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.sequence import Sequence, SequenceStatus
-from loramux.engine.spec_decode.drafter import Drafter
+from loramux.engine.spec_decode.drafter import Drafter, cost_ratio
 from loramux.engine.spec_decode.verify import verify_drafts
 from loramux.engine.step_budget import StepBudget, StepShape
 from loramux.engine.step_data import ModelOutput, ScheduledRow, SchedulerOutput, StepOutcome
@@ -274,12 +274,19 @@ class Scheduler:
         self.kv.trim(seq)
         self.kv.register_computed(seq)
 
-    def _draft(self, seq: Sequence, spare: int) -> list[int]:
+    def _draft_cost_ratio(self, num_decodes: int) -> float:
+        """The drafter's cost ratio for a step of ``num_decodes`` rows (spec_decode/drafter.py)."""
+        model = self.budget.model if self.budget is not None else None
+        coef = model.coef if model is not None and model.warm else None
+        adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
+        return cost_ratio(coef, num_decodes, adapters)
+
+    def _draft(self, seq: Sequence, spare: int, ratio: float) -> list[int]:
         """Drafts for ``seq``'s decode row within ``spare`` tokens of the step's budget, and
         only when its blocks can hold them beside the row's own token."""
         if self.drafter is None or spare <= 0:
             return []
-        drafts = self.drafter.draft(seq, spare)
+        drafts = self.drafter.draft(seq, spare, ratio)
         if drafts and not self.kv.can_allocate(seq, 1 + len(drafts)):
             return []
         return drafts
@@ -295,8 +302,9 @@ class Scheduler:
         queue = list(self.running)  # oldest first
         run_now = self._budget_decodes()
         # drafts take what the step's token budget leaves beside one token per decode
-        spare = self.max_num_batched_tokens - sum(
-            1 for s in queue if s.num_computed_tokens >= s.num_tokens - 1)
+        num_decodes = sum(1 for s in queue if s.num_computed_tokens >= s.num_tokens - 1)
+        spare = self.max_num_batched_tokens - num_decodes
+        ratio = self._draft_cost_ratio(num_decodes) if self.drafter is not None else 0.0
         while queue:
             seq = queue.pop(0)
             if seq.num_computed_tokens < seq.num_tokens - 1:
@@ -305,7 +313,7 @@ class Scheduler:
             if run_now is not None and id(seq) not in run_now:
                 kept.append(seq)  # the step budget rotates it plan of this step
                 continue
-            drafts = self._draft(seq, spare)
+            drafts = self._draft(seq, spare, ratio)
             while not self.kv.can_allocate(seq, 1):
                 victim = self.policy.victim([*kept, seq, *queue])
                 if victim in queue:

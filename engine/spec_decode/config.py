@@ -11,8 +11,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 64
 """Longest n-gram ``prompt_lookup_max`` may ask to match."""
 _METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "acceptance_floor", "min_rounds")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 @dataclass
@@ -27,11 +26,6 @@ class SpeculativeConfig:
     """Longest n-gram matched; None = ``prompt_lookup_min`` (both None: 5, as vLLM)."""
     prompt_lookup_min: int | None = None
     """Shortest n-gram matched; None = ``prompt_lookup_max``."""
-    acceptance_floor: float = 0.25
-    """A sequence whose smoothed share of accepted draft tokens falls below this stops
-    drafting for a while (doubling each time, up to 256 steps); 0 = never."""
-    min_rounds: int = 3
-    """Verify steps a sequence drafts before its acceptance is judged."""
 
     def __post_init__(self) -> None:
         if self.method not in _METHODS:
@@ -54,11 +48,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                              f"prompt_lookup_max ({hi})")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        if not 0.0 <= self.acceptance_floor < 1.0:
-            raise ValueError("speculative_config.acceptance_floor must be in [0, 1), got "
-                             f"{self.acceptance_floor!r}")
-        if not isinstance(self.min_rounds, int) or self.min_rounds < 1:
-            raise ValueError(f"speculative_config.min_rounds must be an integer >= 1, got {self.min_rounds!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

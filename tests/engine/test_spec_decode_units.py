@@ -47,20 +47,37 @@ def test_drafter_caps_and_switches_itself_off_for_low_acceptance():
     cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
     d = Drafter(cfg, max_model_len=64)
     seq = _seq([1, 2, 3, 4, 5, 6, 1], temperature=0, max_tokens=3)
-    assert d.draft(seq, 10) == [2, 3]  # max_tokens 3: two drafts, then the sampled token
-    assert d.draft(seq, 1) == [2]  # the step's spare budget
+    assert d.draft(seq, 10, cost_ratio=0.01) == [2, 3]  # max_tokens 3: two drafts, then the sampled token
+    assert d.draft(seq, 1, cost_ratio=0.01) == [2]  # the step's spare budget
     seq.grammar = object()
-    assert d.draft(seq, 10) == []  # guided rows never draft
+    assert d.draft(seq, 10, cost_ratio=0.01) == []  # guided rows never draft
+    # the draft length follows the estimated acceptance a: draft i only while a ** i > ratio
     seq = _seq([1, 2, 3, 4, 5, 6, 1] * 2, temperature=0)
-    for _ in range(cfg.min_rounds):
-        assert d.draft(seq, 10)
+    assert len(d.draft(seq, 10, cost_ratio=0.5)) == 2  # a = 0.75 to start: 0.75, 0.56 > 0.5
+    for _ in range(6):
+        d.record(seq, 4, 4)
+    assert seq.spec_state.acceptance > 0.9
+    assert len(d.draft(seq, 10, cost_ratio=0.2)) == 4
+    for _ in range(12):
         d.record(seq, 4, 0)
-    off = [d.draft(seq, 10) for _ in range(10)]
-    assert off[:8] == [[]] * 8 and off[8]  # 8 steps off, then it probes again
-    d.record(seq, 4, 4)
+    assert seq.spec_state.acceptance < 0.2
+    off = [d.draft(seq, 10, cost_ratio=0.2) for _ in range(10)]
+    assert off[:9] == [[]] * 9 and len(off[9]) == 1  # 8 steps off, then one probing draft
+    d.record(seq, 1, 0)
+    off = [d.draft(seq, 10, cost_ratio=0.2) for _ in range(18)]
+    assert off[:17] == [[]] * 17 and len(off[17]) == 1  # the back-off doubled
     c = d.snapshot()["base"]
-    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (4, 16, 4)
-    assert c.accepted_per_pos == [1, 1, 1, 1]
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (19, 73, 24)
+    assert c.accepted_per_pos == [6, 6, 6, 6]
+
+
+def test_cost_ratio_follows_the_fitted_step_cost():
+    from loramux.engine.spec_decode.drafter import DEFAULT_COST_RATIO, cost_ratio
+
+    assert cost_ratio(None, 3, 0) == pytest.approx(3 * DEFAULT_COST_RATIO)
+    # c0 30 ms, 2 ms per decode row, 4 ms per extra token: 4 rows -> 4 * 4 / 38
+    assert cost_ratio((0.030, 0.002, 0.004, 0.0), 4, 0) == pytest.approx(16 / 38)
+    assert cost_ratio((0.030, 0.002, 0.5, 0.0), 64, 0) == 0.95  # never drafting is the floor
 
 
 def test_scheduler_plans_verify_rows_and_frees_rejected_blocks():
