@@ -8,8 +8,9 @@ Workloads (greedy, ``ignore_eos`` off so outputs end where the model says, cappe
   adapter (examples/adapters/sql-lora): the answer copies table and column names;
 - ``code-edit``: a function in the prompt and an edit to make: the answer copies the code;
 - ``extraction``: a record in the prompt, the answer lists its fields;
-- ``random``: random token ids as the prompt (nothing to copy: the goal is to lose at most a
-  few percent, drafting switches itself off for such sequences).
+- ``random``: random token ids as the prompt, sampled at temperature 1 (seeded, so the
+  outputs still compare): random-token traffic with nothing to copy, where the goal is to
+  lose at most a few percent (drafting switches itself off for such sequences).
 
 Both engines run the same requests in the same process, alternating, each after a warm-up;
 the outputs are checked token-identical. Writes bench/results/speculative.json and .png.
@@ -72,7 +73,7 @@ def chat(tok, text: str) -> list[int]:
 
 
 def workloads(tok, vocab: int) -> dict[str, tuple[list[list[int]], bool]]:
-    """name -> (prompts, through the sql adapter)."""
+    """name -> (prompts, through the sql adapter); ``random`` is sampled (see ``params_for``)."""
     g = torch.Generator().manual_seed(0)
     return {
         "sql": ([chat(tok, f"Schema:\n{SCHEMA}\n\nWrite one SQL query: {q}") for q in QUESTIONS], True),
@@ -117,13 +118,15 @@ def main() -> None:
     engines = {"base": LLM(**common), "spec": LLM(**common, speculative_config=spec_cfg)}
     tok = engines["base"].get_tokenizer()
     sql = LoRARequest("sql-lora", 1, str(ROOT / "examples" / "adapters" / "sql-lora"))
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=args.max_tokens)
     for llm in engines.values():  # warm-up: kernels, the adapter's load
         llm.generate([{"prompt_token_ids": chat(tok, "hi")}], SamplingParams(max_tokens=4), lora_request=sql)
     batches = [int(b) for b in args.batches.split(",")]
     results: dict = {}
     for name, (prompts, uses_sql) in workloads(tok, len(tok)).items():
         lora = sql if uses_sql else None
+        params = sampled if name == "random" else greedy
         results[name] = {}
         for b in batches:
             row: dict = {}
