@@ -75,11 +75,13 @@ def test_greedy_equals_no_speculation(tiny_model_dir, adapters, kw):
         assert stats["_preemptions"] > 0
 
 
-def test_prefix_cache_hits_and_n_with_seeded_sampling(tiny_model_dir, adapters):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+def test_prefix_cache_hits_and_n(tiny_model_dir, adapters, sampled):
     shared = PROMPTS[0] * 3
     prompts = [shared + " a", shared + " b", shared + " a"]
     params = SamplingParams(temperature=0.5, top_k=3, top_p=0.95, seed=11, n=3, max_tokens=32,
-                            ignore_eos=True)
+                            ignore_eos=True) if sampled else SamplingParams(
+        temperature=0, n=2, max_tokens=32, ignore_eos=True)
     base, spec, stats = run_both(tiny_model_dir, prompts, params, loras_for(adapters, 3)[:1] * 3, rounds=2)
     assert tokens(spec) == tokens(base)
     assert all(o.num_cached_tokens > 0 for o in spec[3:])
