@@ -1,14 +1,20 @@
 """Prompt lookup: draft the tokens that followed an earlier occurrence of the context's tail.
 
 For the longest ``n`` in ``[min_n, max_n]`` whose last-``n``-token suffix occurs earlier in
-the context (prompt + output so far), the ``k`` tokens after its latest such occurrence are
-the draft (fewer when the context ends sooner). The search is one vectorized pass over the
-context per call: ``O(len(context) * max_n)`` numpy work, no Python loop over tokens.
+the context (prompt + output so far), the ``k`` tokens after its latest such occurrence that
+is followed by ``k`` tokens are the draft (when none is, the earliest occurrence's shorter
+continuation). The search is one vectorized pass over the
+context per call, no Python loop over tokens, and it extends at most the
+:data:`MAX_CANDIDATES` latest occurrences of the last token: ``O(len(context) +
+MAX_CANDIDATES * max_n)`` numpy work per row and step, whatever a prompt repeats.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+MAX_CANDIDATES = 512
+"""Latest earlier occurrences of the context's last token a match is searched from."""
 
 
 class TokenBuffer:
@@ -42,7 +48,7 @@ def propose(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     if k < 1 or size < min_n + 1:
         return []
     # candidate match ends: earlier positions holding the last token
-    ends = np.flatnonzero(context[:-1] == context[-1])
+    ends = np.flatnonzero(context[:-1] == context[-1])[-MAX_CANDIDATES:]
     if ends.size == 0:
         return []
     length = np.ones(ends.shape[0], dtype=np.int64)
@@ -58,5 +64,7 @@ def propose(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     best = int(length.max())
     if best < min_n:
         return []
-    end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
+    longest = ends[length == best]
+    whole = longest[longest <= size - 1 - k]  # followed by k tokens
+    end = int(whole[-1] if whole.size else longest[0])  # else the longest continuation
     return context[end + 1 : end + 1 + k].tolist()

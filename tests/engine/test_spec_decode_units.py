@@ -30,6 +30,16 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
     assert propose(ctx2, 2, 4, 4) == []  # no 4-gram recurs
     assert propose(np.array([1, 2, 3]), 2, 1, 2) == []  # the last token never occurred before
     assert propose(np.array([7, 7]), 5, 1, 2) == [7]  # the draft stops where the context ends
+    # a prompt that repeats one token: only the latest MAX_CANDIDATES occurrences are extended
+    from loramux.engine.spec_decode.ngram import MAX_CANDIDATES
+
+    flat = np.concatenate([np.array([1, 2, 3]), np.full(4 * MAX_CANDIDATES, 7)])
+    assert propose(flat, 4, 1, 8) == [7, 7, 7, 7]
+    pairs = np.tile(np.array([1, 7]), 2 * MAX_CANDIDATES)
+    mixed = np.concatenate([np.array([3, 5, 7, 8, 8]), pairs, np.array([3, 5, 7])])
+    assert propose(mixed, 2, 3, 3) == []  # the only 3-gram match lies beyond the candidates searched
+    assert propose(mixed, 2, 1, 3) == [3, 5]  # the latest single-token match
+    assert propose(np.concatenate([mixed[:5], pairs[:8], mixed[-3:]]), 2, 3, 3) == [8, 8]
     buf = TokenBuffer()
     toks = list(range(300))
     assert buf.sync(toks).tolist() == toks
