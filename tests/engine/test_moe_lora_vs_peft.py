@@ -221,3 +221,21 @@ def test_expert_delta_paths_equal_the_definition(rows):
         y = torch.zeros_like(want)
         step.add(2, "gate_up", x, y, tokens, counts)
         assert torch.allclose(y, want, atol=1e-4), kernel
+
+
+def test_engine_refuses_an_expert_adapter_of_another_base(qwen_moe, tmp_path, default_model_dir):
+    """A local adapter (no registry in between) trained for 4 experts on an 8-expert base fails
+    its own request with the parameter named; the engine keeps serving."""
+    from loramux.engine.errors import LoRAError
+
+    base, _ = qwen_moe
+    other = make_tiny_model(tmp_path / "other", default_model_dir, "qwen3_moe", num_hidden_layers=2,
+                            num_experts=4)
+    adapter = make_peft_adapter(other, tmp_path / "ad4", r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=64, enable_lora=True, max_loras=1,
+              max_lora_rank=16)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(LoRAError, match=r"mlp\.experts\.(gate_up|down)_proj of layer 0 does not fit the base "
+                       r"model \(8 experts"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, lora_request=[LoRARequest("x", 1, str(adapter))])
+    assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0].outputs[0].token_ids) == 2
