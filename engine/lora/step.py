@@ -29,7 +29,7 @@ class LoRAStepBatch:
         self._kernel = ops.lora_kernel(backend, blockdiag=buffers.blockdiag)
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
-        self.experts = (ExpertStep(buffers.experts, device, self._kernel if buffers.blockdiag else None)
+        self.experts = (ExpertStep(buffers.experts, device, self._kernel)
                         if buffers.experts is not None else None)
         """The experts' LoRA of the step on an MoE base (``experts.py``)."""
         self._groups: frozenset[str] = frozenset()
