@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
+from loramux.engine.spec_decode.config import SpeculativeConfig
 
 _CPU_DTYPES = ("float32", "bfloat16")
 _CUDA_DTYPES = ("float32", "bfloat16", "float16")
@@ -211,13 +212,17 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     """None = LoRA disabled."""
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's ``speculative_config``); None = off."""
 
     @classmethod
-    def from_options(cls, *, enable_lora: bool = False, **options: Any) -> EngineConfig:
+    def from_options(cls, *, enable_lora: bool = False, speculative_config: Any = None,
+                     **options: Any) -> EngineConfig:
         """The nested config of flat vLLM-style options (``max_num_seqs=8, max_loras=2``);
         options left out keep their defaults; ``enable_lora`` False = no LoRA config (its
-        options are then ignored). An unknown option is a ``TypeError``."""
-        parts: dict[str, Any] = {}
+        options are then ignored); ``speculative_config``: vLLM's JSON string or dict
+        (:meth:`SpeculativeConfig.parse`). An unknown option is a ``TypeError``."""
+        parts: dict[str, Any] = {"speculative": SpeculativeConfig.parse(speculative_config)}
         for name, part in (("model", ModelConfig), ("cache", CacheConfig),
                            ("scheduler", SchedulerConfig), ("structured", StructuredOutputConfig),
                            ("lora", LoRAConfig)):

@@ -38,6 +38,7 @@ from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.spec_decode.drafter import Drafter
 from loramux.engine.step_data import ModelOutput, SchedulerOutput, StepOutcome
 from loramux.engine.structured_output import StructuredOutputManager
 
@@ -151,8 +152,10 @@ class LLMEngine:
         )
 
     def _make_scheduler(self) -> Scheduler:
+        spec = self.config.speculative
+        drafter = Drafter(spec, self.max_model_len) if spec is not None else None
         return Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.lora_manager,
-                         outputs=self.output_processor)
+                         outputs=self.output_processor, drafter=drafter)
 
     def _running_lora_keys(self) -> set[str]:
         return {s.lora_key for s in self.scheduler.running if s.lora_key is not None}
@@ -335,13 +338,13 @@ class LLMEngine:
                     metrics.first_scheduled_time = now
             self.lora_manager.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
             try:
-                logits, prompt_logits = self.runner.execute(batch, plan.copies)
+                logits, prompt_logits, draft_logits = self.runner.execute(batch, plan.copies)
             finally:
                 self.lora_manager.finish_step()
         except Exception as exc:
             logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
             return ModelOutput(plan.scheduled, error=exc)
-        return ModelOutput(batch.rows, logits, prompt_logits)
+        return ModelOutput(batch.rows, logits, prompt_logits, draft_logits)
 
     def _settle(self, outcome: StepOutcome) -> list[Request]:
         """The requests' side of a step: failed ones end (error attached), timestamps, and
@@ -433,6 +436,7 @@ class LLMEngine:
             prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
             cpu_kernels=kernels.state, cpu_kernels_reason=kernels.reason,
+            spec_decode=drafter.snapshot() if (drafter := self.scheduler.drafter) else {},
         )
 
     def add_kv_listener(self, listener: KVEventListener) -> Callable[[], None]:

@@ -52,10 +52,13 @@ class LLM:
         max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
         lora_backend: str = LoRAConfig.lora_backend,
         lora_memory: int | None = LoRAConfig.lora_memory,
+        speculative_config: dict | str | None = None,
         adapter_source: AdapterSource | None = None,
         **unused,
     ) -> None:
-        """Options as in ``vllm.LLM``; their defaults are the engine's (``engine/config.py``)."""
+        """Options as in ``vllm.LLM``; their defaults are the engine's (``engine/config.py``).
+        ``speculative_config``: vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens":
+        4, "prompt_lookup_max": 4}`` (``engine/spec_decode/config.py``)."""
         ignored = {k for k in unused if k not in _VLLM_ACCEPTED}
         if ignored:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(ignored)}")
@@ -72,6 +75,7 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             lora_backend=lora_backend, lora_memory=lora_memory,
+            speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine(config, adapter_source)
         self._counter = 0

@@ -145,6 +145,19 @@ class Metrics:
             "loramux_kv_events_dropped", "KV events dropped since start because the publisher's "
             "queue was full (the engine step never waits).", registry=r,
         )
+        self.spec_drafts = Gauge(
+            "loramux_spec_decode_num_drafts", "Speculative decoding: verify steps with drafted "
+            "tokens since start, per adapter (vLLM's spec_decode_num_drafts).", ["adapter"],
+            registry=r)
+        self.spec_draft_tokens = Gauge(
+            "loramux_spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted since "
+            "start, per adapter.", ["adapter"], registry=r)
+        self.spec_accepted_tokens = Gauge(
+            "loramux_spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens the "
+            "model accepted since start, per adapter.", ["adapter"], registry=r)
+        self.spec_acceptance = Gauge(
+            "loramux_spec_decode_acceptance_rate", "Speculative decoding: accepted / drafted "
+            "tokens since start, per adapter.", ["adapter"], registry=r)
         self.rejected = Counter(
             "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
         )
@@ -259,6 +272,11 @@ class Metrics:
             self.preemptions.set(stats.num_preemptions)
             self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
             self.cpu_kernels.set(1 if stats.cpu_kernels == "ok" else 0)
+            for adapter, c in getattr(stats, "spec_decode", {}).items():
+                self.spec_drafts.labels(adapter).set(c.num_drafts)
+                self.spec_draft_tokens.labels(adapter).set(c.num_draft_tokens)
+                self.spec_accepted_tokens.labels(adapter).set(c.num_accepted_tokens)
+                self.spec_acceptance.labels(adapter).set(c.acceptance_rate)
         with self._lock:
             pending, self._pending_evictions = self._pending_evictions, _Counter()
         for adapter, n in pending.items():

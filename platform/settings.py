@@ -31,6 +31,7 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from loramux.engine.spec_decode.config import SpeculativeConfig
 from loramux.platform.bulkheads import DependencyPolicy
 from loramux.platform.cluster.routing import RouterConfig
 from loramux.platform.limits.request import RequestLimits
@@ -129,6 +130,11 @@ class Settings(_LimitSettings):
         "thread); past it the request fails."))
     grammar_cache_size: int = Field(StructuredOutputConfig.grammar_cache_size, description=(
         "Compiled structured-output grammars kept (LRU)."))
+    speculative_config: str | None = Field(None, description=(
+        'vLLM\'s speculative decoding config as JSON, e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}: drafts '
+        "from each sequence's own prompt and output, verified in one forward pass with its "
+        "adapter; outputs are those of decoding without it. None = off."))
     # the service bounds the queue on purpose (the engine's default: no bound)
     max_waiting: int = Field(1024, description=(
         "Bound of the engine's waiting queue; past it requests get 429 with Retry-After."))
@@ -245,6 +251,12 @@ class Settings(_LimitSettings):
     lora_path_allow: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
         "Local folders /v1/load_lora_adapter may read adapters from ({tenant} = the "
         "caller's tenant name, e.g. /mnt/loras/{tenant}/); empty = only s3:// imports."))
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, value: str | None) -> str | None:
+        SpeculativeConfig.parse(value)  # a bad config stops the server at start, naming the key
+        return value
 
     @field_validator("role")
     @classmethod
