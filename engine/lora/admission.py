@@ -116,7 +116,7 @@ class AdapterAdmission:
         share = None
         kept: dict = {}  # tenant -> its last adapter, idle in a slot, kept for its next request
         if fair_order:
-            recent = self._note_recent(running, waiting)
+            recent = self._note_recent({**tenant, **owner})
             tenants = set(held) | {tenant[k] for k in wanted} | set(recent)
             share = self._share(gate.max_loras, tenants)
             if len(tenants) <= gate.max_loras:  # a slot for everyone: keep the idle ones.
@@ -185,12 +185,12 @@ class AdapterAdmission:
         return [s for s in running if s.lora_key in self.closed
                 and self.step - self.closed[s.lora_key] >= self.bound]
 
-    def _note_recent(self, running: list[Sequence], waiting: Iterable[Sequence]) -> dict:
-        """Tenant -> its last adapter, for the tenants with adapter work within RECENT_S."""
+    def _note_recent(self, adapters: dict) -> dict:
+        """Tenant -> its last adapter, for the tenants with adapter work within RECENT_S;
+        ``adapters``: this step's adapter -> tenant, waiting and running."""
         now = self.clock()
-        for seq in (*running, *waiting):
-            if seq.lora_key is not None:
-                self._recent[seq.fairness_key] = (now, seq.lora_key)
+        for key, t in adapters.items():
+            self._recent[t] = (now, key)
         for t in [t for t, (seen, _) in self._recent.items() if now - seen > RECENT_S]:
             del self._recent[t]
         return {t: k for t, (_, k) in self._recent.items()}
