@@ -148,7 +148,8 @@ class Drafter:
             state.backoff = _FIRST_BACKOFF
 
     def snapshot(self) -> dict[str, SpecCounts]:
-        """A copy of the counters by adapter (``base`` = no adapter), for ``EngineStats``."""
+        """A copy of the counters by adapter (``base`` = no adapter), for ``EngineStats``;
+        any thread (the metrics scrape) may call it while the engine thread counts."""
         return {("base" if key is None else key): SpecCounts(
                     c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_pos))
-                for key, c in self.counts.items()}
+                for key, c in list(self.counts.items())}
