@@ -37,7 +37,7 @@ from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.engine.spec_decode.drafter import Drafter, cost_ratio
 from loramux.engine.spec_decode.verify import verify_drafts
-from loramux.engine.step_budget import StepBudget, StepShape
+from loramux.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, StepShape
 from loramux.engine.step_data import ModelOutput, ScheduledRow, SchedulerOutput, StepOutcome
 
 logger = logging.getLogger(__name__)
@@ -77,11 +77,13 @@ class _Plan:
         self.copies: list[tuple[int, int]] = []
         self.num_tokens = 0
         self.num_prefill_tokens = 0
+        self.num_draft_tokens = 0
 
     def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
         item = _Planned(seq, num_new_tokens, drafts)
         self.items.append(item)
-        self.num_tokens += num_new_tokens
+        self.num_tokens += item.num_new_tokens
+        self.num_draft_tokens += len(item.drafts)
         if item.is_prefill:
             self.num_prefill_tokens += num_new_tokens
 
@@ -90,6 +92,7 @@ class _Plan:
         for item in [i for i in self.items if i.seq is seq]:
             self.items.remove(item)
             self.num_tokens -= item.num_new_tokens
+            self.num_draft_tokens -= len(item.drafts)
             if item.is_prefill:
                 self.num_prefill_tokens -= item.num_new_tokens
 
@@ -305,6 +308,10 @@ class Scheduler:
         num_decodes = sum(1 for s in queue if s.num_computed_tokens >= s.num_tokens - 1)
         spare = self.max_num_batched_tokens - num_decodes
         ratio = self._draft_cost_ratio(num_decodes) if self.drafter is not None else 0.0
+        if self._prefill_cap is not None:
+            # tenants compete: drafts cost what prompt tokens cost and share the step's target
+            # with them, leaving prompts their minimum chunk
+            spare = min(spare, self._prefill_cap - MIN_CHUNK_TOKENS)
         while queue:
             seq = queue.pop(0)
             if seq.num_computed_tokens < seq.num_tokens - 1:
@@ -419,7 +426,7 @@ class Scheduler:
         left = self.max_num_batched_tokens - plan.num_tokens
         if self._prefill_cap is None or (seq is not None and not self._chunkable(seq)):
             return left
-        return min(left, self._prefill_cap - plan.num_prefill_tokens)
+        return min(left, self._prefill_cap - plan.num_prefill_tokens - plan.num_draft_tokens)
 
     def _chunkable(self, seq: Sequence) -> bool:
         return self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None

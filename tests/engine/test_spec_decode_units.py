@@ -119,6 +119,23 @@ def test_scheduler_plans_verify_rows_and_frees_rejected_blocks():
     assert (c.num_draft_tokens, c.num_accepted_tokens) == (6, 2)
 
 
+def test_drafts_stay_within_the_token_budget_beside_prompts():
+    kv = KVCacheManager(64, 4)
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_max=2), 128)
+    sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=10, enable_step_budget=False),
+                           kv, 128, drafter=drafter)
+    first = Sequence("a", 0, [7, 8, 9, 10, 11, 12, 13, 14, 7], SamplingParams(temperature=0, max_tokens=30))
+    sched.add(first)
+    plan = sched.schedule()
+    sched.update_from_output(plan, model_output(sched, plan, lambda s, i: 8))
+    sched.add(Sequence("b", 0, list(range(20, 40)), SamplingParams(temperature=0, max_tokens=4)))
+    plan = sched.schedule()
+    rows = {r.request_id: r for r in plan.scheduled}
+    assert rows["a"].num_draft_tokens == 8  # drafts come first (decodes lead the step) ...
+    assert rows["b"].num_new_tokens == 1  # ... and the prompt's chunk takes what is left
+    assert plan.num_batched_tokens == 10
+
+
 def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     n = counts.sum()
     expected = probs * n
