@@ -179,10 +179,10 @@ def plot(results: dict, name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, rows in results.items():
+    for workload, rows in results.items():
         bs = [int(k.removeprefix("batch")) for k in rows]
-        ax1.plot(bs, [r["throughput_ratio"] for r in rows.values()], marker="o", label=name)
-        ax2.bar(name, statistics.mean(r["acceptance_rate"] for r in rows.values()))
+        ax1.plot(bs, [r["throughput_ratio"] for r in rows.values()], marker="o", label=workload)
+        ax2.bar(workload, statistics.mean(r["acceptance_rate"] for r in rows.values()))
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_xlabel("batch (concurrent requests)")
     ax1.set_ylabel("output tok/s, speculative ÷ plain")
