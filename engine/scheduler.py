@@ -139,7 +139,7 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         """Every sequence queued or running, by id (rows of a plan name them so)."""
         self.num_preemptions = 0
-        self.budget = StepBudget(config.target_step_ms) if config.enable_step_budget else None
+        self.budget = StepBudget(config.target_itl_ms) if config.enable_step_budget else None
         """The step-time budget (None = token/sequence limits only)."""
         self._prefill_cap: int | None = None  # this step's prompt tokens (step budget)
 
@@ -379,7 +379,9 @@ class Scheduler:
         )
 
     def _admit_waiting(self, plan: _Plan) -> None:
-        for victim in self.admission.plan(self.waiting, self.running):
+        order = self.policy.order(self.waiting)
+        fair = self.config.fairness_policy == "vtc"
+        for victim in self.admission.plan(order, self.running, fair_order=fair):
             # a closed adapter that did not drain in time: its slot goes to a starving one
             self.running.remove(victim)
             plan.drop(victim)
@@ -391,7 +393,7 @@ class Scheduler:
         def has_place(seq: Sequence) -> bool:
             return len(self.running) + len(admitted) < max_seqs and self._budget(plan, seq) > 0
 
-        for seq in self.policy.order(self.waiting):
+        for seq in order:
             if not self._make_room(seq, plan, lambda s=seq: has_place(s)):
                 break
             if not self.admission.allows(seq, in_use):
@@ -446,6 +448,11 @@ class Scheduler:
         capped = len(limits.decode) < len(decodes)  # slack: one full step's charge of this step
         self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
         return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
+
+    def itl_target(self) -> float | None:
+        """The inter-token latency target now (seconds; None: no step budget, or not known
+        yet)."""
+        return self.budget.itl_target() if self.budget is not None else None
 
     def observe_step(self, plan: SchedulerOutput, seconds: float, extra_rows: int = 0) -> None:
         """Feed the step budget's cost model the measured wall time of ``plan``'s step;

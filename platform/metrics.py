@@ -67,6 +67,20 @@ class Metrics:
             registry=r,
         )
         self._goodput = [0, 0]  # met, checked
+        self.itl = Histogram(
+            "loramux_inter_token_latency_seconds", "Gaps between a request's consecutive "
+            "token-producing engine steps (what a streaming client sees between chunks).",
+            ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl_misses = Counter(
+            "loramux_itl_misses", "Gaps between a request's tokens longer than the engine's "
+            "inter-token latency target (--target-itl-ms, or the derived one); the share is "
+            "this over loramux_inter_token_latency_seconds_count.", ["adapter"], registry=r,
+        )
+        self.itl_target = Gauge(
+            "loramux_itl_target_seconds", "The engine's inter-token latency target as of the "
+            "last finished request (0 until known).", registry=r,
+        )
         self.e2e = Histogram(
             "loramux_e2e_request_latency_seconds", "Time from arrival to the last token.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
@@ -203,6 +217,17 @@ class Metrics:
                 self.goodput.labels(adapter).inc()
                 self._goodput[0] += 1
             self.goodput_share.set(self._goodput[0] / self._goodput[1])
+
+    def observe_itl(self, adapter: str, gaps: list[float], misses: int, target: float | None) -> None:
+        """One finished request's gaps between tokens and how many missed the ITL target."""
+        hist = self.itl.labels(adapter)
+        for gap in gaps:
+            hist.observe(gap)
+        counter = self.itl_misses.labels(adapter)  # the series exists from the first request
+        if misses:
+            counter.inc(misses)
+        if target is not None:
+            self.itl_target.set(target)
 
     def observe_version(self, tenant_id: int, adapter: str, version: int, status: str, *,
                         prompt_tokens: int, cached_tokens: int, completion_tokens: int,

@@ -112,12 +112,13 @@ class Settings(_LimitSettings):
         "Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival "
         "order."))
     enable_step_budget: bool = Field(SchedulerConfig.enable_step_budget, description=(
-        "Fill each engine step up to a target step time from a measured cost model: while "
-        "tenants compete their decode rows share it fairly (a flooder's surplus rotates), and "
-        "prompt chunks beside decodes shrink to fit it."))
-    target_step_ms: float | None = Field(default=SchedulerConfig.target_step_ms, gt=0, description=(
-        "Target engine step time in milliseconds; None = derived from the measured cost of a "
-        "one-row decode step (a small multiple of it)."))
+        "Fill each engine step up to the inter-token latency target from a measured cost "
+        "model: while decodes run, prompt chunks beside them shrink to fit it; while tenants "
+        "compete their decode rows share it fairly (a flooder's surplus rotates)."))
+    target_itl_ms: float | None = Field(default=SchedulerConfig.target_itl_ms, gt=0, description=(
+        "Inter-token latency target in milliseconds: while any decode runs, a step's predicted "
+        "time stays within it (prompt chunks take what is left); None = 3x the measured cost "
+        "of a one-row decode step. /metrics counts the tokens that missed it."))
     goodput_ttft_ms: float = Field(default=2000.0, gt=0, description=(
         "Goodput target: a request meets it when its time to first token is at most this (and "
         "its time per output token at most goodput_tpot_ms); /metrics exports the share."))

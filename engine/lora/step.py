@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from loramux.engine.lora import ops
+from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.slots import SlotBuffers
 
@@ -28,6 +29,9 @@ class LoRAStepBatch:
         self._kernel = ops.lora_kernel(backend, blockdiag=buffers.blockdiag)
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
+        self.experts = (ExpertStep(buffers.experts, device, self._kernel if buffers.blockdiag else None)
+                        if buffers.experts is not None else None)
+        """The experts' LoRA of the step on an MoE base (``experts.py``)."""
         self._groups: frozenset[str] = frozenset()
         self.keys: frozenset[str] = frozenset()
         """The adapters of the step in flight (their slots are busy until :meth:`clear`)."""
@@ -41,12 +45,16 @@ class LoRAStepBatch:
         self._groups = groups
         token_slots = np.repeat(np.asarray(row_slots, dtype=np.int64), row_tokens)  # [T]
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
+        if self.experts is not None:
+            self.experts.prepare(token_slots)
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
         self.keys = frozenset()
         self._meta = None
         self._groups = frozenset()
+        if self.experts is not None:
+            self.experts.clear()
 
     @property
     def meta(self) -> LoRABatchMeta | None:
@@ -64,3 +72,12 @@ class LoRAStepBatch:
         b = self.buffers
         self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
                      b.slice_offsets[group])
+
+    def experts_active(self, layer: int) -> bool:
+        """True when this step has tokens whose adapter carries LoRA on ``layer``'s experts."""
+        return self.experts is not None and self.experts.active(layer)
+
+    def add_experts(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
+                    tokens: torch.Tensor, counts: list[int]) -> None:
+        """The MoE block's hook (``moe.ExpertLoRAHook``): ``y += `` each expert-sorted row's delta."""
+        self.experts.add(layer, group, x, y, tokens, counts)
