@@ -309,8 +309,8 @@ class Scheduler:
         spare = self.max_num_batched_tokens - num_decodes
         ratio = self._draft_cost_ratio(num_decodes) if self.drafter is not None else 0.0
         if self._prefill_cap is not None:
-            # tenants compete: drafts cost what prompt tokens cost and share the step's target
-            # with them, leaving prompts their minimum chunk
+            # the step budget caps prompt tokens (the ITL target): drafts cost what prompt tokens
+            # cost and share the cap with them, leaving prompts their minimum chunk
             spare = min(spare, self._prefill_cap - MIN_CHUNK_TOKENS)
         while queue:
             seq = queue.pop(0)
