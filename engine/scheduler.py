@@ -310,8 +310,9 @@ class Scheduler:
         ratio = self._draft_cost_ratio(num_decodes) if self.drafter is not None else 0.0
         if self._prefill_cap is not None:
             # the step budget caps prompt tokens (the ITL target): drafts cost what prompt tokens
-            # cost and share the cap with them, leaving prompts their minimum chunk
-            spare = min(spare, self._prefill_cap - MIN_CHUNK_TOKENS)
+            # cost and share the cap with them, leaving prompts (if any) their minimum chunk
+            prompts = bool(self.waiting) or num_decodes < len(queue)
+            spare = min(spare, self._prefill_cap - (MIN_CHUNK_TOKENS if prompts else 0))
         while queue:
             seq = queue.pop(0)
             if seq.num_computed_tokens < seq.num_tokens - 1:
