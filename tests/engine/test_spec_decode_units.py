@@ -88,6 +88,21 @@ def test_cost_ratio_follows_the_fitted_step_cost():
     # c0 30 ms, 2 ms per decode row, 4 ms per extra token: 4 rows -> 4 * 4 / 38
     assert cost_ratio((0.030, 0.002, 0.004, 0.0), 4, 0) == pytest.approx(16 / 38)
     assert cost_ratio((0.030, 0.002, 0.5, 0.0), 64, 0) == 0.95  # never drafting is the floor
+    # once verify rows were measured, a drafted token's own fitted cost counts
+    assert cost_ratio((0.030, 0.002, 0.004, 0.0), 4, 0, c_draft=0.008) == pytest.approx(32 / 38)
+
+
+def test_the_step_cost_model_fits_drafted_tokens_apart():
+    from loramux.engine.step_budget import StepCostModel, StepShape
+
+    m = StepCostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        rows, prompt, drafts = int(rng.integers(1, 8)), int(rng.integers(0, 64)), int(rng.integers(0, 16))
+        m.observe(StepShape(rows, prompt, 0, drafts), 0.01 + 0.002 * rows + 0.0005 * prompt + 0.003 * drafts)
+    assert m.c_draft == pytest.approx(0.003, rel=1e-3)
+    assert m.coef[2] == pytest.approx(0.0005, rel=1e-3) and len(m.coef) == 4
+    assert m.predict(StepShape(2, 10, 0, 4)) == pytest.approx(0.01 + 0.004 + 0.005 + 0.012, rel=1e-3)
 
 
 def test_scheduler_plans_verify_rows_and_frees_rejected_blocks():
