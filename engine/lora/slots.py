@@ -63,7 +63,7 @@ class SlotBuffers:
                     b_layer[group] = alloc(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
-        self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device)
+        self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device, blockdiag=blockdiag)
                         if dims.num_experts else None)
         """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
