@@ -223,6 +223,7 @@ class StepBudget:
         left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
         return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
 
+
 def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,
               by_key: bool = True) -> list[Sequence]:
     """``max_rows`` of ``candidates`` shared across fairness keys by weighted
