@@ -448,10 +448,10 @@ def test_blockdiag_runs_path_matches_reference(y_dtype, cpu_lora_path):
     for s in range(3):
         bd[:, s * R : (s + 1) * R, offs[s] : offs[s + 1]] = b[:, offs[s] : offs[s + 1]].transpose(1, 2)
     scale = torch.tensor([0.5, 2.0, 1.0, 1.5])
-    from loramux.engine.lora.ops.cpu_sgmv import SGMV_MAX_RUN
+    from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run
 
     # 6 runs with rank > 0, the last longer than the kernel takes (GEMMs beside it)
-    few = [0, 1, 3, -1, -1] + [3] * 9 + [2] * 3 + [0] * 6 + [1] * (SGMV_MAX_RUN + 7)
+    few = [0, 1, 3, -1, -1] + [3] * 9 + [2] * 3 + [0] * 6 + [1] * (max_kernel_run(3) + 7)
     many = [0, 1] * (torch_ops._MAX_RUNS + 1)
     for slots, expect_runs in ((few, 6), (many, 2 * torch_ops._MAX_RUNS + 2)):
         meta = LoRABatchMeta.build(slots, ranks)
@@ -518,14 +518,17 @@ def _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
 
 
 def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
-    from loramux.engine.lora.ops.cpu_sgmv import SGMV_MAX_RUN, split_runs
+    from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run, split_runs
 
+    assert max_kernel_run(4) == max_kernel_run(8) > max_kernel_run(16) > max_kernel_run(32) > max_kernel_run(64)
     ranks = torch.tensor([8, 16, 0])
-    long = SGMV_MAX_RUN + 5
-    slots = [1] * 3 + [0] * SGMV_MAX_RUN + [1] * long + [-1]
+    top8, top16 = max_kernel_run(8), max_kernel_run(16)
+    long = top16 + 5  # beyond the kernel for rank 16, within it for rank 8
+    slots = [1] * 3 + [0] * top8 + [1] * long + [0] * long + [0, -1, 0] + [0] * top8 + [-1]
     meta = LoRABatchMeta.build(slots, ranks)
     table, gemm_runs, slot_ranks = split_runs(meta)
-    assert table.tolist() == [[0, 3, 1], [3, 3 + SGMV_MAX_RUN, 0]]
-    assert gemm_runs == [(3 + SGMV_MAX_RUN, 3 + SGMV_MAX_RUN + long, 1)]
+    e = 3 + top8 + long  # end of the rank-16 long run
+    assert table.tolist() == [[0, 3, 1], [3, 3 + top8, 0], [e, e + long + 1, 0]]
+    assert gemm_runs == [(3 + top8, e, 1), (e + long + 2, e + long + 3 + top8, 0)]
     assert slot_ranks == [8, 16, 0]
     assert split_runs(meta)[0] is table  # once per step: every layer reads the memo

@@ -1,8 +1,8 @@
 """Multi-LoRA on the CPU through the SGMV operator (``torch.ops.loramux.lora_sgmv``,
 ``engine/model/csrc/lora_sgmv.c``).
 
-The runs of a step's tokens that share an adapter slot and are short (decode rows, small
-prompt chunks) go through one kernel call per projection group, reading each slot's A and
+The runs of a step's tokens that share an adapter slot and are short for their rank (decode
+rows, prompt chunks of low-rank adapters: :func:`max_kernel_run`) go through one kernel call per projection group, reading each slot's A and
 B in place and only as many rows as the adapter's rank; long runs (prompt chunks) go to
 GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``), where oneDNN's blocking wins. Slots are pre-scaled and block-diagonal (the
 torch backend's layout, ``SlotBuffers``).
@@ -16,11 +16,25 @@ from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.model.kernels import loader
 from loramux.engine.model.kernels import ops as kernels
 
-# Runs of at most this many tokens go through the kernel; longer runs through GEMMs on the
-# adapter's rank (``torch_ops._add_runs_ranked``: per token the kernel runs at ~1/2 a GEMM's
-# FLOP rate; measured at 64-token runs the kernel is 0.9-2.2x the rank-only GEMMs, at
-# 300-token runs 0.6-1.25x).
-SGMV_MAX_RUN = 64
+# Runs of at most this many tokens go through the kernel, by the slot's rank; longer runs
+# through GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``). The GEMMs' cost
+# hardly depends on the rank (rank-8 and rank-16 GEMMs of a run take the same time: y's
+# traffic and oneDNN's fixed cost dominate) while the kernel's grows with it, so low ranks
+# stay in the kernel for longer runs. Measured on one thread, the AVX2 kernel against
+# AVX-512 GEMMs (an AVX2-only machine's GEMMs are slower still): rank 8 at 256 tokens the
+# kernel is 1.4x faster, at 512 even; rank 16 1.26x faster at 32 tokens, 1.12x slower at 64;
+# rank 32 1.2x faster at 16 tokens, even at 32 (bench/lora_step.py, docs/architecture.md).
+SGMV_MAX_RUN_BY_RANK = ((8, 256), (16, 48), (32, 32))
+SGMV_MAX_RUN_HIGH_RANK = 16  # ranks above the table's last
+
+
+def max_kernel_run(rank: int) -> int:
+    """The longest run of one adapter of ``rank`` that the kernel takes (longer: GEMMs)."""
+    for top, length in SGMV_MAX_RUN_BY_RANK:
+        if rank <= top:
+            return length
+    return SGMV_MAX_RUN_HIGH_RANK
+
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -41,13 +55,14 @@ def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, 
     """(the short runs as the kernel's table, the long runs left to GEMMs, the slots' ranks)
     of the step: computed once per step (memo on ``meta``), read by every LoRA layer."""
     if meta.cpu_split is None:
-        short = [r for r in meta.runs if r[1] - r[0] <= SGMV_MAX_RUN]
+        ranks = meta.slot_ranks.tolist()
+        short = [r for r in meta.runs if r[1] - r[0] <= max_kernel_run(ranks[r[2]])]
         if len(short) == len(meta.runs) and meta.run_table is not None:
             table = meta.run_table
         else:
             table = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
-        long = [r for r in meta.runs if r[1] - r[0] > SGMV_MAX_RUN]
-        meta.cpu_split = (table, long, meta.slot_ranks.tolist())
+        long = [r for r in meta.runs if r[1] - r[0] > max_kernel_run(ranks[r[2]])]
+        meta.cpu_split = (table, long, ranks)
     return meta.cpu_split
 
 

@@ -7,7 +7,8 @@
  * slots costs rank 8. One call covers every run of a projection group, so a decode step of
  * many adapters costs one call per group instead of two GEMMs per adapter.
  *
- * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v.
+ * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v, two tokens
+ * of a run at a time (each load of A feeds both; the sums are those of one token alone).
  * Expand: columns of y split over threads; per column tile, each token's tile accumulates
  * sum_j v[t, j] * B[j, tile] in fp32 over the slices whose columns (slice_off) meet the tile and is added to y once (a bf16 y rounds once, as a
  * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
@@ -22,6 +23,20 @@
 #include "kernels.h"
 
 #define TILE 64 /* output columns per expand work item */
+#define PF_TILES 2 /* the expand asks for the B tile this many items ahead */
+
+/* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
+ * (results do not change). Adapter weights come from DRAM at every layer (the base's weights
+ * evict them) in short strided streams the hardware prefetchers pick up late. */
+static inline void prefetch_span(const void *base, int dtype, int64_t i, int64_t n) {
+#ifdef VEC
+    int es = dtype ? 2 : 4;
+    const char *p = (const char *)base + i * es;
+    for (int64_t o = 0; o < n * es; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+#else
+    (void)base, (void)dtype, (void)i, (void)n;
+#endif
+}
 
 static float dot(const void *x, int xd, int64_t xo, const void *a, int ad, int64_t ao, int K) {
     int k = 0;
@@ -98,6 +113,69 @@ static void dot4(const void *x, int xd, int64_t xo, const void *a, int ad, int64
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
+/* oa[0..3] = xa . A rows 0..3 and ob[0..3] = xb . A rows 0..3 (rows K apart from ao): two tokens
+ * of one run, so each load of A feeds two FMAs and eight independent accumulators hide the FMA
+ * latency (dot4 alone keeps four chains: half the FMA rate); A is read once for both tokens */
+static void dot4x2(const void *x, int xd, int64_t xa, int64_t xb, const void *a, int ad, int64_t ao, int K,
+                   float *oa, float *ob) {
+    int k = 0;
+    float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifdef VEC
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    for (; k + VEC <= K; k += VEC) {
+        __m256 xv = vload8(x, xd, xa + k), xw = vload8(x, xd, xb + k);
+        __m256 w = vload8(a, ad, ao + k);
+        a0 = _mm256_fmadd_ps(xv, w, a0), b0 = _mm256_fmadd_ps(xw, w, b0);
+        w = vload8(a, ad, ao + K + k);
+        a1 = _mm256_fmadd_ps(xv, w, a1), b1 = _mm256_fmadd_ps(xw, w, b1);
+        w = vload8(a, ad, ao + 2 * (int64_t)K + k);
+        a2 = _mm256_fmadd_ps(xv, w, a2), b2 = _mm256_fmadd_ps(xw, w, b2);
+        w = vload8(a, ad, ao + 3 * (int64_t)K + k);
+        a3 = _mm256_fmadd_ps(xv, w, a3), b3 = _mm256_fmadd_ps(xw, w, b3);
+    }
+    sa[0] = hsum8(a0), sa[1] = hsum8(a1), sa[2] = hsum8(a2), sa[3] = hsum8(a3);
+    sb[0] = hsum8(b0), sb[1] = hsum8(b1), sb[2] = hsum8(b2), sb[3] = hsum8(b3);
+#endif
+    for (; k < K; k++) {
+        float xk = load_elem(x, xd, xa + k), xl = load_elem(x, xd, xb + k);
+        for (int i = 0; i < 4; i++) {
+            float w = load_elem(a, ad, ao + i * (int64_t)K + k);
+            sa[i] += xk * w, sb[i] += xl * w;
+        }
+    }
+    for (int i = 0; i < 4; i++) oa[i] = sa[i], ob[i] = sb[i];
+}
+
+/* v rows of token t (and t + 1 when pair) of a run on `slot`: S * rank dot products each
+ * (rows beyond the rank are zero) */
+static void shrink_tokens(const void *x, int xd, int64_t x_stride, int64_t t, int pair, int pf, const void *a,
+                          int ad, int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi) {
+    int rank = (int)ranks[slot];
+    int SR = S * R;
+    float *vj = vi + SR; /* token t + 1's row */
+    int64_t xa = t * x_stride, xb = (t + 1) * x_stride;
+    for (int s = 0; s < S; s++) {
+        int64_t ao = slot * (int64_t)SR * K + (int64_t)(s * R) * K;
+        float *va = vi + s * R, *vb = vj + s * R;
+        int j = 0;
+        if (pf) /* the run's first tokens: its A comes from DRAM, this slice's rows as one span */
+            prefetch_span(a, ad, ao, (int64_t)rank * K);
+        if (pair) {
+            for (; j + 4 <= rank; j += 4) dot4x2(x, xd, xa, xb, a, ad, ao + (int64_t)j * K, K, va + j, vb + j);
+            for (; j < rank; j++) {
+                va[j] = dot(x, xd, xa, a, ad, ao + (int64_t)j * K, K);
+                vb[j] = dot(x, xd, xb, a, ad, ao + (int64_t)j * K, K);
+            }
+            for (int z = j; z < R; z++) vb[z] = 0.0f;
+        } else {
+            for (; j + 4 <= rank; j += 4) dot4(x, xd, xa, a, ad, ao + (int64_t)j * K, K, va + j);
+            for (; j < rank; j++) va[j] = dot(x, xd, xa, a, ad, ao + (int64_t)j * K, K);
+        }
+        for (; j < R; j++) va[j] = 0.0f;
+    }
+}
+
 /* y[row, c0..c1) += acc (a bf16 y rounds once, as a torch add of an fp32 delta) */
 static void add_tile(void *y, int yd, int64_t y0, int c0, int c1, const float *acc) {
     int c = c0;
@@ -157,38 +235,35 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
     if (ntok == 0) return 0;
     int SR = S * R;
     float *v = (float *)malloc((size_t)ntok * SR * sizeof(float)); /* v[row, s*R + i] */
-    int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * sizeof(int64_t));
+    /* row_of_run[r]: the run's first row of v; pair_of_run[r]: its first pair of tokens */
+    int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * 2 * sizeof(int64_t));
     if (v == NULL || row_of_run == NULL) {
         free(v);
         free(row_of_run);
         return -1;
     }
-    int64_t row = 0;
+    int64_t *pair_of_run = row_of_run + nruns;
+    int64_t row = 0, npairs = 0;
     for (int r = 0; r < nruns; r++) {
-        row_of_run[r] = row;
-        row += runs[3 * r + 1] - runs[3 * r];
+        int64_t len = runs[3 * r + 1] - runs[3 * r];
+        row_of_run[r] = row, pair_of_run[r] = npairs;
+        row += len, npairs += (len + 1) / 2;
     }
-    int64_t w_slot_a = (int64_t)SR * K, w_slot_b = (int64_t)SR * N;
+    int64_t w_slot_b = (int64_t)SR * N;
     int big = ntok * (int64_t)SR * (K + N) >= 65536;
 
 #pragma omp parallel num_threads(nthreads) if (big)
     {
-        /* shrink: one (run, token) per iteration */
+        /* shrink: two tokens of one run per iteration (the last token of an odd run alone) */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < ntok; i++) {
+        for (int64_t p = 0; p < npairs; p++) {
             int r = 0;
-            while (r + 1 < nruns && row_of_run[r + 1] <= i) r++;
-            int64_t t = runs[3 * r] + (i - row_of_run[r]);
-            int64_t slot = runs[3 * r + 2];
-            int rank = (int)ranks[slot];
-            float *vi = v + i * SR;
-            for (int s = 0; s < S; s++) {
-                int64_t ao = slot * w_slot_a + (int64_t)(s * R) * K;
-                int j = 0;
-                for (; j + 4 <= rank; j += 4) dot4(x, x_dtype, t * x_stride, a, w_dtype, ao + (int64_t)j * K, K, vi + s * R + j);
-                for (; j < rank; j++) vi[s * R + j] = dot(x, x_dtype, t * x_stride, a, w_dtype, ao + (int64_t)j * K, K);
-                for (; j < R; j++) vi[s * R + j] = 0.0f;
-            }
+            while (r + 1 < nruns && pair_of_run[r + 1] <= p) r++;
+            int64_t k = 2 * (p - pair_of_run[r]); /* the pair's first token within the run */
+            int64_t t = runs[3 * r] + k;
+            int pair = t + 1 < runs[3 * r + 1];
+            shrink_tokens(x, x_dtype, x_stride, t, pair, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
+                          v + (row_of_run[r] + k) * SR);
         }
         /* expand: (run, column tile) per iteration; rows of B beyond the rank are skipped */
         int ntiles = (N + TILE - 1) / TILE;
@@ -200,6 +275,14 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
                 int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
                 int64_t t = runs[3 * r], end = runs[3 * r + 1];
                 const float *v0 = v + row_of_run[r] * SR - t * SR; /* v0 + t * SR: token t's row */
+                if (tile + PF_TILES < ntiles) { /* the B rows this run reads PF_TILES items on */
+                    int p0 = c0 + PF_TILES * TILE, p1 = p0 + TILE < N ? p0 + TILE : N;
+                    for (int sl = 0; sl < S; sl++) {
+                        if (slice_off[sl + 1] <= p0 || slice_off[sl] >= p1) continue;
+                        for (int j = 0; j < rank; j++)
+                            prefetch_span(b, w_dtype, slot * w_slot_b + (int64_t)(sl * R + j) * N + p0, p1 - p0);
+                    }
+                }
                 float acc[TILE];
 #ifdef VEC
                 float acc2[TILE];
