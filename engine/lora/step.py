@@ -15,6 +15,7 @@ import torch
 
 from loramux.engine.lora import ops
 from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.slots import SlotBuffers
 
 
@@ -28,6 +29,10 @@ class LoRAStepBatch:
         self._kernel = ops.lora_kernel(backend, blockdiag=buffers.blockdiag)
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
+        # the CPU kernel's per-step calls (cpu_step.SgmvStep) where the slots suit it
+        self._cpu_sgmv = (backend == "torch" and buffers.blockdiag and torch.device(device).type == "cpu"
+                          and cpu_step.slots_fit(buffers.a, buffers.b))
+        self._sgmv: cpu_step.SgmvStep | None = None
         self._groups: frozenset[str] = frozenset()
         self.keys: frozenset[str] = frozenset()
         """The adapters of the step in flight (their slots are busy until :meth:`clear`)."""
@@ -41,11 +46,14 @@ class LoRAStepBatch:
         self._groups = groups
         token_slots = np.repeat(np.asarray(row_slots, dtype=np.int64), row_tokens)  # [T]
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
+        self._sgmv = (cpu_step.SgmvStep(self._meta, self.buffers.slice_offsets)
+                      if self._cpu_sgmv and cpu_step.SgmvStep.usable(self._meta) else None)
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
         self.keys = frozenset()
         self._meta = None
+        self._sgmv = None
         self._groups = frozenset()
 
     @property
@@ -62,5 +70,7 @@ class LoRAStepBatch:
         if group not in self._groups:
             return
         b = self.buffers
+        if self._sgmv is not None and self._sgmv.add(group, y, x, b.a[layer][group], b.b[layer][group]):
+            return
         self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
                      b.slice_offsets[group])

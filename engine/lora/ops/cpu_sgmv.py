@@ -69,7 +69,7 @@ def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, 
 _offsets_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
 
-def _offsets(slice_offsets) -> torch.Tensor:
+def offsets_tensor(slice_offsets) -> torch.Tensor:
     """``slice_offsets`` as the kernel's int64 tensor (made once per value; the operator checks it)."""
     key = tuple(map(int, slice_offsets))
     t = _offsets_cache.get(key)
@@ -89,4 +89,4 @@ def add_runs_sgmv(
         return
     ranks = slot_ranks if slot_ranks.dtype == torch.int64 and slot_ranks.is_contiguous() else (
         slot_ranks.to(torch.int64).contiguous())
-    kernels.lora_sgmv(y, x, a_stack, b_blockdiag, runs, ranks, _offsets(slice_offsets))
+    kernels.lora_sgmv(y, x, a_stack, b_blockdiag, runs, ranks, offsets_tensor(slice_offsets))
