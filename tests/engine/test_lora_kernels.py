@@ -517,6 +517,37 @@ def _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_sgmv_bf16_output_rounds_once_as_torch(isa, w_dtype):
+    """A bf16 y gets ``(y + delta).to(bf16)`` bit for bit, delta being the fp32 sum the same
+    kernel adds to an fp32 zero y (the vector rounding of the AVX2 variant = torch's round to
+    nearest even; columns past the last full vector take the scalar path; NaN stays NaN)."""
+    from loramux.engine.lora.ops import cpu_sgmv
+
+    with forced_isa(isa):
+        g = torch.Generator().manual_seed(11)
+        S, R, K, N = 2, 8, 40, 203  # 203 columns: tiles of 64, then 11 past the last vector
+        ranks = torch.tensor([8, 5])
+        a = (torch.randn(2, S, R, K, generator=g) * 0.3).to(w_dtype)
+        b = torch.zeros(2, S * R, N)
+        offs = [0, 150, N]
+        for s in range(S):
+            b[:, s * R : (s + 1) * R, offs[s] : offs[s + 1]] = torch.randn(2, R, offs[s + 1] - offs[s], generator=g)
+        b = b.to(w_dtype)
+        runs = torch.tensor([[0, 5, 0], [5, 6, 1], [7, 10, 1]])  # row 6 has no adapter
+        x = torch.randn(10, K, generator=g).to(torch.bfloat16)
+        delta = torch.zeros(10, N)
+        cpu_sgmv.add_runs_sgmv(delta, x, a, b, runs, ranks, offs)
+        y = (torch.randn(10, N, generator=g) * 4).to(torch.bfloat16)
+        y[1, 3] = float("nan")
+        expected = (y.float() + delta).to(torch.bfloat16)
+        cpu_sgmv.add_runs_sgmv(y, x, a, b, runs, ranks, offs)
+        assert y.isnan().sum() == 1 and bool(y[1, 3].isnan())  # NaN stays NaN (its payload aside)
+        y[1, 3] = expected[1, 3] = 0
+        assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
 def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
     from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run, split_runs
 

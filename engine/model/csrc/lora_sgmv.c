@@ -184,6 +184,11 @@ static void add_tile(void *y, int yd, int64_t y0, int c0, int c1, const float *a
         float *yr = (float *)y + y0;
         for (; c + VEC <= c1; c += VEC)
             _mm256_storeu_ps(yr + c, _mm256_add_ps(_mm256_loadu_ps(yr + c), _mm256_loadu_ps(acc + c - c0)));
+    } else { /* 8 lanes at a time, rounded as f32_to_bf16 below */
+        for (; c + VEC <= c1; c += VEC) {
+            __m256 sum = _mm256_add_ps(vload8(y, 1, y0 + c), _mm256_loadu_ps(acc + c - c0));
+            vstore(y, 1, y0 + c, vround_bf16(sum));
+        }
     }
 #endif
     for (; c < c1; c++) {
