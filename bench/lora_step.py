@@ -10,7 +10,7 @@ CPU clock (robust on a shared machine). The ratio base ÷ lora of the step's CPU
 the throughput ratio the engine sees on that step. ``--profile`` prints a torch.profiler
 breakdown of the LoRA replays (kernels by name) and a cProfile of the hook's Python side.
 
-    python bench/lora_step.py --dtype float32        # ~1 minute, writes results/lora_step_<dtype>.json
+    python bench/lora_step.py --dtype float32        # ~1 minute, writes results/lora_step_<dtype>.json + .png
     LORAMUX_CPU_ISA=avx2 python bench/lora_step.py   # the CI machines' kernel variant
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import RESULTS, write_json  # noqa: E402
 from lora_throughput import make_adapters  # noqa: E402
 
 
@@ -143,6 +143,31 @@ def main() -> None:
     out = write_json(f"lora_step_{args.dtype}", {
         "workload": vars(args), "isa": os.environ.get("LORAMUX_CPU_ISA", "auto"), "results": results})
     print(f"wrote {out}")
+    plot(results, RESULTS / f"lora_step_{args.dtype}.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Bars: each captured step's CPU ms with and without its adapters."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [results[n]["base_ms"] for n in names], 0.4, label="base", color="#999")
+    ax.bar([x + 0.2 for x in xs], [results[n]["lora_ms"] for n in names], 0.4, label="4 adapters", color="#37a")
+    for x, n in zip(xs, names, strict=True):
+        ax.text(x + 0.2, results[n]["lora_ms"], f"{results[n]['base/lora']:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(list(xs), [f"{n} ({results[n]['tokens']} tok)" for n in names])
+    ax.set_ylabel("CPU ms per step")
+    ax.set_title("one step, base vs LoRA (label: base/lora)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
