@@ -32,6 +32,7 @@ class LoRAStepBatch:
         # the CPU kernel's per-step calls (cpu_step.SgmvStep) where the slots suit it
         self._cpu_sgmv = (backend == "torch" and buffers.blockdiag and torch.device(device).type == "cpu"
                           and cpu_step.slots_fit(buffers.a, buffers.b))
+        self._slot_dtype = next(iter(buffers.a[0].values())).dtype if self._cpu_sgmv else None
         self._sgmv: cpu_step.SgmvStep | None = None
         self._groups: frozenset[str] = frozenset()
         self.keys: frozenset[str] = frozenset()
@@ -46,7 +47,7 @@ class LoRAStepBatch:
         self._groups = groups
         token_slots = np.repeat(np.asarray(row_slots, dtype=np.int64), row_tokens)  # [T]
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
-        self._sgmv = (cpu_step.SgmvStep(self._meta, self.buffers.slice_offsets)
+        self._sgmv = (cpu_step.SgmvStep(self._meta, self.buffers.slice_offsets, self._slot_dtype)
                       if self._cpu_sgmv and cpu_step.SgmvStep.usable(self._meta) else None)
 
     def clear(self) -> None:

@@ -16,21 +16,26 @@ from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.model.kernels import loader
 from loramux.engine.model.kernels import ops as kernels
 
-# Runs of at most this many tokens go through the kernel, by the slot's rank; longer runs
-# through GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``). The GEMMs' cost
-# hardly depends on the rank (rank-8 and rank-16 GEMMs of a run take the same time: y's
-# traffic and oneDNN's fixed cost dominate) while the kernel's grows with it, so low ranks
-# stay in the kernel for longer runs. Measured on one thread, the AVX2 kernel against
-# AVX-512 GEMMs (an AVX2-only machine's GEMMs are slower still): rank 8 at 256 tokens the
-# kernel is 1.4x faster, at 512 even; rank 16 1.26x faster at 32 tokens, 1.12x slower at 64;
-# rank 32 1.2x faster at 16 tokens, even at 32 (bench/lora_step.py, docs/architecture.md).
-SGMV_MAX_RUN_BY_RANK = ((8, 256), (16, 48), (32, 32))
+# Runs of at most this many tokens go through the kernel, by the slot's rank and dtype; longer
+# runs through GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``). The GEMMs' cost
+# hardly depends on the rank (y's traffic and oneDNN's fixed cost dominate) while the
+# kernel's grows with it, so low ranks stay in the kernel for longer runs. Measured on one
+# thread, the AVX2 kernel against the GEMMs (kernel time / GEMM time over the 4 groups):
+# fp32 slots, rank 8: 0.71 at 128 tokens, 0.72 at 256, 1.0 at 512; rank 16: 0.79 at 32,
+# 1.12 at 64; rank 32: 0.83 at 16, 1.0 at 32 (bf16 activations on fp32 slots, an AVX2 bf16
+# model: 0.59 at 256 for rank 8, 0.81 at 96 for rank 16). bf16 slots (a CPU with bf16
+# GEMMs, AVX-512-BF16/AMX): rank 8 0.69 at 64, 1.12 at 128; rank 16 0.64 at 32, 1.06 at 64.
+SGMV_MAX_RUN_BY_RANK = {
+    torch.float32: ((8, 256), (16, 48), (32, 32)),
+    torch.bfloat16: ((8, 96), (16, 48), (32, 24)),
+}
 SGMV_MAX_RUN_HIGH_RANK = 16  # ranks above the table's last
 
 
-def max_kernel_run(rank: int) -> int:
-    """The longest run of one adapter of ``rank`` that the kernel takes (longer: GEMMs)."""
-    for top, length in SGMV_MAX_RUN_BY_RANK:
+def max_kernel_run(rank: int, w_dtype: torch.dtype = torch.float32) -> int:
+    """The longest run of one adapter of ``rank`` (slots in ``w_dtype``) that the kernel takes
+    (longer: GEMMs)."""
+    for top, length in SGMV_MAX_RUN_BY_RANK[w_dtype]:
         if rank <= top:
             return length
     return SGMV_MAX_RUN_HIGH_RANK
@@ -51,17 +56,21 @@ def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y:
     )
 
 
-def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, int]], list[int]]:
+def split_runs(
+    meta: LoRABatchMeta, w_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, list[tuple[int, int, int]], list[int]]:
     """(the short runs as the kernel's table, the long runs left to GEMMs, the slots' ranks)
-    of the step: computed once per step (memo on ``meta``), read by every LoRA layer."""
+    of the step, slots in ``w_dtype``: computed once per step (memo on ``meta``; a step's slots
+    have one dtype), read by every LoRA layer."""
     if meta.cpu_split is None:
         ranks = meta.slot_ranks.tolist()
-        short = [r for r in meta.runs if r[1] - r[0] <= max_kernel_run(ranks[r[2]])]
+        top = [max_kernel_run(r, w_dtype) for r in ranks]
+        short = [r for r in meta.runs if r[1] - r[0] <= top[r[2]]]
         if len(short) == len(meta.runs) and meta.run_table is not None:
             table = meta.run_table
         else:
             table = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
-        long = [r for r in meta.runs if r[1] - r[0] > max_kernel_run(ranks[r[2]])]
+        long = [r for r in meta.runs if r[1] - r[0] > top[r[2]]]
         meta.cpu_split = (table, long, ranks)
     return meta.cpu_split
 

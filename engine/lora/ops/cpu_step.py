@@ -35,8 +35,10 @@ def slots_fit(a: Sequence[Mapping[str, torch.Tensor]], b: Sequence[Mapping[str, 
 class SgmvStep:
     """The CPU SGMV calls of one step (see the module docstring)."""
 
-    def __init__(self, meta: LoRABatchMeta, slice_offsets: Mapping[str, Sequence[int]]) -> None:
-        self.table, self.long, self.ranks = cpu_sgmv.split_runs(meta)
+    def __init__(self, meta: LoRABatchMeta, slice_offsets: Mapping[str, Sequence[int]],
+                 w_dtype: torch.dtype) -> None:
+        """``w_dtype``: the slots' dtype (which runs the kernel takes depends on it)."""
+        self.table, self.long, self.ranks = cpu_sgmv.split_runs(meta, w_dtype)
         self.slot_ranks = meta.slot_ranks.to(torch.int64).contiguous()
         self.slice_offsets = slice_offsets
         self.offsets = {g: cpu_sgmv.offsets_tensor(o) for g, o in slice_offsets.items()}
