@@ -23,7 +23,7 @@
 #include "kernels.h"
 
 #define TILE 64 /* output columns per expand work item */
-#define PF_TILES 2 /* the expand asks for the B tile this many items ahead */
+#define PF_TILES 3 /* the expand asks for the B tile this many work items ahead */
 
 /* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
  * (results do not change). Adapter weights come from DRAM at every layer (the base's weights
@@ -280,12 +280,15 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
                 int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
                 int64_t t = runs[3 * r], end = runs[3 * r + 1];
                 const float *v0 = v + row_of_run[r] * SR - t * SR; /* v0 + t * SR: token t's row */
-                if (tile + PF_TILES < ntiles) { /* the B rows this run reads PF_TILES items on */
-                    int p0 = c0 + PF_TILES * TILE, p1 = p0 + TILE < N ? p0 + TILE : N;
+                int64_t ahead = (int64_t)r * ntiles + tile + PF_TILES; /* the item PF_TILES on */
+                if (ahead < (int64_t)nruns * ntiles) { /* its B rows (maybe the next run's slot) */
+                    int64_t pslot = runs[3 * (ahead / ntiles) + 2];
+                    int prank = (int)ranks[pslot];
+                    int p0 = (int)(ahead % ntiles) * TILE, p1 = p0 + TILE < N ? p0 + TILE : N;
                     for (int sl = 0; sl < S; sl++) {
                         if (slice_off[sl + 1] <= p0 || slice_off[sl] >= p1) continue;
-                        for (int j = 0; j < rank; j++)
-                            prefetch_span(b, w_dtype, slot * w_slot_b + (int64_t)(sl * R + j) * N + p0, p1 - p0);
+                        for (int j = 0; j < prank; j++)
+                            prefetch_span(b, w_dtype, pslot * w_slot_b + (int64_t)(sl * R + j) * N + p0, p1 - p0);
                     }
                 }
                 float acc[TILE];
