@@ -19,6 +19,7 @@ import torch
 
 from loramux.adapters.arch import GROUP_FUSED_MODULE, PROJECTION_GROUPS
 from loramux.adapters.format import LoraWeights
+from loramux.engine.lora.experts import ExpertSlots
 from loramux.engine.model.weights import ModelDims
 
 
@@ -62,6 +63,9 @@ class SlotBuffers:
                     b_layer[group] = alloc(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
+        self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device, blockdiag=blockdiag)
+                        if dims.num_experts else None)
+        """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.groups: list[frozenset[str]] = [frozenset()] * max_loras
@@ -75,8 +79,8 @@ class SlotBuffers:
         """Copy an adapter into ``slot`` (zeroing whatever was there); on CUDA the copy
         runs on a side stream and :meth:`wait_ready` orders it before the next forward."""
         r = weights.spec.r
-        if r > self.max_rank:
-            raise ValueError(f"adapter rank {r} exceeds max_lora_rank {self.max_rank}")
+        if weights.spec.max_rank > self.max_rank:
+            raise ValueError(f"adapter rank {weights.spec.max_rank} exceeds max_lora_rank {self.max_rank}")
         if self.stream is None:
             self._write(slot, weights, r)
             return
@@ -122,6 +126,8 @@ class SlotBuffers:
                         b[rows, offs[s] : offs[s + 1]].copy_(wb.t(), non_blocking=True)
                     else:
                         b[offs[s] : offs[s + 1], :r].copy_(wb, non_blocking=True)
+        if self.experts is not None:
+            self.experts.write(slot, weights)
         self.scale[slot] = weights.spec.scale
         self.ranks[slot] = r
 
@@ -130,8 +136,10 @@ class SlotBuffers:
         self.ranks[slot] = 0
         self.scale[slot] = 0.0
         self.groups[slot] = frozenset()
+        if self.experts is not None:
+            self.experts.clear(slot)
 
     def num_bytes(self) -> int:
         return sum(
             t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values()
-        )
+        ) + (self.experts.num_bytes() if self.experts is not None else 0)

@@ -3,7 +3,9 @@
 Once per step (:meth:`LoRAStepBatch.prepare`, from ``LoRAManager.prepare_step``) the rows'
 slots become one :class:`LoRABatchMeta`; then every projection group of every layer calls
 :meth:`LoRAStepBatch.add`, which runs the kernel chosen once when the engine started (no
-backend lookup per layer call) on the slot buffers. Runs on the engine thread.
+backend lookup per layer call) on the slot buffers; on the CPU with the compiled kernels the
+step's SGMV calls are laid out at prepare (``ops/cpu_step.SgmvStep``), so each layer call is one
+operator call. Runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from loramux.engine.lora import ops
+from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.slots import SlotBuffers
@@ -34,6 +37,9 @@ class LoRAStepBatch:
                           and cpu_step.slots_fit(buffers.a, buffers.b))
         self._slot_dtype = next(iter(buffers.a[0].values())).dtype if self._cpu_sgmv else None
         self._sgmv: cpu_step.SgmvStep | None = None
+        self.experts = (ExpertStep(buffers.experts, device, self._kernel)
+                        if buffers.experts is not None else None)
+        """The experts' LoRA of the step on an MoE base (``experts.py``)."""
         self._groups: frozenset[str] = frozenset()
         self.keys: frozenset[str] = frozenset()
         """The adapters of the step in flight (their slots are busy until :meth:`clear`)."""
@@ -49,6 +55,8 @@ class LoRAStepBatch:
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
         self._sgmv = (cpu_step.SgmvStep(self._meta, self.buffers.slice_offsets, self._slot_dtype)
                       if self._cpu_sgmv and cpu_step.SgmvStep.usable(self._meta) else None)
+        if self.experts is not None:
+            self.experts.prepare(token_slots)
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
@@ -56,6 +64,8 @@ class LoRAStepBatch:
         self._meta = None
         self._sgmv = None
         self._groups = frozenset()
+        if self.experts is not None:
+            self.experts.clear()
 
     @property
     def meta(self) -> LoRABatchMeta | None:
@@ -75,3 +85,16 @@ class LoRAStepBatch:
             return
         self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
                      b.slice_offsets[group])
+
+    def experts_active(self, layer: int) -> bool:
+        """True when this step has tokens whose adapter carries LoRA on ``layer``'s experts."""
+        return self.experts is not None and self.experts.active(layer)
+
+    def add_experts(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
+                    tokens: torch.Tensor, counts: list[int]) -> None:
+        """The MoE block's hook (``moe.ExpertLoRAHook``): ``y += `` each expert-sorted row's delta."""
+        self.experts.add(layer, group, x, y, tokens, counts)
+
+    def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """The MoE router's hook: ``logits += `` each token's adapter's router LoRA delta."""
+        self.experts.add_router(layer, x, logits)
