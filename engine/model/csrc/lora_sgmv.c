@@ -231,6 +231,40 @@ static void expand_tile2(const float *va, const float *vb, const void *b, int bd
 }
 #endif
 
+#ifdef VEC
+/* expand_tile for three tokens over a full tile, in halves of 32 columns: 3 x 4 accumulators
+ * (twelve independent FMA chains: eight barely cover the FMA latency), each load of B feeding
+ * three FMAs; each token's sums are those of expand_tile alone */
+static void expand_tile3(const float *const *vt, const void *b, int bd, int64_t b0, int S, int R, int rank,
+                         int N, int c0, const int64_t *off, float *const *acc) {
+    for (int half = 0; half < TILE; half += TILE / 2) {
+        __m256 r0[4], r1[4], r2[4];
+        for (int k = 0; k < 4; k++) r0[k] = r1[k] = r2[k] = _mm256_setzero_ps();
+        int h0 = c0 + half;
+        for (int s = 0; s < S; s++) {
+            if (off[s + 1] <= h0 || off[s] >= h0 + TILE / 2) continue;
+            for (int j = 0; j < rank; j++) {
+                __m256 x0 = _mm256_set1_ps(vt[0][s * R + j]), x1 = _mm256_set1_ps(vt[1][s * R + j]);
+                __m256 x2 = _mm256_set1_ps(vt[2][s * R + j]);
+                int64_t bo = b0 + (int64_t)(s * R + j) * N + h0;
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    __m256 bk = vload8(b, bd, bo + k * VEC);
+                    r0[k] = _mm256_fmadd_ps(x0, bk, r0[k]);
+                    r1[k] = _mm256_fmadd_ps(x1, bk, r1[k]);
+                    r2[k] = _mm256_fmadd_ps(x2, bk, r2[k]);
+                }
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            _mm256_storeu_ps(acc[0] + half + k * VEC, r0[k]);
+            _mm256_storeu_ps(acc[1] + half + k * VEC, r1[k]);
+            _mm256_storeu_ps(acc[2] + half + k * VEC, r2[k]);
+        }
+    }
+}
+#endif
+
 int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, const void *a,
                               const void *b, int w_dtype, void *y, int64_t y_stride, int y_dtype,
                               const int64_t *runs, int nruns, const int64_t *ranks, int S, int R,
@@ -293,7 +327,13 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
                 }
                 float acc[TILE];
 #ifdef VEC
-                float acc2[TILE];
+                float acc2[TILE], acc3[TILE];
+                for (; t + 3 <= end && c1 - c0 == TILE; t += 3) { /* three tokens share each B load */
+                    const float *vt[3] = {v0 + t * SR, v0 + (t + 1) * SR, v0 + (t + 2) * SR};
+                    float *at[3] = {acc, acc2, acc3};
+                    expand_tile3(vt, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, slice_off, at);
+                    for (int q = 0; q < 3; q++) add_tile(y, y_dtype, (t + q) * y_stride, c0, c1, at[q]);
+                }
                 for (; t + 2 <= end && c1 - c0 == TILE; t += 2) { /* two tokens share each B load */
                     expand_tile2(v0 + t * SR, v0 + (t + 1) * SR, b, w_dtype, slot * w_slot_b, S, R, rank,
                                  N, c0, slice_off, acc, acc2);
