@@ -554,9 +554,10 @@ def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
     for dt in (torch.float32, torch.bfloat16):  # fewer tokens where the GEMMs run in bf16
         assert max_kernel_run(4, dt) == max_kernel_run(8, dt) > max_kernel_run(16, dt) > max_kernel_run(64, dt)
     assert max_kernel_run(8, torch.bfloat16) < max_kernel_run(8)
-    bf16 = LoRABatchMeta.build([0] * 100, torch.tensor([8]))
-    assert split_runs(bf16, torch.bfloat16)[1] == [(0, 100, 0)]
-    assert split_runs(LoRABatchMeta.build([0] * 100, torch.tensor([8])))[0].tolist() == [[0, 100, 0]]
+    n = max_kernel_run(8, torch.bfloat16) + 1
+    bf16 = LoRABatchMeta.build([0] * n, torch.tensor([8]))
+    assert split_runs(bf16, torch.bfloat16)[1] == [(0, n, 0)]
+    assert split_runs(LoRABatchMeta.build([0] * n, torch.tensor([8])))[0].tolist() == [[0, n, 0]]
     ranks = torch.tensor([8, 16, 0])
     top8, top16 = max_kernel_run(8), max_kernel_run(16)
     long = top16 + 5  # beyond the kernel for rank 16, within it for rank 8

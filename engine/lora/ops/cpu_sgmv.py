@@ -21,13 +21,14 @@ from loramux.engine.model.kernels import ops as kernels
 # hardly depends on the rank (y's traffic and oneDNN's fixed cost dominate) while the
 # kernel's grows with it, so low ranks stay in the kernel for longer runs. Measured on one
 # thread, the AVX2 kernel against the GEMMs (kernel time / GEMM time over the 4 groups):
-# fp32 slots, rank 8: 0.56-0.60 at 128 tokens, 0.72 at 256, 1.0 at 512; rank 16: 0.92-0.96 at
-# 64, 0.93-1.03 at 128; rank 32: 0.83 at 16, 1.0 at 32 (bf16 activations on fp32 slots, an
-# AVX2 bf16 model: 0.54 at 256 for rank 8, 0.69 at 96 for rank 16). bf16 slots (a CPU with
-# bf16 GEMMs, AVX-512-BF16/AMX): rank 8 0.69 at 64, 1.12 at 128; rank 16 0.64 at 32, 1.06 at 64.
+# fp32 slots, rank 8: 0.53 at 128 tokens, 0.72 at 384, 0.90 at 512; rank 16: 0.79 at 64,
+# 0.88 at 128, 0.91 at 256; rank 32: 0.81 at 32, 0.90 at 64. bf16 slots (a CPU with bf16
+# GEMMs, AVX-512-BF16/AMX): rank 8 0.86 at 96, 1.02 at 128; rank 16 0.79 at 48, 0.96 at 64;
+# rank 32 even at 32 (before the three-token shrink and expand). bf16 activations on fp32
+# slots (an AVX2 bf16 model) favour the kernel more than fp32 (0.54 at 256 for rank 8).
 SGMV_MAX_RUN_BY_RANK = {
-    torch.float32: ((8, 256), (16, 64), (32, 32)),
-    torch.bfloat16: ((8, 96), (16, 48), (32, 24)),
+    torch.float32: ((8, 512), (16, 256), (32, 64)),
+    torch.bfloat16: ((8, 112), (16, 64), (32, 24)),
 }
 SGMV_MAX_RUN_HIGH_RANK = 16  # ranks above the table's last
 

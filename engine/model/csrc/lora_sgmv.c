@@ -23,6 +23,7 @@
 #include "kernels.h"
 
 #define TILE 64 /* output columns per expand work item */
+#define SHRINK_TOKENS 3 /* tokens of a run per shrink work item (dot4x3) */
 #define PF_TILES 3 /* the expand asks for the B tile this many work items ahead */
 
 /* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
@@ -147,32 +148,67 @@ static void dot4x2(const void *x, int xd, int64_t xa, int64_t xb, const void *a,
     for (int i = 0; i < 4; i++) oa[i] = sa[i], ob[i] = sb[i];
 }
 
-/* v rows of token t (and t + 1 when pair) of a run on `slot`: S * rank dot products each
+/* o[q][0..3] = token q's x . A rows 0..3, q < 3 (rows K apart from ao): three tokens of one
+ * run, each load of A feeding three FMAs, twelve accumulator chains; each token's sums are
+ * those of dot4 alone */
+static void dot4x3(const void *x, int xd, const int64_t *xo, const void *a, int ad, int64_t ao, int K,
+                   float *const *o) {
+    int k = 0;
+    float sm[3][4] = {{0.0f}};
+#ifdef VEC
+    __m256 c[3][4];
+    for (int q = 0; q < 3; q++)
+        for (int i = 0; i < 4; i++) c[q][i] = _mm256_setzero_ps();
+    for (; k + VEC <= K; k += VEC) {
+        __m256 x0 = vload8(x, xd, xo[0] + k), x1 = vload8(x, xd, xo[1] + k), x2 = vload8(x, xd, xo[2] + k);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m256 w = vload8(a, ad, ao + i * (int64_t)K + k);
+            c[0][i] = _mm256_fmadd_ps(x0, w, c[0][i]);
+            c[1][i] = _mm256_fmadd_ps(x1, w, c[1][i]);
+            c[2][i] = _mm256_fmadd_ps(x2, w, c[2][i]);
+        }
+    }
+    for (int q = 0; q < 3; q++)
+        for (int i = 0; i < 4; i++) sm[q][i] = hsum8(c[q][i]);
+#endif
+    for (; k < K; k++) {
+        for (int i = 0; i < 4; i++) {
+            float w = load_elem(a, ad, ao + i * (int64_t)K + k);
+            for (int q = 0; q < 3; q++) sm[q][i] += load_elem(x, xd, xo[q] + k) * w;
+        }
+    }
+    for (int q = 0; q < 3; q++)
+        for (int i = 0; i < 4; i++) o[q][i] = sm[q][i];
+}
+
+/* v rows of tokens t .. t + n - 1 (n <= 3) of a run on `slot`: S * rank dot products each
  * (rows beyond the rank are zero) */
-static void shrink_tokens(const void *x, int xd, int64_t x_stride, int64_t t, int pair, int pf, const void *a,
+static void shrink_tokens(const void *x, int xd, int64_t x_stride, int64_t t, int n, int pf, const void *a,
                           int ad, int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi) {
     int rank = (int)ranks[slot];
     int SR = S * R;
-    float *vj = vi + SR; /* token t + 1's row */
-    int64_t xa = t * x_stride, xb = (t + 1) * x_stride;
+    int64_t xo[3] = {t * x_stride, (t + 1) * x_stride, (t + 2) * x_stride};
     for (int s = 0; s < S; s++) {
         int64_t ao = slot * (int64_t)SR * K + (int64_t)(s * R) * K;
-        float *va = vi + s * R, *vb = vj + s * R;
+        float *vq[3] = {vi + s * R, vi + SR + s * R, vi + 2 * SR + s * R};
         int j = 0;
         if (pf) /* the run's first tokens: its A comes from DRAM, this slice's rows as one span */
             prefetch_span(a, ad, ao, (int64_t)rank * K);
-        if (pair) {
-            for (; j + 4 <= rank; j += 4) dot4x2(x, xd, xa, xb, a, ad, ao + (int64_t)j * K, K, va + j, vb + j);
-            for (; j < rank; j++) {
-                va[j] = dot(x, xd, xa, a, ad, ao + (int64_t)j * K, K);
-                vb[j] = dot(x, xd, xb, a, ad, ao + (int64_t)j * K, K);
+        if (n == 3) {
+            for (; j + 4 <= rank; j += 4) {
+                float *o[3] = {vq[0] + j, vq[1] + j, vq[2] + j};
+                dot4x3(x, xd, xo, a, ad, ao + (int64_t)j * K, K, o);
             }
-            for (int z = j; z < R; z++) vb[z] = 0.0f;
+        } else if (n == 2) {
+            for (; j + 4 <= rank; j += 4) dot4x2(x, xd, xo[0], xo[1], a, ad, ao + (int64_t)j * K, K, vq[0] + j, vq[1] + j);
         } else {
-            for (; j + 4 <= rank; j += 4) dot4(x, xd, xa, a, ad, ao + (int64_t)j * K, K, va + j);
-            for (; j < rank; j++) va[j] = dot(x, xd, xa, a, ad, ao + (int64_t)j * K, K);
+            for (; j + 4 <= rank; j += 4) dot4(x, xd, xo[0], a, ad, ao + (int64_t)j * K, K, vq[0] + j);
         }
-        for (; j < R; j++) va[j] = 0.0f;
+        for (; j < rank; j++)
+            for (int q = 0; q < n; q++) vq[q][j] = dot(x, xd, xo[q], a, ad, ao + (int64_t)j * K, K);
+        for (int q = 0; q < n; q++)
+            for (int z = j; z < R; z++) vq[q][z] = 0.0f;
     }
 }
 
@@ -274,7 +310,7 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
     if (ntok == 0) return 0;
     int SR = S * R;
     float *v = (float *)malloc((size_t)ntok * SR * sizeof(float)); /* v[row, s*R + i] */
-    /* row_of_run[r]: the run's first row of v; pair_of_run[r]: its first pair of tokens */
+    /* row_of_run[r]: the run's first row of v; pair_of_run[r]: its first group of SHRINK_TOKENS */
     int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * 2 * sizeof(int64_t));
     if (v == NULL || row_of_run == NULL) {
         free(v);
@@ -286,22 +322,23 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
     for (int r = 0; r < nruns; r++) {
         int64_t len = runs[3 * r + 1] - runs[3 * r];
         row_of_run[r] = row, pair_of_run[r] = npairs;
-        row += len, npairs += (len + 1) / 2;
+        row += len, npairs += (len + SHRINK_TOKENS - 1) / SHRINK_TOKENS;
     }
     int64_t w_slot_b = (int64_t)SR * N;
     int big = ntok * (int64_t)SR * (K + N) >= 65536;
 
 #pragma omp parallel num_threads(nthreads) if (big)
     {
-        /* shrink: two tokens of one run per iteration (the last token of an odd run alone) */
+        /* shrink: SHRINK_TOKENS tokens of one run per iteration (a run's last ones fewer) */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < npairs; p++) {
             int r = 0;
             while (r + 1 < nruns && pair_of_run[r + 1] <= p) r++;
-            int64_t k = 2 * (p - pair_of_run[r]); /* the pair's first token within the run */
+            int64_t k = SHRINK_TOKENS * (p - pair_of_run[r]); /* the group's first token in the run */
             int64_t t = runs[3 * r] + k;
-            int pair = t + 1 < runs[3 * r + 1];
-            shrink_tokens(x, x_dtype, x_stride, t, pair, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
+            int64_t left = runs[3 * r + 1] - t;
+            int n = left < SHRINK_TOKENS ? (int)left : SHRINK_TOKENS;
+            shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
                           v + (row_of_run[r] + k) * SR);
         }
         /* expand: (run, column tile) per iteration; rows of B beyond the rank are skipped */
