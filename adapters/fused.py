@@ -7,6 +7,8 @@ split names (``q_proj``, ``k_proj``, ``v_proj``) for a base whose checkpoints fu
 rank ``k * r`` for ``k`` slices, A the slices' A stacked, B block-diagonal (each slice's B in
 its rows and its own rank columns), the scale kept (``alpha_pattern``; ``rank_pattern`` for
 the larger rank). Nothing is approximated: ``B' A' = Σ_s B_s A_s`` on the slices' rows.
+A DoRA adapter's magnitudes are per output row, so the fused module's is the slices'
+concatenated (a slice the adapter leaves out would need the base's row norms: refused).
 """
 
 from __future__ import annotations
@@ -41,15 +43,18 @@ def write_native(weights: LoraWeights, dims: BaseModelDims, folder: str | Path) 
     alpha_pattern: dict[str, float] = {}
     paths: set[str] = set()
 
-    def put(layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    def put(layer: int, module: str, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor | None) -> None:
         tensors[tensor_key(layer, module, "A", weights.prefix)] = a.contiguous()
         tensors[tensor_key(layer, module, "B", weights.prefix)] = b.contiguous()
+        if m is not None:
+            tensors[tensor_key(layer, module, "M", weights.prefix)] = m.contiguous()
         paths.add(f"{weights.prefix}layers.{layer}.{MODULE_PARENT[module]}.{module}")
 
     for layer, modules in sorted(weights.layers.items()):
+        mags = weights.magnitudes.get(layer, {})
         for module, (a, b) in modules.items():
             if module in native:
-                put(layer, module, a, b)
+                put(layer, module, a, b, mags.get(module))
         for fused, parts in FUSED_MODULES.items():
             if fused not in native or not any(p in modules for p in parts):
                 continue
@@ -65,7 +70,15 @@ def write_native(weights: LoraWeights, dims: BaseModelDims, folder: str | Path) 
                     stacked_a[s * r : (s + 1) * r] = a
                     stacked_b[row : row + rows, s * r : (s + 1) * r] = b
                 row += rows
-            put(layer, fused, stacked_a, stacked_b)
+            magnitude = None
+            if spec.use_dora:
+                missing = [p for p in parts if p not in mags]
+                if missing:
+                    raise ValueError(
+                        f"layer {layer}: a DoRA adapter on {[p for p in parts if p in mags]} but not "
+                        f"{missing} cannot be written on {dims.family.title}'s fused {fused}")
+                magnitude = torch.cat([mags[p] for p in parts])
+            put(layer, fused, stacked_a, stacked_b, magnitude)
             rank_pattern[fused] = k * r
             alpha_pattern[fused] = spec.lora_alpha * (math.sqrt(k) if spec.use_rslora else k)
     unknown = {m for ms in weights.layers.values() for m in ms} - set(native) - {

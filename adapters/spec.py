@@ -45,7 +45,6 @@ MAX_LAYER_INDEX = 4096
 
 # Config fields that change the math or the model structure; refused when set.
 _REFUSED_FEATURES = {
-    "use_dora": "DoRA (use_dora) is not supported; train a plain LoRA adapter",
     "modules_to_save": "modules_to_save is not supported: the adapter may only add LoRA "
     "weights, not replace whole base modules",
     "lora_bias": "lora_bias (a trained bias on lora_B) is not supported",
@@ -76,7 +75,9 @@ class LoraSpec:
     (``model.layers.0.self_attn.q_proj``, as it writes for ``all-linear`` on some
     models); a module without pairs there is targeted in every layer (of
     ``layers_to_transform``). Use :meth:`targets` rather than reading these directly.
-    ``fan_in_fan_out`` is kept as written, but the tensors in
+    ``use_dora``: a DoRA adapter (weight-decomposed LoRA: a learned magnitude per output
+    feature of every targeted module, ``lora_magnitude_vector``; see
+    :attr:`LoraWeights.magnitudes`). ``fan_in_fan_out`` is kept as written, but the tensors in
     :class:`LoraWeights` are always in PEFT's ``nn.Linear`` orientation (PEFT itself
     ignores the flag for ``nn.Linear`` layers, which is all every served family has).
     """
@@ -89,6 +90,12 @@ class LoraSpec:
     base_model_name_or_path: str | None = None
     layers_to_transform: tuple[int, ...] | None = None
     module_layers: tuple[tuple[int, str], ...] = ()
+    use_dora: bool = False
+
+    @property
+    def kind(self) -> str:
+        """What the API and the dashboard call this adapter: ``"DoRA"`` or ``"LoRA"``."""
+        return "DoRA" if self.use_dora else "LoRA"
 
     def targets(self, layer: int, module: str) -> bool:
         """Whether ``module`` of decoder layer ``layer`` carries this LoRA."""
@@ -124,7 +131,7 @@ class LoraSpec:
             "layers_to_transform": (
                 list(self.layers_to_transform) if self.layers_to_transform is not None else None
             ),
-            "use_dora": False,
+            "use_dora": self.use_dora,
             "modules_to_save": None,
             "inference_mode": True,
         }
@@ -318,4 +325,5 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
         base_model_name_or_path=base or None,
         layers_to_transform=layers,
         module_layers=module_layers,
+        use_dora=_bool(config, "use_dora"),
     )

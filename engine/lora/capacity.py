@@ -56,7 +56,7 @@ class LoRACapacity:
 def slot_bytes(dims: BaseModelDims, max_rank: int, element_size: int, *, blockdiag: bool) -> int:
     """Bytes one slot of :class:`~loramux.engine.lora.slots.SlotBuffers` takes: per layer and
     projection group, A ``[slices, R, K]`` and B ``[N_total, R]`` (``blockdiag``:
-    ``[slices * R, N_total]``)."""
+    ``[slices * R, N_total]``), and DoRA's per-row scale ``[N_total]`` in float32."""
     shapes = dims.module_shapes()
     per_layer = 0
     for modules in PROJECTION_GROUPS.values():
@@ -64,7 +64,8 @@ def slot_bytes(dims: BaseModelDims, max_rank: int, element_size: int, *, blockdi
         n_total = sum(shapes[m][1] for m in modules)
         per_layer += len(modules) * max_rank * k
         per_layer += (len(modules) * max_rank if blockdiag else max_rank) * n_total
-    return dims.num_layers * per_layer * element_size
+    row_scale = sum(sum(shapes[m][1] for m in modules) for modules in PROJECTION_GROUPS.values())
+    return dims.num_layers * (per_layer * element_size + row_scale * 4)
 
 
 def adapter_bytes(

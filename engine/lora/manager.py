@@ -34,6 +34,7 @@ from loramux.engine.config import LoRAConfig
 from loramux.engine.errors import AdapterBrokenError, LoRAError
 from loramux.engine.lora import ops
 from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity
+from loramux.engine.lora.dora import BaseProjections
 from loramux.engine.lora.loader import LoadResult, LoadStats
 from loramux.engine.lora.slot_table import SlotTable
 from loramux.engine.lora.slots import SlotBuffers
@@ -102,7 +103,8 @@ class LoRAManager:
         """The model's LoRA hook (``LoRAHook``): this step's layout and the layer call."""
         self.slots = SlotTable(self.buffers, self._busy, lambda key: self._emit("evicted", key))
         self.tiers = AdapterTiers(config, model.dims, self.buffers, self.max_cpu_loras, cpu_dtype,
-                                  adapter_source, pin_memory=model.device.type == "cuda")
+                                  adapter_source, pin_memory=model.device.type == "cuda",
+                                  base=BaseProjections(model))
         self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
 
     def _busy(self) -> set[str]:

@@ -9,6 +9,12 @@ multiplied by the adapter's scale; plus a
 per-slot ``scale`` [max_loras] fp32 and ``ranks`` [max_loras] int64 (0 = empty).
 Rows/columns beyond an adapter's rank, and modules it does not target, are zero.
 
+DoRA (``engine/lora/dora.py``): ``row_scale[l][g]`` [max_loras + 1, N_total] fp32 holds a
+DoRA slot's per-row scale ``g`` (1 on rows its adapter leaves alone; the last row is all
+ones, for rows of other adapters); ``row_shift[(l, g)]``, the same shape, its bias
+correction, made when a DoRA adapter first meets a base projection with a bias; ``dora[slot]``
+the ``(layer, group)`` pairs the slot's adapter scales (empty for a plain LoRA).
+
 A LoRA on a fused checkpoint projection (Phi-3's ``qkv_proj``: A ``[r, H]``, B ``[q + 2kv, r]``)
 fills every slice of its group: the same A in each slice, B split by the slices' rows.
 """
@@ -36,6 +42,8 @@ class SlotBuffers:
         self.slice_offsets: dict[str, list[int]] = {}
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
+        self.row_scale: list[dict[str, torch.Tensor]] = []
+        self.row_shift: dict[tuple[int, str], torch.Tensor] = {}
         self.blockdiag = blockdiag
         for group, modules in PROJECTION_GROUPS.items():
             offs = [0]
@@ -62,10 +70,19 @@ class SlotBuffers:
                     b_layer[group] = alloc(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
+            scale_layer = {}
+            for group in PROJECTION_GROUPS:
+                g = alloc(max_loras + 1, self.slice_offsets[group][-1], dtype=torch.float32,
+                          device=device)
+                g[max_loras].fill_(1.0)
+                scale_layer[group] = g
+            self.row_scale.append(scale_layer)
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.groups: list[frozenset[str]] = [frozenset()] * max_loras
         """Projection groups each slot's adapter targets (others are all zero)."""
+        self.dora: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
+        """Per slot, the ``(layer, group)`` pairs its DoRA adapter scales (empty: plain LoRA)."""
         # CUDA: slot writes run on a side stream; the forward pass waits on ``ready``.
         dev = torch.device(device)
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -77,6 +94,8 @@ class SlotBuffers:
         r = weights.spec.r
         if r > self.max_rank:
             raise ValueError(f"adapter rank {r} exceeds max_lora_rank {self.max_rank}")
+        if weights.spec.use_dora and not weights.dora_scales:
+            raise ValueError("a DoRA adapter needs its per-row scales (dora.dora_scales) first")
         if self.stream is None:
             self._write(slot, weights, r)
             return
@@ -122,16 +141,49 @@ class SlotBuffers:
                         b[rows, offs[s] : offs[s + 1]].copy_(wb.t(), non_blocking=True)
                     else:
                         b[offs[s] : offs[s + 1], :r].copy_(wb, non_blocking=True)
+        self.dora[slot] = self._write_dora(slot, weights) if weights.spec.use_dora else frozenset()
         self.scale[slot] = weights.spec.scale
         self.ranks[slot] = r
+
+    def _write_dora(self, slot: int, weights: LoraWeights) -> frozenset[tuple[int, str]]:
+        """Write a DoRA adapter's per-row scales (and bias corrections) into ``slot``."""
+        cells = set()
+        for layer in range(self.dims.num_layers):
+            modules = weights.dora_scales.get(layer, {})
+            for group, names in PROJECTION_GROUPS.items():
+                g_row = self.row_scale[layer][group][slot]
+                g_row.fill_(1.0)
+                shift = self.row_shift.get((layer, group))
+                if shift is not None:
+                    shift[slot].zero_()
+                offs = self.slice_offsets[group]
+                fused = GROUP_FUSED_MODULE.get(group)
+                for name in (*names, fused):
+                    if name not in modules:
+                        continue
+                    rows = (slice(0, offs[-1]) if name == fused or len(names) == 1
+                            else slice(offs[names.index(name)], offs[names.index(name) + 1]))
+                    g, c = modules[name]
+                    g_row[rows].copy_(g, non_blocking=True)
+                    if c is not None:
+                        if shift is None:
+                            shift = torch.zeros_like(self.row_scale[layer][group])
+                            self.row_shift[(layer, group)] = shift
+                        shift[slot, rows].copy_(c, non_blocking=True)
+                    cells.add((layer, group))
+        return frozenset(cells)
 
     def clear(self, slot: int) -> None:
         """Mark ``slot`` empty (its weights are overwritten by the next write)."""
         self.ranks[slot] = 0
         self.scale[slot] = 0.0
         self.groups[slot] = frozenset()
+        self.dora[slot] = frozenset()
 
     def num_bytes(self) -> int:
+        """Bytes of the A/B stacks and the DoRA per-row scales (:func:`capacity.slot_bytes`
+        per slot, plus the scales' shared row of ones and any bias corrections)."""
         return sum(
-            t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values()
-        )
+            t.numel() * t.element_size()
+            for layer in self.a + self.b + self.row_scale for t in layer.values()
+        ) + sum(t.numel() * t.element_size() for t in self.row_shift.values())

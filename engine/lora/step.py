@@ -3,7 +3,9 @@
 Once per step (:meth:`LoRAStepBatch.prepare`, from ``LoRAManager.prepare_step``) the rows'
 slots become one :class:`LoRABatchMeta`; then every projection group of every layer calls
 :meth:`LoRAStepBatch.add`, which runs the kernel chosen once when the engine started (no
-backend lookup per layer call) on the slot buffers. Runs on the engine thread.
+backend lookup per layer call) on the slot buffers, then scales the step's DoRA rows
+(:class:`~loramux.engine.lora.dora.DoraStep`; nothing when the step has none). Runs on the
+engine thread.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from loramux.engine.lora import ops
+from loramux.engine.lora.dora import DoraStep
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.slots import SlotBuffers
 
@@ -28,6 +31,7 @@ class LoRAStepBatch:
         self._kernel = ops.lora_kernel(backend, blockdiag=buffers.blockdiag)
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
+        self._dora: DoraStep | None = None
         self._groups: frozenset[str] = frozenset()
         self.keys: frozenset[str] = frozenset()
         """The adapters of the step in flight (their slots are busy until :meth:`clear`)."""
@@ -41,11 +45,15 @@ class LoRAStepBatch:
         self._groups = groups
         token_slots = np.repeat(np.asarray(row_slots, dtype=np.int64), row_tokens)  # [T]
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
+        dora = self.buffers.dora
+        runs = [run for run in self._meta.runs if dora[run[2]]]
+        self._dora = DoraStep(runs, self.buffers, self.device) if runs else None
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
         self.keys = frozenset()
         self._meta = None
+        self._dora = None
         self._groups = frozenset()
 
     @property
@@ -64,3 +72,5 @@ class LoRAStepBatch:
         b = self.buffers
         self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
                      b.slice_offsets[group])
+        if self._dora is not None:
+            self._dora.apply(layer, group, y)

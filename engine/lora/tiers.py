@@ -50,7 +50,10 @@ class AdapterTiers:
         cpu_dtype: torch.dtype,
         adapter_source: Callable[[str], str | Path] | None = None,
         pin_memory: bool = False,
+        base=None,
     ) -> None:
+        """``base``: the served model's :class:`~loramux.engine.lora.dora.BaseProjections`
+        (what DoRA adapters are scaled against)."""
         self.config = config
         self.dims = dims
         self.source = adapter_source
@@ -63,7 +66,8 @@ class AdapterTiers:
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, oldest first
         self.loading: dict[str, Future] = {}
         self.load_stats = LoadStats()
-        self._loader = AdapterLoader(buffers, cpu_dtype, pin_memory=pin_memory, family=dims)
+        self._loader = AdapterLoader(buffers, cpu_dtype, pin_memory=pin_memory, family=dims,
+                                     base=base)
 
     # --- registration --------------------------------------------------------------------
     def state(self, key: str) -> AdapterState | None:

@@ -57,6 +57,9 @@ class Linear:
         self.bias = bias
         self.packed = pack and _can_pack(weight)
         self.compute_dtype = _packed_dtype(weight.dtype) if self.packed else weight.dtype
+        # a packed weight cannot be read back: keep its rows' norms (DoRA reads them)
+        self._row_norms = (torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32)
+                           if self.packed else None)
         if self.packed:
             packed = weight.to(self.compute_dtype).contiguous()
             if bias is not None:
@@ -73,3 +76,18 @@ class Linear:
             y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
             return y.to(self.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def row_norms(self) -> torch.Tensor:
+        """``‖W[i]‖`` per output row, float32 [out] (DoRA's per-row scale reads it)."""
+        if self._row_norms is None:
+            self._row_norms = torch.linalg.vector_norm(self.weight, dim=1, dtype=torch.float32)
+        return self._row_norms
+
+    def project(self, a: torch.Tensor) -> torch.Tensor:
+        """``a @ W.T`` without the bias, float32 [n, out], for a few rows a [n, in] (DoRA's
+        cross term ``W · Aᵀ``); computed in the matmul's dtype (float32 for float32 weights)."""
+        if self.packed:
+            x = a.to(self.weight.device, self.compute_dtype).contiguous()
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+            return y.float()
+        return F.linear(a.to(self.weight.device, torch.float32), self.weight.float())
