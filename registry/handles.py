@@ -58,6 +58,11 @@ class AdapterHandle:
     _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
 
     @property
+    def kind(self) -> str:
+        """``"DoRA"`` or ``"LoRA"``, as the stored config says (``use_dora``)."""
+        return "DoRA" if self.config.get("use_dora") else "LoRA"
+
+    @property
     def cache_key(self) -> str:
         """Identifies the content (weights + config): versions with other weights or config
         have another one."""

@@ -329,7 +329,8 @@ class LoRAManager:
         )
 
     def residency(self) -> list[dict]:
-        """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, in use."""
+        """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, kind (LoRA |
+        DoRA), in use."""
         running = self.running_keys()
         device_tier = "gpu" if self.device.type == "cuda" else "device"
         slot_of, cpu = self.slots.slot_of, self.tiers.cpu
@@ -343,6 +344,7 @@ class LoRAManager:
                     "slot": slot_of.get(key),
                     "pinned": key in self.slots.pinned,
                     "rank": state.rank,
+                    "kind": state.kind,
                     "in_use": key in running,
                     "loading": key in self.tiers.loading,
                     "load_seconds": state.load_seconds,
