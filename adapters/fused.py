@@ -8,13 +8,15 @@ rank ``k * r`` for ``k`` slices, A the slices' A stacked, B block-diagonal (each
 its rows and its own rank columns), the scale kept (``alpha_pattern``; ``rank_pattern`` for
 the larger rank). Nothing is approximated: ``B' A' = Σ_s B_s A_s`` on the slices' rows.
 A DoRA adapter's magnitudes are per output row, so the fused module's is the slices'
-concatenated (a slice the adapter leaves out would need the base's row norms: refused).
+concatenated; a slice the adapter leaves out gets its base rows' norms (``row_norms``), which
+makes its scale exactly 1 there.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,8 +32,13 @@ def needs_rewrite(weights: LoraWeights, dims: BaseModelDims) -> bool:
     return any(m not in native for modules in weights.layers.values() for m in modules)
 
 
-def write_native(weights: LoraWeights, dims: BaseModelDims, folder: str | Path) -> Path:
-    """Write ``weights`` as a PEFT adapter folder in the base family's own module names."""
+def write_native(
+    weights: LoraWeights, dims: BaseModelDims, folder: str | Path,
+    row_norms: Callable[[int, str], torch.Tensor] | None = None,
+) -> Path:
+    """Write ``weights`` as a PEFT adapter folder in the base family's own module names.
+    ``row_norms(layer, module)``: the base weight's row norms [out] of a fused module (read
+    for DoRA adapters that leave some of its slices out)."""
     from safetensors.torch import save_file
 
     native = dims.family.native_modules
@@ -73,11 +80,18 @@ def write_native(weights: LoraWeights, dims: BaseModelDims, folder: str | Path) 
             magnitude = None
             if spec.use_dora:
                 missing = [p for p in parts if p not in mags]
-                if missing:
+                if missing and row_norms is None:
                     raise ValueError(
                         f"layer {layer}: a DoRA adapter on {[p for p in parts if p in mags]} but not "
-                        f"{missing} cannot be written on {dims.family.title}'s fused {fused}")
-                magnitude = torch.cat([mags[p] for p in parts])
+                        f"{missing} needs the base's row norms to be written on "
+                        f"{dims.family.title}'s fused {fused}")
+                norms = row_norms(layer, fused) if missing else None
+                pieces, row = [], 0
+                for part in parts:
+                    rows = shapes[part][1]
+                    pieces.append(mags[part].float() if part in mags else norms[row : row + rows].float())
+                    row += rows
+                magnitude = torch.cat(pieces)
             put(layer, fused, stacked_a, stacked_b, magnitude)
             rank_pattern[fused] = k * r
             alpha_pattern[fused] = spec.lora_alpha * (math.sqrt(k) if spec.use_rslora else k)
