@@ -6,7 +6,9 @@ token's output is ``g ⊙ (x W0ᵀ + s·x Aᵀ Bᵀ) + b`` with ``g = m / ‖W0 
 adapter and module, computed once when the adapter is loaded (:func:`dora_scales`). The
 base GEMM stays shared by every row (its output already holds ``b``), the LoRA kernels add
 the delta as for any adapter, and then a DoRA row becomes ``g ⊙ y + c`` with the bias
-correction ``c = (1 - g) ⊙ b``; every other row is left alone (:class:`DoraStep`).
+correction ``c = (1 - g) ⊙ b``, computed as ``y + y ⊙ (g - 1) + c`` (the slots keep ``g - 1``,
+whose small learned deviations survive bfloat16); every other row is left alone
+(:class:`DoraStep`).
 
 ``‖W0 + s·BA‖²`` per row is ``‖W0‖² + 2s·Σ_r B (A W0ᵀ)ᵀ + s²·‖BA‖²``: the base's row norms
 (kept by :class:`~loramux.engine.model.linear.Linear`, whose packed weight cannot be read
@@ -25,9 +27,10 @@ from loramux.engine.model.linear import Linear
 MAX_DORA_SCALE = 1e4
 """Largest |g| served: a row whose ``‖W0 + s·BA‖`` is ~0 against its magnitude overflows
 every layer after it, so the adapter is refused at load."""
-SLICE_RUNS = 2
+SLICE_RUNS = 1
 """Steps with at most this many runs of DoRA rows scale each run's rows as one slice; more
-runs gather a per-token scale over the span that holds them (two ops per projection)."""
+runs gather a per-token scale over the span that holds them (two ops per projection: on the
+CPU one bf16 op on a slice costs about what the gather and op on 16 rows do)."""
 
 
 class BaseProjections:
@@ -118,27 +121,28 @@ class DoraStep:
         self.span = None
         if len(runs) > SLICE_RUNS:
             lo, hi = runs[0][0], runs[-1][1]
-            rows = torch.full((hi - lo,), buffers.max_loras, dtype=torch.int64)
+            rows = torch.full((hi - lo,), buffers.max_loras, dtype=torch.int64)  # the zero row
             for start, end, slot in runs:
                 rows[start - lo : end - lo] = slot
             self.span = (lo, hi, rows.to(device))
 
     def apply(self, layer: int, group: str, y: torch.Tensor) -> None:
-        """``y = g ⊙ y + c`` on this step's DoRA rows of ``group`` in ``layer``."""
+        """``y = g ⊙ y + c`` (as ``y + y ⊙ (g - 1) + c``) on this step's DoRA rows of ``group``
+        in ``layer``."""
         if (layer, group) not in self.cells:
             return
-        g_all = self.buffers.row_scale[layer][group]
+        gain = self.buffers.row_gain[layer][group]
         c_all = self.buffers.row_shift.get((layer, group))
         if self.span is not None:
             lo, hi, rows = self.span
             view = y[lo:hi]
-            view.mul_(g_all.index_select(0, rows))
+            view.addcmul_(view, gain.index_select(0, rows))
             if c_all is not None:
                 view.add_(c_all.index_select(0, rows))
             return
         for start, end, slot in self.runs:
             if (layer, group) in self.buffers.dora[slot]:
                 view = y[start:end]
-                view.mul_(g_all[slot])
+                view.addcmul_(view, gain[slot])
                 if c_all is not None:
                     view.add_(c_all[slot])

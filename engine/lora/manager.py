@@ -86,6 +86,7 @@ class LoRAManager:
             config, model.dims, torch.finfo(dtype).bits // 8,
             cpu_element_size=torch.finfo(cpu_dtype).bits // 8, device_type=model.device.type,
             blockdiag=blockdiag, device_free_bytes=_device_free_bytes(model.device, gpu_utilization),
+            scale_element_size=torch.finfo(model.dtype).bits // 8,
         )
         self.max_loras = self.capacity.num_slots
         self.max_cpu_loras = self.capacity.max_cpu_loras
@@ -96,7 +97,7 @@ class LoRAManager:
         )
         self.buffers = SlotBuffers(
             model.dims, self.max_loras, config.max_lora_rank, dtype, model.device,
-            blockdiag=blockdiag,
+            blockdiag=blockdiag, scale_dtype=model.dtype,
         )
         self._listeners: list[AdapterListener] = []
         self.hook = LoRAStepBatch(self.buffers, self.backend, model.device)

@@ -9,11 +9,14 @@ multiplied by the adapter's scale; plus a
 per-slot ``scale`` [max_loras] fp32 and ``ranks`` [max_loras] int64 (0 = empty).
 Rows/columns beyond an adapter's rank, and modules it does not target, are zero.
 
-DoRA (``engine/lora/dora.py``): ``row_scale[l][g]`` [max_loras + 1, N_total] fp32 holds a
-DoRA slot's per-row scale ``g`` (1 on rows its adapter leaves alone; the last row is all
-ones, for rows of other adapters); ``row_shift[(l, g)]``, the same shape, its bias
+DoRA (``engine/lora/dora.py``): ``row_gain[l][g]`` [max_loras + 1, N_total] holds a
+DoRA slot's per-row scale as ``g - 1`` (0 on rows its adapter leaves alone; the last row is
+all zeros, for rows of other adapters), so that ``y + y ⊙ (g - 1)`` keeps the small learned
+deviations exact in bfloat16 too; ``row_shift[(l, g)]``, the same shape, its bias
 correction, made when a DoRA adapter first meets a base projection with a bias; ``dora[slot]``
-the ``(layer, group)`` pairs the slot's adapter scales (empty for a plain LoRA).
+the ``(layer, group)`` pairs the slot's adapter scales (empty for a plain LoRA). Both are
+kept in the projections' output dtype (``scale_dtype``: the model's), computed in float32 at
+load and rounded once here, so the scale meets ``y`` with no conversion per step.
 
 A LoRA on a fused checkpoint projection (Phi-3's ``qkv_proj``: A ``[r, H]``, B ``[q + 2kv, r]``)
 fills every slice of its group: the same A in each slice, B split by the slices' rows.
@@ -33,7 +36,7 @@ class SlotBuffers:
 
     def __init__(
         self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device,
-        *, blockdiag: bool = False,
+        *, blockdiag: bool = False, scale_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.dims = dims
         self.max_loras = max_loras
@@ -42,7 +45,7 @@ class SlotBuffers:
         self.slice_offsets: dict[str, list[int]] = {}
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
-        self.row_scale: list[dict[str, torch.Tensor]] = []
+        self.row_gain: list[dict[str, torch.Tensor]] = []
         self.row_shift: dict[tuple[int, str], torch.Tensor] = {}
         self.blockdiag = blockdiag
         for group, modules in PROJECTION_GROUPS.items():
@@ -72,11 +75,11 @@ class SlotBuffers:
             self.b.append(b_layer)
             scale_layer = {}
             for group in PROJECTION_GROUPS:
-                g = alloc(max_loras + 1, self.slice_offsets[group][-1], dtype=torch.float32,
+                g = alloc(max_loras + 1, self.slice_offsets[group][-1], dtype=scale_dtype,
                           device=device)
-                g[max_loras].fill_(1.0)
+                g[max_loras].zero_()
                 scale_layer[group] = g
-            self.row_scale.append(scale_layer)
+            self.row_gain.append(scale_layer)
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.groups: list[frozenset[str]] = [frozenset()] * max_loras
@@ -151,8 +154,8 @@ class SlotBuffers:
         for layer in range(self.dims.num_layers):
             modules = weights.dora_scales.get(layer, {})
             for group, names in PROJECTION_GROUPS.items():
-                g_row = self.row_scale[layer][group][slot]
-                g_row.fill_(1.0)
+                g_row = self.row_gain[layer][group][slot]
+                g_row.zero_()
                 shift = self.row_shift.get((layer, group))
                 if shift is not None:
                     shift[slot].zero_()
@@ -164,10 +167,10 @@ class SlotBuffers:
                     rows = (slice(0, offs[-1]) if name == fused or len(names) == 1
                             else slice(offs[names.index(name)], offs[names.index(name) + 1]))
                     g, c = modules[name]
-                    g_row[rows].copy_(g, non_blocking=True)
+                    g_row[rows].copy_(g - 1, non_blocking=True)
                     if c is not None:
                         if shift is None:
-                            shift = torch.zeros_like(self.row_scale[layer][group])
+                            shift = torch.zeros_like(self.row_gain[layer][group])
                             self.row_shift[(layer, group)] = shift
                         shift[slot, rows].copy_(c, non_blocking=True)
                     cells.add((layer, group))
@@ -185,5 +188,5 @@ class SlotBuffers:
         per slot, plus the scales' shared row of ones and any bias corrections)."""
         return sum(
             t.numel() * t.element_size()
-            for layer in self.a + self.b + self.row_scale for t in layer.values()
+            for layer in self.a + self.b + self.row_gain for t in layer.values()
         ) + sum(t.numel() * t.element_size() for t in self.row_shift.values())
