@@ -1,7 +1,8 @@
 """DoRA adapters in the one batched path, teacher-forced against PEFT (float32, CPU): DoRA,
 plain LoRA and base rows in one mixed batch (ranks 4..32, magnitudes moved away from the
 base's norms, rsLoRA, partial targets), chunked prefill and prefix-cache hits, on the
-default Llama family and Qwen3; and the same A/B served as a plain LoRA gives other numbers
+Llama family (Qwen2's q/k/v biases too), Qwen3, Gemma 3 and Phi-3 (DoRA on its fused
+projections), through the torch, C and Triton paths; and the same A/B served as a plain LoRA gives other numbers
 (so the magnitude path is what matches PEFT)."""
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ ADAPTERS = [
     ("lora", 8, ["q_proj", "k_proj", "down_proj"], False, {}),
     ("dora", 32, ["k_proj", "o_proj", "gate_proj"], False, {"layers_to_transform": [1]}),
 ]
+PHI3_ADAPTERS = [  # its checkpoints' fused names (PEFT knows no q_proj there)
+    ("dora", 4, ["qkv_proj"], False, {}),
+    ("dora", 16, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], True, {}),
+    ("lora", 8, ["qkv_proj", "down_proj"], False, {}),
+    ("dora", 32, ["o_proj", "gate_up_proj"], False, {"layers_to_transform": [1]}),
+]
 
 
 def _base(name, tmp_path, default_model_dir):
@@ -42,9 +49,9 @@ def _base(name, tmp_path, default_model_dir):
     return make_tiny_model(tmp_path / name, default_model_dir, name)
 
 
-def _adapters(base, tmp_path):
+def _adapters(base, tmp_path, specs=ADAPTERS):
     out = []
-    for i, (kind, r, targets, rs, extra) in enumerate(ADAPTERS):
+    for i, (kind, r, targets, rs, extra) in enumerate(specs):
         make = make_dora_adapter if kind == "dora" else make_peft_adapter
         out.append(make(base, tmp_path / f"a{i}", r=r, target_modules=targets, use_rslora=rs,
                         seed=i, std=0.1, **extra))
@@ -82,6 +89,8 @@ CASES = {  # name: (family, slice_runs (None: the default), LoRA backend)
     "llama-triton": ("llama", None, "triton"),  # the Triton kernels (interpreted without a GPU)
     "qwen3": ("qwen3", None, "torch"),
     "qwen2": ("qwen2", None, "torch"),
+    "gemma3": ("gemma3", None, "torch"),
+    "phi3": ("phi3", None, "torch"),  # fused q|k|v and gate|up: each slice scaled by its rows' g
 }
 
 
@@ -92,7 +101,7 @@ def test_dora_lora_and_base_rows_in_one_batch_match_peft(case, tmp_path, default
     if slice_runs is not None:
         monkeypatch.setattr("loramux.engine.lora.dora.SLICE_RUNS", slice_runs)
     base = _base(name, tmp_path, default_model_dir)
-    adapters = _adapters(base, tmp_path)
+    adapters = _adapters(base, tmp_path, PHI3_ADAPTERS if name == "phi3" else ADAPTERS)
     llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
               max_loras=len(adapters), max_lora_rank=32, max_num_batched_tokens=40,
               enable_prefix_caching=True, lora_backend=backend)
@@ -163,3 +172,19 @@ def test_bfloat16_dora_rows_follow_peft(tmp_path, default_model_dir, prompts):
         want = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None]).squeeze(1)
         err[name] = float((got - want).abs().mean())
     assert err["dora"] < err["plain"] / 5, err
+
+
+@pytest.mark.e2e
+def test_default_model_dora_matches_peft(tmp_path, default_model_dir):
+    """The real default model (SmolLM2-135M): an rsLoRA DoRA adapter on every projection,
+    beside a base row, teacher-forced against PEFT in float32."""
+    adapter = make_dora_adapter(default_model_dir, tmp_path / "a", r=16, target_modules="all-linear",
+                                std=0.02, use_rslora=True)
+    llm = LLM(str(default_model_dir), dtype="float32", device="cpu", max_model_len=256,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    ids = [1, 504, 3458, 282, 260, 2387, 30, 422, 1811, 253]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    dora, base = llm.generate([{"prompt_token_ids": ids}] * 2, params,
+                              lora_request=[LoRARequest("a", 1, str(adapter)), None])
+    assert dora.outputs[0].token_ids != base.outputs[0].token_ids
+    _check([dora], [ids], [0], [adapter], default_model_dir, {})
