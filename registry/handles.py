@@ -78,6 +78,7 @@ class AdapterHandle:
         """JSON-friendly fields for the API and the CLI."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         d["config"] = copy.deepcopy(self.config)
+        d["kind"] = self.kind
         d["default_preset"] = copy.deepcopy(self.default_preset)
         d["target_modules"] = list(self.target_modules)
         d["created_at"] = self.created_at.isoformat()

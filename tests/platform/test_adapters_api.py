@@ -250,4 +250,8 @@ async def test_dora_upload_says_its_kind_and_serves(client, env, tmp_path):
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     rows = (await client.get("/admin/adapters", headers=admin)).json()["data"]
     assert {row["kind"] for row in rows if row.get("adapter") == "dora1"} == {"DoRA"}
+    assert (await client.post("/admin/login", data={"key": ADMIN_KEY})).status_code == 303
+    page = (await client.get("/admin/ui/adapters?tenant=alpha")).text.split('<table id="adapters">', 1)[1]
+    row = page.split("<b>dora1</b>", 1)[1].split("</tr>", 1)[0]
+    assert "<td>DoRA</td>" in row and "<td>DoRA</td>" not in page.split("<b>a-only</b>", 1)[1].split("</tr>", 1)[0]
     assert (await client.delete("/v1/adapters/dora1", headers=h)).status_code == 200
