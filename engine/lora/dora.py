@@ -112,14 +112,21 @@ class DoraStep:
     """One step's DoRA rows and the per-row scale every projection applies after its LoRA
     delta (built by ``LoRAStepBatch.prepare`` when the step has a DoRA row)."""
 
-    def __init__(self, runs, buffers, device) -> None:
-        """``runs``: the step's ``(first token, end token, slot)`` runs with a DoRA slot."""
+    def __init__(self, runs, buffers, device, *, triton: bool = False) -> None:
+        """``runs``: the step's ``(first token, end token, slot)`` runs with a DoRA slot;
+        ``triton``: scale with the Triton kernel (``ops/triton_dora.py``: one launch per
+        projection over the span, other rows skipped) instead of torch ops."""
         self.buffers = buffers
         self.runs = runs
         self.cells = frozenset().union(*(buffers.dora[slot] for _, _, slot in runs))
         """The ``(layer, group)`` pairs some row of the step scales."""
         self.span = None
-        if len(runs) > SLICE_RUNS:
+        self.kernel = None
+        if triton:
+            from loramux.engine.lora.ops.triton_dora import dora_scale_rows
+
+            self.kernel = dora_scale_rows
+        if len(runs) > SLICE_RUNS or self.kernel is not None:
             lo, hi = runs[0][0], runs[-1][1]
             rows = torch.full((hi - lo,), buffers.max_loras, dtype=torch.int64)  # the zero row
             for start, end, slot in runs:
@@ -133,6 +140,10 @@ class DoraStep:
             return
         gain = self.buffers.row_gain[layer][group]
         c_all = self.buffers.row_shift.get((layer, group))
+        if self.kernel is not None:
+            lo, hi, rows = self.span
+            self.kernel(y[lo:hi], gain, c_all, rows, self.buffers.max_loras)
+            return
         if self.span is not None:
             lo, hi, rows = self.span
             view = y[lo:hi]

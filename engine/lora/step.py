@@ -29,6 +29,7 @@ class LoRAStepBatch:
         self.buffers = buffers
         self.device = device
         self._kernel = ops.lora_kernel(backend, blockdiag=buffers.blockdiag)
+        self._triton = backend == "triton"
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
         self._dora: DoraStep | None = None
@@ -47,7 +48,7 @@ class LoRAStepBatch:
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
         dora = self.buffers.dora
         runs = [run for run in self._meta.runs if dora[run[2]]]
-        self._dora = DoraStep(runs, self.buffers, self.device) if runs else None
+        self._dora = DoraStep(runs, self.buffers, self.device, triton=self._triton) if runs else None
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""

@@ -1,0 +1,53 @@
+"""DoRA's per-row scale on a step's output (``engine/lora/dora.py``): the slice, span and
+Triton (interpreted without a GPU) paths all give ``g ⊙ y + c`` on the DoRA rows of the
+step and leave every other row alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loramux.engine.lora.dora import DoraStep
+
+
+class _Buffers:
+    """The three fields DoraStep reads of ``SlotBuffers``."""
+
+    def __init__(self, n: int, dtype: torch.dtype, shift: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.max_loras = 3
+        gain = torch.randn(4, n, generator=g) * 0.1
+        gain[3] = 0  # the zero row
+        self.row_gain = [{"qkv": gain.to(dtype)}]
+        self.row_shift = {(0, "qkv"): (torch.randn(4, n, generator=g) * 0.1).to(dtype)} if shift else {}
+        if shift:
+            self.row_shift[(0, "qkv")][3] = 0
+        self.dora = [frozenset({(0, "qkv")}), frozenset(), frozenset({(0, "qkv")})]
+
+
+@pytest.mark.parametrize("mode", ["slices", "span", "triton"])
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dora_rows_scaled_others_untouched(mode, shift, dtype, monkeypatch):
+    if mode == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setattr("loramux.engine.lora.dora.SLICE_RUNS", 100 if mode == "slices" else 0)
+    n = 300  # not a multiple of the kernel's block
+    bufs = _Buffers(n, dtype, shift)
+    # tokens: slot 0 [0, 3), base [3, 5), slot 2 [5, 9), slot 1 (plain LoRA) [9, 11), slot 0 [11, 12)
+    runs = [(0, 3, 0), (5, 9, 2), (11, 12, 0)]
+    y = torch.randn(12, n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = y.float().clone()
+    for start, end, slot in runs:
+        want[start:end] = want[start:end] * (1 + bufs.row_gain[0]["qkv"][slot].float())
+        if shift:
+            want[start:end] += bufs.row_shift[(0, "qkv")][slot].float()
+    step = DoraStep(runs, bufs, "cpu", triton=mode == "triton")
+    step.apply(0, "o", y)  # a group no slot scales: nothing
+    before = y.clone()
+    step.apply(0, "qkv", y)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(y.float(), want, atol=tol, rtol=tol)
+    for start, end in ((3, 5), (9, 11)):
+        assert torch.equal(y[start:end], before[start:end])
+    assert not torch.equal(y[0:3], before[0:3])
