@@ -34,9 +34,10 @@ def test_dora_rows_scaled_others_untouched(mode, shift, dtype, monkeypatch):
     monkeypatch.setattr("loramux.engine.lora.dora.SLICE_RUNS", 100 if mode == "slices" else 0)
     n = 300  # not a multiple of the kernel's block
     bufs = _Buffers(n, dtype, shift)
-    # tokens: slot 0 [0, 3), base [3, 5), slot 2 [5, 9), slot 1 (plain LoRA) [9, 11), slot 0 [11, 12)
-    runs = [(0, 3, 0), (5, 9, 2), (11, 12, 0)]
-    y = torch.randn(12, n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    # tokens: slot 0 [0, 3), base [3, 5), a long prefill run of slot 2 [5, 25), slot 1 (plain
+    # LoRA) [25, 27), slot 0 [27, 28), slot 2 [28, 30): the long run is a slice, the rest a span
+    runs = [(0, 3, 0), (5, 25, 2), (27, 28, 0), (28, 30, 2)]
+    y = torch.randn(30, n, generator=torch.Generator().manual_seed(1)).to(dtype)
     want = y.float().clone()
     for start, end, slot in runs:
         want[start:end] = want[start:end] * (1 + bufs.row_gain[0]["qkv"][slot].float())
@@ -48,6 +49,6 @@ def test_dora_rows_scaled_others_untouched(mode, shift, dtype, monkeypatch):
     step.apply(0, "qkv", y)
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     assert torch.allclose(y.float(), want, atol=tol, rtol=tol)
-    for start, end in ((3, 5), (9, 11)):
+    for start, end in ((3, 5), (25, 27)):
         assert torch.equal(y[start:end], before[start:end])
     assert not torch.equal(y[0:3], before[0:3])
