@@ -188,3 +188,28 @@ def test_default_model_dora_matches_peft(tmp_path, default_model_dir):
                               lora_request=[LoRARequest("a", 1, str(adapter)), None])
     assert dora.outputs[0].token_ids != base.outputs[0].token_ids
     _check([dora], [ids], [0], [adapter], default_model_dir, {})
+
+
+def test_dora_whose_rows_cancel_the_base_is_refused_at_load(tmp_path, default_model_dir):
+    """``s·BA`` cancelling a base row makes ``‖W0 + s·BA‖`` ~0 and ``g`` huge: the load fails
+    naming the module, and the engine keeps serving other requests."""
+    base = make_tiny_llama(tmp_path / "llama", default_model_dir)
+    adapter = make_dora_adapter(base, tmp_path / "dora", r=4, target_modules=["q_proj"], std=0.1)
+    w0 = load_file(base / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(path)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    scale = 8 / 4  # lora_alpha 2r over r
+    tensors[key + "A.weight"][0] = w0[0]
+    tensors[key + "B.weight"][0] = 0.0
+    tensors[key + "B.weight"][0, 0] = -1.0 / scale  # s·(BA)[0] = -W0[0]
+    tensors[key + "magnitude_vector"][0] = 100.0  # accepted at upload (below 1e4)
+    save_file(tensors, path)
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=64, enable_lora=True,
+              max_loras=1, max_lora_rank=4)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(Exception, match=r"layer 0 q_proj scales its rows by up to .*nearly cancel"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params,
+                     lora_request=LoRARequest("bad", 1, str(adapter)))
+    (out,) = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
+    assert len(out.outputs[0].token_ids) == 2
