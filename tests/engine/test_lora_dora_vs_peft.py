@@ -1,9 +1,9 @@
 """DoRA adapters in the one batched path, teacher-forced against PEFT (float32, CPU): DoRA,
 plain LoRA and base rows in one mixed batch (ranks 4..32, magnitudes moved away from the
 base's norms, rsLoRA, partial targets), chunked prefill and prefix-cache hits, on the
-Llama family (Qwen2's q/k/v biases too), Qwen3, Gemma 3 and Phi-3 (DoRA on its fused
-projections), through the torch, C and Triton paths; and the same A/B served as a plain LoRA gives other numbers
-(so the magnitude path is what matches PEFT)."""
+Llama family (Qwen2's q/k/v biases too), Qwen3, Gemma 3, Gemma 2 and Phi-3 (DoRA on its fused
+projections), through the torch, C and Triton paths; and the same A/B served as a plain
+LoRA gives other numbers (so the magnitude path is what matches PEFT)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ CASES = {  # name: (family, slice_runs (None: the default), LoRA backend)
     "qwen3": ("qwen3", None, "torch"),
     "qwen2": ("qwen2", None, "torch"),
     "gemma3": ("gemma3", None, "torch"),
+    "gemma2": ("gemma2", None, "torch"),
     "phi3": ("phi3", None, "torch"),  # fused q|k|v and gate|up: each slice scaled by its rows' g
 }
 
