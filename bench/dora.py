@@ -18,6 +18,7 @@ Writes bench/results/dora.json and .png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -65,7 +66,7 @@ def make_dora(plain: list[Path], model: Path, root: Path) -> list[Path]:
                 norm = torch.linalg.vector_norm(w0 + s * (b @ a), dim=1)
                 mags.setdefault(layer, {})[module] = norm * (1 + 0.05 * torch.randn(norm.shape, generator=g))
         w.magnitudes = mags
-        w.spec = type(w.spec)(**{**w.spec.__dict__, "use_dora": True})
+        w.spec = dataclasses.replace(w.spec, use_dora=True)
         out.append(save_adapter(w, root / f"dora-{i:03d}"))
     return out
 
