@@ -87,6 +87,8 @@ class ModelFamily:
     """The targetable projections as the family's checkpoints (and PEFT) name them."""
     mapped_modules: tuple[str, ...] = ()
     """Other spellings accepted and mapped onto the slices (split names on a fused family)."""
+    moe: bool = False
+    """Mixture-of-experts layers (``BaseModelDims.num_experts`` …; ``engine/model/moe.py``)."""
 
     @property
     def lora_modules(self) -> tuple[str, ...]:
@@ -108,6 +110,10 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("gemma3", "Gemma 3 (text)", SUPPORTED_MODULES),
         ModelFamily("gemma2", "Gemma 2", SUPPORTED_MODULES),
         ModelFamily("phi3", "Phi-3 / Phi-4", _FUSED_NATIVE, SUPPORTED_MODULES),
+        # MoE: the experts are 3-D parameters, not modules; the dense MLP modules exist only in
+        # Qwen3-MoE's dense layers (``mlp_only_layers`` / ``decoder_sparse_step``)
+        ModelFamily("qwen3_moe", "Qwen3-MoE", SUPPORTED_MODULES, moe=True),
+        ModelFamily("mixtral", "Mixtral", ATTENTION_MODULES, moe=True),
     )
 }
 
@@ -157,6 +163,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture("Gemma2ForCausalLM", "gemma2", "gemma2"),
         Architecture("Phi3ForCausalLM", "phi3", "phi3"),
+        Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe"),
+        Architecture("MixtralForCausalLM", "mixtral", "mixtral"),
     )
 }
 SUPPORTED_ARCHITECTURES = {a.name: a.model_type for a in ARCHITECTURES.values()}
@@ -242,6 +250,18 @@ class BaseModelDims:
     name_or_path: str | None = None
     architecture: str | None = None
     """The Hugging Face architecture (None: the first one of ``model_type``)."""
+    num_experts: int = 0
+    """Experts per MoE layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's intermediate size."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers whose feed-forward block is the experts (the others are dense MLPs)."""
+
+    def has_module(self, layer: int, module: str) -> bool:
+        """Whether ``layer`` has the projection ``module`` (an MoE layer has no dense MLP)."""
+        return not (MODULE_PARENT.get(module) == "mlp" and layer in self.moe_layers)
 
     @property
     def arch(self) -> Architecture:
@@ -304,6 +324,7 @@ def base_dims(base_config: Any) -> BaseModelDims:
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
     name = cfg.get("_name_or_path")
+    moe = moe_dims(cfg, arch)
     return BaseModelDims(
         model_type=arch.model_type,
         num_layers=_positive_int(cfg, "num_hidden_layers"),
@@ -314,7 +335,37 @@ def base_dims(base_config: Any) -> BaseModelDims:
         head_dim=int(head_dim),
         name_or_path=str(name) if name else None,
         architecture=arch.name,
+        **moe,
     )
+
+
+def moe_dims(cfg: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
+    """The experts' dimensions of an MoE config (empty for a dense family): Mixtral's
+    ``num_local_experts`` experts of ``intermediate_size`` on every layer; Qwen3-MoE's
+    ``num_experts`` of ``moe_intermediate_size`` on the layers ``decoder_sparse_step`` picks
+    and ``mlp_only_layers`` leaves dense, as transformers builds them."""
+    if not FAMILIES[arch.family].moe:
+        return {}
+    n = _positive_int(cfg, "num_hidden_layers")
+    top_k = _positive_int(cfg, "num_experts_per_tok")
+    if arch.family == "mixtral":
+        experts = _positive_int(cfg, "num_local_experts")  # transformers' alias: num_experts
+        size = _positive_int(cfg, "intermediate_size")
+        layers = tuple(range(n))
+    else:
+        key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+        experts = _positive_int(cfg, key)  # config.json: num_experts; transformers' dict: the alias
+        size = _positive_int(cfg, "moe_intermediate_size")
+        step = _positive_int(cfg, "decoder_sparse_step")
+        dense = set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    if top_k > experts:
+        raise AdapterValidationError(
+            f"base model config: num_experts_per_tok {top_k} exceeds the {experts} experts",
+            field="num_experts_per_tok",
+        )
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=size,
+                moe_layers=layers)
 
 
 # What a name says about the model it names (``base_model_name_or_path``): the model types
@@ -322,7 +373,8 @@ def base_dims(base_config: Any) -> BaseModelDims:
 _NAME_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
     (t, re.compile(p, re.IGNORECASE))
     for t, p in (
-        ("qwen3", r"qwen-?3(?![.\d]|-?(?:moe|next|vl|omni|asr))"),
+        ("qwen3", r"qwen-?3(?![.\d]|[-_]?(?:moe|next|vl|omni|asr))(?!.*-a\d+(?:\.\d+)?b)"),
+        ("qwen3_moe", r"qwen-?3(?:[-_]?moe|.*-a\d+(?:\.\d+)?b)"),
         ("qwen2", r"qwen-?(?:2(?!-?vl|\.5-?vl|-?moe)|1\.5)|qwq"),
         ("gemma3_text", r"gemma-?3(?!n)"),
         ("gemma2", r"gemma-?2"),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from loramux.adapters import experts
 from loramux.adapters.arch import (
     LORA_MODULES,
     MODULE_PARENT,
@@ -41,6 +42,7 @@ from loramux.adapters.archive import (
     adapter_folder,
 )
 from loramux.adapters.errors import AdapterValidationError, pickle_refusal
+from loramux.adapters.experts import EXPERT_KEY_RE
 from loramux.adapters.safetensors_io import (
     FLOAT_DTYPES,
     TensorInfo,
@@ -91,6 +93,9 @@ class LoraWeights:
     warnings: list[str] = field(default_factory=list)
     prefix: str = "model."
     unserved: tuple[str, ...] = ()
+    experts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    """``experts[i][param] = (A [E, r, in], B [E, out, r])``: LoRA on layer i's expert
+    parameter ``param`` (``gate_up_proj``, ``down_proj``; ``experts.py``)."""
     magnitudes: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     dora_scales: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = field(
         default_factory=dict)
@@ -99,10 +104,11 @@ class LoraWeights:
     correction ``(1 - g) ⊙ bias`` (None when the base projection has no bias)."""
 
     def num_bytes(self) -> int:
-        """Bytes held by all A, B (and DoRA magnitude) tensors."""
+        """Bytes held by all A and B tensors (the experts' too) and DoRA magnitudes."""
         return sum(
             a.numel() * a.element_size() + b.numel() * b.element_size()
-            for modules in self.layers.values()
+            for group in (self.layers, self.experts)
+            for modules in group.values()
             for a, b in modules.values()
         ) + sum(m.numel() * m.element_size() for ms in self.magnitudes.values() for m in ms.values())
 
@@ -147,6 +153,8 @@ def _collect(
     example = tensor_key(0, accepted[0], "A", arch.peft_prefix if arch is not None else "model.")
     for key in sorted(infos):
         info = infos[key]
+        if EXPERT_KEY_RE.match(key):
+            continue  # the experts' (experts.collect)
         m = TENSOR_KEY_RE.match(key)
         if m is None:
             if NON_TEXT_KEY_RE.match(key) and (arch is None or arch.ignored_prefixes):
@@ -196,6 +204,12 @@ def _collect(
                 f"{key}: a DoRA magnitude vector, but adapter_config.json does not set use_dora",
                 field=key,
             )
+        if dims is not None and not dims.has_module(layer, module):
+            raise AdapterValidationError(
+                f"{key}: unexpected tensor; layer {layer} of the base model is a mixture-of-experts "
+                f"layer with no dense {module} (its experts are targeted through target_parameters)",
+                field=key,
+            )
         _check_float(info)
         found.setdefault((layer, module), {})["M" if m["magnitude"] else m["which"]] = info
     if len(prefixes) > 1:
@@ -239,13 +253,13 @@ def _check_layout(
             (layer, module)
             for layer in range(dims.num_layers)
             for module in spec.target_modules
-            if spec.targets(layer, module)
+            if spec.targets(layer, module) and dims.has_module(layer, module)
         ]
-        if not expected:
+        if not expected and not spec.target_parameters:
             raise refuse("target_modules", "selects no module of the base model")
     else:
         expected = sorted(found)
-        if not expected:
+        if not expected and not spec.target_parameters:
             raise refuse(WEIGHTS_NAME, "holds no LoRA tensors")
     seen_shapes: dict[str, tuple[int, int]] = {}
     for layer, module in expected:
@@ -291,6 +305,26 @@ def _load_layers(
     return layers, magnitudes
 
 
+def _load_experts(weights_path: Path, found: dict, spec: LoraSpec, dtype: torch.dtype):
+    """The experts' LoRA as ``{layer: {param: (A [E, r, in], B [E, out, r])}}``."""
+    names = [info.name for pair in found.values() for info in pair.values()]
+    tensors = load_tensors(weights_path, names, dtype=dtype)
+    out: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (layer, param), pair in sorted(found.items()):
+        a, b = tensors[pair["A"].name], tensors[pair["B"].name]
+        for t, info in ((a, pair["A"]), (b, pair["B"])):
+            if not bool(torch.isfinite(t).all()):
+                raise AdapterValidationError(f"{info.name}: contains NaN or infinite values (in {dtype}); "
+                                             f"expected finite weights", field=info.name)
+        r = spec.expert_rank(param)
+        if a.dim() != 2 or a.shape[0] % r or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise AdapterValidationError(
+                f"{pair['A'].name}: shape {list(a.shape)} / lora_B {list(b.shape)} is not PEFT's "
+                f"[experts * {r}, in] / [out, {r} * experts]", field=pair["A"].name)
+        out.setdefault(layer, {})[param] = experts.to_experts(a, b, a.shape[0] // r)
+    return out
+
+
 def _check_finite(weights_path: Path, infos: list[TensorInfo]) -> None:
     for info in infos:
         t = load_tensors(weights_path, [info.name], dtype=torch.float32)[info.name]
@@ -321,11 +355,14 @@ def load_adapter(
     with adapter_folder(path) as folder:
         spec = parse_config(read_config(folder / CONFIG_NAME), family)
         weights_path = _weights_file(folder)
-        found, prefix, unserved = _collect(read_header(weights_path), spec, None)
+        header = read_header(weights_path)
+        found, prefix, unserved = _collect(header, spec, None)
+        expert_found, _ = experts.collect(header, spec)
         _check_layout(found, spec, None, prefix=prefix)
         layers, magnitudes = _load_layers(weights_path, found, dtype)
         return LoraWeights(spec, layers, prefix=prefix, unserved=tuple(i.name for i in unserved),
-                           magnitudes=magnitudes)
+                           magnitudes=magnitudes,
+                           experts=_load_experts(weights_path, expert_found, spec, dtype))
 
 
 def validate_adapter(
@@ -365,8 +402,10 @@ def validate_adapter(
         mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)
         if mismatch:
             raise refuse("base_model_name_or_path", mismatch)
-        if spec.r > max_lora_rank:
-            raise refuse("r", f"rank {spec.r} is above max_lora_rank={max_lora_rank} (the serving limit, --max-lora-rank)")
+        if spec.max_rank > max_lora_rank:
+            field_name = "r" if spec.r == spec.max_rank else "rank_pattern"
+            raise refuse(field_name, f"rank {spec.max_rank} is above max_lora_rank={max_lora_rank} "
+                         f"(the serving limit, --max-lora-rank)")
         _check_layers(spec, dims)
         weights_path = _weights_file(folder)
         warnings: list[str] = []
@@ -378,8 +417,11 @@ def validate_adapter(
                 f" (the adapter was trained on {spec.base_model_name_or_path!r}, "
                 f"not on {base_model_name or dims.name_or_path!r})"
             )
-        found, prefix, unserved = _collect(read_header(weights_path), spec, dims)
+        header = read_header(weights_path)
+        found, prefix, unserved = _collect(header, spec, dims)
         _check_layout(found, spec, dims, hint, prefix)
+        expert_found, _ = experts.collect(header, spec)
+        experts.check(expert_found, spec, dims, hint)
         if hint:
             warnings.append(
                 f"base_model_name_or_path is {spec.base_model_name_or_path!r} but the base model "
@@ -394,7 +436,8 @@ def validate_adapter(
             )
         layers, magnitudes = _load_layers(weights_path, found, dtype)
         weights = LoraWeights(spec, layers, warnings, prefix=prefix,
-                              unserved=tuple(i.name for i in unserved), magnitudes=magnitudes)
+                              unserved=tuple(i.name for i in unserved), magnitudes=magnitudes,
+                              experts=_load_experts(weights_path, expert_found, spec, dtype))
     from loramux.adapters.probe import probe_adapter  # the probe reads LoraWeights
 
     probe_adapter(weights, serving_dtype)
@@ -415,6 +458,7 @@ def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:
     for layer, modules in weights.magnitudes.items():
         for module, m in modules.items():
             tensors[tensor_key(layer, module, "M", weights.prefix)] = m.contiguous()
+    tensors.update(experts.peft_tensors(weights, weights.prefix))
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     config = weights.spec.to_config(weights.prefix)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

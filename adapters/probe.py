@@ -58,3 +58,25 @@ def probe_adapter(weights: LoraWeights, dtype: torch.dtype = torch.float32) -> N
                     f"weights: {where} lora_magnitude_vector has values up to {peak:.3g} "
                     f"(limit {PROBE_MAX_ABS:g}): rows of a weight that large overflow its "
                     f"requests' numbers", field="weights")
+    _probe_experts(weights, dtype, limit, gen)
+
+
+def _probe_experts(weights: LoraWeights, dtype: torch.dtype, limit: float, gen) -> None:
+    """The experts' LoRA (``LoraWeights.experts``) probed as the modules' are, every expert."""
+    for layer in sorted(weights.experts):
+        for param, (a, b) in sorted(weights.experts[layer].items()):
+            where = f"layer {layer} mlp.experts.{param}"
+            scale = weights.spec.expert_scale(param)
+            peak = max(float(a.abs().max()), float(b.abs().max()) * abs(scale)) if a.numel() else 0.0
+            if not peak <= limit:
+                raise AdapterValidationError(
+                    f"weights: {where} has values up to {peak:.3g} (scaled), beyond what "
+                    f"{str(dtype).removeprefix('torch.')} can represent ({limit:.3g})", field="weights")
+            x = torch.randn(PROBE_TOKENS, a.shape[2], generator=gen).to(dtype)
+            y = torch.einsum("tk,erk,eor->eto", x, a.to(dtype), b.to(dtype)) * scale
+            top = float(y.abs().max()) if y.numel() else 0.0
+            if not top <= PROBE_MAX_ABS:
+                raise AdapterValidationError(
+                    f"weights: {where} overflows: a probe forward in "
+                    f"{str(dtype).removeprefix('torch.')} gives outputs up to {top:.3g} for a "
+                    f"unit-scale input (limit {PROBE_MAX_ABS:g})", field="weights")

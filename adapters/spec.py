@@ -25,6 +25,7 @@ from loramux.adapters.arch import (
 )
 from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError, pickle_refusal
+from loramux.adapters.experts import parameter_ranks, parse_target_parameters
 from loramux.adapters.safetensors_io import looks_like_pickle
 
 __all__ = [
@@ -50,7 +51,6 @@ _REFUSED_FEATURES = {
     "lora_bias": "lora_bias (a trained bias on lora_B) is not supported",
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
     "layer_replication": "layer_replication is not supported",
-    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
     "exclude_modules": "exclude_modules is not supported; list the modules in target_modules",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
@@ -90,6 +90,25 @@ class LoraSpec:
     base_model_name_or_path: str | None = None
     layers_to_transform: tuple[int, ...] | None = None
     module_layers: tuple[tuple[int, str], ...] = ()
+    target_parameters: tuple[str, ...] = ()
+    """Expert parameters with LoRA (``gate_up_proj``, ``down_proj``; ``adapters/experts.py``),
+    in every MoE layer."""
+    parameter_ranks: tuple[tuple[str, int, float], ...] = ()
+    """``(parameter, rank, alpha)`` of each of :attr:`target_parameters`."""
+
+    def expert_rank(self, param: str) -> int:
+        """The rank of the experts' LoRA on ``param``."""
+        return next(r for p, r, _ in self.parameter_ranks if p == param)
+
+    def expert_scale(self, param: str) -> float:
+        """The factor on ``B_e @ A_e`` of the experts' LoRA on ``param``."""
+        r, alpha = next((r, a) for p, r, a in self.parameter_ranks if p == param)
+        return alpha / (math.sqrt(r) if self.use_rslora else r)
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank of any of its LoRAs (what a slot must hold)."""
+        return max([self.r if self.target_modules else 0, *(r for _, r, _ in self.parameter_ranks)])
     use_dora: bool = False
 
     @property
@@ -122,7 +141,7 @@ class LoraSpec:
             "target_modules": [
                 *(m for m in self.target_modules if all(p[1] != m for p in self.module_layers)),
                 *(f"{prefix}layers.{i}.{MODULE_PARENT[m]}.{m}" for i, m in self.module_layers),
-            ],
+            ] or None,
             "use_rslora": self.use_rslora,
             "fan_in_fan_out": self.fan_in_fan_out,
             "bias": "none",
@@ -134,6 +153,11 @@ class LoraSpec:
             "use_dora": self.use_dora,
             "modules_to_save": None,
             "inference_mode": True,
+            **({"target_parameters": [f"mlp.experts.{p}" for p in self.target_parameters],
+                "rank_pattern": {f".*\\.{p}": r for p, r, _ in self.parameter_ranks if r != self.r},
+                "alpha_pattern": {f".*\\.{p}": a for p, _, a in self.parameter_ranks
+                                  if a != self.lora_alpha}}
+               if self.target_parameters else {}),
         }
 
 
@@ -297,9 +321,14 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
     bias = config.get("bias", "none")
     if bias != "none":
         raise refuse("bias", f"trained biases are not supported; expected 'none', got {bias!r}")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise refuse(key, "per-module ranks or alphas are not supported; expected {}")
+    params = parse_target_parameters(config, served)
+    if params and _bool(config, "use_dora"):
+        raise refuse("use_dora", "DoRA on expert parameters (target_parameters) is not supported; "
+                     "PEFT's DoRA covers linear modules only")
+    if not params:
+        for key in ("rank_pattern", "alpha_pattern"):
+            if config.get(key):
+                raise refuse(key, "per-module ranks or alphas are not supported; expected {}")
     r = config.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise refuse("r", f"expected a positive integer rank, got {r!r}")
@@ -315,7 +344,10 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
     if base is not None and not isinstance(base, str):
         raise refuse("base_model_name_or_path", f"expected a string, got {base!r}")
     layers = _parse_layers(config)
-    targets, module_layers = _parse_targets(config.get("target_modules"), layers, served)
+    if params and config.get("target_modules") in (None, []):
+        targets, module_layers = (), ()
+    else:
+        targets, module_layers = _parse_targets(config.get("target_modules"), layers, served)
     return LoraSpec(
         r=r,
         lora_alpha=float(alpha),
@@ -325,5 +357,7 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
         base_model_name_or_path=base or None,
         layers_to_transform=layers,
         module_layers=module_layers,
+        target_parameters=params,
+        parameter_ranks=parameter_ranks(config, params, r, float(alpha)),
         use_dora=_bool(config, "use_dora"),
     )

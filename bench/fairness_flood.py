@@ -67,7 +67,7 @@ def flood_case(args) -> dict:
                                   ignore_eos=True)
     results: dict = {}
 
-    warm_budget = core.scheduler.budget or StepBudget(core.config.scheduler.target_step_ms)
+    warm_budget = core.scheduler.budget or StepBudget(core.config.scheduler.target_itl_ms)
 
     def set_budget(on: bool) -> None:  # on: the engine's own budget, warm from the idle runs
         core.scheduler.budget = warm_budget if on else None

@@ -234,6 +234,13 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past ``seq``'s computed tokens: those only rejected draft tokens
+        used (speculative decoding), fresh and never keyed. Called after a verify step."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            self.pool.release(seq.block_table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the blocks and computed tokens of ``parent`` (shared, copy-on-write)."""
         for b in parent.block_table:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
+from loramux.engine.spec_decode.config import SpeculativeConfig
 
 _CPU_DTYPES = ("float32", "bfloat16")
 _CUDA_DTYPES = ("float32", "bfloat16", "float16")
@@ -101,12 +102,14 @@ class SchedulerConfig:
     """Admission and preemption order: ``vtc`` (fair share of tokens across fairness keys,
     the Virtual Token Counter) or ``fcfs`` (arrival order)."""
     enable_step_budget: bool = True
-    """Fill each step up to a target step time from a measured cost model
-    (``engine/step_budget.py``): while keys compete, decode rows are shared fairly within
-    it; prompt chunks beside decodes shrink to fit it."""
-    target_step_ms: float | None = None
-    """Target step time in milliseconds; None = derived (a small multiple of the measured
-    one-row decode step)."""
+    """Fill each step up to the ITL target from a measured cost model
+    (``engine/step_budget.py``): while decode rows run, prompt chunks shrink to fit it; while
+    keys compete, decode rows are shared fairly within it."""
+    target_itl_ms: float | None = None
+    """Inter-token latency target in milliseconds: while any decode row runs, a step's
+    predicted time stays within it (prompt chunks fill what is left, at least a minimum chunk;
+    a prompt alone gets the whole token budget); while keys compete a step aims at half of it.
+    None = derived: 3× the measured one-row decode step."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -115,8 +118,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
-        if self.target_step_ms is not None and not self.target_step_ms > 0:
-            raise ValueError(f"target_step_ms must be > 0, got {self.target_step_ms}")
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise ValueError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
         if self.fairness_policy not in ("vtc", "fcfs"):
             raise ValueError(f"fairness_policy must be vtc or fcfs, got {self.fairness_policy!r}")
 
@@ -208,13 +211,17 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     """None = LoRA disabled."""
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's ``speculative_config``); None = off."""
 
     @classmethod
-    def from_options(cls, *, enable_lora: bool = False, **options: Any) -> EngineConfig:
+    def from_options(cls, *, enable_lora: bool = False, speculative_config: Any = None,
+                     **options: Any) -> EngineConfig:
         """The nested config of flat vLLM-style options (``max_num_seqs=8, max_loras=2``);
         options left out keep their defaults; ``enable_lora`` False = no LoRA config (its
-        options are then ignored). An unknown option is a ``TypeError``."""
-        parts: dict[str, Any] = {}
+        options are then ignored); ``speculative_config``: vLLM's JSON string or dict
+        (:meth:`SpeculativeConfig.parse`). An unknown option is a ``TypeError``."""
+        parts: dict[str, Any] = {"speculative": SpeculativeConfig.parse(speculative_config)}
         for name, part in (("model", ModelConfig), ("cache", CacheConfig),
                            ("scheduler", SchedulerConfig), ("structured", StructuredOutputConfig),
                            ("lora", LoRAConfig)):

@@ -38,6 +38,7 @@ from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.spec_decode.drafter import Drafter
 from loramux.engine.step_data import ModelOutput, SchedulerOutput, StepOutcome
 from loramux.engine.structured_output import StructuredOutputManager
 
@@ -141,14 +142,20 @@ class LLMEngine:
             self.sampler, self.postprocessor, self.structured, self.lora_manager)
         self.scheduler = self._make_scheduler()
         self.requests: dict[str, Request] = {}
+        self._cycle: tuple[SchedulerOutput, float, int] | None = None
+        self._awaiting_adapter: dict[str, Request] = {}
+        """Requests whose adapter was not in a slot yet (their adapter-load wait runs)."""
+        """The last step, until its cycle ends (plan, start, forks): see _observe_cycle."""
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
             model_path.name, dtype, self.device, num_blocks, cc.block_size, self.max_model_len,
         )
 
     def _make_scheduler(self) -> Scheduler:
+        spec = self.config.speculative
+        drafter = Drafter(spec, self.max_model_len) if spec is not None else None
         return Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.lora_manager,
-                         outputs=self.output_processor)
+                         outputs=self.output_processor, drafter=drafter)
 
     def _running_lora_keys(self) -> set[str]:
         return {s.lora_key for s in self.scheduler.running if s.lora_key is not None}
@@ -242,6 +249,10 @@ class LLMEngine:
                 seq.generator = torch.Generator().manual_seed(params.seed + i * 1_000_003)
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, lora_request)
+        if lora_key is None or self.lora_manager.is_resident(lora_key):
+            req.metrics.adapter_ready_time = req.metrics.arrival_time
+        else:
+            self._awaiting_adapter[request_id] = req
         # one prefill: the siblings fork from the first sequence once its prompt is computed
         self.scheduler.add(seqs[0])
         seqs[0].pending_forks = seqs[1:]
@@ -258,6 +269,8 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        if not self.requests:  # the engine goes idle: the last step's cycle ends now
+            self._observe_cycle(time.perf_counter())
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -273,19 +286,45 @@ class LLMEngine:
         The three phases, each handing plain data to the next: the scheduler's plan, the
         runner's :meth:`execute`, the scheduler's ``update_from_output``; then the requests'
         bookkeeping."""
+        t0 = time.perf_counter()
+        self._observe_cycle(t0)
+        if self._awaiting_adapter:
+            self._note_adapters_ready()
         failed = self._fail_broken_adapters()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self.lora_manager.poll(wait=0.005)
             return failed
-        t0 = time.perf_counter()
         output = self.execute(plan)
         outcome = self.scheduler.update_from_output(plan, output)
-        if output.error is None:
-            self.scheduler.observe_step(plan, time.perf_counter() - t0, extra_rows=outcome.num_forks)
         done = self._settle(outcome)
+        if output.error is None:
+            self._cycle = (plan, t0, outcome.num_forks)
+            if not self.requests:  # nothing follows at once: the step ends here
+                self._observe_cycle(time.perf_counter())
         seen = {r.request_id for r in done}
         return [*(r for r in failed if r.request_id not in seen), *done]
+
+    def _note_adapters_ready(self) -> None:
+        """Stamp the requests whose adapter reached a slot since the last step."""
+        now = time.monotonic()
+        for rid, req in list(self._awaiting_adapter.items()):
+            key = req.lora_request.key
+            if req.finished or req.aborted:
+                del self._awaiting_adapter[rid]
+            elif self.lora_manager.is_resident(key) or req.metrics.first_scheduled_time is not None:
+                req.metrics.adapter_ready_time = now
+                del self._awaiting_adapter[rid]
+
+    def _observe_cycle(self, now: float) -> None:
+        """Feed the step budget the last step's whole cycle: from its planning to the start of
+        the next step (outputs delivered, commands run), the gap a decode row sees between two
+        tokens; a step after which the engine had nothing left is measured to its own end."""
+        if self._cycle is None:
+            return
+        plan, t0, forks = self._cycle
+        self._cycle = None
+        self.scheduler.observe_step(plan, now - t0, extra_rows=forks)
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Phase 2: order the rows, run the model with the step's adapters; a batch-level
@@ -299,13 +338,13 @@ class LLMEngine:
                     metrics.first_scheduled_time = now
             self.lora_manager.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
             try:
-                logits, prompt_logits = self.runner.execute(batch, plan.copies)
+                logits, prompt_logits, draft_logits = self.runner.execute(batch, plan.copies)
             finally:
                 self.lora_manager.finish_step()
         except Exception as exc:
             logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
             return ModelOutput(plan.scheduled, error=exc)
-        return ModelOutput(batch.rows, logits, prompt_logits)
+        return ModelOutput(batch.rows, logits, prompt_logits, draft_logits)
 
     def _settle(self, outcome: StepOutcome) -> list[Request]:
         """The requests' side of a step: failed ones end (error attached), timestamps, and
@@ -314,9 +353,17 @@ class LLMEngine:
         for req in self.fail_requests(outcome.failed):
             touched[req.request_id] = req
         now = time.monotonic()
+        target = self.scheduler.itl_target()
         for req in touched.values():
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            elif m.last_token_time is not None:
+                gap = now - m.last_token_time
+                m.inter_token_latencies.append(gap)
+                if target is not None and gap > target:
+                    m.itl_misses += 1
+            m.last_token_time, m.itl_target = now, target
             if req.finished:
                 req.metrics.finished_time = now
                 self.requests.pop(req.request_id, None)
@@ -375,6 +422,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.kv.pool.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                  listeners=self.kv.listeners)  # they hear all_blocks_cleared
         self.scheduler = self._make_scheduler()
+        self._cycle = None
+        self._awaiting_adapter.clear()
 
     def stats(self) -> EngineStats:
         """Counters for the platform's metrics: queue lengths, KV usage, preemptions and the
@@ -387,6 +436,7 @@ class LLMEngine:
             prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
             cpu_kernels=kernels.state, cpu_kernels_reason=kernels.reason,
+            spec_decode=drafter.snapshot() if (drafter := self.scheduler.drafter) else {},
         )
 
     def add_kv_listener(self, listener: KVEventListener) -> Callable[[], None]:

@@ -41,7 +41,7 @@ class LLM:
         enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
         enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
         enable_step_budget: bool = SchedulerConfig.enable_step_budget,
-        target_step_ms: float | None = SchedulerConfig.target_step_ms,
+        target_itl_ms: float | None = SchedulerConfig.target_itl_ms,
         block_size: int = CacheConfig.block_size,
         gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
         kv_cache_memory: int | None = CacheConfig.kv_cache_memory,
@@ -52,10 +52,13 @@ class LLM:
         max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
         lora_backend: str = LoRAConfig.lora_backend,
         lora_memory: int | None = LoRAConfig.lora_memory,
+        speculative_config: dict | str | None = None,
         adapter_source: AdapterSource | None = None,
         **unused,
     ) -> None:
-        """Options as in ``vllm.LLM``; their defaults are the engine's (``engine/config.py``)."""
+        """Options as in ``vllm.LLM``; their defaults are the engine's (``engine/config.py``).
+        ``speculative_config``: vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens":
+        4, "prompt_lookup_max": 4}`` (``engine/spec_decode/config.py``)."""
         ignored = {k for k in unused if k not in _VLLM_ACCEPTED}
         if ignored:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(ignored)}")
@@ -67,11 +70,12 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching, block_size=block_size,
-            enable_step_budget=enable_step_budget, target_step_ms=target_step_ms,
+            enable_step_budget=enable_step_budget, target_itl_ms=target_itl_ms,
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory=kv_cache_memory,
             num_gpu_blocks_override=num_gpu_blocks_override, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             lora_backend=lora_backend, lora_memory=lora_memory,
+            speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine(config, adapter_source)
         self._counter = 0

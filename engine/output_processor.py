@@ -51,7 +51,7 @@ def nonfinite_rows(out: ModelOutput) -> set[int]:
         if flagged.numel():
             exact = ~torch.isfinite(logits.index_select(0, flagged)).all(dim=1)
             bad.update(flagged[exact].tolist())
-    for row, rows in out.prompt_logits.items():
+    for row, rows in (*out.prompt_logits.items(), *out.draft_logits.items()):
         if not bool(torch.isfinite(rows).all()):
             bad.add(row)
     return bad

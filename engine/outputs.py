@@ -41,12 +41,39 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (time.monotonic) of a request's life."""
+    """Timestamps (time.monotonic) of a request's life, and the gaps between its tokens
+    (written on the engine thread; read them once the request finished)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    adapter_ready_time: float | None = None
+    """When its adapter was first seen in a device slot (its arrival when it was already
+    there; None for the base model or before)."""
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    """Seconds between consecutive steps that gave the request new tokens."""
+    itl_target: float | None = None
+    """The engine's inter-token latency target (seconds) as of its last token (None: none yet)."""
+    itl_misses: int = 0
+    """Gaps in :attr:`inter_token_latencies` longer than the target of their moment."""
+
+    def timing(self) -> dict[str, float] | None:
+        """Seconds spent in each phase, once it has a first token: ``queue`` (arrival to
+        first scheduled step), ``adapter_load`` (the part of the queue wait its adapter was
+        not in a slot yet), ``prefill`` (first scheduled step to first token) and ``decode``
+        (first token to the end, or to now while it runs)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        ready = self.adapter_ready_time if self.adapter_ready_time is not None else self.arrival_time
+        end = self.finished_time if self.finished_time is not None else self.last_token_time
+        return {
+            "queue": max(0.0, self.first_scheduled_time - self.arrival_time),
+            "adapter_load": max(0.0, min(ready, self.first_scheduled_time) - self.arrival_time),
+            "prefill": max(0.0, self.first_token_time - self.first_scheduled_time),
+            "decode": max(0.0, (end or self.first_token_time) - self.first_token_time),
+        }
 
 
 @dataclass
@@ -87,6 +114,9 @@ class EngineStats:
     here: the CPU hot path runs on torch ops, several times slower)."""
     cpu_kernels_reason: str | None = None
     """Why the kernels are not ``ok`` (may name paths: for the admin only)."""
+    spec_decode: dict = field(default_factory=dict)
+    """Speculative decoding per adapter key (``base`` = none) -> ``SpecCounts`` (drafts,
+    drafted and accepted tokens since start); empty when it is off."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class StepBatch:
     """The rows of a step in the runner's order; row i of the logits belongs to ``rows[i]``."""
 
     rows: list[ScheduledRow]
-    num_decode: int = 0  # rows 0..num_decode-1 decode one token; the rest prefill
+    num_decode: int = 0  # rows 0..num_decode-1 decode one token; the rest prefill or verify
 
     @property
     def row_lora_keys(self) -> list[str | None]:
@@ -96,11 +96,12 @@ class ModelRunner:
         ]
 
     def order(self, plan: SchedulerOutput, slot_of: Mapping[str, int]) -> StepBatch:
-        """Decode rows first, then prefills; within each, grouped by adapter slot (``slot_of``:
-        the resident adapters' slots; base-model rows last) so the LoRA tokens lead the batch
-        in slot order and the LoRA kernels read them in place."""
-        decode = [r for r in plan.scheduled if not r.is_prefill]
-        prefill = [r for r in plan.scheduled if r.is_prefill]
+        """Decode rows first, then prefills and verify rows (speculative decoding: several
+        tokens after a computed context, attended as a prompt chunk is); within each, grouped
+        by adapter slot (``slot_of``: the resident adapters' slots; base-model rows last) so
+        the LoRA tokens lead the batch in slot order and the LoRA kernels read them in place."""
+        decode = [r for r in plan.scheduled if not r.is_prefill and not r.num_draft_tokens]
+        prefill = [r for r in plan.scheduled if r.is_prefill or r.num_draft_tokens]
         if slot_of:
             def key(r: ScheduledRow) -> int:
                 return slot_of[r.lora_key] if r.lora_key is not None else 1 << 30
@@ -112,10 +113,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, batch: StepBatch, copies: list[tuple[int, int]] = ()
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Run one step after copying the ``copies`` blocks (copy-on-write). Returns logits
-        [B, V] fp32 for the last token of each sequence, and for sequences that asked for
-        prompt logprobs (row -> logits [P - 1, V] of their prompt positions 0..P-2)."""
+        [B, V] fp32 for the last token of each sequence, for sequences that asked for
+        prompt logprobs (row -> logits [P - 1, V] of their prompt positions 0..P-2), and for
+        verify rows (row -> logits [k, V] of their positions before the last)."""
         dev = self.model.device
         if copies:
             self._copy_blocks(copies)
@@ -147,13 +149,15 @@ class ModelRunner:
         prompt_lens = torch.repeat_interleave(torch.tensor([r.num_prompt_tokens for r in rows]), counts_t)
         logit_rows = [ends - 1]
         prompt_rows: dict[int, tuple[int, int]] = {}  # row -> (offset in logits, count)
+        draft_rows: dict[int, tuple[int, int]] = {}
         offset = len(rows)
         for i, r in enumerate(rows):
-            if r.num_prompt_logits:
-                start = int(ends[i]) - r.num_new_tokens
-                logit_rows.append(torch.arange(start, start + r.num_prompt_logits))
-                prompt_rows[i] = (offset, r.num_prompt_logits)
-                offset += r.num_prompt_logits
+            for wanted, into in ((r.num_prompt_logits, prompt_rows), (r.num_draft_tokens, draft_rows)):
+                if wanted:
+                    start = int(ends[i]) - r.num_new_tokens
+                    logit_rows.append(torch.arange(start, start + wanted))
+                    into[i] = (offset, wanted)
+                    offset += wanted
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             positions.to(dev),
@@ -164,7 +168,8 @@ class ModelRunner:
         )
         b = len(rows)
         extra = {row: logits[o : o + c] for row, (o, c) in prompt_rows.items()}
-        return logits[:b], extra
+        drafts = {row: logits[o : o + c] for row, (o, c) in draft_rows.items()}
+        return logits[:b], extra, drafts
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size

@@ -35,6 +35,8 @@ from loramux.engine.fairness import DECODE_COST, AdmissionPolicy, make_policy
 from loramux.engine.lora.admission import AdapterAdmission, AdapterGate
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.spec_decode.drafter import Drafter, cost_ratio
+from loramux.engine.spec_decode.verify import verify_drafts
 from loramux.engine.step_budget import StepBudget, StepShape
 from loramux.engine.step_data import ModelOutput, ScheduledRow, SchedulerOutput, StepOutcome
 
@@ -44,22 +46,26 @@ logger = logging.getLogger(__name__)
 class _Planned:
     """A sequence and how many of its tokens are computed this step (planning only)."""
 
-    __slots__ = ("seq", "num_new_tokens", "is_prefill")
+    __slots__ = ("seq", "num_new_tokens", "is_prefill", "drafts")
 
-    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
+    def __init__(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
         self.seq = seq
-        self.num_new_tokens = num_new_tokens
-        self.is_prefill = num_new_tokens > 1 or seq.num_computed_tokens < seq.num_tokens - 1
+        self.drafts = drafts or []  # a verify row: the last token, then these drafts
+        self.num_new_tokens = num_new_tokens + len(self.drafts)
+        self.is_prefill = not self.drafts and (
+            num_new_tokens > 1 or seq.num_computed_tokens < seq.num_tokens - 1)
 
     def row(self) -> ScheduledRow:
         seq, n = self.seq, self.num_new_tokens
         start = seq.num_computed_tokens
         prompt_logits = 0
-        if n > 1 and seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None:
+        if (n > 1 and not self.drafts and seq.params.prompt_logprobs is not None
+                and seq.prompt_logprobs is None):
             prompt_logits = seq.num_prompt_tokens - 1
-        return ScheduledRow(seq.request_id, seq.seq_id, n, start, seq.token_ids[start : start + n],
+        ids = seq.token_ids[start : start + n] + self.drafts
+        return ScheduledRow(seq.request_id, seq.seq_id, n, start, ids,
                             list(seq.block_table), seq.lora_key, self.is_prefill, prompt_logits,
-                            seq.num_prompt_tokens)
+                            seq.num_prompt_tokens, len(self.drafts))
 
 
 class _Plan:
@@ -72,8 +78,8 @@ class _Plan:
         self.num_tokens = 0
         self.num_prefill_tokens = 0
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        item = _Planned(seq, num_new_tokens)
+    def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
+        item = _Planned(seq, num_new_tokens, drafts)
         self.items.append(item)
         self.num_tokens += num_new_tokens
         if item.is_prefill:
@@ -105,9 +111,12 @@ class Scheduler:
         policy: AdmissionPolicy | None = None,
         *,
         outputs: OutputProcessor,
+        drafter: Drafter | None = None,
     ) -> None:
         """``adapters``: the adapter slots admission asks (None: adapter requests wait);
-        ``outputs``: what turns a step's logits into tokens (:meth:`update_from_output`)."""
+        ``outputs``: what turns a step's logits into tokens (:meth:`update_from_output`);
+        ``drafter``: speculative decoding's drafts for decode rows (None = off)."""
+        self.drafter = drafter
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -127,7 +136,7 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         """Every sequence queued or running, by id (rows of a plan name them so)."""
         self.num_preemptions = 0
-        self.budget = StepBudget(config.target_step_ms) if config.enable_step_budget else None
+        self.budget = StepBudget(config.target_itl_ms) if config.enable_step_budget else None
         """The step-time budget (None = token/sequence limits only)."""
         self._prefill_cap: int | None = None  # this step's prompt tokens (step budget)
 
@@ -216,8 +225,15 @@ class Scheduler:
         bad = self.outputs.check_rows(output, seqs)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        verify_rows: list[int] = []
+        verify_seqs: list[Sequence] = []
         for i, (row, seq) in enumerate(zip(output.rows, seqs, strict=True)):
             if row.request_id in bad:
+                continue
+            if row.num_draft_tokens:
+                seq.num_computed_tokens += 1  # the last token; the drafts count once accepted
+                verify_rows.append(i)
+                verify_seqs.append(seq)
                 continue
             seq.num_computed_tokens += row.num_new_tokens
             self.kv.register_computed(seq)
@@ -238,9 +254,42 @@ class Scheduler:
                 if seq.is_finished:
                     self.finish(seq)
                 advanced[seq.request_id] = None
+        if verify_rows:
+            for v in verify_drafts(self.outputs, output, verify_rows, verify_seqs, bad):
+                self._settle_verified(v.seq, v.num_drafted, v.num_accepted)
+                advanced[v.seq.request_id] = None
         outcome.advanced = list(advanced)
         outcome.failed = bad
         return outcome
+
+    def _settle_verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """A verify row's sequence after acceptance: the accepted drafts' KV counts, the
+        blocks only rejected drafts used go back to the pool."""
+        if self.drafter is not None:
+            self.drafter.record(seq, num_drafted, num_accepted)
+        if seq.is_finished:
+            self.finish(seq)
+            return
+        seq.num_computed_tokens += num_accepted
+        self.kv.trim(seq)
+        self.kv.register_computed(seq)
+
+    def _draft_cost_ratio(self, num_decodes: int) -> float:
+        """The drafter's cost ratio for a step of ``num_decodes`` rows (spec_decode/drafter.py)."""
+        model = self.budget.model if self.budget is not None else None
+        coef = model.coef if model is not None and model.warm else None
+        adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
+        return cost_ratio(coef, num_decodes, adapters)
+
+    def _draft(self, seq: Sequence, spare: int, ratio: float) -> list[int]:
+        """Drafts for ``seq``'s decode row within ``spare`` tokens of the step's budget, and
+        only when its blocks can hold them beside the row's own token."""
+        if self.drafter is None or spare <= 0:
+            return []
+        drafts = self.drafter.draft(seq, spare, ratio)
+        if drafts and not self.kv.can_allocate(seq, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of ``seq``'s uncomputed prompt to compute now (0 = not this step)."""
@@ -252,6 +301,10 @@ class Scheduler:
         kept: list[Sequence] = []
         queue = list(self.running)  # oldest first
         run_now = self._budget_decodes()
+        # drafts take what the step's token budget leaves beside one token per decode
+        num_decodes = sum(1 for s in queue if s.num_computed_tokens >= s.num_tokens - 1)
+        spare = self.max_num_batched_tokens - num_decodes
+        ratio = self._draft_cost_ratio(num_decodes) if self.drafter is not None else 0.0
         while queue:
             seq = queue.pop(0)
             if seq.num_computed_tokens < seq.num_tokens - 1:
@@ -260,6 +313,7 @@ class Scheduler:
             if run_now is not None and id(seq) not in run_now:
                 kept.append(seq)  # the step budget rotates it plan of this step
                 continue
+            drafts = self._draft(seq, spare, ratio)
             while not self.kv.can_allocate(seq, 1):
                 victim = self.policy.victim([*kept, seq, *queue])
                 if victim in queue:
@@ -271,8 +325,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.kv.allocate(seq, 1, plan.copies)
-                plan.add(seq, 1)
+                self.kv.allocate(seq, 1 + len(drafts), plan.copies)
+                plan.add(seq, 1, drafts)
+                spare -= len(drafts)
                 kept.append(seq)
         self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
 
@@ -317,7 +372,9 @@ class Scheduler:
         )
 
     def _admit_waiting(self, plan: _Plan) -> None:
-        for victim in self.admission.plan(self.waiting, self.running):
+        order = self.policy.order(self.waiting)
+        fair = self.config.fairness_policy == "vtc"
+        for victim in self.admission.plan(order, self.running, fair_order=fair):
             # a closed adapter that did not drain in time: its slot goes to a starving one
             self.running.remove(victim)
             plan.drop(victim)
@@ -329,7 +386,7 @@ class Scheduler:
         def has_place(seq: Sequence) -> bool:
             return len(self.running) + len(admitted) < max_seqs and self._budget(plan, seq) > 0
 
-        for seq in self.policy.order(self.waiting):
+        for seq in order:
             if not self._make_room(seq, plan, lambda s=seq: has_place(s)):
                 break
             if not self.admission.allows(seq, in_use):
@@ -385,12 +442,19 @@ class Scheduler:
         self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
         return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
 
+    def itl_target(self) -> float | None:
+        """The inter-token latency target now (seconds; None: no step budget, or not known
+        yet)."""
+        return self.budget.itl_target() if self.budget is not None else None
+
     def observe_step(self, plan: SchedulerOutput, seconds: float, extra_rows: int = 0) -> None:
         """Feed the step budget's cost model the measured wall time of ``plan``'s step;
         ``extra_rows``: sequences sampled beyond the plan's rows (forks of ``n`` siblings)."""
         if self.budget is None or plan.is_empty:
             return
-        shape = StepShape(plan.num_decode_rows + extra_rows, plan.num_prefill_tokens, plan.num_adapters)
+        # a verify row's drafts cost what prompt tokens after a cached context cost
+        shape = StepShape(plan.num_decode_rows + extra_rows,
+                          plan.num_prefill_tokens + plan.num_draft_tokens, plan.num_adapters)
         self.budget.observe(shape, seconds)
 
     def _make_room(self, seq: Sequence, plan: _Plan, fits) -> bool:

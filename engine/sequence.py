@@ -73,6 +73,8 @@ class Sequence:
     detok_state: object | None = None
     grammar: object | None = None
     """xgrammar matcher when the request has structured_outputs."""
+    spec_state: object | None = None
+    """Speculative decoding's per-sequence state (``spec_decode/drafter.py``; None = none yet)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

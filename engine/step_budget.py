@@ -1,29 +1,35 @@
-"""A step-time budget (Sarathi-Serve's idea, adapted to tenants sharing one engine).
+"""A step-time budget (Sarathi-Serve's idea, adapted to tenants sharing one engine): the
+inter-token latency target as a scheduled quantity.
 
-On the CPU a step's cost grows with every row in it: a flooder's 256 decode sequences
-make every step ~1 s, and a neighbour's short request pays that per token even though
-fair share admitted it at once. So each step is filled up to a *target step time*
-instead of a fixed token/sequence count:
+A decode row gets one token per step it runs in, so a step's wall time *is* the gap its
+streaming client sees between two tokens. On the CPU a step's cost grows with every row and
+prompt token in it: a 600-token prompt chunk beside running decodes froze their streams for
+seconds, and a flooder's 256 decode sequences made every step ~1 s. So each step is filled up
+to a time, not to a fixed token/sequence count:
 
 * :class:`StepCostModel` fits ``seconds ≈ c0 + c_decode · decode rows + c_prefill ·
   prompt tokens + c_adapter · adapters`` online (least squares with forgetting) from the
-  measured wall time of every step.
-* :class:`StepBudget` turns the target into limits for the next step. While more than
-  one fairness key has work (or had, within :data:`RECENT_S`), decode rows are capped to what fits the target and shared
-  fairly across keys (water-filling; within a key the least recently scheduled rows
-  first, so a flooder's surplus rotates and a small key always gets its rows in), with
-  room kept for waiting keys' prompts. Prompt chunks that run beside decodes shrink to
-  what is left of the target while keys compete (never below :data:`MIN_CHUNK_TOKENS`, nor below
-  :data:`CHUNK_SHARE` of the decodes' own cost, so prompts always progress); a step with
-  no decode keeps the full token budget (no one's inter-token latency is at stake).
-  One key alone with only decodes keeps the fewest rows that still give
-  :data:`ALONE_EFFICIENCY` of the throughput of running them all (so its throughput stays
-  within a few percent of the uncapped engine's, and a newcomer never waits behind a step
-  of every row); alone with prompts to compute, it runs every row and its prompts join with
-  the whole token budget (vLLM's chunked prefill: the step is long anyway).
+  measured cycle of every step (planning to the next step: outputs delivered included).
+* :class:`StepBudget` turns the **ITL target** (``SchedulerConfig.target_itl_ms``; unset,
+  :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine)
+  into limits for the next step:
 
-The target is ``SchedulerConfig.target_step_ms``; unset, it is :data:`DEFAULT_MULTIPLE`
-times the model's predicted single-row decode step (it follows the machine).
+  - While any decode row runs, the step's prompt tokens are capped so the predicted step
+    stays within the target: prompt chunks fill what the decodes leave, never below
+    :data:`MIN_CHUNK_TOKENS` nor below :data:`CHUNK_SHARE` of the decodes' own cost, so the
+    prompts ahead of a waiting one shrink by at least that every step (no starvation).
+    A step with no decode row gives its prompts the whole token budget (no one's ITL is at
+    stake).
+  - While more than one fairness key has work (or had, within :data:`RECENT_S`) the step
+    aims at :data:`CONTENTION_SHARE` of the target: decode rows are capped to what fits and
+    shared fairly across keys (water-filling; within a key the least recently scheduled
+    rows first, so a flooder's surplus rotates and a small key's rows run every step), with
+    room kept for waiting keys' prompts.
+  - One key alone with only decodes keeps the fewest rows that still give
+    :data:`ALONE_EFFICIENCY` of the throughput of running them all (its throughput stays
+    within a few percent of the uncapped engine's, a newcomer never waits behind a step of
+    every row); alone with prompts to compute, every row runs and the prompts take what the
+    target leaves.
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ import numpy as np
 
 from loramux.engine.sequence import Sequence
 
-DEFAULT_MULTIPLE = 1.5
-"""Derived target step time = this × the predicted cost of a one-row decode step."""
+DEFAULT_MULTIPLE = 3.0
+"""Derived ITL target = this × the predicted cost of a one-row decode step."""
+CONTENTION_SHARE = 0.5
+"""While fairness keys compete a step aims at this share of the ITL target: a small key's
+rows, which run every step, stay well within it beside a flooder whose surplus rotates."""
 MIN_CHUNK_TOKENS = 16
 """Fewest prompt tokens a step beside decodes still computes (prompts always progress)."""
 CHUNK_SHARE = 0.5
@@ -119,8 +128,8 @@ class StepLimits:
 class StepBudget:
     """Fills a step up to the target step time; the scheduler asks it once per step."""
 
-    def __init__(self, target_step_ms: float | None = None, model: StepCostModel | None = None) -> None:
-        self.target_s = target_step_ms / 1000.0 if target_step_ms else None
+    def __init__(self, target_itl_ms: float | None = None, model: StepCostModel | None = None) -> None:
+        self.target_s = target_itl_ms / 1000.0 if target_itl_ms else None
         self.model = model or StepCostModel()
         self.steps = 0
         self._last_seen: dict = {}  # fairness key -> clock time it last had work
@@ -128,10 +137,17 @@ class StepBudget:
         """Seconds (monotonic); tests put a fake clock here."""
 
     def target(self, adapters: int = 0) -> float:
-        """Seconds one step may take: the configured target, or the derived one."""
+        """The ITL target in seconds: the configured one, or the derived one (0.0 while the
+        cost model is cold and none is configured)."""
         if self.target_s is not None:
             return self.target_s
         return DEFAULT_MULTIPLE * self.model.predict(StepShape(1, 0, adapters))
+
+    def itl_target(self) -> float | None:
+        """The ITL target a decode row is promised now (seconds; None until it is known)."""
+        if self.target_s is None and not self.model.warm:
+            return None
+        return self.target(1)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.model.observe(shape, seconds)
@@ -153,10 +169,10 @@ class StepBudget:
             return StepLimits(candidates, None)
         m = self.model
         c0, c_dec, c_pre, c_ad = m.coef
-        target = self.target(adapters)
         decode = candidates
         n = len(candidates)
         alone = len(self._last_seen) <= 1  # no other key had work within RECENT_S
+        target = self.target(adapters) * (1.0 if alone else CONTENTION_SHARE)
         if n > 1 and c_dec > 0:
             fixed = c0 + c_ad * adapters
             reserve = c_pre * MIN_CHUNK_TOKENS if keys_with_prompts else 0.0
@@ -164,8 +180,8 @@ class StepBudget:
             max_rows = max(len({s.fairness_key for s in candidates}),
                            int((target - fixed - reserve) / c_dec))
             if alone and keys_with_prompts:
-                # alone with prompts to compute: its prompts join in full (below), so the step
-                # is long anyway, and capping its decodes cost it ~10% throughput and ~2x TTFT
+                # alone with prompts to compute: every row runs and the prompts take what the
+                # target leaves (capping its own decodes cost it ~10% throughput, ~2x TTFT)
                 max_rows = n
             elif alone:  # decodes only: the rows its throughput needs
                 e = ALONE_EFFICIENCY
@@ -174,10 +190,7 @@ class StepBudget:
                 decode = fair_rows(candidates, max_rows, keys_with_prompts, by_key=fair)
         for seq in decode:
             seq.budget_ran = self.steps
-        if not decode or c_pre <= 0 or alone:
-            # alone, a key's prompts join its decodes in full (as vLLM's chunked prefill):
-            # no other tenant's inter-token latency is at stake, and small chunks cost it
-            # ~40% of its throughput and ~4x its TTFT (bench/fast_step.py)
+        if not decode or c_pre <= 0:  # a prompt alone: nobody's inter-token latency at stake
             return StepLimits(decode, None)
         decode_cost = c_dec * len(decode)
         left = max(target - (c0 + c_ad * adapters) - decode_cost, CHUNK_SHARE * decode_cost)

@@ -43,6 +43,10 @@ class ScheduledRow:
     (0 = none; a row asking for them carries its whole prompt)."""
     num_prompt_tokens: int = 0
     """The sequence's prompt length (the rotary of LongRoPE models depends on it)."""
+    num_draft_tokens: int = 0
+    """A verify row (speculative decoding): the last ``num_draft_tokens`` of ``token_ids``
+    are drafts after the sequence's last token; the runner returns the logits of every
+    position (``ModelOutput.draft_logits``)."""
 
 
 @dataclass
@@ -62,6 +66,11 @@ class SchedulerOutput:
     @property
     def num_prefill_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.scheduled if r.is_prefill)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafted tokens the verify rows compute (speculative decoding)."""
+        return sum(r.num_draft_tokens for r in self.scheduled)
 
     @property
     def num_decode_rows(self) -> int:
@@ -88,6 +97,9 @@ class ModelOutput:
     """[B, V] fp32, row i for ``rows[i]``'s last token of the step."""
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     """row -> [P - 1, V] logits of the prompt positions (prompt logprobs)."""
+    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    """row -> [k, V] logits of a verify row's positions before its last (its last token and
+    its first k - 1 drafts); the last position's logits are ``logits[row]``."""
     error: Exception | None = None
     """Set when the step failed as a whole (e.g. an allocation): its requests fail."""
 

@@ -37,7 +37,8 @@ ENGINE_OPTIONS = tuple(f.name for part in (ModelConfig, CacheConfig, SchedulerCo
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's configuration for these settings (every engine option, by name)."""
     return EngineConfig.from_options(
-        **{name: getattr(settings, name) for name in ENGINE_OPTIONS}, enable_lora=settings.enable_lora)
+        **{name: getattr(settings, name) for name in ENGINE_OPTIONS}, enable_lora=settings.enable_lora,
+        speculative_config=settings.speculative_config)
 
 
 def request_limits(settings: Settings) -> RequestLimits:

@@ -67,6 +67,20 @@ class Metrics:
             registry=r,
         )
         self._goodput = [0, 0]  # met, checked
+        self.itl = Histogram(
+            "loramux_inter_token_latency_seconds", "Gaps between a request's consecutive "
+            "token-producing engine steps (what a streaming client sees between chunks).",
+            ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl_misses = Counter(
+            "loramux_itl_misses", "Gaps between a request's tokens longer than the engine's "
+            "inter-token latency target (--target-itl-ms, or the derived one); the share is "
+            "this over loramux_inter_token_latency_seconds_count.", ["adapter"], registry=r,
+        )
+        self.itl_target = Gauge(
+            "loramux_itl_target_seconds", "The engine's inter-token latency target as of the "
+            "last finished request (0 until known).", registry=r,
+        )
         self.e2e = Histogram(
             "loramux_e2e_request_latency_seconds", "Time from arrival to the last token.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
@@ -131,6 +145,19 @@ class Metrics:
             "loramux_kv_events_dropped", "KV events dropped since start because the publisher's "
             "queue was full (the engine step never waits).", registry=r,
         )
+        self.spec_drafts = Gauge(
+            "loramux_spec_decode_num_drafts", "Speculative decoding: verify steps with drafted "
+            "tokens since start, per adapter (vLLM's spec_decode_num_drafts).", ["adapter"],
+            registry=r)
+        self.spec_draft_tokens = Gauge(
+            "loramux_spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted since "
+            "start, per adapter.", ["adapter"], registry=r)
+        self.spec_accepted_tokens = Gauge(
+            "loramux_spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens the "
+            "model accepted since start, per adapter.", ["adapter"], registry=r)
+        self.spec_acceptance = Gauge(
+            "loramux_spec_decode_acceptance_rate", "Speculative decoding: accepted / drafted "
+            "tokens since start, per adapter.", ["adapter"], registry=r)
         self.rejected = Counter(
             "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
         )
@@ -187,6 +214,17 @@ class Metrics:
                 self._goodput[0] += 1
             self.goodput_share.set(self._goodput[0] / self._goodput[1])
 
+    def observe_itl(self, adapter: str, gaps: list[float], misses: int, target: float | None) -> None:
+        """One finished request's gaps between tokens and how many missed the ITL target."""
+        hist = self.itl.labels(adapter)
+        for gap in gaps:
+            hist.observe(gap)
+        counter = self.itl_misses.labels(adapter)  # the series exists from the first request
+        if misses:
+            counter.inc(misses)
+        if target is not None:
+            self.itl_target.set(target)
+
     def observe_version(self, tenant_id: int, adapter: str, version: int, status: str, *,
                         prompt_tokens: int, cached_tokens: int, completion_tokens: int,
                         ttft: float | None, tpot: float | None) -> None:
@@ -234,6 +272,11 @@ class Metrics:
             self.preemptions.set(stats.num_preemptions)
             self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
             self.cpu_kernels.set(1 if stats.cpu_kernels == "ok" else 0)
+            for adapter, c in getattr(stats, "spec_decode", {}).items():
+                self.spec_drafts.labels(adapter).set(c.num_drafts)
+                self.spec_draft_tokens.labels(adapter).set(c.num_draft_tokens)
+                self.spec_accepted_tokens.labels(adapter).set(c.num_accepted_tokens)
+                self.spec_acceptance.labels(adapter).set(c.acceptance_rate)
         with self._lock:
             pending, self._pending_evictions = self._pending_evictions, _Counter()
         for adapter, n in pending.items():

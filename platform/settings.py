@@ -31,6 +31,7 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
+from loramux.engine.spec_decode.config import SpeculativeConfig
 from loramux.platform.bulkheads import DependencyPolicy
 from loramux.platform.cluster.routing import RouterConfig
 from loramux.platform.limits.request import RequestLimits
@@ -111,12 +112,13 @@ class Settings(_LimitSettings):
         "Engine admission order: vtc = fair share of tokens across tenants, fcfs = arrival "
         "order."))
     enable_step_budget: bool = Field(SchedulerConfig.enable_step_budget, description=(
-        "Fill each engine step up to a target step time from a measured cost model: while "
-        "tenants compete their decode rows share it fairly (a flooder's surplus rotates), and "
-        "prompt chunks beside decodes shrink to fit it."))
-    target_step_ms: float | None = Field(default=SchedulerConfig.target_step_ms, gt=0, description=(
-        "Target engine step time in milliseconds; None = derived from the measured cost of a "
-        "one-row decode step (a small multiple of it)."))
+        "Fill each engine step up to the inter-token latency target from a measured cost "
+        "model: while decodes run, prompt chunks beside them shrink to fit it; while tenants "
+        "compete their decode rows share it fairly (a flooder's surplus rotates)."))
+    target_itl_ms: float | None = Field(default=SchedulerConfig.target_itl_ms, gt=0, description=(
+        "Inter-token latency target in milliseconds: while any decode runs, a step's predicted "
+        "time stays within it (prompt chunks take what is left); None = 3x the measured cost "
+        "of a one-row decode step. /metrics counts the tokens that missed it."))
     goodput_ttft_ms: float = Field(default=2000.0, gt=0, description=(
         "Goodput target: a request meets it when its time to first token is at most this (and "
         "its time per output token at most goodput_tpot_ms); /metrics exports the share."))
@@ -128,6 +130,11 @@ class Settings(_LimitSettings):
         "thread); past it the request fails."))
     grammar_cache_size: int = Field(StructuredOutputConfig.grammar_cache_size, description=(
         "Compiled structured-output grammars kept (LRU)."))
+    speculative_config: str | None = Field(None, description=(
+        'vLLM\'s speculative decoding config as JSON, e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}: drafts '
+        "from each sequence's own prompt and output, verified in one forward pass with its "
+        "adapter; outputs are those of decoding without it. None = off."))
     # the service bounds the queue on purpose (the engine's default: no bound)
     max_waiting: int = Field(1024, description=(
         "Bound of the engine's waiting queue; past it requests get 429 with Retry-After."))
@@ -244,6 +251,12 @@ class Settings(_LimitSettings):
     lora_path_allow: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
         "Local folders /v1/load_lora_adapter may read adapters from ({tenant} = the "
         "caller's tenant name, e.g. /mnt/loras/{tenant}/); empty = only s3:// imports."))
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, value: str | None) -> str | None:
+        SpeculativeConfig.parse(value)  # a bad config stops the server at start, naming the key
+        return value
 
     @field_validator("role")
     @classmethod

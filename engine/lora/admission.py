@@ -21,6 +21,18 @@ sequences, and then :meth:`AdapterAdmission.allows` per waiting sequence. The po
   full KV blocks stay in the prefix cache). The starving adapter then takes the slot. So a
   sequence whose adapter is loaded (in the CPU tier) starts at most ``2 * bound + 2`` steps
   after it was first skipped for its adapter, whatever the stream of requests for others.
+* **Fair share of the slots.** With the fair-share policy the scheduler hands the waiting
+  sequences in its fair order (``fair_order``): a tenant (fairness key) that got little recent
+  service ranks its adapters before those of a tenant that got much, so a newcomer's one
+  adapter gets the next free slot before a sprayer's next one. While another tenant waits for
+  a slot, a tenant holds at most its share (``max_loras`` over the tenants with adapter
+  work, at least one): its further adapters get no place, may not push out a tenant under
+  its share, and when no slot is free one of its busy adapters (the least queued work) is
+  closed at once, as for a starving adapter. A tenant that had adapter work within
+  :data:`RECENT_S` still counts (interactive clients send their next request right after the
+  last one ends): when the slots give every such tenant one, its last adapter stays in its
+  slot, safe from the other tenants' loads, so its next request waits for no load. Within a
+  tenant the order above holds.
 * **Prefetch.** The ranked adapters beyond this step's places are handed to the gate's
   ``prefetch`` (disk → CPU tier in the background) so they are loaded by the time a slot
   frees; those of the tenants (fairness keys) placed this step first, so a tenant's
@@ -31,11 +43,13 @@ It only sees plain sequences and the :class:`AdapterGate`, so it is tested with 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
 from loramux.engine.sequence import Sequence
+from loramux.engine.step_budget import RECENT_S
 
 
 class AdapterGate(Protocol):
@@ -65,13 +79,19 @@ class AdapterAdmission:
         self.closed: dict[str, int] = {}
         """Busy adapters that admit nothing new until they drain (key → step closed)."""
         self._places: set[str] = set()
+        self._recent: dict = {}  # tenant -> (clock time it last had adapter work, that adapter)
+        self.clock = time.monotonic
+        """Seconds (monotonic); tests put a fake clock here."""
 
-    def plan(self, waiting: Iterable[Sequence], running: Iterable[Sequence]) -> list[Sequence]:
+    def plan(self, waiting: Iterable[Sequence], running: Iterable[Sequence],
+             fair_order: bool = False) -> list[Sequence]:
         """Decide this step's adapters; returns the running sequences to preempt (those of
-        a closed adapter that did not drain within ``bound`` steps)."""
+        a closed adapter that did not drain within ``bound`` steps). ``fair_order``: the
+        waiting sequences come in the fair-share policy's order (first = least served), and
+        slots are shared across their fairness keys."""
         self.step += 1
         self._places = set()
-        running = list(running)
+        running, waiting = list(running), list(waiting)
         busy = Counter(s.lora_key for s in running if s.lora_key is not None)
         for key in [k for k in self.closed if k not in busy]:
             del self.closed[key]  # drained: its slot is free for the starving adapter
@@ -81,18 +101,38 @@ class AdapterAdmission:
         queued: Counter[str] = Counter()
         age: dict[str, int] = {}
         tenant: dict[str, str | None] = {}
+        first: dict = {}  # tenant -> its place in the fair order (0 = least served)
         for seq in waiting:
             if seq.lora_key is not None:
                 queued[seq.lora_key] += 1
                 tenant.setdefault(seq.lora_key, seq.fairness_key)
+                first.setdefault(seq.fairness_key, len(first))
                 age[seq.lora_key] = max(age.get(seq.lora_key, 0), seq.skipped_steps)
         wanted = [k for k in queued if k not in busy]
         resident = {k for k in wanted if gate.is_resident(k)}
+        owner = {s.lora_key: s.fairness_key for s in running if s.lora_key is not None}
+        held = Counter(owner[k] for k in busy)  # slots each tenant's running adapters hold
+        share = None
+        kept: dict = {}  # tenant -> its last adapter, idle in a slot, kept for its next request
+        if fair_order:
+            recent = self._note_recent(running, waiting)
+            tenants = set(held) | {tenant[k] for k in wanted} | set(recent)
+            share = self._share(gate.max_loras, tenants)
+            if len(tenants) <= gate.max_loras:  # a slot for everyone: keep the idle ones.
+                kept = {t: k for t, k in recent.items()
+                        if k not in busy and k not in queued and gate.is_resident(k)}
+            for t in kept:
+                held[t] += 1
 
         def rank(key: str) -> tuple:
             starving = age[key] >= self.bound
-            return (not starving, -age[key] if starving else 0, key not in resident,
+            return (not starving, -age[key] if starving else 0,
+                    first[tenant[key]] if fair_order else 0, key not in resident,
                     -queued[key], -age[key])
+
+        def others_wait(t) -> bool:
+            return any(x != t for x in kept) or any(
+                tenant[k] != t and k not in self._places for k in wanted)
 
         ranked = sorted(wanted, key=rank)
         free = gate.max_loras - len(busy)
@@ -101,14 +141,23 @@ class AdapterAdmission:
         for key in ranked:
             if free <= 0:
                 break
+            t = tenant[key]
+            starving = age[key] >= self.bound
+            if share is not None and not starving and held[t] >= share and others_wait(t):
+                continue  # its share is full while another tenant waits for a slot
             if key not in resident and loads >= free:
                 continue  # no more loads than places: the rest is prefetch's
             tried.add(key)
             keep = set(busy) | self._places
-            if age[key] < self.bound:
-                keep |= resident - {key}  # only a starving adapter displaces queued work
+            if not starving:  # only a starving adapter displaces queued work (and kept ones) ...
+                keep |= {k for x, k in kept.items() if x != t}
+                under = share is not None and held[t] < share
+                # ... or, for a tenant under its share, that of tenants within theirs
+                keep |= {k for k in resident - {key}
+                         if not under or held[tenant[k]] < share or tenant[k] == t}
             if gate.acquire(key, keep):
                 self._places.add(key)
+                held[t] += 1
                 free -= 1
             else:
                 loads += 1
@@ -116,6 +165,8 @@ class AdapterAdmission:
         if starving and free <= 0 and not self.closed and busy:
             victim = min(busy, key=lambda k: (queued[k], busy[k], k))
             self.closed[victim] = self.step
+        elif share is not None and free <= 0:
+            self._close_over_share(ranked, busy, queued, owner, held, share, tenant)
         # a tenant's adapters that arrive together load together: those of the tenants
         # being placed now are prefetched first
         placing = {tenant[k] for k in tried}
@@ -124,6 +175,37 @@ class AdapterAdmission:
         gate.prefetch(rest[: self.prefetch_depth])
         return [s for s in running if s.lora_key in self.closed
                 and self.step - self.closed[s.lora_key] >= self.bound]
+
+    def _note_recent(self, running: list[Sequence], waiting: Iterable[Sequence]) -> dict:
+        """Tenant -> its last adapter, for the tenants with adapter work within RECENT_S."""
+        now = self.clock()
+        for seq in (*running, *waiting):
+            if seq.lora_key is not None:
+                self._recent[seq.fairness_key] = (now, seq.lora_key)
+        for t in [t for t, (seen, _) in self._recent.items() if now - seen > RECENT_S]:
+            del self._recent[t]
+        return {t: k for t, (_, k) in self._recent.items()}
+
+    @staticmethod
+    def _share(slots: int, tenants: set) -> int:
+        """Slots one tenant may hold while others wait: an even split, at least one."""
+        return max(1, slots // max(1, len(tenants)))
+
+    def _close_over_share(self, ranked, busy, queued, owner, held, share, tenant) -> None:
+        """No slot is free and a tenant under its share waits: close a busy adapter of the
+        tenant furthest over its share (least queued work first), unless one of its adapters
+        drains already."""
+        waiting_under = [k for k in ranked if k not in self._places and held[tenant[k]] < share]
+        if not waiting_under:
+            return
+        over = [t for t in held if held[t] > share]
+        if not over:
+            return
+        t = max(over, key=lambda x: (held[x], str(x)))
+        if any(owner.get(k) == t for k in self.closed):
+            return
+        victim = min((k for k in busy if owner[k] == t), key=lambda k: (queued[k], busy[k], k))
+        self.closed[victim] = self.step
 
     def allows(self, seq: Sequence, in_use: set[str]) -> bool:
         """May ``seq`` be admitted this step as far as its adapter goes?"""

@@ -15,7 +15,9 @@ in one step, one device slot each); left unset it is derived here:
 
 Both are capped by ``max_cpu_loras`` when that is set and by
 :data:`~loramux.engine.config.MAX_DERIVED_LORAS`. A slot costs the largest rank's size
-(the kernels read one stacked tensor per projection group); paging adapter weights by
+(the kernels read one stacked tensor per projection group), and on an MoE base every slot
+holds LoRA for every expert (``experts.py``: experts × rank × (in + out) per expert parameter
+and MoE layer, usually most of the slot); paging adapter weights by
 their own rank in one pool with the KV blocks (S-LoRA) is not done.
 """
 
@@ -30,6 +32,7 @@ from loramux.engine.config import (
     MAX_DERIVED_LORAS,
     LoRAConfig,
 )
+from loramux.engine.lora.experts import expert_adapter_bytes, expert_slot_bytes
 
 GPU_RESERVE_BYTES = 1 << 30
 """Device memory left free for activations and the allocator (as the KV cache plan does)."""
@@ -68,17 +71,20 @@ def slot_bytes(
         per_layer += len(modules) * max_rank * k
         per_layer += (len(modules) * max_rank if blockdiag else max_rank) * n_total
     row_gain = sum(sum(shapes[m][1] for m in modules) for modules in PROJECTION_GROUPS.values())
-    return dims.num_layers * (per_layer * element_size + row_gain * scale_element_size)
+    return (dims.num_layers * (per_layer * element_size + row_gain * scale_element_size)
+            + expert_slot_bytes(dims, max_rank, element_size))
 
 
 def adapter_bytes(
     dims: BaseModelDims, rank: int, element_size: int, modules: tuple[str, ...] | None = None
 ) -> int:
     """Bytes of an adapter's weights at its own rank (its CPU-tier copy): ``r * (in + out)``
-    per targeted projection and layer; ``modules`` None = all seven."""
+    per targeted projection and layer; ``modules`` None = all seven and, on an MoE base, LoRA on
+    every expert too (``experts × r × (in + out)`` per expert parameter and MoE layer)."""
     shapes = dims.module_shapes()
     names = modules if modules is not None else SUPPORTED_MODULES
-    return dims.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in names) * element_size
+    experts = expert_adapter_bytes(dims, rank, element_size) if modules is None else 0
+    return dims.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in names) * element_size + experts
 
 
 def plan_capacity(

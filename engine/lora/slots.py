@@ -28,6 +28,7 @@ import torch
 
 from loramux.adapters.arch import GROUP_FUSED_MODULE, PROJECTION_GROUPS
 from loramux.adapters.format import LoraWeights
+from loramux.engine.lora.experts import ExpertSlots
 from loramux.engine.model.weights import ModelDims
 
 
@@ -80,6 +81,9 @@ class SlotBuffers:
                 g[max_loras].zero_()
                 scale_layer[group] = g
             self.row_gain.append(scale_layer)
+        self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device)
+                        if dims.num_experts else None)
+        """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.groups: list[frozenset[str]] = [frozenset()] * max_loras
@@ -95,8 +99,8 @@ class SlotBuffers:
         """Copy an adapter into ``slot`` (zeroing whatever was there); on CUDA the copy
         runs on a side stream and :meth:`wait_ready` orders it before the next forward."""
         r = weights.spec.r
-        if r > self.max_rank:
-            raise ValueError(f"adapter rank {r} exceeds max_lora_rank {self.max_rank}")
+        if weights.spec.max_rank > self.max_rank:
+            raise ValueError(f"adapter rank {weights.spec.max_rank} exceeds max_lora_rank {self.max_rank}")
         if weights.spec.use_dora and not weights.dora_scales:
             raise ValueError("a DoRA adapter needs its per-row scales (dora.dora_scales) first")
         if self.stream is None:
@@ -145,6 +149,8 @@ class SlotBuffers:
                     else:
                         b[offs[s] : offs[s + 1], :r].copy_(wb, non_blocking=True)
         self.dora[slot] = self._write_dora(slot, weights) if weights.spec.use_dora else frozenset()
+        if self.experts is not None:
+            self.experts.write(slot, weights)
         self.scale[slot] = weights.spec.scale
         self.ranks[slot] = r
 
@@ -182,6 +188,8 @@ class SlotBuffers:
         self.scale[slot] = 0.0
         self.groups[slot] = frozenset()
         self.dora[slot] = frozenset()
+        if self.experts is not None:
+            self.experts.clear(slot)
 
     def num_bytes(self) -> int:
         """Bytes of the A/B stacks and the DoRA per-row scales (:func:`capacity.slot_bytes`
@@ -189,4 +197,5 @@ class SlotBuffers:
         return sum(
             t.numel() * t.element_size()
             for layer in self.a + self.b + self.row_gain for t in layer.values()
-        ) + sum(t.numel() * t.element_size() for t in self.row_shift.values())
+        ) + sum(t.numel() * t.element_size() for t in self.row_shift.values()) + (
+            self.experts.num_bytes() if self.experts is not None else 0)

@@ -17,6 +17,7 @@ import torch
 
 from loramux.engine.lora import ops
 from loramux.engine.lora.dora import DoraStep
+from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.slots import SlotBuffers
 
@@ -33,6 +34,9 @@ class LoRAStepBatch:
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
         self._dora: DoraStep | None = None
+        self.experts = (ExpertStep(buffers.experts, device, self._kernel if buffers.blockdiag else None)
+                        if buffers.experts is not None else None)
+        """The experts' LoRA of the step on an MoE base (``experts.py``)."""
         self._groups: frozenset[str] = frozenset()
         self.keys: frozenset[str] = frozenset()
         """The adapters of the step in flight (their slots are busy until :meth:`clear`)."""
@@ -49,6 +53,8 @@ class LoRAStepBatch:
         dora = self.buffers.dora
         runs = [run for run in self._meta.runs if dora[run[2]]]
         self._dora = DoraStep(runs, self.buffers, self.device, triton=self._triton) if runs else None
+        if self.experts is not None:
+            self.experts.prepare(token_slots)
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
@@ -56,6 +62,8 @@ class LoRAStepBatch:
         self._meta = None
         self._dora = None
         self._groups = frozenset()
+        if self.experts is not None:
+            self.experts.clear()
 
     @property
     def meta(self) -> LoRABatchMeta | None:
@@ -75,3 +83,12 @@ class LoRAStepBatch:
                      b.slice_offsets[group])
         if self._dora is not None:
             self._dora.apply(layer, group, y)
+
+    def experts_active(self, layer: int) -> bool:
+        """True when this step has tokens whose adapter carries LoRA on ``layer``'s experts."""
+        return self.experts is not None and self.experts.active(layer)
+
+    def add_experts(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
+                    tokens: torch.Tensor, counts: list[int]) -> None:
+        """The MoE block's hook (``moe.ExpertLoRAHook``): ``y += `` each expert-sorted row's delta."""
+        self.experts.add(layer, group, x, y, tokens, counts)

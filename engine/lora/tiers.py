@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from loramux.adapters import experts
 from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights
@@ -95,9 +96,9 @@ class AdapterTiers:
             spec = parse_config(read_config(folder / CONFIG_NAME), self.dims)
         except AdapterValidationError as e:
             raise LoRAError(f"adapter {request.lora_name!r}: {e}") from None
-        if spec.r > self.config.max_lora_rank:
+        if spec.max_rank > self.config.max_lora_rank:
             raise LoRAError(
-                f"adapter {request.lora_name!r} has rank {spec.r}, above max_lora_rank="
+                f"adapter {request.lora_name!r} has rank {spec.max_rank}, above max_lora_rank="
                 f"{self.config.max_lora_rank}"
             )
         unsupported = [m for m in spec.target_modules if m not in self.dims.family.lora_modules]
@@ -202,6 +203,17 @@ class AdapterTiers:
 
     def _check_shapes(self, request: LoRARequest, weights: LoraWeights) -> None:
         shapes = self.dims.module_shapes()
+        expert_shapes = experts.expert_shapes(self.dims)
+        for layer, params in weights.experts.items():
+            for name, (a, b) in params.items():
+                k, n = expert_shapes[name]
+                e, r = self.dims.num_experts, a.shape[1]
+                if layer not in self.dims.moe_layers or a.shape != (e, r, k) or b.shape != (e, n, r):
+                    raise LoRAError(
+                        f"adapter {request.lora_name!r}: mlp.experts.{name} of layer {layer} does "
+                        f"not fit the base model ({e} experts, in {k}, out {n}, MoE layers "
+                        f"{list(self.dims.moe_layers)})"
+                    )
         for layer, modules in weights.layers.items():
             if layer >= self.dims.num_layers:
                 raise LoRAError(

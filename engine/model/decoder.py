@@ -156,9 +156,10 @@ class DecoderModel:
     def _load(self, sd: dict[str, torch.Tensor]) -> None:
         d, s = self.dims, self.spec
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str, *default):
+            """Pop a tensor (or return ``default`` when given and the tensor is absent)."""
             try:
-                return sd.pop(name)
+                return sd.pop(name, *default)
             except KeyError:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing") from None
 
@@ -172,9 +173,10 @@ class DecoderModel:
                 names = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
             else:
                 names = (None, "post_attention_layernorm", None)
-            mlp = (s.mlp(take, p, self) if s.mlp is not None
-                   else GatedMLP(self._gate_up(sd, p, take), Linear(take(p + "mlp.down_proj.weight"),
-                                                                   sd.pop(p + "mlp.down_proj.bias", None)), act))
+            mlp = s.mlp(take, p, self) if s.mlp is not None else None
+            if mlp is None:
+                mlp = GatedMLP(self._gate_up(sd, p, take), Linear(take(p + "mlp.down_proj.weight"),
+                                                                 sd.pop(p + "mlp.down_proj.bias", None)), act)
             self.layers.append(
                 LayerWeights(
                     attn_norm=take(p + "input_layernorm.weight"),

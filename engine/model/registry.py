@@ -26,6 +26,8 @@ FAMILY_MODULES = {
     "gemma3": "loramux.engine.model.models.gemma3",
     "gemma2": "loramux.engine.model.models.gemma2",
     "phi3": "loramux.engine.model.models.phi3",
+    "qwen3_moe": "loramux.engine.model.models.qwen3_moe",
+    "mixtral": "loramux.engine.model.models.mixtral",
 }
 """Family name (``adapters.arch.FAMILIES``) → the module with its ``decoder_spec``."""
 assert set(FAMILY_MODULES) == set(FAMILIES), "every family needs its module"

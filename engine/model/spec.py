@@ -52,8 +52,9 @@ class DecoderSpec:
     """The rotary tables to build (``rope_parameters[layer_type]``; None: the flat one)."""
     mlp: Callable[..., Any] | None = None
     """Builds a layer's feed-forward block from the checkpoint: ``mlp(take, prefix, model)``
-    (``take(name)`` pops a canonical tensor, ``prefix`` is ``model.layers.<i>.``) returns a
-    ``decoder.LayerMLP``; None: the gated dense MLP. The MoE families plug in here."""
+    (``take(name[, default])`` pops a canonical tensor, ``prefix`` is ``model.layers.<i>.``)
+    returns a ``decoder.LayerMLP``, or None for the gated dense MLP in that layer; None here: the
+    dense MLP everywhere. The MoE families plug in here (``moe.py``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else a family's own code needs."""
 

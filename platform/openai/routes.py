@@ -24,7 +24,8 @@ def _stream_doc(body: type) -> dict:
             "model": body,
             "description": "A JSON body, or with `stream: true` server-sent events ending in "
             "`data: [DONE]`. Headers: `X-LoRAMux-Params` (parameters in effect), "
-            "`X-LoRAMux-Preset` (fields taken from the adapter's preset), `X-LoRAMux-Warnings`.",
+            "`X-LoRAMux-Preset` (fields taken from the adapter's preset), `X-LoRAMux-Warnings`, "
+            "`X-LoRAMux-Timing` (ms per phase: queue, adapter_load, prefill, decode).",
             "content": {"text/event-stream": {}},
         }
     }

@@ -44,6 +44,7 @@ from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRe
 from loramux.platform.openai.resolver import VERSION_HEADER, ModelResolver, pinned_version
 from loramux.platform.openai.responses import RequestContext, ResponseRenderer, StreamState
 from loramux.platform.openai.streaming import Pump, SSEResponse, dumps, sse, until_disconnect
+from loramux.platform.openai.timing import PHASES, TIMING_HEADER, timing_header
 from loramux.platform.usage.recorder import UsageRecorder
 from loramux.platform.usage.records import usage_record
 
@@ -165,6 +166,9 @@ class OpenAIServing:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
                 ctx.handed_off = True  # the stream releases the quota when it ends
+                timing = timing_header(pump.tracks, PHASES[:3])  # decode is still to come
+                if timing is not None:
+                    headers[TIMING_HEADER] = timing
                 return SSEResponse(
                     self._stream(pump, ctx, first, include_usage, continuous, release),
                     headers=headers,
@@ -184,6 +188,9 @@ class OpenAIServing:
             raise err from None
         body = self.render.completion_body(ctx, finals) if ctx.kind == "cmpl" else self.render.chat_body(ctx, finals)
         self._record(ctx, pump, "ok", usage=body.usage.model_dump())
+        timing = timing_header(pump.tracks)
+        if timing is not None:
+            headers[TIMING_HEADER] = timing
         return JSONResponse(body.model_dump(), headers=headers)
 
     def _error_context(self, ctx: RequestContext) -> ErrorContext:
@@ -228,6 +235,9 @@ class OpenAIServing:
                 label, ctx.endpoint, status, prompt_tokens=t.prompt_tokens,
                 generated_tokens=t.output_tokens, ttft=ttft, tpot=tpot, e2e=e2e,
             )
+            if t.engine is not None:
+                m = t.engine
+                self.metrics.observe_itl(label, m.inter_token_latencies, m.itl_misses, m.itl_target)
         caller = ctx.caller or Caller()
         record = usage_record(
             request_id=ctx.rid, tenant_id=caller.tenant_id, key_prefix=caller.key_prefix,

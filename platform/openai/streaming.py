@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.outputs import RequestMetrics, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.platform.openai.resolver import ServedModel
 
@@ -97,8 +97,11 @@ class Track:
     """Prompt tokens served from the prefix cache."""
     finish_reason: str | None = None
     """The first completion's, once finished."""
+    engine: RequestMetrics | None = None
+    """The engine's timestamps and token gaps of the request (complete once it finished)."""
 
     def update(self, out: RequestOutput) -> None:
+        self.engine = out.metrics
         self.prompt_tokens = len(out.prompt_token_ids)
         self.cached_tokens = out.num_cached_tokens
         n = sum(len(o.token_ids) for o in out.outputs)

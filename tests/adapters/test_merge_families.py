@@ -1,9 +1,12 @@
 """merge_and_unload export on every family: the merged folder's logits equal PEFT's base +
 adapter (``check=True``), and the engine serving the merged folder as a plain base gives the
 logprobs the engine gives for base + adapter. Phi-3 adapters on split names (mapped onto
-its fused projections) are merged through their fused rewrite (``adapters/fused.py``). DoRA
-adapters too: PEFT-made ones (rsLoRA, partial targets, Phi-3's fused names) and a split-name
-DoRA on Phi-3 that leaves k out (its rows take the base's norms in the fused rewrite)."""
+its fused projections) are merged through their fused rewrite (``adapters/fused.py``); MoE
+adapters with LoRA on the experts (``target_parameters``, or ``gate_proj`` / ``up_proj`` /
+``down_proj`` (Mixtral: ``w1`` / ``w3`` / ``w2``) that PEFT maps onto them) merge into the
+expert weights. DoRA adapters too: PEFT-made ones (rsLoRA, partial targets, Phi-3's fused
+names) and a split-name DoRA on Phi-3 that leaves k out (its rows take the base's norms in the
+fused rewrite)."""
 
 from __future__ import annotations
 
@@ -60,6 +63,12 @@ CASES = {  # name: (family, model overrides, adapter maker(base, out))
     "phi3-split": ("phi3", {}, lambda base, out: write_random_adapter(
         base, out, r=4, target_modules=("q_proj", "v_proj", "up_proj", "down_proj"), use_rslora=True,
         std=0.1, base_model_name_or_path=str(base))),
+    "qwen3_moe-experts": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1]), lambda base, out:
+                          make_peft_adapter(base, out, r=4, target_modules=["q_proj", "v_proj"], std=0.2,
+                                            target_parameters=["mlp.experts.gate_up_proj",
+                                                               "mlp.experts.down_proj"])),
+    "mixtral-mapped-experts": ("mixtral", {}, lambda base, out: make_peft_adapter(
+        base, out, r=4, target_modules=["o_proj", "w1", "w2", "w3"], std=0.2)),
 }
 
 

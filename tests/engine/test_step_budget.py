@@ -12,7 +12,9 @@ from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.engine.step_budget import (
     ALONE_EFFICIENCY,
+    CONTENTION_SHARE,
     DEFAULT_MULTIPLE,
+    MIN_CHUNK_TOKENS,
     RECENT_S,
     WARM_STEPS,
     StepBudget,
@@ -69,8 +71,8 @@ def test_cost_model_learns_a_linear_machine():
 
 
 def test_never_plans_past_the_budget_and_fair_share_holds():
-    target_ms = 40.0
-    sched = make_scheduler(target_step_ms=target_ms)
+    target_ms = 40.0  # the step while keys compete: CONTENTION_SHARE of the ITL target
+    sched = make_scheduler(target_itl_ms=target_ms / CONTENTION_SHARE)
     flood = [make_seq(f"f{i}", "flood") for i in range(64)]
     for seq in flood:
         sched.add(seq)
@@ -107,43 +109,81 @@ def test_never_plans_past_the_budget_and_fair_share_holds():
     assert min(flood_runs) >= 0.5 * max(flood_runs)  # the flooder's surplus rotates evenly
 
 
-def test_prompt_chunks_beside_decodes_shrink_to_the_budget():
-    sched = make_scheduler(target_step_ms=30.0)
-    for i in range(4):
-        sched.add(make_seq(f"d{i}", "a"))
+def _warm_with_prompts(sched: Scheduler, key: str = "a", rows: int = 4) -> None:
+    """``rows`` decodes of ``key`` and a few prompts of varied length, so the cost model
+    has learnt decode rows and prompt tokens alike."""
+    for i in range(rows):
+        sched.add(make_seq(f"d{i}", key))
     for _ in range(WARM_STEPS + 4):
         step(sched)
-    for i in range(4):  # vary the shape so prompt tokens are learnt too
-        sched.add(make_seq(f"p{i}", "a", prompt_len=100 + 50 * i, max_tokens=2))
+    for i in range(4):
+        sched.add(make_seq(f"p{i}", key, prompt_len=100 + 50 * i, max_tokens=2))
         step(sched)
+
+
+def test_prompt_chunks_beside_decodes_shrink_to_the_budget():
+    sched = make_scheduler(target_itl_ms=0.030 / CONTENTION_SHARE * 1000)
+    _warm_with_prompts(sched)
     long = make_seq("long", "b", prompt_len=600)  # another key's prompt beside a's decodes
     sched.add(long)
     chunks = []
     while long.num_output_tokens == 0:
         plan = step(sched)
         chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
-        assert fake_seconds(plan) <= 0.030 * 1.05
+        assert fake_seconds(plan) <= 0.030 * 1.05  # keys compete: CONTENTION_SHARE of the target
     assert len(chunks) > 1 and max(chunks) < 600 and sum(chunks) == 600
 
 
-def test_a_key_alone_prefills_beside_its_decodes_in_full():
-    """No other tenant's latency at stake: a lone key's prompt joins all its own decodes with
-    the whole token budget (vLLM's chunked prefill), not a chunk shrunk to the target."""
-    sched = make_scheduler(target_step_ms=30.0)
-    for i in range(4):
-        sched.add(make_seq(f"d{i}", "a"))
-    for _ in range(WARM_STEPS + 4):
-        step(sched)
-    for i in range(4):
-        sched.add(make_seq(f"p{i}", "a", prompt_len=100 + 50 * i, max_tokens=2))
-        step(sched)
-    for _ in range(int(RECENT_S / 0.04) + 2):  # only key a seen recently
+def test_a_key_alone_keeps_its_decodes_within_the_itl_target():
+    """The ITL target holds for a key alone too (its own streams would freeze for the
+    whole prompt otherwise): every decode runs each step, the prompt takes what is left of
+    the target, and a prompt with no decode beside it takes the whole token budget."""
+    sched = make_scheduler(target_itl_ms=30.0)
+    _warm_with_prompts(sched)
+    for _ in range(int(RECENT_S / 0.03) + 2):  # only key a seen recently
         step(sched)
     long = make_seq("long", "a", prompt_len=600)
     sched.add(long)
-    plan = step(sched)
-    assert [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id] == [600]
-    assert sum(1 for s in plan.scheduled if not s.is_prefill) == 4  # every decode beside it
+    chunks = []
+    while long.num_output_tokens == 0:
+        plan = step(sched)
+        chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
+        assert sum(1 for s in plan.scheduled if not s.is_prefill) == 4  # every decode, every step
+        assert fake_seconds(plan) <= 0.030 * 1.05
+    assert len(chunks) > 1 and sum(chunks) == 600
+    assert max(chunks) > 0.9 * (0.030 - C0 - C_AD - 5 * C_DEC) / C_PRE  # chunks fill the target
+    lone = make_scheduler(target_itl_ms=30.0)
+    _warm_with_prompts(lone)
+    for seq in [*lone.running, *lone.waiting]:
+        lone.finish(seq)
+    alone = make_seq("alone", "a", prompt_len=600)
+    lone.add(alone)
+    plan = step(lone)
+    assert [s.num_new_tokens for s in plan.scheduled] == [600]  # no decode: the whole budget
+
+
+def test_the_itl_cap_never_starves_a_waiting_prompt():
+    """Decodes that alone cost more than the target still leave every step a minimum chunk
+    to the prompts: a waiting prompt starts at once and its prefill ends within a bounded
+    number of steps (its tokens and those of the prompts ahead, MIN_CHUNK_TOKENS a step)."""
+    sched = make_scheduler(target_itl_ms=20.0)
+    _warm_with_prompts(sched, rows=40)  # 40 rows: 0.01 + 40 * 0.002 = 90 ms > the 20 ms target
+    for _ in range(int(RECENT_S / 0.09) + 2):
+        step(sched)
+    prompts = [make_seq(f"w{i}", "a", prompt_len=300) for i in range(3)]
+    for seq in prompts:
+        sched.add(seq)
+    bound = -(-sum(s.num_tokens for s in prompts) // MIN_CHUNK_TOKENS)
+    for n in range(1, bound + 1):
+        left = sum(s.num_tokens - s.num_computed_tokens for s in prompts if not s.num_output_tokens)
+        plan = step(sched)
+        assert sum(1 for s in plan.scheduled if not s.is_prefill) >= 40  # decodes keep going
+        progress = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
+        assert progress >= min(MIN_CHUNK_TOKENS, left), (n, progress, left)
+        if all(s.num_output_tokens for s in prompts):
+            break
+    assert all(s.num_output_tokens for s in prompts), f"prompts not done after {n} steps"
+    assert prompts[0].num_output_tokens > 0
 
 
 def test_budget_off_keeps_token_budget():

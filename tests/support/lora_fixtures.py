@@ -14,7 +14,7 @@ def make_peft_adapter(
     out_dir: Path,
     *,
     r: int = 4,
-    target_modules: str | list[str] | tuple[str, ...] = ("q_proj", "v_proj"),
+    target_modules: str | list[str] | tuple[str, ...] | None = ("q_proj", "v_proj"),
     alpha: float | None = None,
     seed: int = 0,
     std: float | None = 0.05,
@@ -34,7 +34,8 @@ def make_peft_adapter(
         task_type="CAUSAL_LM",
         r=r,
         lora_alpha=alpha if alpha is not None else 2 * r,
-        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
+        target_modules=(target_modules if target_modules is None or isinstance(target_modules, str)
+                        else list(target_modules)),
         init_lora_weights=False,
         lora_dropout=0.0,
         **lora_kwargs,

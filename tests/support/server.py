@@ -29,6 +29,7 @@ def make_engine(
     device: str = "cpu",
     num_gpu_blocks: int | None = None,
     enable_step_budget: bool = True,
+    speculative_config: dict | str | None = None,
 ) -> AsyncEngine:
     from loramux.engine.config import (
         CacheConfig,
@@ -38,6 +39,7 @@ def make_engine(
         SchedulerConfig,
     )
     from loramux.engine.engine import LLMEngine
+    from loramux.engine.spec_decode import SpeculativeConfig
 
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir) if model_dir else None, dtype=dtype, device=device,
@@ -47,6 +49,7 @@ def make_engine(
                                   enable_step_budget=enable_step_budget),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
                         max_cpu_loras=max_cpu_loras) if enable_lora else None,
+        speculative=SpeculativeConfig.parse(speculative_config),
     )
     return AsyncEngine(LLMEngine(config))
 

@@ -65,11 +65,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         tie_word_embeddings=True,
     )),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(tie_word_embeddings=False, hidden_act="silu")),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        tie_word_embeddings=True,
+    )),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=False,
+    )),
 }
 """Per family: the model and config classes and what the tiny config sets beyond the shared dims."""
 
 
-SHARP_STD = {"q_proj": 0.3, "k_proj": 0.3, "v_proj": 0.2, "qkv_proj": 0.3, "o_proj": 0.2, "embed_tokens": 0.3, "lm_head": 0.3}
+SHARP_STD = {"q_proj": 0.3, "k_proj": 0.3, "v_proj": 0.2, "qkv_proj": 0.3, "o_proj": 0.2, "embed_tokens": 0.3,
+             "lm_head": 0.3, "gate": 0.5}
 """Init stds that make a tiny model's attention sharp and its logits spread, so that positions,
 windows and rotary details change its outputs (with 0.08 everywhere they hardly do)."""
 

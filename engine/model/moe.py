@@ -1,0 +1,183 @@
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral): the router and the batched
+experts path.
+
+The router is transformers': ``softmax(x @ W_r.T)`` in float32, ``torch.topk`` of the
+probabilities (its tie order too: the logits are computed with the same plain matmul),
+renormalised over the top-k when ``norm_topk_prob`` (Mixtral always). The experts run
+batched: the (token, expert) pairs are sorted by expert (a stable sort, so each expert's rows
+keep token order), each expert that got rows runs one gate|up GEMM, the gated activation and
+one down GEMM over its contiguous run, the rows are scaled by their routing weights and
+summed back into their tokens with one ``index_add_``. Work is proportional to tokens × top-k.
+
+An expert LoRA (``ExpertLoRAHook.add_experts``) adds each row's delta from its token's
+adapter and the row's expert, over the same sorted runs.
+
+Checkpoints: the fused 3-D tensors transformers 5 keeps in memory (``mlp.experts.gate_up_proj``
+[E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) or the per-expert tensors checkpoints are
+saved with (Qwen3-MoE ``mlp.experts.<e>.{gate,up,down}_proj.weight``; Mixtral
+``block_sparse_moe.experts.<e>.w1/w3/w2.weight``, w1 the gate, w3 the up projection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from loramux.engine.errors import ModelLoadError
+from loramux.engine.model.layers import gated_activation
+from loramux.engine.model.linear import Linear
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a family's checkpoints name one expert's projections."""
+
+    parents: tuple[str, ...]
+    """The block's module names, first match wins (``mlp``; Mixtral's older ``block_sparse_moe``)."""
+    gate: str
+    up: str
+    down: str
+
+
+QWEN3_MOE_NAMES = ExpertNames(("mlp",), "gate_proj", "up_proj", "down_proj")
+MIXTRAL_NAMES = ExpertNames(("mlp", "block_sparse_moe"), "w1", "w3", "w2")
+
+
+class ExpertLoRAHook(Protocol):
+    """What the LoRA hook offers an MoE block (``engine/lora/experts.py``)."""
+
+    def experts_active(self, layer: int) -> bool:
+        """True when this step has tokens whose adapter targets ``layer``'s experts."""
+
+    def add_experts(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
+                    tokens: torch.Tensor, counts: list[int]) -> None:
+        """``y[j] +=`` the expert delta of row j (token ``tokens[j]``, routed to the expert of
+        its run: rows are sorted by expert, ``counts[e]`` rows for expert e) for input x[j];
+        ``group``: ``gate_up`` or ``down``."""
+
+
+class MoEBlock:
+    """A sparse MoE feed-forward block: ``sum_k w_k * down_e(act(gate_up_e(x)))`` over each
+    token's top-k experts."""
+
+    def __init__(self, router: torch.Tensor, gate_up: list[Linear], down: list[Linear],
+                 top_k: int, norm_topk_prob: bool, act: Callable, *, weights_in_float: bool) -> None:
+        self.router = router  # [E, H] model dtype (plain: the matmul transformers runs)
+        self.gate_up = gate_up  # E x [2 I, H]
+        self.down = down  # E x [H, I]
+        self.num_experts = len(gate_up)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.act = act
+        self.weights_in_float = weights_in_float
+        """Mixtral scales the experts' outputs by the float32 weights; Qwen3-MoE casts them to
+        the model dtype first."""
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [*self.gate_up, *self.down, Linear(self.router, pack=False)]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k], experts [T, k])`` of each token, as transformers' router."""
+        logits = F.linear(x.to(self.router.dtype), self.router)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.weights_in_float:
+            weights = weights.to(logits.dtype)
+        return weights, experts
+
+    def __call__(self, x: torch.Tensor, layer: int, lora) -> torch.Tensor:
+        weights, experts = self.route(x)  # [T, k]
+        k = self.top_k
+        flat = experts.reshape(-1)  # [T k]
+        order = torch.argsort(flat, stable=True)  # rows sorted by expert, token order within
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // k  # [T k] each row's token
+        xs = x.index_select(0, tokens)  # [T k, H]
+        expert_lora = lora if lora is not None and hasattr(lora, "experts_active") \
+            and lora.experts_active(layer) else None
+        gu = self._grouped(self.gate_up, xs, counts)  # [T k, 2 I]
+        if expert_lora is not None:
+            expert_lora.add_experts(layer, "gate_up", xs, gu, tokens, counts)
+        h = self.act(gu)  # [T k, I]
+        out = self._grouped(self.down, h, counts)  # [T k, H]
+        if expert_lora is not None:
+            expert_lora.add_experts(layer, "down", h, out, tokens, counts)
+        w = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [T k, 1]
+        out = (out * w).to(x.dtype) if self.weights_in_float else out * w.to(out.dtype)
+        y = torch.zeros(x.shape[0], out.shape[1], dtype=out.dtype, device=x.device)
+        return y.index_add_(0, tokens, out)
+
+    @staticmethod
+    def _grouped(linears: list[Linear], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's projection over its run of the expert-sorted rows x [R, K]."""
+        out = None
+        start = 0
+        for e, c in enumerate(counts):
+            if not c:
+                continue
+            part = linears[e](x[start:start + c])
+            if out is None:
+                out = x.new_empty(x.shape[0], part.shape[1], dtype=part.dtype)
+            out[start:start + c] = part
+            start += c
+        return out
+
+
+def _take_experts(take, prefix: str, parent: str, names: ExpertNames, num_experts: int):
+    """``(gate_up [E, 2I, H], down [E, H, I])`` from either checkpoint layout, or None when
+    ``parent`` holds neither."""
+    p = f"{prefix}{parent}.experts."
+    fused = take(p + "gate_up_proj", None)
+    if fused is not None:
+        down = take(p + "down_proj")
+        if fused.dim() != 3 or down.dim() != 3 or fused.shape[0] != num_experts:
+            raise ModelLoadError(f"{p}gate_up_proj: shape {list(fused.shape)}, expected "
+                                 f"[{num_experts}, 2 * intermediate, hidden]")
+        return list(fused.unbind(0)), list(down.unbind(0))
+    first = take(f"{p}0.{names.gate}.weight", None)
+    if first is None:
+        return None
+    gate_up, down = [], []
+    for e in range(num_experts):
+        gate = first if e == 0 else take(f"{p}{e}.{names.gate}.weight")
+        gate_up.append(torch.cat([gate, take(f"{p}{e}.{names.up}.weight")]))
+        down.append(take(f"{p}{e}.{names.down}.weight"))
+    return gate_up, down
+
+
+def load_moe_block(take, prefix: str, model, *, names: ExpertNames, norm_topk_prob: bool,
+                   weights_in_float: bool) -> MoEBlock | None:
+    """The MoE block of layer ``prefix`` (``model.layers.<i>.``) when the layer is one of the
+    model's MoE layers (``dims.moe_layers``), else None (a dense MLP). ``take(name[, default])``
+    pops a checkpoint tensor."""
+    dims = model.dims
+    layer = int(prefix.rstrip(".").rsplit(".", 1)[-1])
+    if layer not in dims.moe_layers:
+        return None
+    for parent in names.parents:
+        router = take(f"{prefix}{parent}.gate.weight", None)
+        if router is None:
+            continue
+        experts = _take_experts(take, prefix, parent, names, dims.num_experts)
+        if experts is None:
+            raise ModelLoadError(f"{model.path}: {prefix}{parent}.experts: no expert weights "
+                                 f"(expected {parent}.experts.gate_up_proj or per-expert tensors)")
+        gate_up, down = experts
+        if router.shape[0] != dims.num_experts:
+            raise ModelLoadError(f"{model.path}: {prefix}{parent}.gate.weight has {router.shape[0]} "
+                                 f"experts, the config {dims.num_experts}")
+        act = gated_activation(model.spec.activation, model.ops_by_rope[model.spec.layers[layer].rope])
+        return MoEBlock(
+            router,
+            [Linear(w.contiguous()) for w in gate_up], [Linear(w.contiguous()) for w in down],
+            dims.num_experts_per_tok, norm_topk_prob, act, weights_in_float=weights_in_float,
+        )
+    raise ModelLoadError(f"{model.path}: tensor {prefix}{names.parents[0]}.gate.weight (the router) "
+                         f"is missing")
