@@ -192,10 +192,12 @@ class SlotBuffers:
             self.experts.clear(slot)
 
     def num_bytes(self) -> int:
-        """Bytes of the A/B stacks and the DoRA per-row scales (:func:`capacity.slot_bytes`
-        per slot, plus the scales' shared row of ones and any bias corrections)."""
+        """Bytes of the slots: A/B stacks, DoRA's row gains, the experts' LoRA
+        (:func:`capacity.slot_bytes` per slot), plus any DoRA bias corrections made since (the
+        gains' one shared zero row is not counted)."""
         return sum(
-            t.numel() * t.element_size()
-            for layer in self.a + self.b + self.row_gain for t in layer.values()
+            t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values()
+        ) + sum(
+            t[: self.max_loras].numel() * t.element_size() for layer in self.row_gain for t in layer.values()
         ) + sum(t.numel() * t.element_size() for t in self.row_shift.values()) + (
             self.experts.num_bytes() if self.experts is not None else 0)
