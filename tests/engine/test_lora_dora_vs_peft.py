@@ -2,8 +2,10 @@
 plain LoRA and base rows in one mixed batch (ranks 4..32, magnitudes moved away from the
 base's norms, rsLoRA, partial targets), chunked prefill and prefix-cache hits, on the
 Llama family (Qwen2's q/k/v biases too), Qwen3, Gemma 3, Gemma 2 and Phi-3 (DoRA on its fused
-projections), through the torch, C and Triton paths; and the same A/B served as a plain
-LoRA gives other numbers (so the magnitude path is what matches PEFT)."""
+projections) and Qwen3-MoE (DoRA on attention beside the experts), through the torch, C and
+Triton paths; the same A/B served as a plain LoRA gives other numbers (so the magnitude path
+is what matches PEFT); bfloat16, the real default model (e2e), a cancelling adapter refused
+at load, and speculative decoding's verify chunks through DoRA rows."""
 
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ ADAPTERS = [
     ("dora", 16, ALL_MODULES, True, {}),
     ("lora", 8, ["q_proj", "k_proj", "down_proj"], False, {}),
     ("dora", 32, ["k_proj", "o_proj", "gate_proj"], False, {"layers_to_transform": [1]}),
+]
+MOE_ADAPTERS = [  # an MoE layer has no dense MLP: DoRA on attention
+    ("dora", 4, ["q_proj", "v_proj"], False, {}),
+    ("dora", 16, ["q_proj", "k_proj", "v_proj", "o_proj"], True, {}),
+    ("lora", 8, ["q_proj", "k_proj"], False, {}),
+    ("dora", 32, ["k_proj", "o_proj"], False, {"layers_to_transform": [1]}),
 ]
 PHI3_ADAPTERS = [  # its checkpoints' fused names (PEFT knows no q_proj there)
     ("dora", 4, ["qkv_proj"], False, {}),
@@ -92,6 +100,7 @@ CASES = {  # name: (family, slice_runs (None: the default), LoRA backend)
     "gemma3": ("gemma3", None, "torch"),
     "gemma2": ("gemma2", None, "torch"),
     "phi3": ("phi3", None, "torch"),  # fused q|k|v and gate|up: each slice scaled by its rows' g
+    "qwen3_moe": ("qwen3_moe", None, "torch"),  # DoRA on attention beside the experts
 }
 
 
@@ -102,7 +111,8 @@ def test_dora_lora_and_base_rows_in_one_batch_match_peft(case, tmp_path, default
     if slice_runs is not None:
         monkeypatch.setattr("loramux.engine.lora.dora.SLICE_RUNS", slice_runs)
     base = _base(name, tmp_path, default_model_dir)
-    adapters = _adapters(base, tmp_path, PHI3_ADAPTERS if name == "phi3" else ADAPTERS)
+    specs = {"phi3": PHI3_ADAPTERS, "qwen3_moe": MOE_ADAPTERS}.get(name, ADAPTERS)
+    adapters = _adapters(base, tmp_path, specs)
     llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
               max_loras=len(adapters), max_lora_rank=32, max_num_batched_tokens=40,
               enable_prefix_caching=True, lora_backend=backend)
@@ -214,3 +224,21 @@ def test_dora_whose_rows_cancel_the_base_is_refused_at_load(tmp_path, default_mo
                      lora_request=LoRARequest("bad", 1, str(adapter)))
     (out,) = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_speculative_decoding_through_dora_rows_changes_nothing(tmp_path, default_model_dir):
+    """ngram drafts verified as chunks through the same DoRA path: outputs equal plain decoding."""
+    base = make_tiny_llama(tmp_path / "llama", default_model_dir)
+    adapter = make_dora_adapter(base, tmp_path / "dora", r=8, target_modules=ALL_MODULES, std=0.2)
+    prompt = "SELECT name FROM users WHERE id = 1; SELECT name FROM users WHERE id = 2; SELECT"
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    lora = LoRARequest("dora", 1, str(adapter))
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                        "prompt_lookup_min": 1}):
+        llm = LLM(str(base), dtype="float32", max_model_len=256, block_size=4, enable_lora=True,
+                  max_loras=1, speculative_config=spec)
+        outs.append([o.outputs[0].token_ids for o in llm.generate([prompt, prompt], params,
+                                                                   lora_request=[lora, None])])
+    assert outs[0] == outs[1] and outs[0][0] != outs[0][1]
+    assert sum(c.num_accepted_tokens for c in llm.llm_engine.stats().spec_decode.values()) > 0
