@@ -52,6 +52,8 @@ CASES = {  # name: (family, model overrides, adapter maker(base, out))
     "phi3-fused-dora": ("phi3", {}, lambda base, out: make_dora_adapter(
         base, out, r=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], std=0.1)),
     "phi3-split-dora": ("phi3", {}, _split_dora),
+    "gemma3-multimodal-dora": ("gemma3-mm", {}, lambda base, out: make_dora_adapter(
+        base, out, r=4, target_modules=["q_proj", "v_proj", "down_proj"], std=0.1)),  # + vision tower
     "qwen3": ("qwen3", {}, lambda base, out: make_peft_adapter(
         base, out, r=8, target_modules=ALL_MODULES, use_rslora=True, std=0.1)),
     "gemma3": ("gemma3", dict(num_hidden_layers=3), lambda base, out: make_peft_adapter(
