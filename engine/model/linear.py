@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 _BATCH_HINT = 32  # typical decode batch; any batch size works with the packed weight
+_PROJECT_CHUNK_ELEMS = 1 << 24  # project(): float32 copies of at most 64 MiB of an unpacked weight
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -85,9 +86,21 @@ class Linear:
 
     def project(self, a: torch.Tensor) -> torch.Tensor:
         """``a @ W.T`` without the bias, float32 [n, out], for a few rows a [n, in] (DoRA's
-        cross term ``W · Aᵀ``); computed in the matmul's dtype (float32 for float32 weights)."""
+        cross term ``W · Aᵀ``): exact float32 for float32 weights and unpacked ones (in bounded
+        chunks); a packed bf16 GEMM takes ``a`` in two bf16 parts, its outputs round to bf16."""
         if self.packed:
-            x = a.to(self.weight.device, self.compute_dtype).contiguous()
-            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-            return y.float()
-        return F.linear(a.to(self.weight.device, torch.float32), self.weight.float())
+            def run(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none",
+                                                          [], "").float()
+
+            x = a.float()
+            hi = x.to(self.compute_dtype)
+            if self.compute_dtype == torch.float32:
+                return run(hi)
+            return run(hi) + run((x - hi.float()).to(self.compute_dtype))  # a in two bf16 parts
+        x = a.to(self.weight.device, torch.float32)
+        if self.weight.dtype == torch.float32:
+            return F.linear(x, self.weight)
+        rows = max(1, _PROJECT_CHUNK_ELEMS // self.in_features)  # bounded float32 copies of W
+        return torch.cat([F.linear(x, self.weight[i : i + rows].float())
+                          for i in range(0, self.out_features, rows)], dim=1)

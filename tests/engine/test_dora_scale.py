@@ -52,3 +52,22 @@ def test_dora_rows_scaled_others_untouched(mode, shift, dtype, monkeypatch):
     for start, end in ((3, 5), (25, 27)):
         assert torch.equal(y[start:end], before[start:end])
     assert not torch.equal(y[0:3], before[0:3])
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_row_norms_and_projection_of_a(pack, dtype, monkeypatch):
+    """What DoRA reads of a base projection: its rows' norms and ``A @ W.T`` (no bias), from
+    a packed weight too, and in bounded chunks of an unpacked bf16 one."""
+    from loramux.engine.model.linear import Linear
+
+    monkeypatch.setattr("loramux.engine.model.linear._PROJECT_CHUNK_ELEMS", 100)  # 6 rows a chunk
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 16, generator=g).to(dtype)
+    lin = Linear(w, torch.randn(37, generator=g).to(dtype), pack=pack)
+    a = torch.randn(3, 16, generator=g)
+    # a packed bf16 GEMM (CPUs with bf16 matmuls) rounds its output to bf16
+    rounded = lin.packed and lin.compute_dtype == torch.bfloat16
+    assert torch.allclose(lin.project(a), a @ w.float().T, atol=5e-2 if rounded else 1e-4,
+                          rtol=1e-2 if rounded else 1e-4)
+    assert torch.allclose(lin.row_norms(), w.float().norm(dim=1), rtol=1e-6)
