@@ -6,8 +6,11 @@ LoRA and once as DoRA with the same A and B plus a magnitude per output feature 
 ``uniform`` (all requests at once, 32-token prompts) and ``serving`` (Poisson arrivals, a
 shared prefix, longer prompts). The default model on the engine's default path; with
 ``--models default,qwen3`` a random Qwen3 too. LoRA and DoRA runs alternate (``--repeats``
-pairs, each in the other order than the last) and each ratio is the median over the pairs, with output tokens per CPU-second
-beside wall-clock tok/s (robust on a shared machine, with ``--threads 1``).
+pairs, each in the other order than the last) and each ratio is the median over the pairs,
+with output tokens per CPU-second beside wall-clock tok/s (``--threads 1``). Last, the
+steadiest number on a shared machine: the CPU time of one decode step of 16 rows over the 4
+adapters, the minimum over ``--step-repeats`` alternating measurements of 8 steps each
+(``decode_step``).
 
 Writes bench/results/dora.json and .png.
 
@@ -71,6 +74,40 @@ def make_dora(plain: list[Path], model: Path, root: Path) -> list[Path]:
     return out
 
 
+def decode_step_ms(model, kinds: dict, dtype: str, repeats: int) -> dict[str, float]:
+    """Minimum CPU ms of one decode step (16 rows, round-robin over each kind's adapters),
+    the kinds measured alternately ``repeats`` times."""
+    import time
+
+    from loramux.engine.config import EngineConfig
+    from loramux.engine.engine import LLMEngine
+    from loramux.engine.sampling_params import SamplingParams
+
+    engines = {}
+    for kind, loras in kinds.items():
+        cfg = EngineConfig.from_options(model=str(model), dtype=dtype, max_model_len=512, max_num_seqs=64,
+                                        enable_lora=True, max_loras=len(loras))
+        engines[kind] = LLMEngine(cfg)
+    best = dict.fromkeys(kinds, float("inf"))
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, ignore_eos=True)
+    for rep in range(repeats + 1):  # the first round warms up (loads, oneDNN primitives)
+        for kind, loras in kinds.items():
+            eng = engines[kind]
+            for i in range(16):
+                eng.add_request(f"{rep}-{i}", {"prompt_token_ids": list(range(1000 + i, 1032 + i))},
+                                params, lora_request=loras[i % len(loras)])
+            for _ in range(4):  # prefill, first decodes
+                eng.step()
+            t = time.process_time()
+            for _ in range(8):
+                eng.step()
+            if rep:
+                best[kind] = min(best[kind], (time.process_time() - t) / 8 * 1e3)
+            while eng.has_unfinished_requests():
+                eng.step()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="default")
@@ -82,6 +119,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="half the requests, 16 new tokens")
+    ap.add_argument("--step-repeats", type=int, default=5)
     ap.add_argument("--out", default="dora", help="results name (bench/results/<out>.*)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -126,6 +164,11 @@ def main() -> None:
                 for metric in ("tok_s", "tok_per_cpu_s"):
                     ratios[f"{name}/{shape}: dora/lora {metric}"] = statistics.median(
                         p["dora"][metric] / p["lora"][metric] for p in pairs)
+            if args.step_repeats:
+                ms = decode_step_ms(model, kinds, args.dtype, args.step_repeats)
+                results[f"{name}/decode_step_ms"] = ms
+                print(f"{name}/decode step: lora {ms['lora']:.1f} ms, dora {ms['dora']:.1f} ms", flush=True)
+                ratios[f"{name}/decode_step: lora/dora time"] = ms["lora"] / ms["dora"]
     for k, v in ratios.items():
         print(f"{k:38s} {v:5.3f}")
     out = write_json(args.out, {"args": vars(args), "results": results, "ratios": ratios,

@@ -31,6 +31,9 @@ SLICE_RUNS = 1
 """Steps with at most this many short runs of DoRA rows scale each run's rows as one slice;
 more gather a per-token scale over the span that holds them (two ops per projection: on the
 CPU one bf16 op on a slice costs about what the gather and op on 16 rows do)."""
+PREGATHER_TOKENS = 64
+"""Spans of at most this many tokens gather their rows' gains for every layer at once, one
+op per group and step (``[layers, tokens, N]``), instead of one per projection."""
 LONG_RUN = 16
 """Runs of at least this many tokens (prefill chunks) are always scaled as one slice: the
 gather would copy their scale row once per token (~30% more time on the CPU)."""
@@ -138,6 +141,10 @@ class DoraStep:
                 rows[start - lo : end - lo] = slot
             self.span = (lo, hi, rows.to(device))
             self.runs = [r for r in runs if r not in short]
+        self._gathered: dict[str, torch.Tensor] = {}
+        self._pregather = (self.kernel is None and self.span is not None
+                           and self.span[1] - self.span[0] <= PREGATHER_TOKENS
+                           and getattr(buffers, "row_gain_stack", None) is not None)
 
     def apply(self, layer: int, group: str, y: torch.Tensor) -> None:
         """``y = g ⊙ y + c`` (as ``y + y ⊙ (g - 1) + c``) on this step's DoRA rows of ``group``
@@ -153,7 +160,14 @@ class DoraStep:
         if self.span is not None:
             lo, hi, rows = self.span
             view = y[lo:hi]
-            view.addcmul_(view, gain.index_select(0, rows))
+            if self._pregather:
+                gathered = self._gathered.get(group)
+                if gathered is None:
+                    gathered = self.buffers.row_gain_stack[group].index_select(1, rows)
+                    self._gathered[group] = gathered
+                view.addcmul_(view, gathered[layer])
+            else:
+                view.addcmul_(view, gain.index_select(0, rows))
             if c_all is not None:
                 view.add_(c_all.index_select(0, rows))
         for start, end, slot in self.runs:

@@ -46,7 +46,6 @@ class SlotBuffers:
         self.slice_offsets: dict[str, list[int]] = {}
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
-        self.row_gain: list[dict[str, torch.Tensor]] = []
         self.row_shift: dict[tuple[int, str], torch.Tensor] = {}
         self.blockdiag = blockdiag
         for group, modules in PROJECTION_GROUPS.items():
@@ -74,13 +73,16 @@ class SlotBuffers:
                     b_layer[group] = alloc(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
-            scale_layer = {}
-            for group in PROJECTION_GROUPS:
-                g = alloc(max_loras + 1, self.slice_offsets[group][-1], dtype=scale_dtype,
-                          device=device)
-                g[max_loras].zero_()
-                scale_layer[group] = g
-            self.row_gain.append(scale_layer)
+        self.row_gain_stack: dict[str, torch.Tensor] = {}
+        """Per group, every layer's row gains [num_layers, max_loras + 1, N_total]
+        (``row_gain[l][g]`` are its views; a step gathers its rows for all layers at once)."""
+        for group in PROJECTION_GROUPS:
+            g = alloc(dims.num_layers, max_loras + 1, self.slice_offsets[group][-1], dtype=scale_dtype,
+                      device=device)
+            g[:, max_loras].zero_()
+            self.row_gain_stack[group] = g
+        self.row_gain = [{group: self.row_gain_stack[group][layer] for group in PROJECTION_GROUPS}
+                         for layer in range(dims.num_layers)]
         self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device)
                         if dims.num_experts else None)
         """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
@@ -198,6 +200,6 @@ class SlotBuffers:
         return sum(
             t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values()
         ) + sum(
-            t[: self.max_loras].numel() * t.element_size() for layer in self.row_gain for t in layer.values()
+            t[:, : self.max_loras].numel() * t.element_size() for t in self.row_gain_stack.values()
         ) + sum(t.numel() * t.element_size() for t in self.row_shift.values()) + (
             self.experts.num_bytes() if self.experts is not None else 0)

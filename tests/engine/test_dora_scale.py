@@ -1,5 +1,5 @@
-"""DoRA's per-row scale on a step's output (``engine/lora/dora.py``): the slice, span and
-Triton (interpreted without a GPU) paths all give ``g ⊙ y + c`` on the DoRA rows of the
+"""DoRA's per-row scale on a step's output (``engine/lora/dora.py``): the slice, span (gathered
+per projection or once per step) and Triton (interpreted without a GPU) paths all give ``g ⊙ y + c`` on the DoRA rows of the
 step and leave every other row alone."""
 
 from __future__ import annotations
@@ -11,27 +11,29 @@ from loramux.engine.lora.dora import DoraStep
 
 
 class _Buffers:
-    """The three fields DoraStep reads of ``SlotBuffers``."""
+    """The fields DoraStep reads of ``SlotBuffers``."""
 
     def __init__(self, n: int, dtype: torch.dtype, shift: bool) -> None:
         g = torch.Generator().manual_seed(0)
         self.max_loras = 3
         gain = torch.randn(4, n, generator=g) * 0.1
         gain[3] = 0  # the zero row
-        self.row_gain = [{"qkv": gain.to(dtype)}]
+        self.row_gain_stack = {"qkv": gain.to(dtype)[None]}  # one layer
+        self.row_gain = [{"qkv": self.row_gain_stack["qkv"][0]}]
         self.row_shift = {(0, "qkv"): (torch.randn(4, n, generator=g) * 0.1).to(dtype)} if shift else {}
         if shift:
             self.row_shift[(0, "qkv")][3] = 0
         self.dora = [frozenset({(0, "qkv")}), frozenset(), frozenset({(0, "qkv")})]
 
 
-@pytest.mark.parametrize("mode", ["slices", "span", "triton"])
+@pytest.mark.parametrize("mode", ["slices", "span", "pregathered", "triton"])
 @pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dora_rows_scaled_others_untouched(mode, shift, dtype, monkeypatch):
     if mode == "triton":
         pytest.importorskip("triton")
     monkeypatch.setattr("loramux.engine.lora.dora.SLICE_RUNS", 100 if mode == "slices" else 0)
+    monkeypatch.setattr("loramux.engine.lora.dora.PREGATHER_TOKENS", 1000 if mode == "pregathered" else 0)
     n = 300  # not a multiple of the kernel's block
     bufs = _Buffers(n, dtype, shift)
     # tokens: slot 0 [0, 3), base [3, 5), a long prefill run of slot 2 [5, 25), slot 1 (plain
