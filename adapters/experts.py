@@ -29,6 +29,13 @@ from loramux.adapters.errors import AdapterValidationError
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 """The expert parameters LoRA may target, in the order PEFT nests their wrappers."""
+ROUTER = "router"
+"""The router's weight (``mlp.gate.weight`` [E, H]; PEFT's ``all-linear`` targets it on MoE
+bases): a plain 2-D LoRA, A ``[r, H]``, B ``[E, r]``, adding ``scale * B @ A @ x`` to the
+router logits. Kept in ``LoraWeights.experts[i]["router"]`` as ``(A, B)``."""
+ROUTER_KEY_RE = re.compile(
+    r"^base_model\.model\.model\.layers\.(?P<layer>\d{1,6})\.mlp\.gate\.lora_(?P<which>[AB])\.weight$"
+)
 EXPERT_KEY_RE = re.compile(
     r"^base_model\.model\.(?P<prefix>model\.)layers\.(?P<layer>\d{1,6})\.mlp\.experts\."
     r"(?P<base>base_layer\.)?lora_(?P<which>[AB])\.weight$"
@@ -59,18 +66,18 @@ def parse_target_parameters(config: Mapping[str, Any], base) -> tuple[str, ...]:
     for entry in value:
         m = _PARAM_RE.match(entry) if isinstance(entry, str) else None
         param = m["param"] if m else None
-        if param in ("gate.weight", "router.weight", "weight") or (isinstance(entry, str) and
-                                                                  entry.endswith("gate.weight")):
-            raise refuse("target_parameters", f"{entry!r}: LoRA on the router is not supported; "
-                         f"target the experts ({', '.join(EXPERT_PARAMS)})")
+        if param == "gate.weight":
+            params.add(ROUTER)
+            continue
         if param not in EXPERT_PARAMS:
             raise refuse("target_parameters", f"{entry!r} is not an expert parameter of the base "
-                         f"model; supported: {', '.join('mlp.experts.' + p for p in EXPERT_PARAMS)}")
+                         f"model; supported: {', '.join('mlp.experts.' + p for p in EXPERT_PARAMS)}, "
+                         f"mlp.gate.weight (the router)")
         params.add(param)
     if config.get("layers_to_transform") not in (None, []):
         raise refuse("layers_to_transform", "layers_to_transform with target_parameters is not "
                      "supported (PEFT targets the parameters in every layer)")
-    return tuple(p for p in EXPERT_PARAMS if p in params)
+    return tuple(p for p in (*EXPERT_PARAMS, ROUTER) if p in params)
 
 
 def parameter_ranks(config: Mapping[str, Any], params: tuple[str, ...], r: int,
@@ -97,16 +104,21 @@ def parameter_ranks(config: Mapping[str, Any], params: tuple[str, ...], r: int,
 
 
 def expert_shapes(dims) -> dict[str, tuple[int, int]]:
-    """``(in_features, out_features)`` of each expert parameter of the base."""
+    """``(in_features, out_features)`` of each expert parameter of the base (and the router's)."""
     h, i = dims.hidden_size, dims.moe_intermediate_size
-    return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+    return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h), ROUTER: (h, dims.num_experts)}
 
 
 def tensor_names(spec, layer: int, prefix: str = "model.") -> dict[str, tuple[str, str]]:
     """PEFT's ``(lora_A, lora_B)`` names of each targeted parameter of one layer."""
     out = {}
+    experts = [p for p in spec.target_parameters if p != ROUTER]
     for p in spec.target_parameters:
-        base = "base_layer." if p == "gate_up_proj" and len(spec.target_parameters) > 1 else ""
+        if p == ROUTER:
+            stem = f"base_model.model.{prefix}layers.{layer}.mlp.gate."
+            out[p] = (stem + "lora_A.weight", stem + "lora_B.weight")
+            continue
+        base = "base_layer." if p == "gate_up_proj" and len(experts) > 1 else ""
         stem = f"base_model.model.{prefix}layers.{layer}.mlp.experts.{base}"
         out[p] = (stem + "lora_A.weight", stem + "lora_B.weight")
     return out
@@ -117,17 +129,24 @@ def collect(infos: Mapping[str, Any], spec) -> tuple[dict[tuple[int, str], dict[
     the modules'). Refuses expert tensors the config does not target."""
     found: dict[tuple[int, str], dict[str, Any]] = {}
     names = set()
+    experts = [p for p in spec.target_parameters if p != ROUTER]
     for key, info in infos.items():
-        m = EXPERT_KEY_RE.match(key)
+        router = ROUTER_KEY_RE.match(key)
+        m = router or EXPERT_KEY_RE.match(key)
         if m is None:
             continue
-        if not spec.target_parameters:
-            raise refuse(key, "unexpected tensor: the config has no target_parameters")
-        both = len(spec.target_parameters) > 1
-        if m["base"] and not both:
+        if router is not None:
+            if ROUTER not in spec.target_parameters:
+                raise refuse(key, "unexpected tensor: target_parameters does not name mlp.gate.weight")
+            found.setdefault((int(m["layer"]), ROUTER), {})[m["which"]] = info
+            names.add(key)
+            continue
+        if not experts:
+            raise refuse(key, "unexpected tensor: target_parameters names no expert parameter")
+        if m["base"] and len(experts) < 2:
             raise refuse(key, f"unexpected tensor: with target_parameters {list(spec.target_parameters)} "
                          f"the experts' tensors are named mlp.experts.lora_A/B")
-        param = "gate_up_proj" if m["base"] else spec.target_parameters[-1]
+        param = "gate_up_proj" if m["base"] else experts[-1]
         found.setdefault((int(m["layer"]), param), {})[m["which"]] = info
         names.add(key)
     return found, names
@@ -155,12 +174,13 @@ def check(found, spec, dims, hint: str = "") -> None:
                     raise refuse(name, f"missing tensor (LoRA on mlp.experts.{param})")
             r = spec.expert_rank(param)
             k, n = shapes[param]
-            for which, want in (("A", (e * r, k)), ("B", (n, r * e))):
+            experts = 1 if param == ROUTER else e
+            for which, want in (("A", (experts * r, k)), ("B", (n, r * experts))):
                 got = tuple(pair[which].shape)
                 if got != want:
                     raise AdapterValidationError(
                         f"{pair[which].name}: shape {list(got)}, expected {list(want)} for "
-                        f"mlp.experts.{param} ({e} experts × rank {r}, "
+                        f"{'the router mlp.gate.weight (rank' if param == ROUTER else f'mlp.experts.{param} ({e} experts × rank'} {r}, "
                         f"{'in' if which == 'A' else 'out'} features {want[1] if which == 'A' else want[0]})"
                         f"{hint}", field=pair[which].name)
 
@@ -178,6 +198,9 @@ def peft_tensors(weights, prefix: str = "model.") -> dict[str, torch.Tensor]:
     for layer, params in weights.experts.items():
         names = tensor_names(weights.spec, layer, prefix)
         for param, (a, b) in params.items():
+            if param == ROUTER:
+                out[names[param][0]], out[names[param][1]] = a.contiguous(), b.contiguous()
+                continue
             e, r = a.shape[0], a.shape[1]
             out[names[param][0]] = a.reshape(e * r, a.shape[2]).contiguous()
             out[names[param][1]] = b.permute(1, 2, 0).reshape(b.shape[1], r * e).contiguous()

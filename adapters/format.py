@@ -42,7 +42,7 @@ from loramux.adapters.archive import (
     adapter_folder,
 )
 from loramux.adapters.errors import AdapterValidationError, pickle_refusal
-from loramux.adapters.experts import EXPERT_KEY_RE
+from loramux.adapters.experts import EXPERT_KEY_RE, ROUTER, ROUTER_KEY_RE
 from loramux.adapters.safetensors_io import (
     FLOAT_DTYPES,
     TensorInfo,
@@ -153,8 +153,8 @@ def _collect(
     example = tensor_key(0, accepted[0], "A", arch.peft_prefix if arch is not None else "model.")
     for key in sorted(infos):
         info = infos[key]
-        if EXPERT_KEY_RE.match(key):
-            continue  # the experts' (experts.collect)
+        if EXPERT_KEY_RE.match(key) or ROUTER_KEY_RE.match(key):
+            continue  # the experts' and the router's (experts.collect)
         m = TENSOR_KEY_RE.match(key)
         if m is None:
             if NON_TEXT_KEY_RE.match(key) and (arch is None or arch.ignored_prefixes):
@@ -317,6 +317,9 @@ def _load_experts(weights_path: Path, found: dict, spec: LoraSpec, dtype: torch.
                 raise AdapterValidationError(f"{info.name}: contains NaN or infinite values (in {dtype}); "
                                              f"expected finite weights", field=info.name)
         r = spec.expert_rank(param)
+        if param == ROUTER:
+            out.setdefault(layer, {})[param] = (a, b)
+            continue
         if a.dim() != 2 or a.shape[0] % r or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise AdapterValidationError(
                 f"{pair['A'].name}: shape {list(a.shape)} / lora_B {list(b.shape)} is not PEFT's "

@@ -65,13 +65,15 @@ def _probe_experts(weights: LoraWeights, dtype: torch.dtype, limit: float, gen) 
     """The experts' LoRA (``LoraWeights.experts``) probed as the modules' are, every expert."""
     for layer in sorted(weights.experts):
         for param, (a, b) in sorted(weights.experts[layer].items()):
-            where = f"layer {layer} mlp.experts.{param}"
+            where = f"layer {layer} {'mlp.gate' if param == 'router' else 'mlp.experts.' + param}"
             scale = weights.spec.expert_scale(param)
             peak = max(float(a.abs().max()), float(b.abs().max()) * abs(scale)) if a.numel() else 0.0
             if not peak <= limit:
                 raise AdapterValidationError(
                     f"weights: {where} has values up to {peak:.3g} (scaled), beyond what "
                     f"{str(dtype).removeprefix('torch.')} can represent ({limit:.3g})", field="weights")
+            if a.dim() == 2:  # the router's LoRA
+                a, b = a.unsqueeze(0), b.unsqueeze(0)
             x = torch.randn(PROBE_TOKENS, a.shape[2], generator=gen).to(dtype)
             y = torch.einsum("tk,erk,eor->eto", x, a.to(dtype), b.to(dtype)) * scale
             top = float(y.abs().max()) if y.numel() else 0.0

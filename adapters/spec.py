@@ -153,7 +153,8 @@ class LoraSpec:
             "use_dora": self.use_dora,
             "modules_to_save": None,
             "inference_mode": True,
-            **({"target_parameters": [f"mlp.experts.{p}" for p in self.target_parameters],
+            **({"target_parameters": [f"mlp.experts.{p}" if p != "router" else "mlp.gate.weight"
+                                      for p in self.target_parameters],
                 "rank_pattern": {f".*\\.{p}": r for p, r, _ in self.parameter_ranks if r != self.r},
                 "alpha_pattern": {f".*\\.{p}": a for p, _, a in self.parameter_ranks
                                   if a != self.lora_alpha}}
@@ -203,7 +204,11 @@ def _parse_target(entry: Any, accepted: tuple[str, ...]) -> tuple[str, int | Non
     module = m["module"] if m else entry.rsplit(".", 1)[-1]
     if module not in accepted:
         hint = ""
-        if module in LORA_MODULES:
+        if module in ("w1", "w2", "w3") or ".experts." in entry:
+            hint = (" (per-expert LoRA modules of a transformers 4 MoE checkpoint: load the adapter with "
+                    "PEFT >= 0.17 onto the transformers 5 model and save it again, which writes "
+                    "target_parameters on mlp.experts.gate_up_proj / down_proj)")
+        elif module in LORA_MODULES:
             hint = (" (a fused checkpoint's name, as Phi-3 has: the adapter was trained for another "
                     "family)" if module in FUSED_MODULES else
                     " (this family's checkpoints fuse it: target the fused module)")

@@ -37,7 +37,7 @@ from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.engine.spec_decode.drafter import Drafter, cost_ratio
 from loramux.engine.spec_decode.verify import verify_drafts
-from loramux.engine.step_budget import StepBudget, StepShape
+from loramux.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, StepShape
 from loramux.engine.step_data import ModelOutput, ScheduledRow, SchedulerOutput, StepOutcome
 
 logger = logging.getLogger(__name__)
@@ -77,11 +77,13 @@ class _Plan:
         self.copies: list[tuple[int, int]] = []
         self.num_tokens = 0
         self.num_prefill_tokens = 0
+        self.num_draft_tokens = 0
 
     def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
         item = _Planned(seq, num_new_tokens, drafts)
         self.items.append(item)
-        self.num_tokens += num_new_tokens
+        self.num_tokens += item.num_new_tokens
+        self.num_draft_tokens += len(item.drafts)
         if item.is_prefill:
             self.num_prefill_tokens += num_new_tokens
 
@@ -90,6 +92,7 @@ class _Plan:
         for item in [i for i in self.items if i.seq is seq]:
             self.items.remove(item)
             self.num_tokens -= item.num_new_tokens
+            self.num_draft_tokens -= len(item.drafts)
             if item.is_prefill:
                 self.num_prefill_tokens -= item.num_new_tokens
 
@@ -139,6 +142,7 @@ class Scheduler:
         self.budget = StepBudget(config.target_itl_ms) if config.enable_step_budget else None
         """The step-time budget (None = token/sequence limits only)."""
         self._prefill_cap: int | None = None  # this step's prompt tokens (step budget)
+        self._draft_weight = 1.0  # prompt tokens of the cap one draft token costs
 
     # --- queue ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -275,11 +279,16 @@ class Scheduler:
         self.kv.register_computed(seq)
 
     def _draft_cost_ratio(self, num_decodes: int) -> float:
-        """The drafter's cost ratio for a step of ``num_decodes`` rows (spec_decode/drafter.py)."""
+        """The drafter's cost ratio for a step of ``num_decodes`` rows (spec_decode/drafter.py);
+        sets how many prompt tokens of the step budget's cap one draft token weighs."""
         model = self.budget.model if self.budget is not None else None
-        coef = model.coef if model is not None and model.warm else None
+        warm = model is not None and model.warm
+        coef = model.coef if warm else None
+        c_draft = model.c_draft if warm else 0.0
+        c_pre = float(model.coef[2]) if warm else 0.0
+        self._draft_weight = c_draft / c_pre if c_draft > 0 and c_pre > 0 else 1.0
         adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
-        return cost_ratio(coef, num_decodes, adapters)
+        return cost_ratio(coef, num_decodes, adapters, c_draft)
 
     def _draft(self, seq: Sequence, spare: int, ratio: float) -> list[int]:
         """Drafts for ``seq``'s decode row within ``spare`` tokens of the step's budget, and
@@ -305,6 +314,12 @@ class Scheduler:
         num_decodes = sum(1 for s in queue if s.num_computed_tokens >= s.num_tokens - 1)
         spare = self.max_num_batched_tokens - num_decodes
         ratio = self._draft_cost_ratio(num_decodes) if self.drafter is not None else 0.0
+        if self._prefill_cap is not None:
+            # the step budget caps prompt tokens (the ITL target): drafts cost what prompt tokens
+            # cost and share the cap with them, leaving prompts (if any) their minimum chunk
+            prompts = bool(self.waiting) or num_decodes < len(queue)
+            room = self._prefill_cap - (MIN_CHUNK_TOKENS if prompts else 0)
+            spare = min(spare, int(room / self._draft_weight))
         while queue:
             seq = queue.pop(0)
             if seq.num_computed_tokens < seq.num_tokens - 1:
@@ -421,7 +436,8 @@ class Scheduler:
         left = self.max_num_batched_tokens - plan.num_tokens
         if self._prefill_cap is None or (seq is not None and not self._chunkable(seq)):
             return left
-        return min(left, self._prefill_cap - plan.num_prefill_tokens)
+        drafts = int(plan.num_draft_tokens * self._draft_weight + 0.999)  # in prompt tokens
+        return min(left, self._prefill_cap - plan.num_prefill_tokens - drafts)
 
     def _chunkable(self, seq: Sequence) -> bool:
         return self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None
@@ -452,9 +468,8 @@ class Scheduler:
         ``extra_rows``: sequences sampled beyond the plan's rows (forks of ``n`` siblings)."""
         if self.budget is None or plan.is_empty:
             return
-        # a verify row's drafts cost what prompt tokens after a cached context cost
-        shape = StepShape(plan.num_decode_rows + extra_rows,
-                          plan.num_prefill_tokens + plan.num_draft_tokens, plan.num_adapters)
+        shape = StepShape(plan.num_decode_rows + extra_rows, plan.num_prefill_tokens,
+                          plan.num_adapters, plan.num_draft_tokens)
         self.budget.observe(shape, seconds)
 
     def _make_room(self, seq: Sequence, plan: _Plan, fits) -> bool:

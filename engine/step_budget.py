@@ -8,7 +8,7 @@ seconds, and a flooder's 256 decode sequences made every step ~1 s. So each step
 to a time, not to a fixed token/sequence count:
 
 * :class:`StepCostModel` fits ``seconds ≈ c0 + c_decode · decode rows + c_prefill ·
-  prompt tokens + c_adapter · adapters`` online (least squares with forgetting) from the
+  prompt tokens + c_adapter · adapters + c_draft · drafted tokens`` online (least squares with forgetting) from the
   measured cycle of every step (planning to the next step: outputs delivered included).
 * :class:`StepBudget` turns the **ITL target** (``SchedulerConfig.target_itl_ms``; unset,
   :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine)
@@ -75,9 +75,12 @@ class StepShape:
     decode_rows: int
     prefill_tokens: int
     adapters: int
+    draft_tokens: int = 0
+    """Drafted tokens of verify rows (speculative decoding): their own feature, a small
+    verify row's token costs more than a long prompt chunk's."""
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.decode_rows, self.prefill_tokens, self.adapters])
+        return np.array([1.0, self.decode_rows, self.prefill_tokens, self.adapters, self.draft_tokens])
 
 
 class StepCostModel:
@@ -85,12 +88,15 @@ class StepCostModel:
 
     def __init__(self, forget: float = FORGET) -> None:
         self.forget = forget
-        self._xtx = np.zeros((4, 4))
-        self._xty = np.zeros(4)
+        self._xtx = np.zeros((5, 5))
+        self._xty = np.zeros(5)
         self.num_observed = 0
         self._skipped = 0
-        self.coef = np.zeros(4)
+        self._all = np.zeros(5)
+        self.coef = self._all[:4]
         """[c0, c_decode, c_prefill, c_adapter] in seconds (non-negative)."""
+        self.c_draft = 0.0
+        """Seconds per drafted token (0 until verify rows were observed)."""
 
     @property
     def warm(self) -> bool:
@@ -109,10 +115,12 @@ class StepCostModel:
         self.num_observed += 1
         ridge = _RIDGE * np.diag(np.diag(self._xtx) + 1e-12)  # scale-free; solves unseen features
         coef = np.linalg.solve(self._xtx + ridge, self._xty)
-        self.coef = np.maximum(coef, 0.0)
+        self._all = np.maximum(coef, 0.0)
+        self.coef = self._all[:4]
+        self.c_draft = float(self._all[4])
 
     def predict(self, shape: StepShape) -> float:
-        return float(shape.features() @ self.coef)
+        return float(shape.features() @ self._all)
 
 
 @dataclass

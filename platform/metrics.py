@@ -155,6 +155,10 @@ class Metrics:
         self.spec_accepted_tokens = Gauge(
             "loramux_spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens the "
             "model accepted since start, per adapter.", ["adapter"], registry=r)
+        self.spec_accepted_per_pos = Gauge(
+            "loramux_spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: verify "
+            "steps whose draft at this position (0-based) was accepted, per adapter (vLLM's "
+            "spec_decode_num_accepted_tokens_per_pos).", ["adapter", "position"], registry=r)
         self.spec_acceptance = Gauge(
             "loramux_spec_decode_acceptance_rate", "Speculative decoding: accepted / drafted "
             "tokens since start, per adapter.", ["adapter"], registry=r)
@@ -277,6 +281,8 @@ class Metrics:
                 self.spec_draft_tokens.labels(adapter).set(c.num_draft_tokens)
                 self.spec_accepted_tokens.labels(adapter).set(c.num_accepted_tokens)
                 self.spec_acceptance.labels(adapter).set(c.acceptance_rate)
+                for pos, n in enumerate(c.accepted_per_pos):
+                    self.spec_accepted_per_pos.labels(adapter, str(pos)).set(n)
         with self._lock:
             pending, self._pending_evictions = self._pending_evictions, _Counter()
         for adapter, n in pending.items():

@@ -2,24 +2,19 @@
 
 Slots (:class:`ExpertSlots`, beside :class:`~loramux.engine.lora.slots.SlotBuffers`' and with
 the same slot indices): per MoE layer and expert parameter (``gate_up_proj``, ``down_proj``)
-``a`` [max_loras, E, R, K] holding each expert's A times its scale and ``b`` [max_loras, E, R, N]
-each expert's B transposed (R = ``max_lora_rank``; rows past an adapter's rank are zero). An
-adapter without expert LoRA leaves its slot's part untouched and unread.
+``a`` [max_loras, E, R, K] holding each expert's A times its scale and ``b`` each expert's B,
+as ``[max_loras, E, R, N]`` (B transposed: the torch backend's block-diagonal layout) or
+``[max_loras, E, N, R]`` (the Triton kernels'); R = ``max_lora_rank``, rows past an adapter's
+rank are zero; plus the router's LoRA (``router_a`` [max_loras, R, H] pre-scaled, ``router_b``
+[max_loras, R, E]). An adapter without expert LoRA leaves its slot's part untouched and unread.
 
-Per step (:class:`ExpertStep`): the slots of the step that carry expert LoRA, each token's
-index among them. An MoE block calls :meth:`ExpertStep.add` on its expert-sorted rows. With
-the torch backend (the CPU) the expert slots are read as the block-diagonal slot layout of
-``max_loras * E`` virtual slots (``slot * E + expert``, A ``[.., 1, R, K]``, B ``[.., R, N]``)
-and the rows go through the engine's own LoRA kernel (the CPU SGMV kernel: one call per
-projection over all (token, adapter, expert) runs; the layout is built once per layer and
-shared by its gate_up and down calls). Otherwise (the Triton backend's layout): for every
-expert with rows, one shrink over the active slots' A of that expert
-(``[c, K] @ [K, S R]``), a mask keeping each row's own adapter's R columns, and one expand
-(``[c, S R] @ [S R, N]``) added to the rows — one matmul pair per (expert, projection),
-batched over adapters as the torch backend's block-diagonal path is; its extra FLOPs are a
-fraction ``S R / K`` of the expert's own projection. A step with few rows (decode, up to
-:data:`GATHER_ROWS`) gathers each row's own A and B instead and runs two batched matmuls
-over the rows (memory bounded by the row limit).
+Per step (:class:`ExpertStep`): which tokens' slots carry expert LoRA. An MoE block calls
+:meth:`ExpertStep.add` on its expert-sorted rows: each (slot, expert) is one virtual slot
+``slot * E + expert`` of the slot layout (A ``[max_loras * E, 1, R, K]``), and the rows run
+through the engine's own LoRA kernel — on the CPU the SGMV kernel, on CUDA the Triton
+shrink/expand — in one call per projection over all (token, adapter, expert) runs; the layout
+(a ``LoRABatchMeta`` over the virtual slots) is built once per layer and shared by its gate_up
+and down calls. Rows of base tokens and of dense-only adapters are left out of it.
 """
 
 from __future__ import annotations
@@ -27,22 +22,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loramux.adapters.experts import EXPERT_PARAMS, expert_shapes
+from loramux.adapters.experts import EXPERT_PARAMS, ROUTER, expert_shapes
 from loramux.adapters.format import LoraWeights
 from loramux.engine.lora.meta import LoRABatchMeta
 
 GROUP_PARAM = {"gate_up": "gate_up_proj", "down": "down_proj"}
-GATHER_ROWS = 64
-"""Up to this many (token, expert) rows (decode steps) each row's A and B are gathered and
-applied in two batched matmuls; above it, the per-expert matmul pair over all active slots."""
-"""An MoE block's projection group → the expert parameter its LoRA targets."""
-
 
 def expert_slot_bytes(dims, max_rank: int, element_size: int) -> int:
     """Bytes of one slot's expert part (0 for a dense base)."""
     if not dims.num_experts:
         return 0
-    per_layer = sum(k + n for k, n in expert_shapes(dims).values()) * dims.num_experts * max_rank
+    shapes = expert_shapes(dims)
+    per_layer = sum(sum(shapes[p]) for p in EXPERT_PARAMS) * dims.num_experts * max_rank
+    per_layer += sum(shapes[ROUTER]) * max_rank
     return len(dims.moe_layers) * per_layer * element_size
 
 
@@ -54,30 +46,52 @@ def expert_adapter_bytes(dims, rank: int, element_size: int) -> int:
 class ExpertSlots:
     """The experts' LoRA of every slot (see the module docstring)."""
 
-    def __init__(self, dims, max_loras: int, max_rank: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, dims, max_loras: int, max_rank: int, dtype: torch.dtype, device,
+                 *, blockdiag: bool = True) -> None:
+        """``blockdiag``: B as ``[.., E, R, N]`` (the torch backend's layout), else
+        ``[.., E, N, R]`` (the Triton kernels')."""
         self.dims = dims
         self.max_rank = max_rank
+        self.blockdiag = blockdiag
         shapes = expert_shapes(dims)
         e = dims.num_experts
         # CPU: untouched pages cost nothing until a slot with expert LoRA is written
         alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
         self.a = {layer: {p: alloc(max_loras, e, max_rank, shapes[p][0], dtype=dtype, device=device)
                           for p in EXPERT_PARAMS} for layer in dims.moe_layers}
-        self.b = {layer: {p: alloc(max_loras, e, max_rank, shapes[p][1], dtype=dtype, device=device)
+        self.b = {layer: {p: alloc(max_loras, e, *((max_rank, shapes[p][1]) if blockdiag else
+                                                    (shapes[p][1], max_rank)), dtype=dtype, device=device)
                           for p in EXPERT_PARAMS} for layer in dims.moe_layers}
         self.has = np.zeros(max_loras, dtype=bool)
         """Slots whose adapter has expert LoRA (only those are read)."""
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         """The largest expert-LoRA rank of each slot (0: none)."""
+        h = dims.hidden_size
+        self.router_a = {layer: alloc(max_loras, max_rank, h, dtype=dtype, device=device)
+                         for layer in dims.moe_layers}  # [L, R, H] pre-scaled
+        self.router_b = {layer: alloc(max_loras, max_rank, e, dtype=dtype, device=device)
+                         for layer in dims.moe_layers}  # [L, R, E]
+        self.has_router = np.zeros(max_loras, dtype=bool)
+        """Slots whose adapter has LoRA on the router."""
 
     def write(self, slot: int, weights: LoraWeights) -> None:
         """Copy the adapter's expert LoRA into ``slot`` (called by ``SlotBuffers._write``)."""
-        self.has[slot] = bool(weights.experts)
-        self.ranks[slot] = max((a.shape[1] for params in weights.experts.values()
-                                for a, _ in params.values()), default=0)
-        if not weights.experts:
-            return
         spec = weights.spec
+        self.has[slot] = any(p in spec.target_parameters for p in EXPERT_PARAMS)
+        self.ranks[slot] = max((a.shape[-2] for params in weights.experts.values()
+                                for p, (a, _) in params.items() if p != ROUTER), default=0)
+        self.has_router[slot] = ROUTER in spec.target_parameters
+        if self.has_router[slot]:
+            for layer in self.dims.moe_layers:
+                a, b = self.router_a[layer][slot], self.router_b[layer][slot]
+                a.zero_()
+                b.zero_()
+                wa, wb = weights.experts.get(layer, {}).get(ROUTER, (None, None))
+                if wa is not None:
+                    a[: wa.shape[0]].copy_(wa.to(a.dtype) * spec.expert_scale(ROUTER))
+                    b[: wa.shape[0]].copy_(wb.t())
+        if not self.has[slot]:
+            return
         for layer in self.dims.moe_layers:
             for p in EXPERT_PARAMS:
                 a, b = self.a[layer][p][slot], self.b[layer][p][slot]
@@ -91,113 +105,94 @@ class ExpertSlots:
                 if r > self.max_rank:
                     raise ValueError(f"expert LoRA rank {r} exceeds max_lora_rank {self.max_rank}")
                 a[:, :r].copy_(wa.to(a.dtype) * spec.expert_scale(p), non_blocking=True)
-                b[:, :r].copy_(wb.transpose(1, 2), non_blocking=True)
+                if self.blockdiag:
+                    b[:, :r].copy_(wb.transpose(1, 2), non_blocking=True)
+                else:
+                    b[:, :, :r].copy_(wb, non_blocking=True)
 
     def clear(self, slot: int) -> None:
         self.has[slot] = False
+        self.has_router[slot] = False
         self.ranks[slot] = 0
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.a, self.b) for g in d.values()
-                   for t in g.values())
+                   for t in g.values()) + sum(t.numel() * t.element_size() for d in
+                                              (self.router_a, self.router_b) for t in d.values())
 
 
 class ExpertStep:
     """One step's expert-LoRA layout: the model's :class:`~loramux.engine.model.moe.ExpertLoRAHook`
     through ``LoRAStepBatch``."""
 
-    def __init__(self, slots: ExpertSlots, device, kernel=None) -> None:
-        """``kernel``: the engine's LoRA kernel when its slots are the torch backend's
-        block-diagonal layout (``ops.lora_kernel``), which the experts' slots share: each
-        (slot, expert) is then one virtual slot of the CPU SGMV kernel."""
+    def __init__(self, slots: ExpertSlots, device, kernel) -> None:
+        """``kernel``: the engine's LoRA kernel (``ops.lora_kernel``), for the slot layout the
+        expert slots were built with (``ExpertSlots.blockdiag``)."""
         self.slots = slots
         self.device = device
         self._kernel = kernel
-        self._active: torch.Tensor | None = None  # [S] slots with expert LoRA in this step
-        self._active_np: np.ndarray | None = None
-        self._token_local: torch.Tensor | None = None  # [T] index into _active, -1: none
-        self._virtual_ranks: torch.Tensor | None = None  # [max_loras * E] rank of (slot, expert)
-        self._layer_meta: tuple[int, LoRABatchMeta] | None = None  # the layer's rows' layout
+        e = slots.dims.num_experts
+        self._virtual_ranks = torch.zeros(slots.has.shape[0] * e, dtype=torch.int64)
+        self._ones = torch.ones(slots.has.shape[0] * e, dtype=torch.float32, device=device)
+        self.clear()
 
     def prepare(self, token_slots: np.ndarray) -> None:
         """Lay out a step whose token t uses slot ``token_slots[t]`` (-1: none)."""
+        self.clear()
+        token_slots = np.asarray(token_slots, dtype=np.int64)
         used = np.unique(token_slots[token_slots >= 0])
-        active = used[self.slots.has[used]] if used.size else used
-        if not active.size:
-            self.clear()
-            return
-        local = np.full(self.slots.has.shape[0], -1, dtype=np.int64)
-        local[active] = np.arange(active.size)
-        self._active_np = active.astype(np.int64)
-        self._active = torch.from_numpy(self._active_np).to(self.device)
-        self._virtual_ranks = self.slots.ranks.repeat_interleave(self.slots.dims.num_experts)
-        self._layer_meta = None
-        self._token_local = torch.from_numpy(np.where(token_slots >= 0, local[np.maximum(token_slots, 0)],
-                                                      -1)).to(self.device)
+        self._router_slots = [int(s) for s in used if self.slots.has_router[s]]
+        if self._router_slots:
+            self._token_slots = torch.from_numpy(token_slots).to(self.device)
+        if used.size and self.slots.has[used].any():
+            has = self.slots.has[np.maximum(token_slots, 0)] & (token_slots >= 0)
+            self._host_slots = np.where(has, token_slots, -1)
+            self._virtual_ranks = self.slots.ranks.repeat_interleave(self.slots.dims.num_experts)
 
     def clear(self) -> None:
-        self._active = None
-        self._token_local = None
-        self._layer_meta = None
+        self._host_slots: np.ndarray | None = None  # [T] slot with expert LoRA per token, -1: none
+        self._layer_meta: tuple[int, LoRABatchMeta] | None = None  # the layer's rows' layout
+        self._router_slots: list[int] = []
+        self._token_slots: torch.Tensor | None = None  # [T] (steps with router LoRA)
 
     def active(self, layer: int) -> bool:
-        return self._active is not None and layer in self.slots.a
+        return (self._host_slots is not None or bool(self._router_slots)) and layer in self.slots.a
+
+    def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """``logits[t] +=`` the router LoRA of token t's adapter (x [T, H], logits [T, E]):
+        one matmul pair per adapter of the step with router LoRA, over its tokens."""
+        for slot in self._router_slots:
+            rows = (self._token_slots == slot).nonzero().squeeze(1)
+            a, b = self.slots.router_a[layer][slot], self.slots.router_b[layer][slot]  # [R, H], [R, E]
+            delta = (x.index_select(0, rows).to(a.dtype) @ a.T) @ b  # [n, E]
+            logits.index_add_(0, rows, delta.to(logits.dtype))
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
             tokens: torch.Tensor, counts: list[int]) -> None:
         """``y[j] +=`` row j's expert delta (rows sorted by expert, ``counts[e]`` each; row j is
-        token ``tokens[j]``)."""
+        token ``tokens[j]``): one kernel call over the virtual slots ``slot * E + expert``."""
+        if self._host_slots is None:
+            return  # only router LoRA in this step
         p = GROUP_PARAM[group]
-        a_all, b_all = self.slots.a[layer][p], self.slots.b[layer][p]  # [L, E, R, K], [L, E, R, N]
-        active = self._active
-        s, r = active.numel(), self.slots.max_rank
-        row_local = self._token_local.index_select(0, tokens)  # [M]
-        if self._kernel is not None:
-            meta = self._meta(layer, row_local, counts)
-            n_slots, e, r_max, k = a_all.shape
-            self._kernel(y, x, a_all.view(n_slots * e, 1, r_max, k), b_all.view(n_slots * e, r_max, -1),
-                         meta, None, [0, y.shape[1]])
-            return
-        if x.shape[0] <= GATHER_ROWS:
-            self._add_gathered(a_all, b_all, x, y, row_local, counts)
-            return
-        mask = (row_local.unsqueeze(1) == torch.arange(s, device=x.device)).to(a_all.dtype)  # [M, S]
-        start = 0
-        for e, c in enumerate(counts):
-            if not c:
-                continue
-            rows = slice(start, start + c)
-            start += c
-            a = a_all[active, e].reshape(s * r, -1)  # [S R, K]
-            b = b_all[active, e].reshape(s * r, -1)  # [S R, N]
-            h = x[rows].to(a.dtype) @ a.T  # [c, S R]
-            h = (h.view(c, s, r) * mask[rows].unsqueeze(2)).view(c, s * r)
-            y[rows] += (h @ b).to(y.dtype)
+        a, b = self.slots.a[layer][p], self.slots.b[layer][p]  # [L, E, R, K], B: see ExpertSlots
+        n_slots, e, r, k = a.shape
+        meta = self._meta(layer, tokens, counts)
+        if self.slots.blockdiag:
+            self._kernel(y, x, a.view(n_slots * e, 1, r, k), b.view(n_slots * e, r, -1), meta, None,
+                         [0, y.shape[1]])
+        else:
+            self._kernel(y, x, a.view(n_slots * e, 1, r, k), b.view(n_slots * e, -1, r), meta, self._ones,
+                         [0, y.shape[1]])
 
-    def _add_gathered(self, a_all, b_all, x, y, row_local, counts) -> None:
-        """Few rows (decode): each adapter row's own expert A and B gathered, two batched
-        matmuls over the rows (no per-expert loop)."""
-        idx = (row_local >= 0).nonzero().squeeze(1)  # [m] rows with an expert adapter
-        if not idx.numel():
-            return
-        experts = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                          torch.tensor(counts, device=x.device))  # [M]
-        slots = self._active.index_select(0, row_local.index_select(0, idx))
-        rows = experts.index_select(0, idx)
-        a = a_all[slots, rows]  # [m, R, K]
-        b = b_all[slots, rows]  # [m, R, N]
-        h = torch.bmm(a, x.index_select(0, idx).to(a.dtype).unsqueeze(2))  # [m, R, 1]
-        y.index_add_(0, idx, torch.bmm(h.transpose(1, 2), b).squeeze(1).to(y.dtype))
-
-    def _meta(self, layer: int, row_local: torch.Tensor, counts: list[int]) -> LoRABatchMeta:
+    def _meta(self, layer: int, tokens: torch.Tensor, counts: list[int]) -> LoRABatchMeta:
         """The rows' layout over virtual slots ``slot * E + expert`` (-1: no expert adapter),
         built at a layer's gate_up call and reused by its down call (the same rows)."""
         if self._layer_meta is not None and self._layer_meta[0] == layer:
             return self._layer_meta[1]
         e = self.slots.dims.num_experts
         experts = np.repeat(np.arange(len(counts), dtype=np.int64), counts)  # [M]
-        local = row_local.cpu().numpy()
-        virtual = np.where(local >= 0, self._active_np[np.maximum(local, 0)] * e + experts, -1)
+        slots = self._host_slots[tokens.cpu().numpy()]  # [M]
+        virtual = np.where(slots >= 0, slots * e + experts, -1)
         meta = LoRABatchMeta.build(virtual, self._virtual_ranks, self.device)
         self._layer_meta = (layer, meta)
         return meta

@@ -83,7 +83,7 @@ class SlotBuffers:
             self.row_gain_stack[group] = g
         self.row_gain = [{group: self.row_gain_stack[group][layer] for group in PROJECTION_GROUPS}
                          for layer in range(dims.num_layers)]
-        self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device)
+        self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device, blockdiag=blockdiag)
                         if dims.num_experts else None)
         """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)

@@ -34,7 +34,7 @@ class LoRAStepBatch:
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
         self._dora: DoraStep | None = None
-        self.experts = (ExpertStep(buffers.experts, device, self._kernel if buffers.blockdiag else None)
+        self.experts = (ExpertStep(buffers.experts, device, self._kernel)
                         if buffers.experts is not None else None)
         """The experts' LoRA of the step on an MoE base (``experts.py``)."""
         self._groups: frozenset[str] = frozenset()
@@ -92,3 +92,7 @@ class LoRAStepBatch:
                     tokens: torch.Tensor, counts: list[int]) -> None:
         """The MoE block's hook (``moe.ExpertLoRAHook``): ``y += `` each expert-sorted row's delta."""
         self.experts.add(layer, group, x, y, tokens, counts)
+
+    def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """The MoE router's hook: ``logits += `` each token's adapter's router LoRA delta."""
+        self.experts.add_router(layer, x, logits)

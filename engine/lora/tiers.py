@@ -207,8 +207,9 @@ class AdapterTiers:
         for layer, params in weights.experts.items():
             for name, (a, b) in params.items():
                 k, n = expert_shapes[name]
-                e, r = self.dims.num_experts, a.shape[1]
-                if layer not in self.dims.moe_layers or a.shape != (e, r, k) or b.shape != (e, n, r):
+                e, r = self.dims.num_experts, a.shape[-2]
+                want = ((r, k), (n, r)) if name == experts.ROUTER else ((e, r, k), (e, n, r))
+                if layer not in self.dims.moe_layers or (a.shape, b.shape) != want:
                     raise LoRAError(
                         f"adapter {request.lora_name!r}: mlp.experts.{name} of layer {layer} does "
                         f"not fit the base model ({e} experts, in {k}, out {n}, MoE layers "

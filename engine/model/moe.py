@@ -8,6 +8,9 @@ batched: the (token, expert) pairs are sorted by expert (a stable sort, so each 
 keep token order), each expert that got rows runs one gate|up GEMM, the gated activation and
 one down GEMM over its contiguous run, the rows are scaled by their routing weights and
 summed back into their tokens with one ``index_add_``. Work is proportional to tokens × top-k.
+On CUDA each projection is one Triton grouped-GEMM launch over all experts' runs
+(``triton_moe.py``) on the stacked weights; on the CPU each expert is a oneDNN-packed
+``Linear``.
 
 An expert LoRA (``ExpertLoRAHook.add_experts``) adds each row's delta from its token's
 adapter and the row's expert, over the same sorted runs.
@@ -53,6 +56,9 @@ class ExpertLoRAHook(Protocol):
     def experts_active(self, layer: int) -> bool:
         """True when this step has tokens whose adapter targets ``layer``'s experts."""
 
+    def add_router(self, layer: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """``logits [T, E] +=`` each token's adapter's router LoRA delta for x [T, H]."""
+
     def add_experts(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
                     tokens: torch.Tensor, counts: list[int]) -> None:
         """``y[j] +=`` the expert delta of row j (token ``tokens[j]``, routed to the expert of
@@ -64,12 +70,22 @@ class MoEBlock:
     """A sparse MoE feed-forward block: ``sum_k w_k * down_e(act(gate_up_e(x)))`` over each
     token's top-k experts."""
 
-    def __init__(self, router: torch.Tensor, gate_up: list[Linear], down: list[Linear],
-                 top_k: int, norm_topk_prob: bool, act: Callable, *, weights_in_float: bool) -> None:
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 top_k: int, norm_topk_prob: bool, act: Callable, *, weights_in_float: bool,
+                 backend: str = "torch") -> None:
+        """``gate_up`` [E, 2I, H], ``down`` [E, H, I]; ``backend``: ``torch`` (one packed
+        ``Linear`` per expert, the CPU) or ``triton`` (the stacked weights and one grouped GEMM
+        launch per projection, ``triton_moe.py``: CUDA)."""
         self.router = router  # [E, H] model dtype (plain: the matmul transformers runs)
-        self.gate_up = gate_up  # E x [2 I, H]
-        self.down = down  # E x [H, I]
-        self.num_experts = len(gate_up)
+        self.backend = backend
+        if backend == "triton":
+            self.stacked = (gate_up.contiguous(), down.contiguous())
+            self.gate_up = self.down = None
+        else:
+            self.stacked = None
+            self.gate_up = [Linear(w.contiguous()) for w in gate_up.unbind(0)]  # E x [2 I, H]
+            self.down = [Linear(w.contiguous()) for w in down.unbind(0)]  # E x [H, I]
+        self.num_experts = gate_up.shape[0]
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.act = act
@@ -79,11 +95,16 @@ class MoEBlock:
 
     @property
     def linears(self) -> list[Linear]:
+        if self.stacked is not None:
+            return [Linear(self.router, pack=False), *(Linear(w.flatten(0, 1), pack=False) for w in self.stacked)]
         return [*self.gate_up, *self.down, Linear(self.router, pack=False)]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k], experts [T, k])`` of each token, as transformers' router."""
+    def route(self, x: torch.Tensor, layer: int = 0, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k], experts [T, k])`` of each token, as transformers' router (with
+        each token's adapter's router LoRA when ``lora`` has one)."""
         logits = F.linear(x.to(self.router.dtype), self.router)  # [T, E]
+        if lora is not None:
+            lora.add_router(layer, x, logits)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -93,26 +114,34 @@ class MoEBlock:
         return weights, experts
 
     def __call__(self, x: torch.Tensor, layer: int, lora) -> torch.Tensor:
-        weights, experts = self.route(x)  # [T, k]
+        expert_lora = lora if lora is not None and hasattr(lora, "experts_active") \
+            and lora.experts_active(layer) else None
+        weights, experts = self.route(x, layer, expert_lora)  # [T, k]
         k = self.top_k
         flat = experts.reshape(-1)  # [T k]
         order = torch.argsort(flat, stable=True)  # rows sorted by expert, token order within
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k  # [T k] each row's token
         xs = x.index_select(0, tokens)  # [T k, H]
-        expert_lora = lora if lora is not None and hasattr(lora, "experts_active") \
-            and lora.experts_active(layer) else None
-        gu = self._grouped(self.gate_up, xs, counts)  # [T k, 2 I]
+        gu = self._project(0, xs, counts)  # [T k, 2 I]
         if expert_lora is not None:
             expert_lora.add_experts(layer, "gate_up", xs, gu, tokens, counts)
         h = self.act(gu)  # [T k, I]
-        out = self._grouped(self.down, h, counts)  # [T k, H]
+        out = self._project(1, h, counts)  # [T k, H]
         if expert_lora is not None:
             expert_lora.add_experts(layer, "down", h, out, tokens, counts)
         w = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [T k, 1]
         out = (out * w).to(x.dtype) if self.weights_in_float else out * w.to(out.dtype)
         y = torch.zeros(x.shape[0], out.shape[1], dtype=out.dtype, device=x.device)
         return y.index_add_(0, tokens, out)
+
+    def _project(self, which: int, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Projection ``which`` (0: gate|up, 1: down) of every expert over its run of rows."""
+        if self.stacked is not None:
+            from loramux.engine.model.triton_moe import grouped_matmul
+
+            return grouped_matmul(x, self.stacked[which], counts)
+        return self._grouped(self.gate_up if which == 0 else self.down, x, counts)
 
     @staticmethod
     def _grouped(linears: list[Linear], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -140,7 +169,7 @@ def _take_experts(take, prefix: str, parent: str, names: ExpertNames, num_expert
         if fused.dim() != 3 or down.dim() != 3 or fused.shape[0] != num_experts:
             raise ModelLoadError(f"{p}gate_up_proj: shape {list(fused.shape)}, expected "
                                  f"[{num_experts}, 2 * intermediate, hidden]")
-        return list(fused.unbind(0)), list(down.unbind(0))
+        return fused, down
     first = take(f"{p}0.{names.gate}.weight", None)
     if first is None:
         return None
@@ -149,7 +178,7 @@ def _take_experts(take, prefix: str, parent: str, names: ExpertNames, num_expert
         gate = first if e == 0 else take(f"{p}{e}.{names.gate}.weight")
         gate_up.append(torch.cat([gate, take(f"{p}{e}.{names.up}.weight")]))
         down.append(take(f"{p}{e}.{names.down}.weight"))
-    return gate_up, down
+    return torch.stack(gate_up), torch.stack(down)
 
 
 def load_moe_block(take, prefix: str, model, *, names: ExpertNames, norm_topk_prob: bool,
@@ -174,10 +203,14 @@ def load_moe_block(take, prefix: str, model, *, names: ExpertNames, norm_topk_pr
             raise ModelLoadError(f"{model.path}: {prefix}{parent}.gate.weight has {router.shape[0]} "
                                  f"experts, the config {dims.num_experts}")
         act = gated_activation(model.spec.activation, model.ops_by_rope[model.spec.layers[layer].rope])
-        return MoEBlock(
-            router,
-            [Linear(w.contiguous()) for w in gate_up], [Linear(w.contiguous()) for w in down],
-            dims.num_experts_per_tok, norm_topk_prob, act, weights_in_float=weights_in_float,
-        )
+        backend = "triton" if router.device.type == "cuda" and _has_triton() else "torch"
+        return MoEBlock(router, gate_up, down, dims.num_experts_per_tok, norm_topk_prob, act,
+                        weights_in_float=weights_in_float, backend=backend)
     raise ModelLoadError(f"{model.path}: tensor {prefix}{names.parents[0]}.gate.weight (the router) "
                          f"is missing")
+
+
+def _has_triton() -> bool:
+    from loramux.engine.model.triton_moe import HAS_TRITON
+
+    return HAS_TRITON

@@ -49,13 +49,16 @@ DEFAULT_COST_RATIO = 0.1
 without one): one more token cost ~10% of a decode token's share of a step on the CPU."""
 
 
-def cost_ratio(coef, num_rows: int, num_adapters: int) -> float:
+def cost_ratio(coef, num_rows: int, num_adapters: int, c_draft: float = 0.0) -> float:
     """What one more token costs a step of ``num_rows`` decode rows over what each of its
     decode tokens costs: ``c_token * rows / step``, from the step budget's fitted
-    coefficients ``coef`` = (c0, c_decode, c_prompt_token, c_adapter), or None."""
+    coefficients ``coef`` = (c0, c_decode, c_prompt_token, c_adapter), or None; ``c_token``
+    is the fitted cost of a drafted token ``c_draft`` once verify rows were seen, else a
+    prompt token's."""
     rows = max(1, num_rows)
     if coef is not None:
         c0, c_dec, c_tok, c_ad = (float(c) for c in coef)
+        c_tok = c_draft if c_draft > 0 else c_tok
         step = c0 + c_dec * rows + c_ad * num_adapters
         if step > 0 and c_tok > 0:
             return min(0.95, c_tok * rows / step)
@@ -148,7 +151,8 @@ class Drafter:
             state.backoff = _FIRST_BACKOFF
 
     def snapshot(self) -> dict[str, SpecCounts]:
-        """A copy of the counters by adapter (``base`` = no adapter), for ``EngineStats``."""
+        """A copy of the counters by adapter (``base`` = no adapter), for ``EngineStats``;
+        any thread (the metrics scrape) may call it while the engine thread counts."""
         return {("base" if key is None else key): SpecCounts(
                     c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_pos))
-                for key, c in self.counts.items()}
+                for key, c in list(self.counts.items())}

@@ -69,6 +69,8 @@ CASES = {  # name: (family, model overrides, adapter maker(base, out))
                           make_peft_adapter(base, out, r=4, target_modules=["q_proj", "v_proj"], std=0.2,
                                             target_parameters=["mlp.experts.gate_up_proj",
                                                                "mlp.experts.down_proj"])),
+    "qwen3_moe-all-linear": ("qwen3_moe", {}, lambda base, out: make_peft_adapter(
+        base, out, r=4, target_modules="all-linear", std=0.2)),  # + the router, gate_up at rank 8
     "mixtral-mapped-experts": ("mixtral", {}, lambda base, out: make_peft_adapter(
         base, out, r=4, target_modules=["o_proj", "w1", "w2", "w3"], std=0.2)),
 }

@@ -71,3 +71,10 @@ def test_expert_lora_saves_back_as_peft_wrote_it(tmp_path, default_model_dir):
     again = load_adapter(out)
     assert again.spec.parameter_ranks == weights.spec.parameter_ranks
     assert again.spec.target_modules == ()
+
+
+def test_transformers_4_per_expert_lora_is_refused_with_the_way_out():
+    from loramux.adapters.spec import parse_config
+
+    with pytest.raises(AdapterValidationError, match="save it again, which writes target_parameters"):
+        parse_config({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "w1", "w2"]}, base_dims(MIXTRAL))

@@ -1,7 +1,7 @@
 """LoRA on the experts (PEFT ``target_parameters`` on ``mlp.experts.gate_up_proj`` /
 ``down_proj``) of tiny Qwen3-MoE and Mixtral bases, in one mixed batch with attention-only
 adapters and base rows, every token teacher-forced against PEFT (float32, CPU): ranks 4..32,
-one parameter or both, PEFT's own mapping of ``gate_proj`` / ``up_proj`` / ``down_proj`` onto
+one parameter or both, the router (``mlp.gate.weight``, as PEFT's ``all-linear`` targets it), PEFT's own mapping of ``gate_proj`` / ``up_proj`` / ``down_proj`` onto
 the experts (gate_up at twice the rank), rsLoRA; chunked prefill (a small token budget) and a
 prefix-cache hit; validation refusing another expert count or layout with the parameter and
 the expected shape; slot memory and capacity counting the experts."""
@@ -25,11 +25,13 @@ BASES = {  # name: (family, overrides, [(rank, target_modules, target_parameters
         (4, ["k_proj", "v_proj"], None, {}),
         (16, ["o_proj"], ["mlp.experts.down_proj"], {"use_rslora": True}),
         (4, ["q_proj", "gate_proj", "up_proj", "down_proj"], None, {}),  # PEFT maps these onto the experts
+        (8, "all-linear", None, {}),  # attention, the experts (gate_up at rank 16) and the router
     ]),
     "mixtral": ("mixtral", {}, [
         (32, ["q_proj"], EXPERTS, {}),
         (8, ["v_proj", "o_proj"], None, {}),
         (4, None, ["mlp.experts.gate_up_proj"], {}),
+        (4, ["k_proj"], ["mlp.gate.weight"], {}),  # the router alone
     ]),
 }
 
@@ -128,7 +130,7 @@ def test_an_adapter_for_another_expert_layout_is_refused(qwen_moe, changes, need
     assert e.value.field.startswith("base_model.model.model.layers.0.mlp.experts.")
 
 
-def test_expert_lora_on_a_dense_base_or_the_router_is_refused(qwen_moe, tmp_path, tiny_model_dir):
+def test_expert_lora_on_a_dense_base_or_unknown_parameters_is_refused(qwen_moe, tmp_path, tiny_model_dir):
     from loramux.adapters.format import AdapterValidationError, validate_adapter
 
     base, adapter = qwen_moe
@@ -137,9 +139,13 @@ def test_expert_lora_on_a_dense_base_or_the_router_is_refused(qwen_moe, tmp_path
                          base_model_name="x")
     router = shutil.copytree(adapter, tmp_path / "router")
     cfg = json.loads((router / "adapter_config.json").read_text())
-    cfg["target_parameters"] = ["mlp.gate.weight", *EXPERTS]
+    cfg["target_parameters"] = ["mlp.gate.weight", *EXPERTS]  # names the router: its tensors are missing
     (router / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(AdapterValidationError, match="LoRA on the router is not supported"):
+    with pytest.raises(AdapterValidationError, match=r"layers\.0\.mlp\.gate\.lora_A\.weight: missing tensor"):
+        validate_adapter(router, _config(base), max_lora_rank=16)
+    cfg["target_parameters"] = ["mlp.experts.up_proj"]
+    (router / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterValidationError, match="'mlp.experts.up_proj' is not an expert parameter"):
         validate_adapter(router, _config(base), max_lora_rank=16)
 
 
@@ -153,7 +159,7 @@ def test_slots_and_capacity_count_the_experts(qwen_moe):
     base, adapter = qwen_moe
     dims = dims_from_config(read_hf_config(base))
     e, h, i, r = dims.num_experts, dims.hidden_size, dims.moe_intermediate_size, 8
-    expert_part = len(dims.moe_layers) * e * r * ((h + 2 * i) + (i + h)) * 4
+    expert_part = len(dims.moe_layers) * (e * r * ((h + 2 * i) + (i + h)) + r * (h + e)) * 4  # + the router
     slots = SlotBuffers(dims, 2, r, torch.float32, "cpu", blockdiag=True)
     assert slots.num_bytes() == 2 * slot_bytes(dims, r, 4, blockdiag=True)
     assert slots.experts.num_bytes() == 2 * expert_part
@@ -170,11 +176,13 @@ def test_slots_and_capacity_count_the_experts(qwen_moe):
     assert slots.experts.has[1] and not slots.experts.has[0]
 
 
-@pytest.mark.parametrize("rows", [24, 300])  # decode-sized (gathered) and prefill-sized (per expert)
-def test_expert_delta_paths_equal_the_definition(rows):
-    """Every path of the experts' delta (the SGMV kernel over (slot, expert) virtual slots; the
-    torch paths used with the Triton backend) equals ``scale * B_e @ A_e @ x`` of each row's
-    own adapter and expert, with rows of no adapter and of dense-only adapters untouched."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: under TRITON_INTERPRET=1 on the CPU
+@pytest.mark.parametrize("rows", [24, 300])  # decode-sized and prefill-sized
+def test_expert_delta_equals_the_definition(rows, backend):
+    """The experts' delta through the engine's LoRA kernel over (slot, expert) virtual slots
+    (the CPU SGMV kernel on the block-diagonal layout; the Triton shrink/expand on theirs)
+    equals ``scale * B_e @ A_e @ x`` of each row's own adapter and expert, with rows of no
+    adapter and of dense-only adapters untouched."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -182,18 +190,24 @@ def test_expert_delta_paths_equal_the_definition(rows):
     from loramux.engine.lora import ops
     from loramux.engine.lora.experts import ExpertSlots, ExpertStep
 
+    if backend == "triton":
+        pytest.importorskip("triton")
+    blockdiag = backend == "torch"
     g = torch.Generator().manual_seed(0)
     dims = SimpleNamespace(num_experts=6, hidden_size=32, moe_intermediate_size=24, moe_layers=(0, 2))
-    slots = ExpertSlots(dims, 4, 8, torch.float32, "cpu")
+    slots = ExpertSlots(dims, 4, 8, torch.float32, "cpu", blockdiag=blockdiag)
     ranks = {0: 8, 2: 4, 3: 6}  # slot 1: a dense-only adapter
-    for layer in dims.moe_layers:
-        for p in ("gate_up_proj", "down_proj"):
-            for d in (slots.a, slots.b):
-                d[layer][p].copy_(torch.randn(d[layer][p].shape, generator=g))
-                for slot in range(4):
-                    d[layer][p][slot, :, ranks.get(slot, 0):] = 0
-    slots.has[:] = [True, False, True, True]
-    slots.ranks[:] = torch.tensor([8, 0, 4, 6])
+    a_ref, b_ref = {}, {}  # [E, r, K], [E, N, r] per slot
+    for s in range(4):
+        a_ref[s] = torch.randn(6, ranks.get(s, 1), 32, generator=g)
+        b_ref[s] = torch.randn(6, 48, ranks.get(s, 1), generator=g)
+    from loramux.adapters.format import LoraWeights
+    from loramux.adapters.spec import LoraSpec
+
+    for s, r in ranks.items():
+        spec = LoraSpec(r=r, lora_alpha=float(r), target_modules=(), target_parameters=("gate_up_proj",),
+                        parameter_ranks=(("gate_up_proj", r, float(2 * r)),))  # scale 2
+        slots.write(s, LoraWeights(spec, {}, experts={2: {"gate_up_proj": (a_ref[s], b_ref[s])}}))
     tokens_n, k = (rows + 1) // 2, 2
     token_slots = np.random.default_rng(0).integers(-1, 4, tokens_n)
     experts = torch.randint(0, 6, (tokens_n * k,), generator=g)
@@ -205,13 +219,30 @@ def test_expert_delta_paths_equal_the_definition(rows):
     e_sorted = experts[order]
     for j in range(tokens_n * k):
         s = int(token_slots[tokens[j]])
-        if s >= 0 and slots.has[s]:
-            a, b = slots.a[2]["gate_up_proj"][s, e_sorted[j]], slots.b[2]["gate_up_proj"][s, e_sorted[j]]
-            want[j] = (a @ x[j]) @ b
-    assert want.abs().sum() > 0
-    for kernel in (ops.lora_kernel("torch", blockdiag=True), None):
-        step = ExpertStep(slots, "cpu", kernel)
-        step.prepare(token_slots)
-        y = torch.zeros_like(want)
-        step.add(2, "gate_up", x, y, tokens, counts)
-        assert torch.allclose(y, want, atol=1e-4), kernel
+        if s in ranks:
+            e = int(e_sorted[j])
+            want[j] = 2 * (b_ref[s][e] @ (a_ref[s][e] @ x[j]))
+    assert want.abs().sum() > 0 and (want == 0).all(dim=1).any()
+    step = ExpertStep(slots, "cpu", ops.lora_kernel(backend, blockdiag=blockdiag))
+    step.prepare(token_slots)
+    y = torch.zeros_like(want)
+    step.add(2, "gate_up", x, y, tokens, counts)
+    assert torch.allclose(y, want, atol=1e-3, rtol=1e-4)
+
+
+def test_engine_refuses_an_expert_adapter_of_another_base(qwen_moe, tmp_path, default_model_dir):
+    """A local adapter (no registry in between) trained for 4 experts on an 8-expert base fails
+    its own request with the parameter named; the engine keeps serving."""
+    from loramux.engine.errors import LoRAError
+
+    base, _ = qwen_moe
+    other = make_tiny_model(tmp_path / "other", default_model_dir, "qwen3_moe", num_hidden_layers=2,
+                            num_experts=4)
+    adapter = make_peft_adapter(other, tmp_path / "ad4", r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=64, enable_lora=True, max_loras=1,
+              max_lora_rank=16)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(LoRAError, match=r"mlp\.experts\.(gate_up|down)_proj of layer 0 does not fit the base "
+                       r"model \(8 experts"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, lora_request=[LoRARequest("x", 1, str(adapter))])
+    assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0].outputs[0].token_ids) == 2

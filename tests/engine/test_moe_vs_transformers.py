@@ -9,6 +9,7 @@ hits; attention-only PEFT adapters on MoE bases in a mixed batch with base rows.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -200,3 +201,19 @@ def test_attention_only_adapters_on_moe_bases_match_peft(name, moe_dir, prompts,
             _, base_lp = teacher_forcing_gaps(base_ref, prompt, comp.token_ids)
             moved += bool((base_lp - ref_lp).abs().max() > 1e-2)
     assert moved >= len(adapters) - 1
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_bfloat16_runs_close_to_float32(name, moe_dir, prompts):
+    from support.greedy_reference import teacher_forced_logits
+
+    path = moe_dir(name)
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2))
+    ref = hf_model(path)
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.outputs[0]
+        assert all(math.isfinite(e[t].logprob) for t, e in zip(comp.token_ids, comp.logprobs, strict=True))
+        probs = torch.softmax(teacher_forced_logits(ref, prompt, comp.token_ids[:1])[0], dim=-1)
+        assert probs[comp.token_ids[0]] >= 0.5 * probs.max()

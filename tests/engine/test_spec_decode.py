@@ -166,3 +166,53 @@ def test_streaming_through_the_async_engine(tiny_model_dir):
     assert final.token_ids == want.token_ids and final.text == want.text
     assert all(b[: len(a)] == a for a, b in zip(seen, seen[1:], strict=False))
     assert max(len(b) - len(a) for a, b in zip(seen, seen[1:], strict=False)) > 1  # a step took drafts
+
+
+def _two_sample_pvalue(a: dict, b: dict) -> float:
+    """Chi-square test that two samples of categories come from one distribution (categories
+    with fewer than 10 counts in both pooled into one)."""
+    import torch
+
+    cats = sorted(set(a) | set(b))
+    big = [c for c in cats if a.get(c, 0) + b.get(c, 0) >= 10]
+    rows = [[a.get(c, 0) for c in big] + [sum(a.get(c, 0) for c in cats if c not in big)],
+            [b.get(c, 0) for c in big] + [sum(b.get(c, 0) for c in cats if c not in big)]]
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    na, nb = sum(rows[0]), sum(rows[1])
+    stat = 0.0
+    for j in range(len(rows[0])):
+        tot = rows[0][j] + rows[1][j]
+        for r, n in ((rows[0], na), (rows[1], nb)):
+            exp = tot * n / (na + nb)
+            stat += (r[j] - exp) ** 2 / exp
+    df = len(rows[0]) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_unseeded_sampling_has_the_same_distribution_chi_square(tiny_model_dir):
+    """The engine's own sampled tokens (unseeded, temperature 1, four allowed tokens that the
+    prompt repeats, so nearly every step drafts, skewed) at output positions 2-5, with and without
+    speculation: a two-sample chi-square test per position."""
+    import random
+    from collections import Counter
+
+    vocab = [100, 200, 300, 400]
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.choice(vocab) for _ in range(40)]}
+    # skewed by a logit bias (the tiny model is near uniform): drafts copied from the uniform
+    # prompt are often unlikely tokens, so accepting too many would show
+    params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, allowed_token_ids=vocab,
+                            logit_bias={100: 1.5, 200: 0.7})
+    counts = []
+    for spec in (False, True):
+        llm = make(tiny_model_dir, spec, enable_lora=False, max_num_seqs=2, seed=5 + spec,
+                   enable_step_budget=False)
+        outs = llm.generate([prompt] * 500, params)
+        counts.append([Counter(o.outputs[0].token_ids[p] for o in outs) for p in (1, 2, 3, 4)])
+        stats = llm.llm_engine.stats().spec_decode
+    assert accepted(stats) > 200, stats  # many positions came out of accepted drafts
+    for pos in range(4):
+        p = _two_sample_pvalue(counts[0][pos], counts[1][pos])
+        assert p > 1e-3, (pos, p, counts[0][pos], counts[1][pos])

@@ -88,6 +88,21 @@ def test_cost_ratio_follows_the_fitted_step_cost():
     # c0 30 ms, 2 ms per decode row, 4 ms per extra token: 4 rows -> 4 * 4 / 38
     assert cost_ratio((0.030, 0.002, 0.004, 0.0), 4, 0) == pytest.approx(16 / 38)
     assert cost_ratio((0.030, 0.002, 0.5, 0.0), 64, 0) == 0.95  # never drafting is the floor
+    # once verify rows were measured, a drafted token's own fitted cost counts
+    assert cost_ratio((0.030, 0.002, 0.004, 0.0), 4, 0, c_draft=0.008) == pytest.approx(32 / 38)
+
+
+def test_the_step_cost_model_fits_drafted_tokens_apart():
+    from loramux.engine.step_budget import StepCostModel, StepShape
+
+    m = StepCostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        rows, prompt, drafts = int(rng.integers(1, 8)), int(rng.integers(0, 64)), int(rng.integers(0, 16))
+        m.observe(StepShape(rows, prompt, 0, drafts), 0.01 + 0.002 * rows + 0.0005 * prompt + 0.003 * drafts)
+    assert m.c_draft == pytest.approx(0.003, rel=1e-3)
+    assert m.coef[2] == pytest.approx(0.0005, rel=1e-3) and len(m.coef) == 4
+    assert m.predict(StepShape(2, 10, 0, 4)) == pytest.approx(0.01 + 0.004 + 0.005 + 0.012, rel=1e-3)
 
 
 def test_scheduler_plans_verify_rows_and_frees_rejected_blocks():
@@ -117,6 +132,23 @@ def test_scheduler_plans_verify_rows_and_frees_rejected_blocks():
     assert kv.num_free_blocks == 64 - len(seq.block_table)
     c = drafter.snapshot()["base"]
     assert (c.num_draft_tokens, c.num_accepted_tokens) == (6, 2)
+
+
+def test_drafts_stay_within_the_token_budget_beside_prompts():
+    kv = KVCacheManager(64, 4)
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_max=2), 128)
+    sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=10, enable_step_budget=False),
+                           kv, 128, drafter=drafter)
+    first = Sequence("a", 0, [7, 8, 9, 10, 11, 12, 13, 14, 7], SamplingParams(temperature=0, max_tokens=30))
+    sched.add(first)
+    plan = sched.schedule()
+    sched.update_from_output(plan, model_output(sched, plan, lambda s, i: 8))
+    sched.add(Sequence("b", 0, list(range(20, 40)), SamplingParams(temperature=0, max_tokens=4)))
+    plan = sched.schedule()
+    rows = {r.request_id: r for r in plan.scheduled}
+    assert rows["a"].num_draft_tokens == 8  # drafts come first (decodes lead the step) ...
+    assert rows["b"].num_new_tokens == 1  # ... and the prompt's chunk takes what is left
+    assert plan.num_batched_tokens == 10
 
 
 def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:

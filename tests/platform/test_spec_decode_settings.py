@@ -38,10 +38,12 @@ def test_the_serve_command_has_the_flag():
 def test_acceptance_counters_per_adapter_on_metrics():
     m = Metrics()
     stats = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_preemptions=0,
-                        spec_decode={"base": SpecCounts(4, 16, 4), "1/sql@abc": SpecCounts(10, 40, 30)})
+                        spec_decode={"base": SpecCounts(4, 16, 4),
+                                     "1/sql@abc": SpecCounts(10, 40, 30, [10, 9, 7, 4])})
     m.update_engine(stats, None)
     text = m.render().decode()
     assert 'loramux_spec_decode_num_draft_tokens{adapter="1/sql@abc"} 40.0' in text
     assert 'loramux_spec_decode_num_accepted_tokens{adapter="1/sql@abc"} 30.0' in text
     assert 'loramux_spec_decode_acceptance_rate{adapter="base"} 0.25' in text
     assert 'loramux_spec_decode_num_drafts{adapter="base"} 4.0' in text
+    assert 'loramux_spec_decode_num_accepted_tokens_per_pos{adapter="1/sql@abc",position="2"} 7.0' in text
