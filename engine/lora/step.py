@@ -3,9 +3,10 @@
 Once per step (:meth:`LoRAStepBatch.prepare`, from ``LoRAManager.prepare_step``) the rows'
 slots become one :class:`LoRABatchMeta`; then every projection group of every layer calls
 :meth:`LoRAStepBatch.add`, which runs the kernel chosen once when the engine started (no
-backend lookup per layer call) on the slot buffers, then scales the step's DoRA rows
-(:class:`~loramux.engine.lora.dora.DoraStep`; nothing when the step has none). Runs on the
-engine thread.
+backend lookup per layer call) on the slot buffers; on the CPU with the compiled kernels the
+step's SGMV calls are laid out at prepare (``ops/cpu_step.SgmvStep``), so each layer call is one
+operator call; then the step's DoRA rows are scaled (:class:`~loramux.engine.lora.dora.DoraStep`;
+nothing when the step has none). Runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from loramux.engine.lora import ops
 from loramux.engine.lora.dora import DoraStep
 from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.slots import SlotBuffers
 
 
@@ -34,6 +36,11 @@ class LoRAStepBatch:
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
         self._dora: DoraStep | None = None
+        # the CPU kernel's per-step calls (cpu_step.SgmvStep) where the slots suit it
+        self._cpu_sgmv = (backend == "torch" and buffers.blockdiag and torch.device(device).type == "cpu"
+                          and cpu_step.slots_fit(buffers.a, buffers.b))
+        self._slot_dtype = next(iter(buffers.a[0].values())).dtype if self._cpu_sgmv else None
+        self._sgmv: cpu_step.SgmvStep | None = None
         self.experts = (ExpertStep(buffers.experts, device, self._kernel)
                         if buffers.experts is not None else None)
         """The experts' LoRA of the step on an MoE base (``experts.py``)."""
@@ -50,6 +57,8 @@ class LoRAStepBatch:
         self._groups = groups
         token_slots = np.repeat(np.asarray(row_slots, dtype=np.int64), row_tokens)  # [T]
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
+        self._sgmv = (cpu_step.SgmvStep(self._meta, self.buffers.slice_offsets, self._slot_dtype)
+                      if self._cpu_sgmv and cpu_step.SgmvStep.usable(self._meta) else None)
         dora = self.buffers.dora
         runs = [run for run in self._meta.runs if dora[run[2]]]
         self._dora = DoraStep(runs, self.buffers, self.device, triton=self._triton) if runs else None
@@ -61,6 +70,7 @@ class LoRAStepBatch:
         self.keys = frozenset()
         self._meta = None
         self._dora = None
+        self._sgmv = None
         self._groups = frozenset()
         if self.experts is not None:
             self.experts.clear()
@@ -79,8 +89,9 @@ class LoRAStepBatch:
         if group not in self._groups:
             return
         b = self.buffers
-        self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
-                     b.slice_offsets[group])
+        if self._sgmv is None or not self._sgmv.add(group, y, x, b.a[layer][group], b.b[layer][group]):
+            self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
+                         b.slice_offsets[group])
         if self._dora is not None:
             self._dora.apply(layer, group, y)
 

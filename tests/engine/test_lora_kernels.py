@@ -448,10 +448,10 @@ def test_blockdiag_runs_path_matches_reference(y_dtype, cpu_lora_path):
     for s in range(3):
         bd[:, s * R : (s + 1) * R, offs[s] : offs[s + 1]] = b[:, offs[s] : offs[s + 1]].transpose(1, 2)
     scale = torch.tensor([0.5, 2.0, 1.0, 1.5])
-    from loramux.engine.lora.ops.cpu_sgmv import SGMV_MAX_RUN
+    from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run
 
     # 6 runs with rank > 0, the last longer than the kernel takes (GEMMs beside it)
-    few = [0, 1, 3, -1, -1] + [3] * 9 + [2] * 3 + [0] * 6 + [1] * (SGMV_MAX_RUN + 7)
+    few = [0, 1, 3, -1, -1] + [3] * 9 + [2] * 3 + [0] * 6 + [1] * (max_kernel_run(3) + 7)
     many = [0, 1] * (torch_ops._MAX_RUNS + 1)
     for slots, expect_runs in ((few, 6), (many, 2 * torch_ops._MAX_RUNS + 2)):
         meta = LoRABatchMeta.build(slots, ranks)
@@ -517,15 +517,55 @@ def _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
-def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
-    from loramux.engine.lora.ops.cpu_sgmv import SGMV_MAX_RUN, split_runs
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_sgmv_bf16_output_rounds_once_as_torch(isa, w_dtype):
+    """A bf16 y gets ``(y + delta).to(bf16)`` bit for bit, delta being the fp32 sum the same
+    kernel adds to an fp32 zero y (the vector rounding of the AVX2 variant = torch's round to
+    nearest even; columns past the last full vector take the scalar path; NaN stays NaN)."""
+    from loramux.engine.lora.ops import cpu_sgmv
 
+    with forced_isa(isa):
+        g = torch.Generator().manual_seed(11)
+        S, R, K, N = 2, 8, 40, 203  # 203 columns: tiles of 64, then 11 past the last vector
+        ranks = torch.tensor([8, 5])
+        a = (torch.randn(2, S, R, K, generator=g) * 0.3).to(w_dtype)
+        b = torch.zeros(2, S * R, N)
+        offs = [0, 150, N]
+        for s in range(S):
+            b[:, s * R : (s + 1) * R, offs[s] : offs[s + 1]] = torch.randn(2, R, offs[s + 1] - offs[s], generator=g)
+        b = b.to(w_dtype)
+        runs = torch.tensor([[0, 5, 0], [5, 6, 1], [7, 10, 1]])  # row 6 has no adapter
+        x = torch.randn(10, K, generator=g).to(torch.bfloat16)
+        delta = torch.zeros(10, N)
+        cpu_sgmv.add_runs_sgmv(delta, x, a, b, runs, ranks, offs)
+        y = (torch.randn(10, N, generator=g) * 4).to(torch.bfloat16)
+        y[1, 3] = float("nan")
+        expected = (y.float() + delta).to(torch.bfloat16)
+        cpu_sgmv.add_runs_sgmv(y, x, a, b, runs, ranks, offs)
+        assert y.isnan().sum() == 1 and bool(y[1, 3].isnan())  # NaN stays NaN (its payload aside)
+        y[1, 3] = expected[1, 3] = 0
+        assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
+    from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run, split_runs
+
+    for dt in (torch.float32, torch.bfloat16):  # fewer tokens where the GEMMs run in bf16
+        assert max_kernel_run(4, dt) == max_kernel_run(8, dt) > max_kernel_run(16, dt) > max_kernel_run(64, dt)
+    assert max_kernel_run(8, torch.bfloat16) < max_kernel_run(8)
+    n = max_kernel_run(8, torch.bfloat16) + 1
+    bf16 = LoRABatchMeta.build([0] * n, torch.tensor([8]))
+    assert split_runs(bf16, torch.bfloat16)[1] == [(0, n, 0)]
+    assert split_runs(LoRABatchMeta.build([0] * n, torch.tensor([8])))[0].tolist() == [[0, n, 0]]
     ranks = torch.tensor([8, 16, 0])
-    long = SGMV_MAX_RUN + 5
-    slots = [1] * 3 + [0] * SGMV_MAX_RUN + [1] * long + [-1]
+    top8, top16 = max_kernel_run(8), max_kernel_run(16)
+    long = top16 + 5  # beyond the kernel for rank 16, within it for rank 8
+    slots = [1] * 3 + [0] * top8 + [1] * long + [0] * long + [0, -1, 0] + [0] * top8 + [-1]
     meta = LoRABatchMeta.build(slots, ranks)
     table, gemm_runs, slot_ranks = split_runs(meta)
-    assert table.tolist() == [[0, 3, 1], [3, 3 + SGMV_MAX_RUN, 0]]
-    assert gemm_runs == [(3 + SGMV_MAX_RUN, 3 + SGMV_MAX_RUN + long, 1)]
+    e = 3 + top8 + long  # end of the rank-16 long run
+    assert table.tolist() == [[0, 3, 1], [3, 3 + top8, 0], [e, e + long + 1, 0]]
+    assert gemm_runs == [(3 + top8, e, 1), (e + long + 2, e + long + 3 + top8, 0)]
     assert slot_ranks == [8, 16, 0]
     assert split_runs(meta)[0] is table  # once per step: every layer reads the memo

@@ -1,8 +1,8 @@
 """Multi-LoRA on the CPU through the SGMV operator (``torch.ops.loramux.lora_sgmv``,
 ``engine/model/csrc/lora_sgmv.c``).
 
-The runs of a step's tokens that share an adapter slot and are short (decode rows, small
-prompt chunks) go through one kernel call per projection group, reading each slot's A and
+The runs of a step's tokens that share an adapter slot and are short for their rank (decode
+rows, prompt chunks of low-rank adapters: :func:`max_kernel_run`) go through one kernel call per projection group, reading each slot's A and
 B in place and only as many rows as the adapter's rank; long runs (prompt chunks) go to
 GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``), where oneDNN's blocking wins. Slots are pre-scaled and block-diagonal (the
 torch backend's layout, ``SlotBuffers``).
@@ -16,11 +16,31 @@ from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.model.kernels import loader
 from loramux.engine.model.kernels import ops as kernels
 
-# Runs of at most this many tokens go through the kernel; longer runs through GEMMs on the
-# adapter's rank (``torch_ops._add_runs_ranked``: per token the kernel runs at ~1/2 a GEMM's
-# FLOP rate; measured at 64-token runs the kernel is 0.9-2.2x the rank-only GEMMs, at
-# 300-token runs 0.6-1.25x).
-SGMV_MAX_RUN = 64
+# Runs of at most this many tokens go through the kernel, by the slot's rank and dtype; longer
+# runs through GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``). The GEMMs' cost
+# hardly depends on the rank (y's traffic and oneDNN's fixed cost dominate) while the
+# kernel's grows with it, so low ranks stay in the kernel for longer runs. Measured on one
+# thread, the AVX2 kernel against the GEMMs (kernel time / GEMM time over the 4 groups):
+# fp32 slots, rank 8: 0.53 at 128 tokens, 0.72 at 384, 0.90 at 512; rank 16: 0.79 at 64,
+# 0.88 at 128, 0.91 at 256; rank 32: 0.81 at 32, 0.90 at 64. bf16 slots (a CPU with bf16
+# GEMMs, AVX-512-BF16/AMX): rank 8 0.86 at 96, 1.02 at 128; rank 16 0.79 at 48, 0.96 at 64;
+# rank 32 even at 32 (before the three-token shrink and expand). bf16 activations on fp32
+# slots (an AVX2 bf16 model) favour the kernel more than fp32 (0.54 at 256 for rank 8).
+SGMV_MAX_RUN_BY_RANK = {
+    torch.float32: ((8, 512), (16, 256), (32, 64)),
+    torch.bfloat16: ((8, 112), (16, 64), (32, 24)),
+}
+SGMV_MAX_RUN_HIGH_RANK = 16  # ranks above the table's last
+
+
+def max_kernel_run(rank: int, w_dtype: torch.dtype = torch.float32) -> int:
+    """The longest run of one adapter of ``rank`` (slots in ``w_dtype``) that the kernel takes
+    (longer: GEMMs)."""
+    for top, length in SGMV_MAX_RUN_BY_RANK[w_dtype]:
+        if rank <= top:
+            return length
+    return SGMV_MAX_RUN_HIGH_RANK
+
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -37,24 +57,29 @@ def usable(x: torch.Tensor, a_stack: torch.Tensor, b_blockdiag: torch.Tensor, y:
     )
 
 
-def split_runs(meta: LoRABatchMeta) -> tuple[torch.Tensor, list[tuple[int, int, int]], list[int]]:
+def split_runs(
+    meta: LoRABatchMeta, w_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, list[tuple[int, int, int]], list[int]]:
     """(the short runs as the kernel's table, the long runs left to GEMMs, the slots' ranks)
-    of the step: computed once per step (memo on ``meta``), read by every LoRA layer."""
+    of the step, slots in ``w_dtype``: computed once per step (memo on ``meta``; a step's slots
+    have one dtype), read by every LoRA layer."""
     if meta.cpu_split is None:
-        short = [r for r in meta.runs if r[1] - r[0] <= SGMV_MAX_RUN]
+        ranks = meta.slot_ranks.tolist()
+        top = [max_kernel_run(r, w_dtype) for r in ranks]
+        short = [r for r in meta.runs if r[1] - r[0] <= top[r[2]]]
         if len(short) == len(meta.runs) and meta.run_table is not None:
             table = meta.run_table
         else:
             table = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
-        long = [r for r in meta.runs if r[1] - r[0] > SGMV_MAX_RUN]
-        meta.cpu_split = (table, long, meta.slot_ranks.tolist())
+        long = [r for r in meta.runs if r[1] - r[0] > top[r[2]]]
+        meta.cpu_split = (table, long, ranks)
     return meta.cpu_split
 
 
 _offsets_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
 
-def _offsets(slice_offsets) -> torch.Tensor:
+def offsets_tensor(slice_offsets) -> torch.Tensor:
     """``slice_offsets`` as the kernel's int64 tensor (made once per value; the operator checks it)."""
     key = tuple(map(int, slice_offsets))
     t = _offsets_cache.get(key)
@@ -74,4 +99,4 @@ def add_runs_sgmv(
         return
     ranks = slot_ranks if slot_ranks.dtype == torch.int64 and slot_ranks.is_contiguous() else (
         slot_ranks.to(torch.int64).contiguous())
-    kernels.lora_sgmv(y, x, a_stack, b_blockdiag, runs, ranks, _offsets(slice_offsets))
+    kernels.lora_sgmv(y, x, a_stack, b_blockdiag, runs, ranks, offsets_tensor(slice_offsets))

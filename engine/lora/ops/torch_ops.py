@@ -198,7 +198,7 @@ def add_lora_blockdiag(
     NC, C = meta.num_chunks, meta.chunk_len
     if (scale is None and meta.runs and slice_offsets is not None
             and cpu_sgmv.usable(x, a_stack, b_blockdiag, y)):
-        short, long, ranks = cpu_sgmv.split_runs(meta)  # short runs: one SGMV kernel call
+        short, long, ranks = cpu_sgmv.split_runs(meta, a_stack.dtype)  # short runs: one kernel call
         cpu_sgmv.add_runs_sgmv(y, x, a_stack, b_blockdiag, short, meta.slot_ranks, slice_offsets)
         if long:
             _add_runs_ranked(y, x, a_stack, b_blockdiag, long, ranks, slice_offsets)

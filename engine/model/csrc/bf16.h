@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels: bf16 <-> fp32 as torch converts, the AVX2 helpers, and the
+/* Shared by the CPU kernels: bf16 <-> fp32 as torch converts (scalar and 8 lanes), the AVX2 helpers, and the
  * naming of each ISA variant's entry points.
  * dtype codes: 0 = fp32, 1 = bf16.
  *
@@ -54,6 +54,28 @@ static inline __m256 vload8(const void *base, int dtype, int64_t i) {
     if (dtype == 0) return _mm256_loadu_ps((const float *)base + i);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 vround_bf16(__m256 v) { /* as f32_to_bf16 (kept in fp32 lanes), 8 lanes */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)),
+                                   _mm256_set1_epi32((int)0xffff0000u));
+    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan), isnan);
+}
+
+/* elements i..i+7 of an fp32 or bf16 array = v (for bf16, v already bf16-rounded) */
+static inline void vstore(void *base, int dtype, int64_t i, __m256 v) {
+    if (dtype == 0) {
+        _mm256_storeu_ps((float *)base + i, v);
+        return;
+    }
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)base + i), packed);
 }
 #endif
 #endif

@@ -55,28 +55,7 @@ static inline float rnd(float v, int dtype) { return dtype == 0 ? v : round_bf16
 /* glibc's libmvec: expf on 8 lanes (same accuracy class as scalar expf) */
 __m256 _ZGVdN8v_expf(__m256 x);
 
-static inline __m256 vround_bf16(__m256 v) { /* as round_bf16, 8 lanes */
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
-    __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)),
-                                   _mm256_set1_epi32((int)0xffff0000u));
-    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan), isnan);
-}
-
 static inline __m256 vrnd(__m256 v, int dtype) { return dtype == 0 ? v : vround_bf16(v); }
-
-static inline void vstore(void *base, int dtype, int64_t i, __m256 v) { /* v bf16-rounded */
-    if (dtype == 0) {
-        _mm256_storeu_ps((float *)base + i, v);
-        return;
-    }
-    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-    _mm_storeu_si128((__m128i *)((uint16_t *)base + i), packed);
-}
 
 #endif
 

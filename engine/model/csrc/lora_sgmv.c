@@ -7,7 +7,8 @@
  * slots costs rank 8. One call covers every run of a projection group, so a decode step of
  * many adapters costs one call per group instead of two GEMMs per adapter.
  *
- * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v.
+ * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v, two tokens
+ * of a run at a time (each load of A feeds both; the sums are those of one token alone).
  * Expand: columns of y split over threads; per column tile, each token's tile accumulates
  * sum_j v[t, j] * B[j, tile] in fp32 over the slices whose columns (slice_off) meet the tile and is added to y once (a bf16 y rounds once, as a
  * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
@@ -22,6 +23,21 @@
 #include "kernels.h"
 
 #define TILE 64 /* output columns per expand work item */
+#define SHRINK_TOKENS 3 /* tokens of a run per shrink work item (dot4x3) */
+#define PF_TILES 3 /* the expand asks for the B tile this many work items ahead */
+
+/* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
+ * (results do not change). Adapter weights come from DRAM at every layer (the base's weights
+ * evict them) in short strided streams the hardware prefetchers pick up late. */
+static inline void prefetch_span(const void *base, int dtype, int64_t i, int64_t n) {
+#ifdef VEC
+    int es = dtype ? 2 : 4;
+    const char *p = (const char *)base + i * es;
+    for (int64_t o = 0; o < n * es; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+#else
+    (void)base, (void)dtype, (void)i, (void)n;
+#endif
+}
 
 static float dot(const void *x, int xd, int64_t xo, const void *a, int ad, int64_t ao, int K) {
     int k = 0;
@@ -98,6 +114,104 @@ static void dot4(const void *x, int xd, int64_t xo, const void *a, int ad, int64
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
+/* oa[0..3] = xa . A rows 0..3 and ob[0..3] = xb . A rows 0..3 (rows K apart from ao): two tokens
+ * of one run, so each load of A feeds two FMAs and eight independent accumulators hide the FMA
+ * latency (dot4 alone keeps four chains: half the FMA rate); A is read once for both tokens */
+static void dot4x2(const void *x, int xd, int64_t xa, int64_t xb, const void *a, int ad, int64_t ao, int K,
+                   float *oa, float *ob) {
+    int k = 0;
+    float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifdef VEC
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    for (; k + VEC <= K; k += VEC) {
+        __m256 xv = vload8(x, xd, xa + k), xw = vload8(x, xd, xb + k);
+        __m256 w = vload8(a, ad, ao + k);
+        a0 = _mm256_fmadd_ps(xv, w, a0), b0 = _mm256_fmadd_ps(xw, w, b0);
+        w = vload8(a, ad, ao + K + k);
+        a1 = _mm256_fmadd_ps(xv, w, a1), b1 = _mm256_fmadd_ps(xw, w, b1);
+        w = vload8(a, ad, ao + 2 * (int64_t)K + k);
+        a2 = _mm256_fmadd_ps(xv, w, a2), b2 = _mm256_fmadd_ps(xw, w, b2);
+        w = vload8(a, ad, ao + 3 * (int64_t)K + k);
+        a3 = _mm256_fmadd_ps(xv, w, a3), b3 = _mm256_fmadd_ps(xw, w, b3);
+    }
+    sa[0] = hsum8(a0), sa[1] = hsum8(a1), sa[2] = hsum8(a2), sa[3] = hsum8(a3);
+    sb[0] = hsum8(b0), sb[1] = hsum8(b1), sb[2] = hsum8(b2), sb[3] = hsum8(b3);
+#endif
+    for (; k < K; k++) {
+        float xk = load_elem(x, xd, xa + k), xl = load_elem(x, xd, xb + k);
+        for (int i = 0; i < 4; i++) {
+            float w = load_elem(a, ad, ao + i * (int64_t)K + k);
+            sa[i] += xk * w, sb[i] += xl * w;
+        }
+    }
+    for (int i = 0; i < 4; i++) oa[i] = sa[i], ob[i] = sb[i];
+}
+
+/* o[q][0..3] = token q's x . A rows 0..3, q < 3 (rows K apart from ao): three tokens of one
+ * run, each load of A feeding three FMAs, twelve accumulator chains; each token's sums are
+ * those of dot4 alone */
+static void dot4x3(const void *x, int xd, const int64_t *xo, const void *a, int ad, int64_t ao, int K,
+                   float *const *o) {
+    int k = 0;
+    float sm[3][4] = {{0.0f}};
+#ifdef VEC
+    __m256 c[3][4];
+    for (int q = 0; q < 3; q++)
+        for (int i = 0; i < 4; i++) c[q][i] = _mm256_setzero_ps();
+    for (; k + VEC <= K; k += VEC) {
+        __m256 x0 = vload8(x, xd, xo[0] + k), x1 = vload8(x, xd, xo[1] + k), x2 = vload8(x, xd, xo[2] + k);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m256 w = vload8(a, ad, ao + i * (int64_t)K + k);
+            c[0][i] = _mm256_fmadd_ps(x0, w, c[0][i]);
+            c[1][i] = _mm256_fmadd_ps(x1, w, c[1][i]);
+            c[2][i] = _mm256_fmadd_ps(x2, w, c[2][i]);
+        }
+    }
+    for (int q = 0; q < 3; q++)
+        for (int i = 0; i < 4; i++) sm[q][i] = hsum8(c[q][i]);
+#endif
+    for (; k < K; k++) {
+        for (int i = 0; i < 4; i++) {
+            float w = load_elem(a, ad, ao + i * (int64_t)K + k);
+            for (int q = 0; q < 3; q++) sm[q][i] += load_elem(x, xd, xo[q] + k) * w;
+        }
+    }
+    for (int q = 0; q < 3; q++)
+        for (int i = 0; i < 4; i++) o[q][i] = sm[q][i];
+}
+
+/* v rows of tokens t .. t + n - 1 (n <= 3) of a run on `slot`: S * rank dot products each
+ * (rows beyond the rank are zero) */
+static void shrink_tokens(const void *x, int xd, int64_t x_stride, int64_t t, int n, int pf, const void *a,
+                          int ad, int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi) {
+    int rank = (int)ranks[slot];
+    int SR = S * R;
+    int64_t xo[3] = {t * x_stride, (t + 1) * x_stride, (t + 2) * x_stride};
+    for (int s = 0; s < S; s++) {
+        int64_t ao = slot * (int64_t)SR * K + (int64_t)(s * R) * K;
+        float *vq[3] = {vi + s * R, vi + SR + s * R, vi + 2 * SR + s * R};
+        int j = 0;
+        if (pf) /* the run's first tokens: its A comes from DRAM, this slice's rows as one span */
+            prefetch_span(a, ad, ao, (int64_t)rank * K);
+        if (n == 3) {
+            for (; j + 4 <= rank; j += 4) {
+                float *o[3] = {vq[0] + j, vq[1] + j, vq[2] + j};
+                dot4x3(x, xd, xo, a, ad, ao + (int64_t)j * K, K, o);
+            }
+        } else if (n == 2) {
+            for (; j + 4 <= rank; j += 4) dot4x2(x, xd, xo[0], xo[1], a, ad, ao + (int64_t)j * K, K, vq[0] + j, vq[1] + j);
+        } else {
+            for (; j + 4 <= rank; j += 4) dot4(x, xd, xo[0], a, ad, ao + (int64_t)j * K, K, vq[0] + j);
+        }
+        for (; j < rank; j++)
+            for (int q = 0; q < n; q++) vq[q][j] = dot(x, xd, xo[q], a, ad, ao + (int64_t)j * K, K);
+        for (int q = 0; q < n; q++)
+            for (int z = j; z < R; z++) vq[q][z] = 0.0f;
+    }
+}
+
 /* y[row, c0..c1) += acc (a bf16 y rounds once, as a torch add of an fp32 delta) */
 static void add_tile(void *y, int yd, int64_t y0, int c0, int c1, const float *acc) {
     int c = c0;
@@ -106,6 +220,11 @@ static void add_tile(void *y, int yd, int64_t y0, int c0, int c1, const float *a
         float *yr = (float *)y + y0;
         for (; c + VEC <= c1; c += VEC)
             _mm256_storeu_ps(yr + c, _mm256_add_ps(_mm256_loadu_ps(yr + c), _mm256_loadu_ps(acc + c - c0)));
+    } else { /* 8 lanes at a time, rounded as f32_to_bf16 below */
+        for (; c + VEC <= c1; c += VEC) {
+            __m256 sum = _mm256_add_ps(vload8(y, 1, y0 + c), _mm256_loadu_ps(acc + c - c0));
+            vstore(y, 1, y0 + c, vround_bf16(sum));
+        }
     }
 #endif
     for (; c < c1; c++) {
@@ -148,6 +267,40 @@ static void expand_tile2(const float *va, const float *vb, const void *b, int bd
 }
 #endif
 
+#ifdef VEC
+/* expand_tile for three tokens over a full tile, in halves of 32 columns: 3 x 4 accumulators
+ * (twelve independent FMA chains: eight barely cover the FMA latency), each load of B feeding
+ * three FMAs; each token's sums are those of expand_tile alone */
+static void expand_tile3(const float *const *vt, const void *b, int bd, int64_t b0, int S, int R, int rank,
+                         int N, int c0, const int64_t *off, float *const *acc) {
+    for (int half = 0; half < TILE; half += TILE / 2) {
+        __m256 r0[4], r1[4], r2[4];
+        for (int k = 0; k < 4; k++) r0[k] = r1[k] = r2[k] = _mm256_setzero_ps();
+        int h0 = c0 + half;
+        for (int s = 0; s < S; s++) {
+            if (off[s + 1] <= h0 || off[s] >= h0 + TILE / 2) continue;
+            for (int j = 0; j < rank; j++) {
+                __m256 x0 = _mm256_set1_ps(vt[0][s * R + j]), x1 = _mm256_set1_ps(vt[1][s * R + j]);
+                __m256 x2 = _mm256_set1_ps(vt[2][s * R + j]);
+                int64_t bo = b0 + (int64_t)(s * R + j) * N + h0;
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    __m256 bk = vload8(b, bd, bo + k * VEC);
+                    r0[k] = _mm256_fmadd_ps(x0, bk, r0[k]);
+                    r1[k] = _mm256_fmadd_ps(x1, bk, r1[k]);
+                    r2[k] = _mm256_fmadd_ps(x2, bk, r2[k]);
+                }
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            _mm256_storeu_ps(acc[0] + half + k * VEC, r0[k]);
+            _mm256_storeu_ps(acc[1] + half + k * VEC, r1[k]);
+            _mm256_storeu_ps(acc[2] + half + k * VEC, r2[k]);
+        }
+    }
+}
+#endif
+
 int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, const void *a,
                               const void *b, int w_dtype, void *y, int64_t y_stride, int y_dtype,
                               const int64_t *runs, int nruns, const int64_t *ranks, int S, int R,
@@ -157,38 +310,36 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
     if (ntok == 0) return 0;
     int SR = S * R;
     float *v = (float *)malloc((size_t)ntok * SR * sizeof(float)); /* v[row, s*R + i] */
-    int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * sizeof(int64_t));
+    /* row_of_run[r]: the run's first row of v; pair_of_run[r]: its first group of SHRINK_TOKENS */
+    int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * 2 * sizeof(int64_t));
     if (v == NULL || row_of_run == NULL) {
         free(v);
         free(row_of_run);
         return -1;
     }
-    int64_t row = 0;
+    int64_t *pair_of_run = row_of_run + nruns;
+    int64_t row = 0, npairs = 0;
     for (int r = 0; r < nruns; r++) {
-        row_of_run[r] = row;
-        row += runs[3 * r + 1] - runs[3 * r];
+        int64_t len = runs[3 * r + 1] - runs[3 * r];
+        row_of_run[r] = row, pair_of_run[r] = npairs;
+        row += len, npairs += (len + SHRINK_TOKENS - 1) / SHRINK_TOKENS;
     }
-    int64_t w_slot_a = (int64_t)SR * K, w_slot_b = (int64_t)SR * N;
+    int64_t w_slot_b = (int64_t)SR * N;
     int big = ntok * (int64_t)SR * (K + N) >= 65536;
 
 #pragma omp parallel num_threads(nthreads) if (big)
     {
-        /* shrink: one (run, token) per iteration */
+        /* shrink: SHRINK_TOKENS tokens of one run per iteration (a run's last ones fewer) */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < ntok; i++) {
+        for (int64_t p = 0; p < npairs; p++) {
             int r = 0;
-            while (r + 1 < nruns && row_of_run[r + 1] <= i) r++;
-            int64_t t = runs[3 * r] + (i - row_of_run[r]);
-            int64_t slot = runs[3 * r + 2];
-            int rank = (int)ranks[slot];
-            float *vi = v + i * SR;
-            for (int s = 0; s < S; s++) {
-                int64_t ao = slot * w_slot_a + (int64_t)(s * R) * K;
-                int j = 0;
-                for (; j + 4 <= rank; j += 4) dot4(x, x_dtype, t * x_stride, a, w_dtype, ao + (int64_t)j * K, K, vi + s * R + j);
-                for (; j < rank; j++) vi[s * R + j] = dot(x, x_dtype, t * x_stride, a, w_dtype, ao + (int64_t)j * K, K);
-                for (; j < R; j++) vi[s * R + j] = 0.0f;
-            }
+            while (r + 1 < nruns && pair_of_run[r + 1] <= p) r++;
+            int64_t k = SHRINK_TOKENS * (p - pair_of_run[r]); /* the group's first token in the run */
+            int64_t t = runs[3 * r] + k;
+            int64_t left = runs[3 * r + 1] - t;
+            int n = left < SHRINK_TOKENS ? (int)left : SHRINK_TOKENS;
+            shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
+                          v + (row_of_run[r] + k) * SR);
         }
         /* expand: (run, column tile) per iteration; rows of B beyond the rank are skipped */
         int ntiles = (N + TILE - 1) / TILE;
@@ -200,9 +351,26 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
                 int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
                 int64_t t = runs[3 * r], end = runs[3 * r + 1];
                 const float *v0 = v + row_of_run[r] * SR - t * SR; /* v0 + t * SR: token t's row */
+                int64_t ahead = (int64_t)r * ntiles + tile + PF_TILES; /* the item PF_TILES on */
+                if (ahead < (int64_t)nruns * ntiles) { /* its B rows (maybe the next run's slot) */
+                    int64_t pslot = runs[3 * (ahead / ntiles) + 2];
+                    int prank = (int)ranks[pslot];
+                    int p0 = (int)(ahead % ntiles) * TILE, p1 = p0 + TILE < N ? p0 + TILE : N;
+                    for (int sl = 0; sl < S; sl++) {
+                        if (slice_off[sl + 1] <= p0 || slice_off[sl] >= p1) continue;
+                        for (int j = 0; j < prank; j++)
+                            prefetch_span(b, w_dtype, pslot * w_slot_b + (int64_t)(sl * R + j) * N + p0, p1 - p0);
+                    }
+                }
                 float acc[TILE];
 #ifdef VEC
-                float acc2[TILE];
+                float acc2[TILE], acc3[TILE];
+                for (; t + 3 <= end && c1 - c0 == TILE; t += 3) { /* three tokens share each B load */
+                    const float *vt[3] = {v0 + t * SR, v0 + (t + 1) * SR, v0 + (t + 2) * SR};
+                    float *at[3] = {acc, acc2, acc3};
+                    expand_tile3(vt, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, slice_off, at);
+                    for (int q = 0; q < 3; q++) add_tile(y, y_dtype, (t + q) * y_stride, c0, c1, at[q]);
+                }
                 for (; t + 2 <= end && c1 - c0 == TILE; t += 2) { /* two tokens share each B load */
                     expand_tile2(v0 + t * SR, v0 + (t + 1) * SR, b, w_dtype, slot * w_slot_b, S, R, rank,
                                  N, c0, slice_off, acc, acc2);
