@@ -47,8 +47,8 @@ CONFIGS = {
     "N128-zipf": dict(adapters=128, skew=True, lora={}),
     "N32-max4": dict(adapters=32, skew=False, lora=dict(max_loras=4, max_cpu_loras=16)),
 }
-GOALS = {  # the issue's: ratio to N4 (tok/s at least, TTFT p50 at most)
-    "N32": {"tok_s": 0.85, "ttft_p50": 2.0},
+GOALS = {  # the issues': ratio to N4 (tok/s at least, TTFT p50 / p99 at most)
+    "N32": {"tok_s": 0.85, "ttft_p50": 2.0, "ttft_p99": 2.0},
     "N128-zipf": {"tok_s": 0.8},
     "N32-max4": {"tok_s": 0.7, "ttft_p50": 5.0},
 }
@@ -113,12 +113,14 @@ async def run_config(engine, reqs: list[dict], adapters: list[Path], cfg: dict, 
         k = pick(r["u"], cfg["adapters"], cfg["skew"], alpha)
         lora = LoRARequest(f"a{k}", k + 1, str(adapters[k]))
         params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
-        sent, stamps = time.perf_counter(), []
+        sent, stamps, last = time.perf_counter(), [], None
         async for out in engine.generate({"prompt_token_ids": r["prompt"]}, params, f"r{i}", lora):
             n = len(out.outputs[0].token_ids)
             stamps += [time.perf_counter()] * (n - len(stamps))
+            last = out
         tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-        records.append(dict(ttft=stamps[0] - sent, tpot=tpot, tokens=len(stamps), done=stamps[-1]))
+        records.append(dict(ttft=stamps[0] - sent, tpot=tpot, tokens=len(stamps), done=stamps[-1],
+                            phases=last.metrics.timing(), adapter=k, prompt=len(r["prompt"])))
 
     await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
     wall = max(r["done"] for r in records) - start
@@ -129,7 +131,22 @@ async def run_config(engine, reqs: list[dict], adapters: list[Path], cfg: dict, 
         "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
         "tpot_s": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)},
         "wall_s": wall,
+        "ttft_tail": tail_phases(records),
     }
+
+
+def tail_phases(records: list[dict], share: float = 0.1) -> dict:
+    """Where the slowest ``share`` of first tokens waited (mean seconds per phase of
+    ``RequestMetrics.timing``), beside the same for every request: the per-request trace
+    that tells admission, adapter loads and prefill apart."""
+    done = [r for r in records if r["phases"] is not None]
+    tail = sorted(done, key=lambda r: r["ttft"])[-max(1, int(len(done) * share)):]
+
+    def mean(rs: list[dict]) -> dict:
+        return {p: statistics.mean(r["phases"][p] for r in rs) for p in ("queue", "adapter_load", "prefill")}
+
+    return {"tail": mean(tail), "all": mean(done), "tail_count": len(tail),
+            "tail_prompts": [r["prompt"] for r in tail]}
 
 
 async def warm_up(engine, prompt: list[int]) -> None:
@@ -252,6 +269,10 @@ def main() -> None:
                       f"{res['ttft_s']['p99']:.2f} s  TPOT p50 {res['tpot_s']['p50'] * 1e3:.0f} ms"
                       f"  wall {res['wall_s']:.0f} s  loads/1k {res['loads_per_1k_requests']}",
                       flush=True)
+                tail = res["ttft_tail"]
+                print("           TTFT tail (slowest 10%) s: " + ", ".join(
+                    f"{p} {tail['tail'][p]:.2f} (all {tail['all'][p]:.2f})" for p in tail["tail"]),
+                    flush=True)
     results = {n: runs[n][-1] for n in names}
     ratios = {}
     for name in names:
@@ -260,10 +281,13 @@ def main() -> None:
         pairs = list(zip(runs[name], runs["N4"], strict=True))  # each against its own rep's N4
         r = {"tok_s": statistics.median(a["output_tok_s"] / b["output_tok_s"] for a, b in pairs),
              "ttft_p50": statistics.median(a["ttft_s"]["p50"] / b["ttft_s"]["p50"]
+                                           for a, b in pairs),
+             "ttft_p99": statistics.median(a["ttft_s"]["p99"] / b["ttft_s"]["p99"]
                                            for a, b in pairs)}
         goal = GOALS.get(name, {})
         r["meets_goal"] = (r["tok_s"] >= goal.get("tok_s", 0.0)
-                           and r["ttft_p50"] <= goal.get("ttft_p50", float("inf")))
+                           and r["ttft_p50"] <= goal.get("ttft_p50", float("inf"))
+                           and r["ttft_p99"] <= goal.get("ttft_p99", float("inf")))
         ratios[name] = r
     print("ratios to N4", ratios)
     payload = {"args": vars(args), "results": results, "runs": runs, "ratios": ratios,

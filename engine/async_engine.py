@@ -64,6 +64,8 @@ class AsyncEngine:
         """Times the loop died and was restarted in-process."""
         self._commands: queue.Queue[tuple[Callable, concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._quiet: dict[str, bool] = {}
+        """Requests that want their first and last outputs only -> the first was sent."""
         self._stop = threading.Event()
         self._dead: BaseException | None = None
         self._report: LoadReport | None = None
@@ -81,10 +83,13 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         fairness_key: str | None = None,
         weight: float = 1.0,
+        every_step: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step it advances; the last is finished.
-        With ``use_beam_search`` only the finished output comes, once the search ends.
-        ``fairness_key``/``weight``: see :meth:`LLMEngine.add_request`."""
+        ``every_step`` False: only the first output (its first token) and the finished one
+        (a caller that answers once: no snapshot per step taken on the engine thread nor
+        handled on the event loop). With ``use_beam_search`` only the finished output comes,
+        once the search ends. ``fairness_key``/``weight``: see :meth:`LLMEngine.add_request`."""
         request_id = request_id or uuid.uuid4().hex
         if sampling_params is not None and sampling_params.use_beam_search:
             from loramux.engine.beam_search import beam_search_request
@@ -98,6 +103,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
+        if not every_step:
+            self._quiet[request_id] = False
         try:
             await self.call(lambda: self.engine.add_request(
                 request_id, prompt, sampling_params, lora_request, fairness_key, weight))
@@ -119,6 +126,7 @@ class AsyncEngine:
                     break
         finally:
             self._streams.pop(request_id, None)
+            self._quiet.pop(request_id, None)
             if not finished:
                 self._submit(lambda: self.engine.abort_request(request_id))
 
@@ -304,6 +312,11 @@ class AsyncEngine:
             target = self._streams.get(req.request_id)
             if target is None:
                 continue
+            sent_first = self._quiet.get(req.request_id)
+            if sent_first is not None:
+                if sent_first and not req.finished:
+                    continue  # a quiet request between its first and last outputs
+                self._quiet[req.request_id] = True
             loop, stream = target
             try:
                 loop.call_soon_threadsafe(stream.put_nowait, req.to_output(streaming=True))

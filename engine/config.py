@@ -109,7 +109,8 @@ class SchedulerConfig:
     """Inter-token latency target in milliseconds: while any decode row runs, a step's
     predicted time stays within it (prompt chunks fill what is left, at least a minimum chunk;
     a prompt alone gets the whole token budget); while keys compete a step aims at half of it.
-    None = derived: 3× the measured one-row decode step."""
+    None = derived: 3× the measured one-row decode step (for a key alone, at least 3× the
+    step of its running decodes)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

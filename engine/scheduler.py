@@ -322,11 +322,11 @@ class Scheduler:
             spare = min(spare, int(room / self._draft_weight))
         while queue:
             seq = queue.pop(0)
+            if run_now is not None and id(seq) not in run_now:
+                kept.append(seq)  # prefilling, or a decode the step budget rotates out
+                continue
             if seq.num_computed_tokens < seq.num_tokens - 1:
                 kept.append(seq)  # still prefilling: _continue_prefills plans it
-                continue
-            if run_now is not None and id(seq) not in run_now:
-                kept.append(seq)  # the step budget rotates it plan of this step
                 continue
             drafts = self._draft(seq, spare, ratio)
             while not self.kv.can_allocate(seq, 1):
@@ -448,9 +448,13 @@ class Scheduler:
         step's prompt-token cap."""
         if self.budget is None:
             return None
-        decodes = [s for s in self.running if s.num_computed_tokens >= s.num_tokens - 1]
+        decodes = []
         prompts = {s.fairness_key for s in self.waiting}
-        prompts |= {s.fairness_key for s in self.running if s.num_computed_tokens < s.num_tokens - 1}
+        for s in self.running:
+            if s.num_computed_tokens >= s.num_tokens - 1:
+                decodes.append(s)
+            else:
+                prompts.add(s.fairness_key)
         adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
         limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc")
         self._prefill_cap = limits.prefill_tokens

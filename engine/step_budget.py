@@ -11,7 +11,8 @@ to a time, not to a fixed token/sequence count:
   prompt tokens + c_adapter · adapters + c_draft · drafted tokens`` online (least squares with forgetting) from the
   measured cycle of every step (planning to the next step: outputs delivered included).
 * :class:`StepBudget` turns the **ITL target** (``SchedulerConfig.target_itl_ms``; unset,
-  :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine)
+  :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine,
+  and for a key alone at least :data:`DEFAULT_MULTIPLE` × the step of its running decodes)
   into limits for the next step:
 
   - While any decode row runs, the step's prompt tokens are capped so the predicted step
@@ -21,7 +22,9 @@ to a time, not to a fixed token/sequence count:
     A step with no decode row gives its prompts the whole token budget (no one's ITL is at
     stake).
   - While more than one fairness key has work (or had, within :data:`RECENT_S`) the step
-    aims at :data:`CONTENTION_SHARE` of the target: decode rows are capped to what fits and
+    aims at :data:`CONTENTION_SHARE` of the target of one row with its adapter (however many
+    adapters the step's rows use: a tenant spraying adapters cannot stretch it): decode rows
+    are capped to what fits, each row costed with its share of the step's adapters, and
     shared fairly across keys (water-filling; within a key the least recently scheduled
     rows first, so a flooder's surplus rotates and a small key's rows run every step), with
     room kept for waiting keys' prompts.
@@ -140,6 +143,8 @@ class StepBudget:
         self.target_s = target_itl_ms / 1000.0 if target_itl_ms else None
         self.model = model or StepCostModel()
         self.steps = 0
+        self.last_target: float | None = None
+        """Seconds: the target the last step with decode rows was held to."""
         self._last_seen: dict = {}  # fairness key -> clock time it last had work
         self.clock = time.monotonic
         """Seconds (monotonic); tests put a fake clock here."""
@@ -152,10 +157,11 @@ class StepBudget:
         return DEFAULT_MULTIPLE * self.model.predict(StepShape(1, 0, adapters))
 
     def itl_target(self) -> float | None:
-        """The ITL target a decode row is promised now (seconds; None until it is known)."""
+        """The ITL target the last step with decode rows promised them (else the one-row
+        target; seconds; None until it is known)."""
         if self.target_s is None and not self.model.warm:
             return None
-        return self.target(1)
+        return self.last_target if self.last_target is not None else self.target(1)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.model.observe(shape, seconds)
@@ -180,28 +186,41 @@ class StepBudget:
         decode = candidates
         n = len(candidates)
         alone = len(self._last_seen) <= 1  # no other key had work within RECENT_S
-        target = self.target(adapters) * (1.0 if alone else CONTENTION_SHARE)
-        if n > 1 and c_dec > 0:
+        # the target of one row with its adapter: a tenant spraying adapters must not stretch
+        # its neighbours' ITL
+        one = self.target(min(adapters, 1))
+        target = one if alone else CONTENTION_SHARE * one
+        # a row's cost, its share of the adapters' included: the fit may put a step's cost on
+        # either when rows and adapters grow together (one tenant spraying its adapters)
+        c_row = c_dec + (c_ad * adapters / n if n else 0.0)
+        if n > 1 and c_row > 0:
             fixed = c0 + c_ad * adapters
             reserve = c_pre * MIN_CHUNK_TOKENS if keys_with_prompts else 0.0
             # every key with decodes keeps at least one row: nobody stops
             max_rows = max(len({s.fairness_key for s in candidates}),
-                           int((target - fixed - reserve) / c_dec))
+                           int((target - c0 - reserve) / c_row))
             if alone and keys_with_prompts:
                 # alone with prompts to compute: every row runs and the prompts take what the
                 # target leaves (capping its own decodes cost it ~10% throughput, ~2x TTFT)
                 max_rows = n
             elif alone:  # decodes only: the rows its throughput needs
                 e = ALONE_EFFICIENCY
-                max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * c_dec)))
+                max_rows = max(max_rows, math.ceil(e * n * fixed / (fixed + (1 - e) * n * max(c_dec, 1e-9))))
             if max_rows < n:
                 decode = fair_rows(candidates, max_rows, keys_with_prompts, by_key=fair)
         for seq in decode:
             seq.budget_ran = self.steps
+        decode_cost = c_dec * len(decode) + c_ad * (adapters if alone else
+                                                    len({s.lora_key for s in decode if s.lora_key}) + 1)
+        if alone and self.target_s is None:
+            # derived, alone: DEFAULT_MULTIPLE x this step's decodes (at least x one row's), so
+            # a prompt chunk stretches the tenant's own inter-token gaps by that much at most
+            target = max(target, DEFAULT_MULTIPLE * (c0 + decode_cost))
+        if decode:
+            self.last_target = target
         if not decode or c_pre <= 0:  # a prompt alone: nobody's inter-token latency at stake
             return StepLimits(decode, None)
-        decode_cost = c_dec * len(decode)
-        left = max(target - (c0 + c_ad * adapters) - decode_cost, CHUNK_SHARE * decode_cost)
+        left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
         return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
 
 

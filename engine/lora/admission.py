@@ -31,8 +31,9 @@ sequences, and then :meth:`AdapterAdmission.allows` per waiting sequence. The po
   closed at once, as for a starving adapter. A tenant that had adapter work within
   :data:`RECENT_S` still counts (interactive clients send their next request right after the
   last one ends): when the slots give every such tenant one, its last adapter stays in its
-  slot, safe from the other tenants' loads, so its next request waits for no load. Within a
-  tenant the order above holds.
+  slot, safe from the other tenants' loads, so its next request waits for no load. A tenant
+  at its share waits on its own adapters: one of them starving closes one of its own busy
+  adapters, never another tenant's. Within a tenant the order above holds.
 * **Prefetch.** The ranked adapters beyond this step's places are handed to the gate's
   ``prefetch`` (disk → CPU tier in the background) so they are loaded by the time a slot
   frees; those of the tenants (fairness keys) placed this step first, so a tenant's
@@ -115,14 +116,15 @@ class AdapterAdmission:
         share = None
         kept: dict = {}  # tenant -> its last adapter, idle in a slot, kept for its next request
         if fair_order:
-            recent = self._note_recent(running, waiting)
+            recent = self._note_recent({**tenant, **owner})
             tenants = set(held) | {tenant[k] for k in wanted} | set(recent)
             share = self._share(gate.max_loras, tenants)
             if len(tenants) <= gate.max_loras:  # a slot for everyone: keep the idle ones.
                 kept = {t: k for t, k in recent.items()
                         if k not in busy and k not in queued and gate.is_resident(k)}
-            for t in kept:
-                held[t] += 1
+        claim = held.copy()  # ... and the slots kept for them: what the others see
+        for t in kept:
+            claim[t] += 1
 
         def rank(key: str) -> tuple:
             starving = age[key] >= self.bound
@@ -143,30 +145,37 @@ class AdapterAdmission:
                 break
             t = tenant[key]
             starving = age[key] >= self.bound
-            if share is not None and not starving and held[t] >= share and others_wait(t):
-                continue  # its share is full while another tenant waits for a slot
+            if share is not None and held[t] >= share and others_wait(t):
+                continue  # its share is full while another tenant waits (starving or not)
             if key not in resident and loads >= free:
                 continue  # no more loads than places: the rest is prefetch's
             tried.add(key)
-            keep = set(busy) | self._places
-            if not starving:  # only a starving adapter displaces queued work (and kept ones) ...
-                keep |= {k for x, k in kept.items() if x != t}
-                under = share is not None and held[t] < share
+            # the others' kept slots stay (kept only when every tenant has a slot, so one
+            # not kept by another is always there for t)
+            keep = set(busy) | self._places | {k for x, k in kept.items() if x != t}
+            if not starving:  # only a starving adapter displaces queued work ...
+                under = share is not None and claim[t] < share
                 # ... or, for a tenant under its share, that of tenants within theirs
                 keep |= {k for k in resident - {key}
-                         if not under or held[tenant[k]] < share or tenant[k] == t}
+                         if not under or claim[tenant[k]] < share or tenant[k] == t}
             if gate.acquire(key, keep):
                 self._places.add(key)
                 held[t] += 1
+                claim[t] += 1
                 free -= 1
             else:
                 loads += 1
         starving = [k for k in ranked if age[k] >= self.bound and k not in self._places]
         if starving and free <= 0 and not self.closed and busy:
-            victim = min(busy, key=lambda k: (queued[k], busy[k], k))
-            self.closed[victim] = self.step
+            t = tenant[starving[0]]
+            pool = list(busy)
+            if share is not None and held[t] >= share:  # at its share: it waits on its own
+                pool = [k for k in busy if owner[k] == t]
+            if pool:
+                victim = min(pool, key=lambda k: (queued[k], busy[k], k))
+                self.closed[victim] = self.step
         elif share is not None and free <= 0:
-            self._close_over_share(ranked, busy, queued, owner, held, share, tenant)
+            self._close_over_share(ranked, busy, queued, owner, claim, share, tenant)
         # a tenant's adapters that arrive together load together: those of the tenants
         # being placed now are prefetched first
         placing = {tenant[k] for k in tried}
@@ -176,12 +185,12 @@ class AdapterAdmission:
         return [s for s in running if s.lora_key in self.closed
                 and self.step - self.closed[s.lora_key] >= self.bound]
 
-    def _note_recent(self, running: list[Sequence], waiting: Iterable[Sequence]) -> dict:
-        """Tenant -> its last adapter, for the tenants with adapter work within RECENT_S."""
+    def _note_recent(self, adapters: dict) -> dict:
+        """Tenant -> its last adapter, for the tenants with adapter work within RECENT_S;
+        ``adapters``: this step's adapter -> tenant, waiting and running."""
         now = self.clock()
-        for seq in (*running, *waiting):
-            if seq.lora_key is not None:
-                self._recent[seq.fairness_key] = (now, seq.lora_key)
+        for key, t in adapters.items():
+            self._recent[t] = (now, key)
         for t in [t for t, (seen, _) in self._recent.items() if now - seen > RECENT_S]:
             del self._recent[t]
         return {t: k for t, (_, k) in self._recent.items()}

@@ -141,7 +141,8 @@ class OpenAIServing:
             caller, [len(p["prompt_token_ids"]) for p in ctx.prompts], ctx.built.params,
             self.max_model_len,
         ))
-        pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served, ctx.fairness_key)
+        pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served, ctx.fairness_key,
+                    every_step=bool(req.stream))
         self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))
 
         async def release() -> None:

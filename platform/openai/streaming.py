@@ -117,8 +117,11 @@ class Pump:
     """Runs one engine request per prompt as a task each, feeding one queue."""
 
     def __init__(self, engine: AsyncEngine, prompts: list, params: SamplingParams, rid: str,
-                 served: ServedModel, fairness_key: str | None = None) -> None:
+                 served: ServedModel, fairness_key: str | None = None, every_step: bool = True) -> None:
+        """``every_step`` False (a response sent once, not streamed): the engine hands over
+        each request's first and last outputs only."""
         self.fairness_key = fairness_key
+        self.every_step = every_step
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tracks = [Track() for _ in prompts]
         self.tasks = [
@@ -130,7 +133,8 @@ class Pump:
     async def _run(self, engine, i, prompt, params, rid, served) -> None:
         try:
             async for out in engine.generate(prompt, params, request_id=rid, lora_request=served.lora,
-                                             fairness_key=self.fairness_key):
+                                             fairness_key=self.fairness_key,
+                                             every_step=self.every_step):
                 self.tracks[i].update(out)
                 self.queue.put_nowait((i, out))
             self.queue.put_nowait((i, None))

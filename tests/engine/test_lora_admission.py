@@ -3,6 +3,7 @@ within a stated bound in steps, no thrash, prefetch from the waiting queue."""
 
 from __future__ import annotations
 
+import pytest
 from test_scheduler import FakeGate, adapters_of, make_scheduler, make_seq, run_step
 
 
@@ -174,14 +175,16 @@ def test_a_least_served_tenant_gets_the_next_free_slot_first():
     assert order[:2] == ["spray0", "mine"], order  # before the sprayer's next adapters
 
 
-def test_a_recent_tenants_idle_adapter_keeps_its_slot_between_its_requests():
+@pytest.mark.parametrize("bound", [64, 4])
+def test_a_recent_tenants_idle_adapter_keeps_its_slot_between_its_requests(bound):
     """Two slots, two tenants: the neighbour's adapter stays in its slot between two of its
-    requests (the sprayer loads its ten adapters through the other slot), and once the
-    neighbour has been quiet longer than RECENT_S the sprayer may take both slots."""
+    requests (the sprayer loads its ten adapters through the other slot, even when they
+    starve there: a tenant at its share waits on its own adapters), and once the neighbour
+    has been quiet longer than RECENT_S the sprayer may take both slots."""
     from loramux.engine.step_budget import RECENT_S
 
     gate = FakeGate(max_loras=2)
-    sched = make_scheduler(num_blocks=1024, adapters=gate)
+    sched = make_scheduler(num_blocks=1024, adapters=gate, starvation_steps=bound)
     now = [0.0]
     sched.admission.clock = lambda: now[0]
     n = 0

@@ -157,22 +157,27 @@ def test_abort_waiting_fails_queued_requests_of_an_adapter_at_once(tiny_model_di
     eng = AsyncEngine(llm.llm_engine)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    async def run(rid, lora):
-        outs = [o async for o in eng.generate("Hello there", params, rid, lora)]
+    # the running request is long enough (100 tokens) that the two behind it are still
+    # queued when the adapter is failed: fast kernels decode 24 tokens in ~50 ms
+    long_params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def run(rid, lora, p=params):
+        outs = [o async for o in eng.generate("Hello there", p, rid, lora)]
         return outs[-1]
 
     async def go():
-        running = asyncio.ensure_future(run("running", t1))
+        running = asyncio.ensure_future(run("running", t1, long_params))
         while not llm.llm_engine.scheduler.running:
             await asyncio.sleep(0.01)
         queued = asyncio.ensure_future(run("queued", t1))
         other = asyncio.ensure_future(run("other", t2))
-        await asyncio.sleep(0.05)
+        while len(llm.llm_engine.scheduler.waiting) < 2:  # both are queued behind max_num_seqs=1
+            await asyncio.sleep(0.002)
         assert await eng.call(lambda: eng.fail_waiting("t1", "t1 was deleted")) == ["queued"]
         with pytest.raises(AdapterGoneError, match="t1 was deleted"):
             await asyncio.wait_for(queued, 1.0)
         first, second = await asyncio.gather(running, other)
-        assert len(first.outputs[0].token_ids) == 24 and len(second.outputs[0].token_ids) == 24
+        assert len(first.outputs[0].token_ids) == 100 and len(second.outputs[0].token_ids) == 24
 
     try:
         asyncio.run(go())

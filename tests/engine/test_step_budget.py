@@ -211,3 +211,47 @@ def test_fair_rows_water_fills_by_weight_and_rotates():
     again = fair_rows(seqs, 4, set())
     assert {s.request_id for s in again if s.fairness_key == "a"}.isdisjoint(
         {s.request_id for s in got if s.fairness_key == "a"})
+
+
+def test_a_sprayers_adapters_cannot_stretch_a_neighbours_steps():
+    """The cost model may put a step's cost on adapters rather than rows (one tenant's rows
+    each on their own adapter grow together): the rows are capped all the same, the target
+    is that of one row with one adapter, and the neighbour's row runs."""
+    model = StepCostModel()
+    shapes = [StepShape(d, p, a) for d in (1, 5, 20) for p in (0, 100) for a in (0, 2, 8)]
+    for shape in shapes * 3:  # nothing per row, 3 ms per adapter
+        model.observe(shape, 0.010 + 0.0005 * shape.prefill_tokens + 0.003 * shape.adapters)
+    assert model.warm and model.coef[1] < 1e-4
+    budget = StepBudget(None, model)
+    spray = [make_seq(f"s{i}", "sprayer") for i in range(12)]
+    for i, seq in enumerate(spray):
+        seq.lora_key = f"spray-{i % 10}"
+    neighbour = make_seq("n", "neighbour")
+    neighbour.lora_key = "mine"
+    limits = budget.plan([*spray, neighbour], set(), adapters=11)
+    target = CONTENTION_SHARE * budget.target(1)  # 19.5 ms, not the 11-adapter step's
+    assert abs(target - CONTENTION_SHARE * DEFAULT_MULTIPLE * 0.013) < 1e-4
+    assert neighbour in limits.decode
+    rows = len(limits.decode)
+    assert 2 <= rows < 13
+    assert 0.010 + rows * 0.003 <= target * 1.05  # the step, its rows' adapters counted
+
+
+def test_derived_target_alone_bounds_a_chunk_to_a_multiple_of_the_decode_step():
+    """Derived target, one key alone with 40 decodes (a decode-only step far above 3x the
+    one-row step): a long prompt's chunks make a step at most DEFAULT_MULTIPLE x the step of
+    its decodes, and the engine reports that target for the ITL-miss count."""
+    sched = make_scheduler()
+    _warm_with_prompts(sched, rows=40)
+    for _ in range(int(RECENT_S / 0.09) + 2):
+        step(sched)
+    long = make_seq("long", "a", prompt_len=1500)
+    sched.add(long)
+    decode_only = C0 + 40 * C_DEC
+    chunks = []
+    while long.num_output_tokens == 0:
+        plan = step(sched)
+        chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
+        assert fake_seconds(plan) <= DEFAULT_MULTIPLE * (decode_only + C_DEC) * 1.05
+    assert len(chunks) > 1 and max(chunks) > (DEFAULT_MULTIPLE - 1.5) * decode_only / C_PRE
+    assert abs(sched.itl_target() - DEFAULT_MULTIPLE * decode_only) < 0.1 * decode_only

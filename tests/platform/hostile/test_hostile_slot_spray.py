@@ -60,7 +60,7 @@ class Spray:
 
     def __init__(self, url: str, key: str, adapters: list[str]) -> None:
         self.url, self.key, self.adapters = url, key, adapters
-        self.done = 0
+        self.done = self.failed = 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.task = None
@@ -72,8 +72,10 @@ class Spray:
                     "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
             r = await client.post(f"{self.url}/v1/completions", json=body,
                                   headers={"Authorization": f"Bearer {self.key}"})
-            assert r.status_code == 200, r.text
-            self.done += 1
+            if r.status_code == 200:  # the attacker's own failures (e.g. 503 under load) are its
+                self.done += 1
+            else:
+                self.failed += 1
             i += SPRAY_CONCURRENCY
 
     async def _run(self) -> None:
@@ -113,7 +115,7 @@ def test_a_tenant_spraying_its_adapters_leaves_the_neighbour_within_3x_idle(
         spray.stop()
     assert sprayed > 2 * SPRAY_CONCURRENCY
     print(f"neighbour beside the spray {[round(t, 3) for t, _ in beside]} s, idle {idle:.3f} s, "
-          f"{sprayed} spray requests; timing {TIMINGS[-5:]}")
+          f"{sprayed} spray requests ({spray.failed} failed); timing {TIMINGS[-5:]}")
     assert all(text == expected for _, text in beside)  # the neighbour's output is untouched
     latency = statistics.median(t for t, _ in beside)
     assert latency <= 3 * idle, f"beside the spray {beside}, idle {idle:.3f} s"
