@@ -55,19 +55,24 @@ GROUP_OF = {m: g for g, ms in PROJECTION_GROUPS.items() for m in ms} | {
 TENSOR_KEY_RE = re.compile(
     r"^base_model\.model\.(?P<prefix>model\.language_model\.|language_model\.model\.|model\.)"
     r"layers\.(?P<layer>\d{1,6})\.(?P<parent>self_attn|mlp)\."
-    r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<which>[AB])\.weight$"
+    r"(?P<module>[A-Za-z0-9_]+)\.(?:lora_(?P<which>[AB])\.weight|"
+    r"(?P<magnitude>lora_magnitude_vector)(?:\.weight)?)$"
 )
+"""One LoRA tensor of the decoder: A, B or (DoRA) the magnitude vector, which PEFT saves as
+``….lora_magnitude_vector`` (``.weight`` appended by some versions)."""
 NON_TEXT_KEY_RE = re.compile(
     r"^base_model\.model\.(?:model\.)?(?:vision_tower|vision_model|multi_modal_projector)\."
-    r"[A-Za-z0-9_.]+\.lora_[AB]\.weight$"
+    r"[A-Za-z0-9_.]+\.(?:lora_[AB]\.weight|lora_magnitude_vector(?:\.weight)?)$"
 )
 """LoRA tensors of a multimodal checkpoint's vision tower: kept for export, not served."""
 
 
 def tensor_key(layer: int, module: str, which: str, prefix: str = "model.") -> str:
-    """PEFT's saved name for one LoRA tensor (``which`` is ``"A"`` or ``"B"``); ``prefix`` is
-    where the family's decoder sits (:attr:`Architecture.peft_prefix`)."""
-    return f"base_model.model.{prefix}layers.{layer}.{MODULE_PARENT[module]}.{module}.lora_{which}.weight"
+    """PEFT's saved name for one LoRA tensor (``which`` is ``"A"``, ``"B"`` or ``"M"``, DoRA's
+    magnitude vector); ``prefix`` is where the family's decoder sits
+    (:attr:`Architecture.peft_prefix`)."""
+    tail = "lora_magnitude_vector" if which == "M" else f"lora_{which}.weight"
+    return f"base_model.model.{prefix}layers.{layer}.{MODULE_PARENT[module]}.{module}.{tail}"
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ An adapter is a folder (or one ``.tar.gz`` / ``.zip`` archive of it) holding
 
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight   # [r, in_features]
     base_model.model.model.layers.{i}.mlp.down_proj.lora_B.weight      # [out_features, r]
+    base_model.model.model.layers.{i}.mlp.down_proj.lora_magnitude_vector  # [out_features], DoRA
 
 :func:`load_adapter` reads one with no base-model checks (the engine calls it on adapters
 the registry has already validated); :func:`validate_adapter` runs every check against a
@@ -82,6 +83,9 @@ class LoraWeights:
     accepted (a different ``base_model_name_or_path``). ``prefix`` is where the decoder sits
     in its tensor names (``model.``; ``model.language_model.`` for a multimodal base);
     ``unserved`` names the tensors of parts the engine does not run (a vision tower).
+    A DoRA adapter (``spec.use_dora``) has ``magnitudes[i][module]``, the learned magnitude
+    ``m`` [out_features] of every module that has A and B: its weight is
+    ``m ⊙ (W0 + s·BA) / ‖W0 + s·BA‖`` (the norm per output row).
     """
 
     spec: LoraSpec
@@ -92,15 +96,21 @@ class LoraWeights:
     experts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     """``experts[i][param] = (A [E, r, in], B [E, out, r])``: LoRA on layer i's expert
     parameter ``param`` (``gate_up_proj``, ``down_proj``; ``experts.py``)."""
+    magnitudes: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    dora_scales: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = field(
+        default_factory=dict)
+    """Filled by the engine when it loads a DoRA adapter against its base weights: per layer
+    and module, ``(g, c)`` with ``g = m / ‖W0 + s·BA‖`` fp32 [out_features] and ``c`` the bias
+    correction ``(1 - g) ⊙ bias`` (None when the base projection has no bias)."""
 
     def num_bytes(self) -> int:
-        """Bytes held by all A and B tensors (the experts' too)."""
+        """Bytes held by all A and B tensors (the experts' too) and DoRA magnitudes."""
         return sum(
             a.numel() * a.element_size() + b.numel() * b.element_size()
             for group in (self.layers, self.experts)
             for modules in group.values()
             for a, b in modules.values()
-        )
+        ) + sum(m.numel() * m.element_size() for ms in self.magnitudes.values() for m in ms.values())
 
 
 def _weights_file(folder: Path) -> Path:
@@ -189,6 +199,11 @@ def _collect(
             )
         if layer >= MAX_LAYER_INDEX:
             raise AdapterValidationError(f"{key}: layer index {layer} is out of range", field=key)
+        if m["magnitude"] and not spec.use_dora:
+            raise AdapterValidationError(
+                f"{key}: a DoRA magnitude vector, but adapter_config.json does not set use_dora",
+                field=key,
+            )
         if dims is not None and not dims.has_module(layer, module):
             raise AdapterValidationError(
                 f"{key}: unexpected tensor; layer {layer} of the base model is a mixture-of-experts "
@@ -196,7 +211,7 @@ def _collect(
                 field=key,
             )
         _check_float(info)
-        found.setdefault((layer, module), {})[m["which"]] = info
+        found.setdefault((layer, module), {})["M" if m["magnitude"] else m["which"]] = info
     if len(prefixes) > 1:
         raise refuse(WEIGHTS_NAME, f"tensor names mix decoder paths {sorted(prefixes)}")
     prefix = prefixes.pop() if prefixes else (arch.peft_prefix if arch is not None else "model.")
@@ -249,7 +264,7 @@ def _check_layout(
     seen_shapes: dict[str, tuple[int, int]] = {}
     for layer, module in expected:
         pair = found.get((layer, module), {})
-        for which in ("A", "B"):
+        for which in ("A", "B", *("M" if spec.use_dora else ())):
             if which not in pair:
                 key = tensor_key(layer, module, which, prefix)
                 raise AdapterValidationError(f"{key}: missing tensor", field=key)
@@ -264,11 +279,14 @@ def _check_layout(
             raise _shape_error(a.name, a.shape, (r, in_f), hint)
         if b.shape != (out_f, r):
             raise _shape_error(b.name, b.shape, (out_f, r), hint)
+        if spec.use_dora and pair["M"].shape != (out_f,):
+            raise _shape_error(pair["M"].name, pair["M"].shape, (out_f,), hint)
 
 
 def _load_layers(
     weights_path: Path, found: dict[tuple[int, str], _Pair], dtype: torch.dtype
-) -> dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]], dict[int, dict[str, torch.Tensor]]]:
+    """``(layers, magnitudes)`` as :class:`LoraWeights` holds them; refuses non-finite values."""
     names = [info.name for pair in found.values() for info in pair.values()]
     tensors = load_tensors(weights_path, names, dtype=dtype)
     for name in names:
@@ -278,10 +296,13 @@ def _load_layers(
                 field=name,
             )
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    magnitudes: dict[int, dict[str, torch.Tensor]] = {}
     for layer, module in sorted(found):
         pair = found[(layer, module)]
         layers.setdefault(layer, {})[module] = (tensors[pair["A"].name], tensors[pair["B"].name])
-    return layers
+        if "M" in pair:
+            magnitudes.setdefault(layer, {})[module] = tensors[pair["M"].name]
+    return layers, magnitudes
 
 
 def _load_experts(weights_path: Path, found: dict, spec: LoraSpec, dtype: torch.dtype):
@@ -341,8 +362,9 @@ def load_adapter(
         found, prefix, unserved = _collect(header, spec, None)
         expert_found, _ = experts.collect(header, spec)
         _check_layout(found, spec, None, prefix=prefix)
-        return LoraWeights(spec, _load_layers(weights_path, found, dtype), prefix=prefix,
-                           unserved=tuple(i.name for i in unserved),
+        layers, magnitudes = _load_layers(weights_path, found, dtype)
+        return LoraWeights(spec, layers, prefix=prefix, unserved=tuple(i.name for i in unserved),
+                           magnitudes=magnitudes,
                            experts=_load_experts(weights_path, expert_found, spec, dtype))
 
 
@@ -363,7 +385,8 @@ def validate_adapter(
     ``base_config`` is a transformers ``PretrainedConfig`` or the dict of ``config.json``.
     Checks: ``peft_type`` LORA; ``r`` ≤ ``max_lora_rank``; target modules supported; every
     expected tensor present and none stray; shapes match the base model; float dtype;
-    finite values; ``adapter_model.safetensors`` at most ``max_bytes``; DoRA,
+    finite values; ``adapter_model.safetensors`` at most ``max_bytes``; DoRA magnitude
+    vectors (``use_dora``) present for every module, ``[out_features]``, finite;
     ``modules_to_save``, trained biases and other unsupported features refused by name.
     A different ``base_model_name_or_path`` (compared by its last path component with
     ``base_model_name`` or the config's name) is only a warning in
@@ -414,8 +437,9 @@ def validate_adapter(
                 f"{len(unserved)} LoRA tensors of the vision tower are kept for export but not "
                 f"served (loramux serves {dims.arch.name} text-only)"
             )
-        weights = LoraWeights(spec, _load_layers(weights_path, found, dtype), warnings,
-                              prefix=prefix, unserved=tuple(i.name for i in unserved),
+        layers, magnitudes = _load_layers(weights_path, found, dtype)
+        weights = LoraWeights(spec, layers, warnings, prefix=prefix,
+                              unserved=tuple(i.name for i in unserved), magnitudes=magnitudes,
                               experts=_load_experts(weights_path, expert_found, spec, dtype))
     from loramux.adapters.probe import probe_adapter  # the probe reads LoraWeights
 
@@ -434,6 +458,9 @@ def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:
         for module, (a, b) in modules.items():
             tensors[tensor_key(layer, module, "A", weights.prefix)] = a.contiguous()
             tensors[tensor_key(layer, module, "B", weights.prefix)] = b.contiguous()
+    for layer, modules in weights.magnitudes.items():
+        for module, m in modules.items():
+            tensors[tensor_key(layer, module, "M", weights.prefix)] = m.contiguous()
     tensors.update(experts.peft_tensors(weights, weights.prefix))
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     config = weights.spec.to_config(weights.prefix)

@@ -7,12 +7,16 @@ split names (``q_proj``, ``k_proj``, ``v_proj``) for a base whose checkpoints fu
 rank ``k * r`` for ``k`` slices, A the slices' A stacked, B block-diagonal (each slice's B in
 its rows and its own rank columns), the scale kept (``alpha_pattern``; ``rank_pattern`` for
 the larger rank). Nothing is approximated: ``B' A' = Σ_s B_s A_s`` on the slices' rows.
+A DoRA adapter's magnitudes are per output row, so the fused module's is the slices'
+concatenated; a slice the adapter leaves out gets its base rows' norms (``row_norms``), which
+makes its scale exactly 1 there.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,8 +32,13 @@ def needs_rewrite(weights: LoraWeights, dims: BaseModelDims) -> bool:
     return any(m not in native for modules in weights.layers.values() for m in modules)
 
 
-def write_native(weights: LoraWeights, dims: BaseModelDims, folder: str | Path) -> Path:
-    """Write ``weights`` as a PEFT adapter folder in the base family's own module names."""
+def write_native(
+    weights: LoraWeights, dims: BaseModelDims, folder: str | Path,
+    row_norms: Callable[[int, str], torch.Tensor] | None = None,
+) -> Path:
+    """Write ``weights`` as a PEFT adapter folder in the base family's own module names.
+    ``row_norms(layer, module)``: the base weight's row norms [out] of a fused module (read
+    for DoRA adapters that leave some of its slices out)."""
     from safetensors.torch import save_file
 
     native = dims.family.native_modules
@@ -41,15 +50,18 @@ def write_native(weights: LoraWeights, dims: BaseModelDims, folder: str | Path) 
     alpha_pattern: dict[str, float] = {}
     paths: set[str] = set()
 
-    def put(layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    def put(layer: int, module: str, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor | None) -> None:
         tensors[tensor_key(layer, module, "A", weights.prefix)] = a.contiguous()
         tensors[tensor_key(layer, module, "B", weights.prefix)] = b.contiguous()
+        if m is not None:
+            tensors[tensor_key(layer, module, "M", weights.prefix)] = m.contiguous()
         paths.add(f"{weights.prefix}layers.{layer}.{MODULE_PARENT[module]}.{module}")
 
     for layer, modules in sorted(weights.layers.items()):
+        mags = weights.magnitudes.get(layer, {})
         for module, (a, b) in modules.items():
             if module in native:
-                put(layer, module, a, b)
+                put(layer, module, a, b, mags.get(module))
         for fused, parts in FUSED_MODULES.items():
             if fused not in native or not any(p in modules for p in parts):
                 continue
@@ -65,7 +77,22 @@ def write_native(weights: LoraWeights, dims: BaseModelDims, folder: str | Path) 
                     stacked_a[s * r : (s + 1) * r] = a
                     stacked_b[row : row + rows, s * r : (s + 1) * r] = b
                 row += rows
-            put(layer, fused, stacked_a, stacked_b)
+            magnitude = None
+            if spec.use_dora:
+                missing = [p for p in parts if p not in mags]
+                if missing and row_norms is None:
+                    raise ValueError(
+                        f"layer {layer}: a DoRA adapter on {[p for p in parts if p in mags]} but not "
+                        f"{missing} needs the base's row norms to be written on "
+                        f"{dims.family.title}'s fused {fused}")
+                norms = row_norms(layer, fused) if missing else None
+                pieces, row = [], 0
+                for part in parts:
+                    rows = shapes[part][1]
+                    pieces.append(mags[part].float() if part in mags else norms[row : row + rows].float())
+                    row += rows
+                magnitude = torch.cat(pieces)
+            put(layer, fused, stacked_a, stacked_b, magnitude)
             rank_pattern[fused] = k * r
             alpha_pattern[fused] = spec.lora_alpha * (math.sqrt(k) if spec.use_rslora else k)
     unknown = {m for ms in weights.layers.values() for m in ms} - set(native) - {

@@ -6,7 +6,8 @@ config, generation config, tokenizer). With ``check=True`` (or :func:`check_merg
 afterwards) it reloads the result and compares its logits with PEFT's unmerged
 base + adapter on a few prompts. Every family is merged by PEFT; an adapter that names the
 base's projections in another spelling (split names on Phi-3's fused checkpoints) is first
-rewritten in the base's own names (``fused.py``: the same delta).
+rewritten in the base's own names (``fused.py``: the same delta). DoRA adapters merge as PEFT
+merges them (``W' = m ⊙ (W0 + s·BA) / ‖W0 + s·BA‖``, the bias untouched).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from loramux.adapters.arch import base_dims
+from loramux.adapters.arch import MODULE_PARENT, base_dims
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
 from loramux.adapters.format import LoraWeights, load_adapter, validate_adapter
 from loramux.adapters.fused import needs_rewrite, write_native
@@ -72,14 +73,34 @@ def _copy_adapter(src: Path, dest: Path) -> Path:
     return dest
 
 
-def _peft_adapter(src: Path, base_config: dict, dest: Path, weights: LoraWeights | None = None) -> Path:
+def _base_row_norms(base_model: Path, prefix: str):
+    """``row_norms(layer, module)``: the norms of a base weight's rows [out], read from the
+    base folder's safetensors (one tensor at a time)."""
+    from safetensors import safe_open
+
+    index = base_model / "model.safetensors.index.json"
+    where = (json.loads(index.read_text())["weight_map"] if index.is_file() else None)
+
+    def row_norms(layer: int, module: str) -> torch.Tensor:
+        name = f"{prefix}layers.{layer}.{MODULE_PARENT[module]}.{module}.weight"
+        file = base_model / (where[name] if where is not None else "model.safetensors")
+        with safe_open(str(file), "pt") as f:
+            return torch.linalg.vector_norm(f.get_tensor(name), dim=1, dtype=torch.float32)
+
+    return row_norms
+
+
+def _peft_adapter(src: Path, base_config: dict, dest: Path, weights: LoraWeights | None = None,
+                  base_model: Path | None = None) -> Path:
     """The adapter as PEFT can load it onto the base: its two files, or rewritten in the
-    base family's module names."""
+    base family's module names (a DoRA adapter's left-out slices read ``base_model``'s row
+    norms)."""
     dims = base_dims(base_config)
     if weights is None:
         weights = load_adapter(src, family=dims)
     if needs_rewrite(weights, dims):
-        return write_native(weights, dims, dest)
+        norms = _base_row_norms(base_model, weights.prefix) if base_model is not None else None
+        return write_native(weights, dims, dest, norms)
     return _copy_adapter(src, dest)
 
 
@@ -126,7 +147,8 @@ def check_merged(
 
     base_model, merged = Path(base_model), Path(merged)
     with adapter_folder(adapter) as folder, tempfile.TemporaryDirectory() as tmp:
-        adapter_dir = _peft_adapter(folder, _read_base_config(base_model), Path(tmp))
+        adapter_dir = _peft_adapter(folder, _read_base_config(base_model), Path(tmp),
+                                    base_model=base_model)
         reference = _load_peft(base_model, adapter_dir, dtype)
     merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(
@@ -172,7 +194,7 @@ def export_merged(
         tempfile.TemporaryDirectory() as tmp_adapter,
     ):
         bar.set_postfix_str(steps[0])
-        adapter_dir = _peft_adapter(folder, base_config, Path(tmp_adapter), weights)
+        adapter_dir = _peft_adapter(folder, base_config, Path(tmp_adapter), weights, base_model)
         model = _load_peft(base_model, adapter_dir, dtype)
         bar.update()
         bar.set_postfix_str(steps[1])

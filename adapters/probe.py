@@ -7,7 +7,10 @@ validation every module is checked twice, at a cost of microseconds per module:
 * its weights, times the adapter's scale, must be representable in the serving dtype;
 * a short probe forward of :data:`PROBE_TOKENS` unit-RMS tokens through ``B @ A · scale``
   in the serving dtype must stay finite and below :data:`PROBE_MAX_ABS` (a delta that
-  large on a normalized input overflows the layers after it).
+  large on a normalized input overflows the layers after it);
+* a DoRA adapter's magnitudes (the norms of its weight's rows) must stay below
+  :data:`PROBE_MAX_ABS` too. Its per-row scale ``m / ‖W0 + s·BA‖`` needs the base weights:
+  the engine checks it when it loads the adapter (``engine/lora/dora.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ def probe_adapter(weights: LoraWeights, dtype: torch.dtype = torch.float32) -> N
                     f"weights: {where} overflows: a probe forward in "
                     f"{str(dtype).removeprefix('torch.')} gives outputs up to {top:.3g} for a "
                     f"unit-scale input (limit {PROBE_MAX_ABS:g}); the adapter would break its "
+                    f"requests' numbers", field="weights")
+            mag = weights.magnitudes.get(layer, {}).get(module)
+            peak = float(mag.detach().abs().max()) if mag is not None and mag.numel() else 0.0
+            if not peak <= PROBE_MAX_ABS:
+                raise AdapterValidationError(
+                    f"weights: {where} lora_magnitude_vector has values up to {peak:.3g} "
+                    f"(limit {PROBE_MAX_ABS:g}): rows of a weight that large overflow its "
                     f"requests' numbers", field="weights")
     _probe_experts(weights, dtype, limit, gen)
 

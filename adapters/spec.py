@@ -46,7 +46,6 @@ MAX_LAYER_INDEX = 4096
 
 # Config fields that change the math or the model structure; refused when set.
 _REFUSED_FEATURES = {
-    "use_dora": "DoRA (use_dora) is not supported; train a plain LoRA adapter",
     "modules_to_save": "modules_to_save is not supported: the adapter may only add LoRA "
     "weights, not replace whole base modules",
     "lora_bias": "lora_bias (a trained bias on lora_B) is not supported",
@@ -76,7 +75,9 @@ class LoraSpec:
     (``model.layers.0.self_attn.q_proj``, as it writes for ``all-linear`` on some
     models); a module without pairs there is targeted in every layer (of
     ``layers_to_transform``). Use :meth:`targets` rather than reading these directly.
-    ``fan_in_fan_out`` is kept as written, but the tensors in
+    ``use_dora``: a DoRA adapter (weight-decomposed LoRA: a learned magnitude per output
+    feature of every targeted module, ``lora_magnitude_vector``; see
+    :attr:`LoraWeights.magnitudes`). ``fan_in_fan_out`` is kept as written, but the tensors in
     :class:`LoraWeights` are always in PEFT's ``nn.Linear`` orientation (PEFT itself
     ignores the flag for ``nn.Linear`` layers, which is all every served family has).
     """
@@ -108,6 +109,12 @@ class LoraSpec:
     def max_rank(self) -> int:
         """The largest rank of any of its LoRAs (what a slot must hold)."""
         return max([self.r if self.target_modules else 0, *(r for _, r, _ in self.parameter_ranks)])
+    use_dora: bool = False
+
+    @property
+    def kind(self) -> str:
+        """What the API and the dashboard call this adapter: ``"DoRA"`` or ``"LoRA"``."""
+        return "DoRA" if self.use_dora else "LoRA"
 
     def targets(self, layer: int, module: str) -> bool:
         """Whether ``module`` of decoder layer ``layer`` carries this LoRA."""
@@ -143,7 +150,7 @@ class LoraSpec:
             "layers_to_transform": (
                 list(self.layers_to_transform) if self.layers_to_transform is not None else None
             ),
-            "use_dora": False,
+            "use_dora": self.use_dora,
             "modules_to_save": None,
             "inference_mode": True,
             **({"target_parameters": [f"mlp.experts.{p}" if p != "router" else "mlp.gate.weight"
@@ -320,6 +327,9 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
     if bias != "none":
         raise refuse("bias", f"trained biases are not supported; expected 'none', got {bias!r}")
     params = parse_target_parameters(config, served)
+    if params and _bool(config, "use_dora"):
+        raise refuse("use_dora", "DoRA on expert parameters (target_parameters) is not supported; "
+                     "PEFT's DoRA covers linear modules only")
     if not params:
         for key in ("rank_pattern", "alpha_pattern"):
             if config.get(key):
@@ -354,4 +364,5 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
         module_layers=module_layers,
         target_parameters=params,
         parameter_ranks=parameter_ranks(config, params, r, float(alpha)),
+        use_dora=_bool(config, "use_dora"),
     )

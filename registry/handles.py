@@ -58,6 +58,11 @@ class AdapterHandle:
     _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
 
     @property
+    def kind(self) -> str:
+        """``"DoRA"`` or ``"LoRA"``, as the stored config says (``use_dora``)."""
+        return "DoRA" if self.config.get("use_dora") else "LoRA"
+
+    @property
     def cache_key(self) -> str:
         """Identifies the content (weights + config): versions with other weights or config
         have another one."""
@@ -73,6 +78,7 @@ class AdapterHandle:
         """JSON-friendly fields for the API and the CLI."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         d["config"] = copy.deepcopy(self.config)
+        d["kind"] = self.kind
         d["default_preset"] = copy.deepcopy(self.default_preset)
         d["target_modules"] = list(self.target_modules)
         d["created_at"] = self.created_at.isoformat()

@@ -56,10 +56,13 @@ class LoRACapacity:
         return self.budget_bytes is not None
 
 
-def slot_bytes(dims: BaseModelDims, max_rank: int, element_size: int, *, blockdiag: bool) -> int:
+def slot_bytes(
+    dims: BaseModelDims, max_rank: int, element_size: int, *, blockdiag: bool, scale_element_size: int = 4,
+) -> int:
     """Bytes one slot of :class:`~loramux.engine.lora.slots.SlotBuffers` takes: per layer and
     projection group, A ``[slices, R, K]`` and B ``[N_total, R]`` (``blockdiag``:
-    ``[slices * R, N_total]``)."""
+    ``[slices * R, N_total]``), and DoRA's per-row scale ``[N_total]`` (``scale_element_size``:
+    bytes per value of the activations' dtype, which it is kept in)."""
     shapes = dims.module_shapes()
     per_layer = 0
     for modules in PROJECTION_GROUPS.values():
@@ -67,7 +70,9 @@ def slot_bytes(dims: BaseModelDims, max_rank: int, element_size: int, *, blockdi
         n_total = sum(shapes[m][1] for m in modules)
         per_layer += len(modules) * max_rank * k
         per_layer += (len(modules) * max_rank if blockdiag else max_rank) * n_total
-    return dims.num_layers * per_layer * element_size + expert_slot_bytes(dims, max_rank, element_size)
+    row_gain = sum(sum(shapes[m][1] for m in modules) for modules in PROJECTION_GROUPS.values())
+    return (dims.num_layers * (per_layer * element_size + row_gain * scale_element_size)
+            + expert_slot_bytes(dims, max_rank, element_size))
 
 
 def adapter_bytes(
@@ -91,14 +96,17 @@ def plan_capacity(
     blockdiag: bool,
     device_free_bytes: int | None = None,
     cpu_element_size: int | None = None,
+    scale_element_size: int = 4,
 ) -> LoRACapacity:
     """Resolve ``max_loras`` / ``max_cpu_loras`` for this model and device.
 
     ``device_free_bytes`` (CUDA): the memory the engine may still use after the weights
     (``total * gpu_memory_utilization - used - reserve``); required when ``device_type`` is
     ``cuda`` and ``max_loras`` is unset. ``cpu_element_size``: bytes per value of the CPU-tier
-    copies (None = ``element_size``, the slots')."""
-    per_slot = slot_bytes(dims, config.max_lora_rank, element_size, blockdiag=blockdiag)
+    copies (None = ``element_size``, the slots'); ``scale_element_size``: the activations'
+    (DoRA's per-row scales)."""
+    per_slot = slot_bytes(dims, config.max_lora_rank, element_size, blockdiag=blockdiag,
+                          scale_element_size=scale_element_size)
     if config.max_loras is not None:
         cpu = config.max_cpu_loras if config.max_cpu_loras is not None else 2 * config.max_loras
         return LoRACapacity(config.max_loras, cpu, per_slot)

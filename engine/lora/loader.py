@@ -2,7 +2,8 @@
 
 Two single-thread executors, so a slow disk never queues a slot write behind it:
 
-* ``disk``: store/disk → CPU tier (``load_adapter``, shape checks, pinned memory on CUDA),
+* ``disk``: store/disk → CPU tier (``load_adapter``, shape checks, a DoRA adapter's per-row
+  scales against the base (``dora.py``), pinned memory on CUDA),
   optionally followed by the write into a device slot reserved for it;
 * ``slot``: CPU tier → a reserved device slot (the CPU device: a copy into the stacked slot
   buffers; on CUDA the engine thread enqueues the asynchronous copy itself).
@@ -18,10 +19,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from loramux.adapters.format import LoraWeights, load_adapter
+from loramux.engine.errors import LoRAError
+from loramux.engine.lora.dora import BaseProjections, dora_scales
 from loramux.engine.lora.slots import SlotBuffers
 
 TIERS = ("store", "disk", "cpu")
@@ -60,9 +64,13 @@ class AdapterLoader:
     """Runs disk loads and slot writes on their own threads."""
 
     def __init__(
-        self, slots: SlotBuffers, cpu_dtype: torch.dtype, pin_memory: bool, family=None
+        self, slots: SlotBuffers, cpu_dtype: torch.dtype, pin_memory: bool, family=None,
+        base: BaseProjections | None = None,
     ) -> None:
+        """``base``: the served projections a DoRA adapter's scales are computed against
+        (None: DoRA adapters fail to load)."""
         self.slots = slots
+        self.base = base
         self.family = family  # the base's dims: what all-linear means
         self.cpu_dtype = cpu_dtype
         self.pin_memory = pin_memory
@@ -92,6 +100,11 @@ class AdapterLoader:
             seconds["store"] = t1 - t0
         weights = load_adapter(path, dtype=self.cpu_dtype, family=self.family)
         check(weights)
+        if weights.spec.use_dora:
+            if self.base is None:
+                raise LoRAError(f"adapter {Path(path).name!r} is a DoRA adapter; this engine has "
+                                f"no base projections to scale it against")
+            dora_scales(weights, self.base, Path(path).name)
         if self.pin_memory:
             for modules in weights.layers.values():
                 for name, (a, b) in modules.items():

@@ -34,6 +34,7 @@ from loramux.engine.config import LoRAConfig
 from loramux.engine.errors import AdapterBrokenError, LoRAError
 from loramux.engine.lora import ops
 from loramux.engine.lora.capacity import GPU_RESERVE_BYTES, plan_capacity
+from loramux.engine.lora.dora import BaseProjections
 from loramux.engine.lora.loader import LoadResult, LoadStats
 from loramux.engine.lora.slot_table import SlotTable
 from loramux.engine.lora.slots import SlotBuffers
@@ -85,6 +86,7 @@ class LoRAManager:
             config, model.dims, torch.finfo(dtype).bits // 8,
             cpu_element_size=torch.finfo(cpu_dtype).bits // 8, device_type=model.device.type,
             blockdiag=blockdiag, device_free_bytes=_device_free_bytes(model.device, gpu_utilization),
+            scale_element_size=torch.finfo(model.dtype).bits // 8,
         )
         self.max_loras = self.capacity.num_slots
         self.max_cpu_loras = self.capacity.max_cpu_loras
@@ -95,14 +97,15 @@ class LoRAManager:
         )
         self.buffers = SlotBuffers(
             model.dims, self.max_loras, config.max_lora_rank, dtype, model.device,
-            blockdiag=blockdiag,
+            blockdiag=blockdiag, scale_dtype=model.dtype,
         )
         self._listeners: list[AdapterListener] = []
         self.hook = LoRAStepBatch(self.buffers, self.backend, model.device)
         """The model's LoRA hook (``LoRAHook``): this step's layout and the layer call."""
         self.slots = SlotTable(self.buffers, self._busy, lambda key: self._emit("evicted", key))
         self.tiers = AdapterTiers(config, model.dims, self.buffers, self.max_cpu_loras, cpu_dtype,
-                                  adapter_source, pin_memory=model.device.type == "cuda")
+                                  adapter_source, pin_memory=model.device.type == "cuda",
+                                  base=BaseProjections(model))
         self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
 
     def _busy(self) -> set[str]:
@@ -327,7 +330,8 @@ class LoRAManager:
         )
 
     def residency(self) -> list[dict]:
-        """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, in use."""
+        """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, kind (LoRA |
+        DoRA), in use."""
         running = self.running_keys()
         device_tier = "gpu" if self.device.type == "cuda" else "device"
         slot_of, cpu = self.slots.slot_of, self.tiers.cpu
@@ -341,6 +345,7 @@ class LoRAManager:
                     "slot": slot_of.get(key),
                     "pinned": key in self.slots.pinned,
                     "rank": state.rank,
+                    "kind": state.kind,
                     "in_use": key in running,
                     "loading": key in self.tiers.loading,
                     "load_seconds": state.load_seconds,

@@ -9,6 +9,15 @@ multiplied by the adapter's scale; plus a
 per-slot ``scale`` [max_loras] fp32 and ``ranks`` [max_loras] int64 (0 = empty).
 Rows/columns beyond an adapter's rank, and modules it does not target, are zero.
 
+DoRA (``engine/lora/dora.py``): ``row_gain[l][g]`` [max_loras + 1, N_total] holds a
+DoRA slot's per-row scale as ``g - 1`` (0 on rows its adapter leaves alone; the last row is
+all zeros, for rows of other adapters), so that ``y + y ⊙ (g - 1)`` keeps the small learned
+deviations exact in bfloat16 too; ``row_shift[(l, g)]``, the same shape, its bias
+correction, made when a DoRA adapter first meets a base projection with a bias; ``dora[slot]``
+the ``(layer, group)`` pairs the slot's adapter scales (empty for a plain LoRA). Both are
+kept in the projections' output dtype (``scale_dtype``: the model's), computed in float32 at
+load and rounded once here, so the scale meets ``y`` with no conversion per step.
+
 A LoRA on a fused checkpoint projection (Phi-3's ``qkv_proj``: A ``[r, H]``, B ``[q + 2kv, r]``)
 fills every slice of its group: the same A in each slice, B split by the slices' rows.
 """
@@ -28,7 +37,7 @@ class SlotBuffers:
 
     def __init__(
         self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device,
-        *, blockdiag: bool = False,
+        *, blockdiag: bool = False, scale_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.dims = dims
         self.max_loras = max_loras
@@ -37,6 +46,7 @@ class SlotBuffers:
         self.slice_offsets: dict[str, list[int]] = {}
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
+        self.row_shift: dict[tuple[int, str], torch.Tensor] = {}
         self.blockdiag = blockdiag
         for group, modules in PROJECTION_GROUPS.items():
             offs = [0]
@@ -63,6 +73,16 @@ class SlotBuffers:
                     b_layer[group] = alloc(max_loras, n, max_rank, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
+        self.row_gain_stack: dict[str, torch.Tensor] = {}
+        """Per group, every layer's row gains [num_layers, max_loras + 1, N_total]
+        (``row_gain[l][g]`` are its views; a step gathers its rows for all layers at once)."""
+        for group in PROJECTION_GROUPS:
+            g = alloc(dims.num_layers, max_loras + 1, self.slice_offsets[group][-1], dtype=scale_dtype,
+                      device=device)
+            g[:, max_loras].zero_()
+            self.row_gain_stack[group] = g
+        self.row_gain = [{group: self.row_gain_stack[group][layer] for group in PROJECTION_GROUPS}
+                         for layer in range(dims.num_layers)]
         self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device, blockdiag=blockdiag)
                         if dims.num_experts else None)
         """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
@@ -70,6 +90,8 @@ class SlotBuffers:
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.groups: list[frozenset[str]] = [frozenset()] * max_loras
         """Projection groups each slot's adapter targets (others are all zero)."""
+        self.dora: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
+        """Per slot, the ``(layer, group)`` pairs its DoRA adapter scales (empty: plain LoRA)."""
         # CUDA: slot writes run on a side stream; the forward pass waits on ``ready``.
         dev = torch.device(device)
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -81,6 +103,8 @@ class SlotBuffers:
         r = weights.spec.r
         if weights.spec.max_rank > self.max_rank:
             raise ValueError(f"adapter rank {weights.spec.max_rank} exceeds max_lora_rank {self.max_rank}")
+        if weights.spec.use_dora and not weights.dora_scales:
+            raise ValueError("a DoRA adapter needs its per-row scales (dora.dora_scales) first")
         if self.stream is None:
             self._write(slot, weights, r)
             return
@@ -126,20 +150,56 @@ class SlotBuffers:
                         b[rows, offs[s] : offs[s + 1]].copy_(wb.t(), non_blocking=True)
                     else:
                         b[offs[s] : offs[s + 1], :r].copy_(wb, non_blocking=True)
+        self.dora[slot] = self._write_dora(slot, weights) if weights.spec.use_dora else frozenset()
         if self.experts is not None:
             self.experts.write(slot, weights)
         self.scale[slot] = weights.spec.scale
         self.ranks[slot] = r
+
+    def _write_dora(self, slot: int, weights: LoraWeights) -> frozenset[tuple[int, str]]:
+        """Write a DoRA adapter's per-row scales (and bias corrections) into ``slot``."""
+        cells = set()
+        for layer in range(self.dims.num_layers):
+            modules = weights.dora_scales.get(layer, {})
+            for group, names in PROJECTION_GROUPS.items():
+                g_row = self.row_gain[layer][group][slot]
+                g_row.zero_()
+                shift = self.row_shift.get((layer, group))
+                if shift is not None:
+                    shift[slot].zero_()
+                offs = self.slice_offsets[group]
+                fused = GROUP_FUSED_MODULE.get(group)
+                for name in (*names, fused):
+                    if name not in modules:
+                        continue
+                    rows = (slice(0, offs[-1]) if name == fused or len(names) == 1
+                            else slice(offs[names.index(name)], offs[names.index(name) + 1]))
+                    g, c = modules[name]
+                    g_row[rows].copy_(g - 1, non_blocking=True)
+                    if c is not None:
+                        if shift is None:
+                            shift = torch.zeros_like(self.row_gain[layer][group])
+                            self.row_shift[(layer, group)] = shift
+                        shift[slot, rows].copy_(c, non_blocking=True)
+                    cells.add((layer, group))
+        return frozenset(cells)
 
     def clear(self, slot: int) -> None:
         """Mark ``slot`` empty (its weights are overwritten by the next write)."""
         self.ranks[slot] = 0
         self.scale[slot] = 0.0
         self.groups[slot] = frozenset()
+        self.dora[slot] = frozenset()
         if self.experts is not None:
             self.experts.clear(slot)
 
     def num_bytes(self) -> int:
+        """Bytes of the slots: A/B stacks, DoRA's row gains, the experts' LoRA
+        (:func:`capacity.slot_bytes` per slot), plus any DoRA bias corrections made since (the
+        gains' one shared zero row is not counted)."""
         return sum(
             t.numel() * t.element_size() for layer in self.a + self.b for t in layer.values()
-        ) + (self.experts.num_bytes() if self.experts is not None else 0)
+        ) + sum(
+            t[:, : self.max_loras].numel() * t.element_size() for t in self.row_gain_stack.values()
+        ) + sum(t.numel() * t.element_size() for t in self.row_shift.values()) + (
+            self.experts.num_bytes() if self.experts is not None else 0)

@@ -15,6 +15,8 @@ class AdapterState:
 
     request: LoRARequest
     rank: int
+    kind: str = "LoRA"
+    """``"LoRA"`` or ``"DoRA"`` (``LoraSpec.kind``)."""
     load_seconds: float | None = None
     """Seconds of the last disk → CPU tier load."""
     slot_seconds: float | None = None

@@ -5,7 +5,8 @@ slots become one :class:`LoRABatchMeta`; then every projection group of every la
 :meth:`LoRAStepBatch.add`, which runs the kernel chosen once when the engine started (no
 backend lookup per layer call) on the slot buffers; on the CPU with the compiled kernels the
 step's SGMV calls are laid out at prepare (``ops/cpu_step.SgmvStep``), so each layer call is one
-operator call. Runs on the engine thread.
+operator call; then the step's DoRA rows are scaled (:class:`~loramux.engine.lora.dora.DoraStep`;
+nothing when the step has none). Runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from loramux.engine.lora import ops
+from loramux.engine.lora.dora import DoraStep
 from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.ops import cpu_step
@@ -30,8 +32,10 @@ class LoRAStepBatch:
         self.buffers = buffers
         self.device = device
         self._kernel = ops.lora_kernel(backend, blockdiag=buffers.blockdiag)
+        self._triton = backend == "triton"
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
+        self._dora: DoraStep | None = None
         # the CPU kernel's per-step calls (cpu_step.SgmvStep) where the slots suit it
         self._cpu_sgmv = (backend == "torch" and buffers.blockdiag and torch.device(device).type == "cpu"
                           and cpu_step.slots_fit(buffers.a, buffers.b))
@@ -55,6 +59,9 @@ class LoRAStepBatch:
         self._meta = LoRABatchMeta.build(token_slots, self.buffers.ranks, self.device)
         self._sgmv = (cpu_step.SgmvStep(self._meta, self.buffers.slice_offsets, self._slot_dtype)
                       if self._cpu_sgmv and cpu_step.SgmvStep.usable(self._meta) else None)
+        dora = self.buffers.dora
+        runs = [run for run in self._meta.runs if dora[run[2]]]
+        self._dora = DoraStep(runs, self.buffers, self.device, triton=self._triton) if runs else None
         if self.experts is not None:
             self.experts.prepare(token_slots)
 
@@ -62,6 +69,7 @@ class LoRAStepBatch:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
         self.keys = frozenset()
         self._meta = None
+        self._dora = None
         self._sgmv = None
         self._groups = frozenset()
         if self.experts is not None:
@@ -81,10 +89,11 @@ class LoRAStepBatch:
         if group not in self._groups:
             return
         b = self.buffers
-        if self._sgmv is not None and self._sgmv.add(group, y, x, b.a[layer][group], b.b[layer][group]):
-            return
-        self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
-                     b.slice_offsets[group])
+        if self._sgmv is None or not self._sgmv.add(group, y, x, b.a[layer][group], b.b[layer][group]):
+            self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
+                         b.slice_offsets[group])
+        if self._dora is not None:
+            self._dora.apply(layer, group, y)
 
     def experts_active(self, layer: int) -> bool:
         """True when this step has tokens whose adapter carries LoRA on ``layer``'s experts."""

@@ -51,7 +51,10 @@ class AdapterTiers:
         cpu_dtype: torch.dtype,
         adapter_source: Callable[[str], str | Path] | None = None,
         pin_memory: bool = False,
+        base=None,
     ) -> None:
+        """``base``: the served model's :class:`~loramux.engine.lora.dora.BaseProjections`
+        (what DoRA adapters are scaled against)."""
         self.config = config
         self.dims = dims
         self.source = adapter_source
@@ -64,7 +67,8 @@ class AdapterTiers:
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, oldest first
         self.loading: dict[str, Future] = {}
         self.load_stats = LoadStats()
-        self._loader = AdapterLoader(buffers, cpu_dtype, pin_memory=pin_memory, family=dims)
+        self._loader = AdapterLoader(buffers, cpu_dtype, pin_memory=pin_memory, family=dims,
+                                     base=base)
 
     # --- registration --------------------------------------------------------------------
     def state(self, key: str) -> AdapterState | None:
@@ -102,7 +106,7 @@ class AdapterTiers:
             raise LoRAError(
                 f"adapter {request.lora_name!r} targets unsupported modules {unsupported}"
             )
-        self.adapters[request.key] = AdapterState(request, spec.r)
+        self.adapters[request.key] = AdapterState(request, spec.r, spec.kind)
 
     def folder(self, request: LoRARequest) -> Path:
         """The adapter's local folder (asks the adapter source when it has no path)."""

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 _BATCH_HINT = 32  # typical decode batch; any batch size works with the packed weight
+_PROJECT_CHUNK_ELEMS = 1 << 24  # project(): float32 copies of at most 64 MiB of an unpacked weight
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -57,6 +58,9 @@ class Linear:
         self.bias = bias
         self.packed = pack and _can_pack(weight)
         self.compute_dtype = _packed_dtype(weight.dtype) if self.packed else weight.dtype
+        # a packed weight cannot be read back: keep its rows' norms (DoRA reads them)
+        self._row_norms = (torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32)
+                           if self.packed else None)
         if self.packed:
             packed = weight.to(self.compute_dtype).contiguous()
             if bias is not None:
@@ -73,3 +77,30 @@ class Linear:
             y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
             return y.to(self.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def row_norms(self) -> torch.Tensor:
+        """``‖W[i]‖`` per output row, float32 [out] (DoRA's per-row scale reads it)."""
+        if self._row_norms is None:
+            self._row_norms = torch.linalg.vector_norm(self.weight, dim=1, dtype=torch.float32)
+        return self._row_norms
+
+    def project(self, a: torch.Tensor) -> torch.Tensor:
+        """``a @ W.T`` without the bias, float32 [n, out], for a few rows a [n, in] (DoRA's
+        cross term ``W · Aᵀ``): exact float32 for float32 weights and unpacked ones (in bounded
+        chunks); a packed bf16 GEMM takes ``a`` in two bf16 parts, its outputs round to bf16."""
+        if self.packed:
+            def run(x: torch.Tensor) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none",
+                                                          [], "").float()
+
+            x = a.float()
+            hi = x.to(self.compute_dtype)
+            if self.compute_dtype == torch.float32:
+                return run(hi)
+            return run(hi) + run((x - hi.float()).to(self.compute_dtype))  # a in two bf16 parts
+        x = a.to(self.weight.device, torch.float32)
+        if self.weight.dtype == torch.float32:
+            return F.linear(x, self.weight)
+        rows = max(1, _PROJECT_CHUNK_ELEMS // self.in_features)  # bounded float32 copies of W
+        return torch.cat([F.linear(x, self.weight[i : i + rows].float())
+                          for i in range(0, self.out_features, rows)], dim=1)

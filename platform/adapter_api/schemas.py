@@ -48,6 +48,8 @@ class AdapterInfo(BaseModel):
     name: str
     version: int
     base_model: str
+    kind: Literal["LoRA", "DoRA"] = "LoRA"
+    """Plain LoRA or DoRA (``use_dora``: a learned magnitude per output feature)."""
     rank: int
     alpha: float
     target_modules: list[str]
@@ -64,7 +66,7 @@ class AdapterInfo(BaseModel):
         """From a registry ``AdapterHandle``."""
         return cls(
             id=handle.name, name=handle.name, version=handle.version,
-            base_model=handle.base_model, rank=handle.rank, alpha=handle.alpha,
+            base_model=handle.base_model, kind=handle.kind, rank=handle.rank, alpha=handle.alpha,
             target_modules=list(handle.target_modules), sha256=handle.sha256,
             size_bytes=handle.size_bytes, status=handle.status,
             default_preset=dict(handle.default_preset) if handle.default_preset else None,
@@ -158,6 +160,7 @@ class VersionInfo(BaseModel):
     adapter: str
     version: int
     base_model: str
+    kind: Literal["LoRA", "DoRA"] = "LoRA"
     rank: int
     alpha: float
     target_modules: list[str]
@@ -171,7 +174,8 @@ class VersionInfo(BaseModel):
     @classmethod
     def of(cls, handle: AdapterHandle, weight: int, stats: VersionNumbers) -> VersionInfo:
         return cls(id=f"{handle.name}@{handle.version}", adapter=handle.name,
-                   version=handle.version, base_model=handle.base_model, rank=handle.rank,
+                   version=handle.version, base_model=handle.base_model, kind=handle.kind,
+                   rank=handle.rank,
                    alpha=handle.alpha, target_modules=list(handle.target_modules),
                    sha256=handle.sha256, size_bytes=handle.size_bytes,
                    created_at=handle.created_at.isoformat(), weight=weight, stats=stats)

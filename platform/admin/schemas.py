@@ -24,6 +24,8 @@ class ResidencyRow(BaseModel):
     slot: int | None = None
     pinned: bool = False
     rank: int | None = None
+    kind: str | None = None
+    """``LoRA`` or ``DoRA``."""
     in_use: bool = False
     loading: bool = False
     load_seconds: float | None = None

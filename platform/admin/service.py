@@ -112,6 +112,7 @@ class AdminService:
                 row.tenant, row.adapter, row.source = tenant, handle.name, "registry"
                 row.version, row.size_bytes = handle.version, handle.size_bytes
                 row.rank = row.rank or handle.rank
+                row.kind = row.kind or handle.kind
         for row in rows.values():
             act = self.activity.adapter(row.key)
             row.in_flight, row.requests_1m, row.tokens_1m = (

@@ -144,7 +144,7 @@ def cmd_adapters_list(args: argparse.Namespace) -> int:
             print(json.dumps(h.to_dict(), sort_keys=True))
         else:
             print(
-                f"{h.name}\tv{h.version}\trank {h.rank}\t{','.join(h.target_modules)}\t"
+                f"{h.name}\tv{h.version}\trank {h.rank} {h.kind}\t{','.join(h.target_modules)}\t"
                 f"{h.size_bytes} B\t{h.status}\t{h.updated_at:%Y-%m-%d %H:%M}"
             )
     if not handles and not args.json:

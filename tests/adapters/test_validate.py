@@ -140,7 +140,6 @@ def test_empty_upload_file(tiny_config, tmp_path):
     [
         ({"peft_type": "LOHA"}, "peft_type", "expected 'LORA'"),
         ({"peft_type": ...}, "peft_type", "expected 'LORA'"),
-        ({"use_dora": True}, "use_dora", "DoRA"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save", "modules_to_save"),
         ({"bias": "lora_only"}, "bias", "expected 'none'"),
         ({"bias": "all"}, "bias", "expected 'none'"),

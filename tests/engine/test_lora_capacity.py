@@ -30,9 +30,10 @@ def test_slot_bytes_is_what_the_slot_buffers_allocate(blockdiag, rank):
 def test_slot_bytes_by_hand_for_smollm2_rank_32_bf16():
     # per layer, A: qkv 3*32*576 + o 32*576 + gate_up 2*32*576 + down 32*1536 = 159,744
     # blockdiag B: qkv 96*960 + o 32*576 + gate_up 64*3072 + down 32*576 = 325,632
-    assert slot_bytes(SMOL, 32, 2, blockdiag=True) == 30 * (159_744 + 325_632) * 2
+    # DoRA's per-row gain (4 bytes unless scale_element_size says): 960 + 576 + 3072 + 576 = 5,184
+    assert slot_bytes(SMOL, 32, 2, blockdiag=True) == 30 * ((159_744 + 325_632) * 2 + 5_184 * 4)
     # stacked B (the Triton layout): 960*32 + 576*32 + 3072*32 + 576*32 = 165,888
-    assert slot_bytes(SMOL, 32, 2, blockdiag=False) == 30 * (159_744 + 165_888) * 2
+    assert slot_bytes(SMOL, 32, 2, blockdiag=False) == 30 * ((159_744 + 165_888) * 2 + 5_184 * 4)
 
 
 def test_adapter_bytes_cost_their_own_rank():

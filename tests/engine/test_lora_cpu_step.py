@@ -42,7 +42,7 @@ def make_buffers(seed: int = 0, layers: int = 2):
         a_layers.append(a_l)
         b_layers.append(b_l)
     return SimpleNamespace(blockdiag=True, scale=None, ranks=torch.tensor(RANKS), a=a_layers, b=b_layers,
-                           slice_offsets=offsets, experts=None)
+                           slice_offsets=offsets, experts=None, dora=[frozenset()] * len(RANKS))
 
 
 def dense(y, x, a, b, token_slots):

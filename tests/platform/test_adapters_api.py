@@ -218,3 +218,40 @@ async def test_patch_description_round_trips(client, env):
     assert r.status_code == 404  # another tenant's adapter looks missing
     r = await client.patch("/v1/adapters/a-only", headers=h, json={"description": None, "preset": None})
     assert r.json()["description"] is None
+
+
+async def test_dora_upload_says_its_kind_and_serves(client, env, tmp_path):
+    """A PEFT DoRA adapter uploads, is listed as ``kind: DoRA`` (plain ones as LoRA), serves
+    greedy tokens equal to PEFT's, and the dashboard shows its kind."""
+    import torch
+    from support.lora_fixtures import make_dora_adapter, peft_reference
+    from transformers import AutoTokenizer
+
+    folder = make_dora_adapter(env.model_dir, tmp_path / "dora", r=8, std=0.2,
+                               target_modules=["q_proj", "v_proj", "down_proj"])
+    h = env.headers(env.key_a)
+    r = await client.post("/v1/adapters", files=_files(folder), headers=h, data={"name": "dora1"})
+    assert r.status_code == 201, r.text
+    assert r.json()["kind"] == "DoRA"
+    listed = {a["id"]: a["kind"] for a in (await client.get("/v1/adapters", headers=h)).json()["data"]}
+    assert listed["dora1"] == "DoRA" and listed["a-only"] == "LoRA"
+    versions = (await client.get("/v1/adapters/dora1/versions", headers=h)).json()["data"]
+    assert [v["kind"] for v in versions] == ["DoRA"]
+
+    r = await client.post("/v1/completions", headers=h, json={
+        "model": "dora1", "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    tok = AutoTokenizer.from_pretrained(env.model_dir)
+    ids = tok("The quick brown fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = peft_reference(env.model_dir, folder).generate(ids, max_new_tokens=5, do_sample=False)
+    assert r.json()["choices"][0]["text"] == tok.decode(want[0, ids.shape[1]:])
+
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    rows = (await client.get("/admin/adapters", headers=admin)).json()["data"]
+    assert {row["kind"] for row in rows if row.get("adapter") == "dora1"} == {"DoRA"}
+    assert (await client.post("/admin/login", data={"key": ADMIN_KEY})).status_code == 303
+    page = (await client.get("/admin/ui/adapters?tenant=alpha")).text.split('<table id="adapters">', 1)[1]
+    row = page.split("<b>dora1</b>", 1)[1].split("</tr>", 1)[0]
+    assert "<td>DoRA</td>" in row and "<td>DoRA</td>" not in page.split("<b>a-only</b>", 1)[1].split("</tr>", 1)[0]
+    assert (await client.delete("/v1/adapters/dora1", headers=h)).status_code == 200

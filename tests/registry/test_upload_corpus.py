@@ -101,7 +101,7 @@ def unknown_module(src: Path, tmp: Path) -> Path:
     return _config(src, target_modules=["q_proj", "v_proj", "c_attn"])
 
 
-def dora(src: Path, tmp: Path) -> Path:
+def dora_without_magnitudes(src: Path, tmp: Path) -> Path:
     return _config(src, use_dora=True)
 
 
@@ -148,7 +148,7 @@ CASES = [
     (missing_tensor, {}, AdapterValidationError, "missing tensor"),
     (rank_above_limit, {"r": 32}, AdapterValidationError, "above max_lora_rank=16"),
     (unknown_module, {}, AdapterValidationError, "'c_attn' is not a supported target module"),
-    (dora, {}, AdapterValidationError, "DoRA"),
+    (dora_without_magnitudes, {}, AdapterValidationError, r"lora_magnitude_vector: missing tensor"),
     (invalid_json, {}, AdapterValidationError, "invalid JSON"),
     (empty_file, {}, AdapterValidationError, "is empty"),
     (empty_weights, {}, AdapterValidationError, "is empty"),
