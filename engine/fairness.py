@@ -24,7 +24,7 @@ DECODE_COST = 2.0
 """Counter charge per generated token."""
 
 
-class AdmissionPolicy(Protocol):
+class FairnessPolicy(Protocol):
     """What the scheduler asks of a fairness policy (all calls on the engine thread)."""
 
     slack: float
@@ -142,6 +142,6 @@ class VtcPolicy:
         return victim if self.counters.get(victim.fairness_key, 0.0) - mine > self.slack else None
 
 
-def make_policy(name: str, slack: float = 0.0) -> AdmissionPolicy:
+def make_policy(name: str, slack: float = 0.0) -> FairnessPolicy:
     """The policy named by ``SchedulerConfig.fairness_policy``."""
     return VtcPolicy(slack) if name == "vtc" else FifoPolicy()

@@ -4,13 +4,13 @@ A step is a token budget (``max_num_batched_tokens``), filled as in vLLM V1: eve
 running decode first (one token each), preempting the newest running sequences
 (recompute later) when KV blocks run out; then the next chunk of prompts that are
 part-way through their prefill; then waiting sequences in the order the
-:class:`~loramux.engine.fairness.AdmissionPolicy` gives (fair share across fairness keys
+:class:`~loramux.engine.fairness.FairnessPolicy` gives (fair share across fairness keys
 by default, or FIFO) while the budget, ``max_num_seqs``, free blocks and the adapters
 allow; the policy also picks whom to preempt and is charged every scheduled token. With
 chunked prefill a prompt longer than what is left of the budget takes what is left and
 continues next step.
 
-Adapters under slot pressure (:class:`~loramux.engine.lora.admission.AdapterAdmission`):
+Adapters under slot pressure (:class:`~loramux.engine.lora.admission.SlotAdmission`):
 an adapter with running or queued sequences keeps its slot; free slots go to the waiting
 adapters with the most queued sequences (resident ones first, loading ones do not hold up
 the batch, the next ones are prefetched); an adapter skipped ``starvation_steps`` steps is
@@ -31,8 +31,8 @@ from collections import deque
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
-from loramux.engine.fairness import DECODE_COST, AdmissionPolicy, make_policy
-from loramux.engine.lora.admission import AdapterAdmission, AdapterGate
+from loramux.engine.fairness import DECODE_COST, FairnessPolicy, make_policy
+from loramux.engine.lora.admission import AdapterGate, SlotAdmission
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.engine.spec_decode.drafter import Drafter, cost_ratio
@@ -111,7 +111,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         adapters: AdapterGate | None = None,
-        policy: AdmissionPolicy | None = None,
+        policy: FairnessPolicy | None = None,
         *,
         outputs: OutputProcessor,
         drafter: Drafter | None = None,
@@ -126,7 +126,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
         self.outputs = outputs
-        self.admission = AdapterAdmission(adapters, config.starvation_steps)
+        self.slot_admission = SlotAdmission(adapters, config.starvation_steps)
         # A key may displace another's running sequence once it is behind by more than one
         # full decode step's charge: small enough that a newcomer beside a flood that holds
         # every slot waits about a step, large enough that two busy keys do not swap
@@ -389,7 +389,7 @@ class Scheduler:
     def _admit_waiting(self, plan: _Plan) -> None:
         order = self.policy.order(self.waiting)
         fair = self.config.fairness_policy == "vtc"
-        for victim in self.admission.plan(order, self.running, fair_order=fair):
+        for victim in self.slot_admission.plan(order, self.running, fair_order=fair):
             # a closed adapter that did not drain in time: its slot goes to a starving one
             self.running.remove(victim)
             plan.drop(victim)
@@ -404,8 +404,8 @@ class Scheduler:
         for seq in order:
             if not self._make_room(seq, plan, lambda s=seq: has_place(s)):
                 break
-            if not self.admission.allows(seq, in_use):
-                seq.skipped_steps += 1  # its adapter's age (see AdapterAdmission)
+            if not self.slot_admission.allows(seq, in_use):
+                seq.skipped_steps += 1  # its adapter's age (see SlotAdmission)
                 continue
             cached = self.kv.lookup_prefix(seq)
             need = seq.num_tokens - len(cached) * self.kv.block_size

@@ -1,7 +1,7 @@
 """Adapter admission under slot pressure: which adapters get the step's free slots.
 
-The scheduler asks :meth:`AdapterAdmission.plan` once per step, before it admits waiting
-sequences, and then :meth:`AdapterAdmission.allows` per waiting sequence. The policy:
+The scheduler asks :meth:`SlotAdmission.plan` once per step, before it admits waiting
+sequences, and then :meth:`SlotAdmission.allows` per waiting sequence. The policy:
 
 * **Busy adapters keep their slots.** An adapter with running sequences is never evicted;
   one that is resident with queued (waiting) sequences is not evicted either, unless
@@ -69,7 +69,7 @@ class AdapterGate(Protocol):
         """Start loading these adapters (best first) into the CPU tier in the background."""
 
 
-class AdapterAdmission:
+class SlotAdmission:
     """The adapter side of admission (the policy is the module docstring)."""
 
     def __init__(self, gate: AdapterGate | None, bound: int, prefetch_depth: int = 4) -> None:

@@ -186,7 +186,7 @@ def test_a_recent_tenants_idle_adapter_keeps_its_slot_between_its_requests(bound
     gate = FakeGate(max_loras=2)
     sched = make_scheduler(num_blocks=1024, adapters=gate, starvation_steps=bound)
     now = [0.0]
-    sched.admission.clock = lambda: now[0]
+    sched.slot_admission.clock = lambda: now[0]
     n = 0
 
     def spray() -> None:
