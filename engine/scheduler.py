@@ -38,67 +38,10 @@ from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.engine.spec_decode.drafter import Drafter, cost_ratio
 from loramux.engine.spec_decode.verify import verify_drafts
 from loramux.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, StepShape
-from loramux.engine.step_data import ModelOutput, ScheduledRow, SchedulerOutput, StepOutcome
+from loramux.engine.step_data import ModelOutput, SchedulerOutput, StepOutcome
+from loramux.engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-class _Planned:
-    """A sequence and how many of its tokens are computed this step (planning only)."""
-
-    __slots__ = ("seq", "num_new_tokens", "is_prefill", "drafts")
-
-    def __init__(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
-        self.seq = seq
-        self.drafts = drafts or []  # a verify row: the last token, then these drafts
-        self.num_new_tokens = num_new_tokens + len(self.drafts)
-        self.is_prefill = not self.drafts and (
-            num_new_tokens > 1 or seq.num_computed_tokens < seq.num_tokens - 1)
-
-    def row(self) -> ScheduledRow:
-        seq, n = self.seq, self.num_new_tokens
-        start = seq.num_computed_tokens
-        prompt_logits = 0
-        if (n > 1 and not self.drafts and seq.params.prompt_logprobs is not None
-                and seq.prompt_logprobs is None):
-            prompt_logits = seq.num_prompt_tokens - 1
-        ids = seq.token_ids[start : start + n] + self.drafts
-        return ScheduledRow(seq.request_id, seq.seq_id, n, start, ids,
-                            list(seq.block_table), seq.lora_key, self.is_prefill, prompt_logits,
-                            seq.num_prompt_tokens, len(self.drafts))
-
-
-class _Plan:
-    """The step being planned: live sequences, counted as they are added and dropped."""
-
-    def __init__(self) -> None:
-        self.items: list[_Planned] = []
-        self.preempted: list[Sequence] = []
-        self.copies: list[tuple[int, int]] = []
-        self.num_tokens = 0
-        self.num_prefill_tokens = 0
-        self.num_draft_tokens = 0
-
-    def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
-        item = _Planned(seq, num_new_tokens, drafts)
-        self.items.append(item)
-        self.num_tokens += item.num_new_tokens
-        self.num_draft_tokens += len(item.drafts)
-        if item.is_prefill:
-            self.num_prefill_tokens += num_new_tokens
-
-    def drop(self, seq: Sequence) -> None:
-        """Take a preempted sequence's row out of the step."""
-        for item in [i for i in self.items if i.seq is seq]:
-            self.items.remove(item)
-            self.num_tokens -= item.num_new_tokens
-            self.num_draft_tokens -= len(item.drafts)
-            if item.is_prefill:
-                self.num_prefill_tokens -= item.num_new_tokens
-
-    def output(self) -> SchedulerOutput:
-        return SchedulerOutput([i.row() for i in self.items], [s.seq_id for s in self.preempted],
-                               self.copies)
 
 
 class Scheduler:
@@ -203,7 +146,7 @@ class Scheduler:
         part-way through their prefill, then waiting sequences in the order the
         admission policy gives, each taking as much of the remaining token budget as
         it needs (a chunk of it when chunked prefill is on)."""
-        plan = _Plan()
+        plan = StepPlan()
         self._prefill_cap = None
         self._schedule_running(plan)
         self._continue_prefills(plan)
@@ -304,7 +247,7 @@ class Scheduler:
         """Tokens of ``seq``'s uncomputed prompt to compute now (0 = not this step)."""
         return self._chunk_of(seq, seq.num_tokens - seq.num_computed_tokens, budget)
 
-    def _schedule_running(self, plan: _Plan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         """Decode every running sequence that has its prompt computed (oldest first),
         preempting the policy's victims (FIFO: the newest) when blocks run out."""
         kept: list[Sequence] = []
@@ -346,7 +289,7 @@ class Scheduler:
                 kept.append(seq)
         self.running = [s for s in kept if s.status is SequenceStatus.RUNNING]
 
-    def _continue_prefills(self, plan: _Plan) -> None:
+    def _continue_prefills(self, plan: StepPlan) -> None:
         """Give the next chunk to running sequences whose prompt is part-way computed."""
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
@@ -365,7 +308,7 @@ class Scheduler:
             self.kv.allocate(seq, n, plan.copies)
             plan.add(seq, n)
 
-    def _preempt(self, seq: Sequence, plan: _Plan, fair_share: bool = False) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan, fair_share: bool = False) -> None:
         mine = set(seq.block_table)
         plan.copies = [c for c in plan.copies if c[1] not in mine]
         self.kv.free(seq)
@@ -386,7 +329,7 @@ class Scheduler:
             seq.seq_id, seq.request_id, self.num_preemptions,
         )
 
-    def _admit_waiting(self, plan: _Plan) -> None:
+    def _admit_waiting(self, plan: StepPlan) -> None:
         order = self.policy.order(self.waiting)
         fair = self.config.fairness_policy == "vtc"
         for victim in self.slot_admission.plan(order, self.running, fair_order=fair):
@@ -430,7 +373,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.running.extend(admitted)
 
-    def _budget(self, plan: _Plan, seq: Sequence | None = None) -> int:
+    def _budget(self, plan: StepPlan, seq: Sequence | None = None) -> int:
         """Tokens of the step's budget not yet planned; for a prompt (``seq``) that can be
         chunked, also within the step-time budget's prompt tokens."""
         left = self.max_num_batched_tokens - plan.num_tokens
@@ -476,7 +419,7 @@ class Scheduler:
                           plan.num_adapters, plan.num_draft_tokens)
         self.budget.observe(shape, seconds)
 
-    def _make_room(self, seq: Sequence, plan: _Plan, fits) -> bool:
+    def _make_room(self, seq: Sequence, plan: StepPlan, fits) -> bool:
         """True once ``fits()``, preempting the running sequences the policy displaces for
         waiting ``seq`` (fair share: a key far ahead yields to one behind)."""
         while not fits():
