@@ -15,15 +15,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # pragma: no cover - depends on the environment
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from loramux.engine.model.triton_import import HAS_TRITON, tl, triton
 
 __all__ = ["HAS_TRITON", "grouped_matmul"]
 

@@ -22,16 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from loramux.engine.lora.meta import LoRABatchMeta
-
-try:  # pragma: no cover - depends on the environment
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from loramux.engine.model.triton_import import HAS_TRITON, tl, triton
 
 __all__ = ["DECODE_MAX_SEG_LEN", "HAS_TRITON", "lora_expand", "lora_shrink"]
 
