@@ -163,8 +163,15 @@ class LoRAConfig:
     """Bytes for adapters when max_loras is unset: CPU = slots + CPU tier (None =
     DEFAULT_CPU_LORA_MEMORY); CUDA = slots, taken before the KV cache (None =
     GPU_LORA_MEMORY_SHARE of the memory left after the weights)."""
+    lora_load_workers: int = 4
+    """Cold adapters read from disk (or fetched from the adapter source) at once, each on its
+    own thread (capped by the CPU tier's size: their weights are held beside it); further
+    loads wait in admission's fair order, so one tenant's burst of cold adapters does not
+    queue a neighbour's load behind all of its own."""
 
     def __post_init__(self) -> None:
+        if not 1 <= self.lora_load_workers <= 64:
+            raise ValueError(f"lora_load_workers must be in [1, 64], got {self.lora_load_workers}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 512:

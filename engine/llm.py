@@ -52,6 +52,7 @@ class LLM:
         max_cpu_loras: int | None = LoRAConfig.max_cpu_loras,
         lora_backend: str = LoRAConfig.lora_backend,
         lora_memory: int | None = LoRAConfig.lora_memory,
+        lora_load_workers: int = LoRAConfig.lora_load_workers,
         speculative_config: dict | str | None = None,
         adapter_source: AdapterSource | None = None,
         **unused,
@@ -75,7 +76,7 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             lora_backend=lora_backend, lora_memory=lora_memory,
-            speculative_config=speculative_config,
+            lora_load_workers=lora_load_workers, speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine(config, adapter_source)
         self._counter = 0

@@ -158,6 +158,8 @@ class Settings(_LimitSettings):
     lora_memory: int | None = Field(LoRAConfig.lora_memory, description=(
         "Bytes for adapters when max_loras is unset (CPU: slots + CPU tier; GPU: slots, taken "
         "before the KV cache); None = the engine's default."))
+    lora_load_workers: int = Field(LoRAConfig.lora_load_workers, description=(
+        "Cold adapters read from disk or the object store at once; more wait in fair order."))
     lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
         'Static adapters every caller may use: name=path or {"name": .., "path": ..}.'))
 

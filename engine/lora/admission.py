@@ -34,10 +34,15 @@ sequences, and then :meth:`SlotAdmission.allows` per waiting sequence. The polic
   slot, safe from the other tenants' loads, so its next request waits for no load. A tenant
   at its share waits on its own adapters: one of them starving closes one of its own busy
   adapters, never another tenant's. Within a tenant the order above holds.
-* **Prefetch.** The ranked adapters beyond this step's places are handed to the gate's
-  ``prefetch`` (disk → CPU tier in the background) so they are loaded by the time a slot
-  frees; those of the tenants (fairness keys) placed this step first, so a tenant's
-  adapters that arrive together load together.
+* **Load order and prefetch.** The ranked adapters beyond this step's places are handed to
+  the gate's ``prefetch``, best first: the loads this step asked for that wait for a loader
+  worker start in that order, and the next ``prefetch_depth`` others load disk → CPU tier
+  on idle workers so they are loaded by the time a slot frees. Those of the tenants
+  (fairness keys) placed this step come first, so a tenant's adapters that arrive together
+  load together; with the fair-share policy the tenants take turns (each one's first
+  adapter, in the fair order, then each one's second, ...; one still loading holds its
+  turn), so a sprayer's burst of cold adapters cannot queue a neighbour's one load behind
+  all of its own.
 
 It only sees plain sequences and the :class:`AdapterGate`, so it is tested with no model.
 """
@@ -66,7 +71,9 @@ class AdapterGate(Protocol):
         """True when ``lora_key`` sits in a device slot, ready."""
 
     def prefetch(self, lora_keys: list[str]) -> None:
-        """Start loading these adapters (best first) into the CPU tier in the background."""
+        """Called once per step, after its ``acquire`` calls: the load order, best first.
+        Loads ``acquire`` started that still wait for a worker start in this order; the
+        others of ``lora_keys`` start loading into the CPU tier in the background."""
 
 
 class SlotAdmission:
@@ -176,14 +183,25 @@ class SlotAdmission:
                 self.closed[victim] = self.step
         elif share is not None and free <= 0:
             self._close_over_share(ranked, busy, queued, owner, claim, share, tenant)
-        # a tenant's adapters that arrive together load together: those of the tenants
-        # being placed now are prefetched first
-        placing = {tenant[k] for k in tried}
-        rest = sorted((k for k in ranked if k not in self._places),
-                      key=lambda k: tenant[k] not in placing)
-        gate.prefetch(rest[: self.prefetch_depth])
+        gate.prefetch(self._load_order(ranked, tried, tenant, fair_order))
         return [s for s in running if s.lora_key in self.closed
                 and self.step - self.closed[s.lora_key] >= self.bound]
+
+    def _load_order(self, ranked: list[str], tried: set[str], tenant: dict,
+                    fair_order: bool) -> list[str]:
+        """The adapters to load, best first (the docstring's load order): every one asked
+        for this step (``tried``) beyond its places, and the next ``prefetch_depth``."""
+        placing = {tenant[k] for k in tried}
+        rest = [k for k in ranked if k not in self._places]
+        turn: dict[str, int] = {}
+        seen: Counter = Counter()
+        for k in rest:  # the k-th adapter of its tenant, in rank order
+            turn[k] = seen[tenant[k]] if fair_order else 0
+            seen[tenant[k]] += 1
+        place = {k: i for i, k in enumerate(rest)}
+        rest.sort(key=lambda k: (tenant[k] not in placing, turn[k], place[k]))
+        others = [k for k in rest if k not in tried][: self.prefetch_depth]
+        return [k for k in rest if k in tried or k in others]
 
     def _note_recent(self, adapters: dict) -> dict:
         """Tenant -> its last adapter, for the tenants with adapter work within RECENT_S;

@@ -1,12 +1,16 @@
 """Background adapter loads, off the engine loop, timed per tier.
 
-Two single-thread executors, so a slow disk never queues a slot write behind it:
+Two kinds of worker, so a slow disk never queues a slot write behind it:
 
-* ``disk``: store/disk → CPU tier (``load_adapter``, shape checks, a DoRA adapter's per-row
-  scales against the base (``dora.py``), pinned memory on CUDA),
-  optionally followed by the write into a device slot reserved for it;
-* ``slot``: CPU tier → a reserved device slot (the CPU device: a copy into the stacked slot
-  buffers; on CUDA the engine thread enqueues the asynchronous copy itself).
+* ``disk``: up to ``LoRAConfig.lora_load_workers`` threads, store/disk → CPU tier
+  (``load_adapter``, shape checks, a DoRA adapter's per-row scales against the base
+  (``dora.py``), pinned memory on CUDA), optionally followed by the write into a device
+  slot reserved for it. Loads that find every worker busy wait in a queue whose order the
+  engine thread sets (:meth:`AdapterLoader.order`: admission's fair order, so one tenant's
+  burst of cold adapters cannot hold a neighbour's one load behind all of its own); a
+  worker takes the head as soon as it is free;
+* ``slot``: one thread, CPU tier → a reserved device slot (the CPU device: a copy into the
+  stacked slot buffers; on CUDA the engine thread enqueues the asynchronous copy itself).
 
 A job returns a :class:`LoadResult`; the manager applies it on the engine thread
 (``LoRAManager.poll``). A slot being written is reserved: no step reads it, nothing else
@@ -15,9 +19,11 @@ takes it, until the result is applied.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,31 +67,70 @@ class LoadStats:
 
 
 class AdapterLoader:
-    """Runs disk loads and slot writes on their own threads."""
+    """Runs disk loads on a small pool of threads and slot writes on their own thread."""
 
     def __init__(
         self, slots: SlotBuffers, cpu_dtype: torch.dtype, pin_memory: bool, family=None,
-        base: BaseProjections | None = None,
+        base: BaseProjections | None = None, workers: int = 1,
     ) -> None:
         """``base``: the served projections a DoRA adapter's scales are computed against
-        (None: DoRA adapters fail to load)."""
+        (None: DoRA adapters fail to load); ``workers``: disk loads running at once."""
         self.slots = slots
         self.base = base
         self.family = family  # the base's dims: what all-linear means
         self.cpu_dtype = cpu_dtype
         self.pin_memory = pin_memory
-        self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-disk")
+        self.workers = workers
+        self._lock = threading.Lock()
+        self._queue: list[tuple[str, Future, Callable[[], LoadResult]]] = []  # next first
+        self._threads = 0  # disk workers alive; one leaves when it finds the queue empty
         self._slot = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-slot")
+        self._dora_write = threading.Lock()  # DoRA writes may add shared bias-shift rows
 
     def load(
         self,
+        key: str,
         folder: Callable[[], tuple[object, bool]],
         check: Callable[[LoraWeights], None],
         slot: int | None,
     ) -> Future:
-        """Read an adapter (``folder()`` → (path, fetched from the store)), ``check`` it and,
-        when ``slot`` is given, write it there."""
-        return self._disk.submit(self._load, folder, check, slot)
+        """Read adapter ``key`` (``folder()`` → (path, fetched from the store)), ``check`` it
+        and, when ``slot`` is given, write it there. Starts at once when a worker is free,
+        else waits in the queue (cancel the future to take it out)."""
+        fut: Future = Future()
+        with self._lock:
+            self._queue.append((key, fut, lambda: self._load(folder, check, slot)))
+            if self._threads < self.workers:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"lora-disk-{self._threads}",
+                                 daemon=True).start()
+        return fut
+
+    def order(self, keys: list[str]) -> None:
+        """Queued loads of ``keys`` start first, in this order; the others keep theirs after
+        them (called by the engine thread once per step)."""
+        place = {k: i for i, k in enumerate(keys)}
+        with self._lock:
+            self._queue.sort(key=lambda job: place.get(job[0], len(place)))
+
+    def queued(self) -> list[str]:
+        """The loads waiting for a worker, next first."""
+        with self._lock:
+            return [key for key, fut, _ in self._queue if not fut.cancelled()]
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._threads -= 1
+                    return
+                _, fut, job = self._queue.pop(0)
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while it waited
+            try:
+                fut.set_result(job())
+            except BaseException as exc:  # the manager fails this adapter's requests only
+                fut.set_exception(exc)
 
     def write(self, weights: LoraWeights, slot: int) -> Future:
         """Copy CPU-tier weights into the reserved ``slot``."""
@@ -116,6 +161,7 @@ class AdapterLoader:
 
     def _write(self, weights: LoraWeights, slot: int, seconds: dict[str, float]) -> LoadResult:
         t0 = time.perf_counter()
-        self.slots.write(slot, weights)
+        with self._dora_write if weights.spec.use_dora else nullcontext():
+            self.slots.write(slot, weights)
         seconds["cpu"] = time.perf_counter() - t0
         return LoadResult(weights, slot, seconds)

@@ -222,8 +222,11 @@ class LoRAManager:
         return False
 
     def prefetch(self, keys: list[str]) -> None:
-        """Load these adapters (best first) from disk into the CPU tier in the background,
-        while the current batch runs (see ``AdapterTiers.prefetch``)."""
+        """The load order, best first (admission calls it once per step, after its acquires):
+        loads of ``keys`` still waiting for a worker start first, in this order; the others
+        of ``keys`` load from disk into the CPU tier on idle workers while the current batch
+        runs (see ``AdapterTiers.prefetch``)."""
+        self.tiers.order_loads(keys)
         self.tiers.prefetch(keys, set(self.slots.slot_of))
 
     def poll(self, wait: float = 0.0) -> None:

@@ -8,8 +8,9 @@ are before they reach a slot.
 * CPU tier: an LRU of loaded :class:`LoraWeights` (``max_cpu_loras``; pinned adapters stay).
 * Loads: background jobs (:class:`AdapterLoader`'s threads) that read an adapter into the
   CPU tier, optionally straight into a reserved device slot, or copy a CPU-tier adapter
-  into one; finished jobs are collected on the engine thread (:meth:`finished_loads`) and
-  counted per tier (``load_stats``).
+  into one; at most ``lora_load_workers`` (capped by the CPU tier's size) read at once, the
+  others wait in the order :meth:`order_loads` gives; finished jobs are collected on the
+  engine thread (:meth:`finished_loads`) and counted per tier (``load_stats``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.state import AdapterState
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.weights import ModelDims
-
-MAX_LOADS_IN_FLIGHT = 2
-"""Background loads prefetch keeps running at once."""
 
 
 class AdapterTiers:
@@ -66,9 +64,12 @@ class AdapterTiers:
         """Adapters marked broken (:meth:`mark_broken`) and the request that named them."""
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, oldest first
         self.loading: dict[str, Future] = {}
+        """Loads running or queued for a worker, and slot writes (key → its job)."""
         self.load_stats = LoadStats()
+        self.load_workers = min(config.lora_load_workers, max_cpu_loras)
+        """Disk loads that run at once: their weights are held beside the CPU tier's."""
         self._loader = AdapterLoader(buffers, cpu_dtype, pin_memory=pin_memory, family=dims,
-                                     base=base)
+                                     base=base, workers=self.load_workers)
 
     # --- registration --------------------------------------------------------------------
     def state(self, key: str) -> AdapterState | None:
@@ -122,9 +123,12 @@ class AdapterTiers:
 
     def forget(self, key: str) -> tuple[bool, Future | None]:
         """Drop the adapter and its CPU-tier copy; returns (it was known, its load still in
-        flight, whose result is stale now)."""
+        flight, whose result is stale now; one still queued is cancelled)."""
         self.cpu.pop(key, None)
-        return self.adapters.pop(key, None) is not None, self.loading.pop(key, None)
+        load = self.loading.pop(key, None)
+        if load is not None:
+            load.cancel()
+        return self.adapters.pop(key, None) is not None, load
 
     def mark_broken(self, key: str, error: Exception) -> bool:
         """Record ``error`` on a known adapter and drop its CPU-tier copy; False when it is
@@ -144,13 +148,23 @@ class AdapterTiers:
     # --- loads ---------------------------------------------------------------------------
     def start_load(self, key: str, slot: int | None) -> None:
         """Read ``key`` from its folder into the CPU tier in the background and, when a
-        reserved ``slot`` is given, on into that slot."""
+        reserved ``slot`` is given, on into that slot; it waits for a worker when all are busy."""
         request = self.adapters[key].request
 
         def folder() -> tuple[Path, bool]:
             return self.folder(request), request.lora_path is None
 
-        self.loading[key] = self._loader.load(folder, lambda w: self._check_shapes(request, w), slot)
+        self.loading[key] = self._loader.load(key, folder, lambda w: self._check_shapes(request, w),
+                                              slot)
+
+    def order_loads(self, keys: list[str]) -> None:
+        """Loads of ``keys`` still waiting for a worker start first, in this order (best
+        first); the other waiting ones follow in their own order."""
+        self._loader.order(keys)
+
+    def queued_loads(self) -> list[str]:
+        """Loads waiting for a worker, next first."""
+        return self._loader.queued()
 
     def start_write(self, key: str, slot: int) -> None:
         """Copy ``key``'s CPU-tier weights into the reserved ``slot`` in the background."""
@@ -158,13 +172,14 @@ class AdapterTiers:
         self.loading[key] = self._loader.write(self.cpu[key], slot)
 
     def prefetch(self, keys: list[str], resident: set[str]) -> None:
-        """Load these adapters (best first) from disk into the CPU tier in the background; at
-        most :data:`MAX_LOADS_IN_FLIGHT` loads in flight, never past the CPU tier's room
-        (CPU-tier copies of ``resident`` adapters and of ``keys`` are not pushed out)."""
+        """Load these adapters (best first) from disk into the CPU tier in the background, on
+        workers no other load waits for (at most :attr:`load_workers` loads in flight or
+        queued), never past the CPU tier's room (CPU-tier copies of ``resident`` adapters and
+        of ``keys`` are not pushed out)."""
         wanted = set(keys) | resident
         for key in keys:
             room = self.max_cpu_loras - len(self.loading) - len(wanted.intersection(self.cpu))
-            if len(self.loading) >= MAX_LOADS_IN_FLIGHT or room <= 0:
+            if len(self.loading) >= self.load_workers or room <= 0:
                 return
             state = self.adapters.get(key)
             if state is None or state.error is not None:
