@@ -71,6 +71,32 @@ def test_cost_model_learns_a_linear_machine():
     assert abs(budget.target() - DEFAULT_MULTIPLE * (C0 + C_DEC)) < 1e-4
 
 
+def test_cost_model_stays_unbiased_when_features_move_together():
+    """Sustained drafting: decode rows and drafted tokens rise and fall together, and step
+    times are noisy. The fit must still predict what the steps cost (clipping the
+    unconstrained least squares at zero predicted these 3x too long, inflating the derived
+    ITL target and the prompt cap with it)."""
+    import numpy as np
+
+    for seed in (0, 1, 2, 42):
+        rng = np.random.default_rng(seed)
+        model = StepCostModel()
+        for i in range(12):
+            shape = StepShape(2, 200 if i % 3 == 0 else 0, 0)
+            model.observe(shape, C0 + C_DEC * 2 + C_PRE * shape.prefill_tokens)
+        seen = []
+        for _ in range(200):
+            rows = int(rng.integers(10, 14))
+            shape = StepShape(rows, 0, 0, 3 * rows + int(rng.integers(-2, 3)))
+            seconds = (C0 + C_DEC * rows + 0.0004 * shape.draft_tokens) * rng.lognormal(0, 0.3)
+            model.observe(shape, seconds)
+            seen.append((shape, seconds))
+        recent = seen[-30:]
+        bias = sum(model.predict(s) for s, _ in recent) / sum(t for _, t in recent)
+        assert 0.85 < bias < 1.15, (seed, bias, model.coef)
+        assert all(c >= 0 for c in model.coef) and model.c_draft >= 0
+
+
 def test_never_plans_past_the_budget_and_fair_share_holds():
     target_ms = 40.0  # the step while keys compete: CONTENTION_SHARE of the ITL target
     sched = make_scheduler(target_itl_ms=target_ms / CONTENTION_SHARE)
