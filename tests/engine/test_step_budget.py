@@ -12,6 +12,7 @@ from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.engine.step_budget import (
     ALONE_EFFICIENCY,
+    COLD_CHUNK_TOKENS,
     CONTENTION_SHARE,
     DEFAULT_MULTIPLE,
     MIN_CHUNK_TOKENS,
@@ -184,6 +185,26 @@ def test_the_itl_cap_never_starves_a_waiting_prompt():
             break
     assert all(s.num_output_tokens for s in prompts), f"prompts not done after {n} steps"
     assert prompts[0].num_output_tokens > 0
+
+
+def test_a_cold_engine_bounds_prompts_beside_decodes():
+    """Before the cost model has seen WARM_STEPS steps it cannot price a prompt chunk: a prompt
+    arriving beside running decodes then goes in chunks of COLD_CHUNK_TOKENS (a new engine's
+    first steps took it whole), and a prompt with no decode beside it still goes whole."""
+    sched = make_scheduler()
+    first = make_seq("first", "a", prompt_len=1500)
+    sched.add(first)
+    plan = step(sched)
+    assert [s.num_new_tokens for s in plan.scheduled] == [1500]  # alone: the whole budget
+    long = make_seq("long", "a", prompt_len=1500)
+    sched.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        plan = step(sched)
+        chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
+        assert sum(1 for s in plan.scheduled if not s.is_prefill) == 1  # the decode runs every step
+    assert sum(chunks) == 1500 and max(chunks) <= COLD_CHUNK_TOKENS
+    assert chunks[0] == COLD_CHUNK_TOKENS
 
 
 def test_budget_off_keeps_token_budget():
