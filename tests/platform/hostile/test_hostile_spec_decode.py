@@ -108,11 +108,11 @@ def _attacker(engine) -> tuple[int, int]:
 
 
 STEP_BUDGET_COLLAPSE = (
-    "known weakness of engine/step_budget.py (not speculative decoding's code): under "
-    "sustained drafting rows and drafted tokens move together, the clipped least squares "
-    "fits c_decode = c_prefill = 0 and puts the step into c0 (6 -> 68 ms while real cycles "
-    "are ~35 ms), so the derived ITL target grows to 3 x c0 and the prompt cap that bounds "
-    "drafts goes away")
+    "known weakness of engine/step_budget.py's cost model (not speculative decoding's code): "
+    "under sustained drafting rows and drafted tokens move together, the clipped least squares "
+    "fits c_decode = c_prefill = 0 and puts the step into c0 (6 -> 68 ms while real cycles are "
+    "~35 ms), so the derived ITL target grows to 3 x c0 and the prompt cap that bounds drafts "
+    "loosens (to COLD_CHUNK_TOKENS when c_prefill is 0); 4.2-4.4x idle before the verify fix")
 
 
 def test_draftable_flood_is_bounded_and_leaves_the_neighbour_within_3x_idle(
