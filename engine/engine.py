@@ -142,6 +142,8 @@ class LLMEngine:
             self.sampler, self.postprocessor, self.structured, self.lora_manager)
         self.scheduler = self._make_scheduler()
         self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        """Steps that ran a plan since start (``EngineStats.num_steps``)."""
         self._cycle: tuple[SchedulerOutput, float, int] | None = None
         self._awaiting_adapter: dict[str, Request] = {}
         """Requests whose adapter was not in a slot yet (their adapter-load wait runs)."""
@@ -296,6 +298,7 @@ class LLMEngine:
             self.lora_manager.poll(wait=0.005)
             return failed
         output = self.execute(plan)
+        self.num_steps += 1
         outcome = self.scheduler.update_from_output(plan, output)
         done = self._settle(outcome)
         if output.error is None:
@@ -435,7 +438,7 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits, prefix_cache_evictions=self.kv.pool.evictions,
-            cpu_kernels=kernels.state, cpu_kernels_reason=kernels.reason,
+            cpu_kernels=kernels.state, cpu_kernels_reason=kernels.reason, num_steps=self.num_steps,
             spec_decode=drafter.snapshot() if (drafter := self.scheduler.drafter) else {},
         )
 

@@ -42,7 +42,8 @@ def nonfinite_rows(out: ModelOutput) -> set[int]:
     """Rows of the step whose logits (or prompt logits) hold a NaN or an Inf.
 
     A row's sum is finite only when every value is (NaN and ±Inf propagate); a finite
-    sum is one cheap reduction, and only the rows it flags (rare: an overflowing sum of
+    sum is one cheap reduction (for prompt and draft logits too: one per row's block), and
+    only the rows it flags (rare: an overflowing sum of
     huge finite logits flags one too) are checked value by value."""
     bad = set()
     logits = out.logits
@@ -52,7 +53,7 @@ def nonfinite_rows(out: ModelOutput) -> set[int]:
             exact = ~torch.isfinite(logits.index_select(0, flagged)).all(dim=1)
             bad.update(flagged[exact].tolist())
     for row, rows in (*out.prompt_logits.items(), *out.draft_logits.items()):
-        if not bool(torch.isfinite(rows).all()):
+        if not bool(torch.isfinite(rows.sum())) and not bool(torch.isfinite(rows).all()):
             bad.add(row)
     return bad
 

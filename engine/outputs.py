@@ -114,6 +114,9 @@ class EngineStats:
     here: the CPU hot path runs on torch ops, several times slower)."""
     cpu_kernels_reason: str | None = None
     """Why the kernels are not ``ok`` (may name paths: for the admin only)."""
+    num_steps: int = 0
+    """Engine steps that ran a plan since start (with ``spec_decode``'s counters: drafted
+    tokens per step)."""
     spec_decode: dict = field(default_factory=dict)
     """Speculative decoding per adapter key (``base`` = none) -> ``SpecCounts`` (drafts,
     drafted and accepted tokens since start); empty when it is off."""

@@ -15,6 +15,8 @@ to a time, not to a fixed token/sequence count:
   and for a key alone at least :data:`DEFAULT_MULTIPLE` × the step of its running decodes)
   into limits for the next step:
 
+  - While the cost model is cold (its first :data:`WARM_STEPS` steps) or has no price for
+    prompt tokens, a step beside decode rows takes at most :data:`COLD_CHUNK_TOKENS` of them.
   - While any decode row runs, the step's prompt tokens are capped so the predicted step
     stays within the target: prompt chunks fill what the decodes leave, never below
     :data:`MIN_CHUNK_TOKENS` nor below :data:`CHUNK_SHARE` of the decodes' own cost, so the
@@ -53,6 +55,10 @@ CONTENTION_SHARE = 0.5
 rows, which run every step, stay well within it beside a flooder whose surplus rotates."""
 MIN_CHUNK_TOKENS = 16
 """Fewest prompt tokens a step beside decodes still computes (prompts always progress)."""
+COLD_CHUNK_TOKENS = 256
+"""Most prompt tokens beside decode rows while the cost model cannot price them yet (cold,
+or no prompt step observed in its memory): without it a new engine's first steps took every
+waiting prompt whole beside running decodes (seconds-long freezes while traffic ramps up)."""
 CHUNK_SHARE = 0.5
 """A prompt chunk beside decodes may cost at least this fraction of the decodes' own cost."""
 ALONE_EFFICIENCY = 0.95
@@ -116,14 +122,27 @@ class StepCostModel:
         self._xtx = self.forget * self._xtx + np.outer(x, x)
         self._xty = self.forget * self._xty + x * seconds
         self.num_observed += 1
-        ridge = _RIDGE * np.diag(np.diag(self._xtx) + 1e-12)  # scale-free; solves unseen features
-        coef = np.linalg.solve(self._xtx + ridge, self._xty)
-        self._all = np.maximum(coef, 0.0)
+        self._all = _nonnegative_fit(self._xtx, self._xty)
         self.coef = self._all[:4]
         self.c_draft = float(self._all[4])
 
     def predict(self, shape: StepShape) -> float:
         return float(shape.features() @ self._all)
+
+
+def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
+    """The non-negative least-squares coefficients from the (forgetting) normal equations:
+    ``min ||X c - y||`` subject to ``c >= 0`` via the Cholesky factor ``xtx = L Lᵀ`` (the
+    objective is ``||Lᵀ c - L⁻¹ Xᵀy||`` up to a constant) and SciPy's NNLS. Clipping the
+    unconstrained solution instead broke down when features move together (decode rows and
+    drafted tokens under sustained drafting): a negative coefficient clipped to zero left
+    its partner inflated, and the steps were predicted 2-3x longer than they ran."""
+    from scipy.optimize import nnls  # imported on first use (~0.5 s), not with the engine
+
+    ridge = _RIDGE * np.diag(np.diag(xtx) + 1e-12)  # scale-free; solves unseen features
+    lower = np.linalg.cholesky(xtx + ridge)
+    coef, _ = nnls(lower.T, np.linalg.solve(lower, xty))
+    return coef
 
 
 @dataclass
@@ -180,7 +199,7 @@ class StepBudget:
         for key in [k for k, t in self._last_seen.items() if now - t > RECENT_S]:
             del self._last_seen[key]
         if not self.model.warm:
-            return StepLimits(candidates, None)
+            return StepLimits(candidates, COLD_CHUNK_TOKENS if candidates else None)
         m = self.model
         c0, c_dec, c_pre, c_ad = m.coef
         decode = candidates
@@ -218,8 +237,10 @@ class StepBudget:
             target = max(target, DEFAULT_MULTIPLE * (c0 + decode_cost))
         if decode:
             self.last_target = target
-        if not decode or c_pre <= 0:  # a prompt alone: nobody's inter-token latency at stake
+        if not decode:  # a prompt alone: nobody's inter-token latency at stake
             return StepLimits(decode, None)
+        if c_pre <= 0:  # no prompt cost learnt yet: a bounded chunk, which teaches it
+            return StepLimits(decode, COLD_CHUNK_TOKENS)
         left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
         return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
 

@@ -21,6 +21,16 @@ Series (gauges; ``model_name`` is the served base model, ``engine`` is ``"0"``):
   ``"cpu"`` in the CPU tier only; an adapter only on disk has no series;
 * ``vllm:num_gpu_loaded_lora_adapters``, ``vllm:num_cpu_loaded_lora_adapters``,
   ``vllm:max_gpu_lora_adapters``: adapters in device slots, in the CPU tier only, slots.
+
+Counters, only when speculative decoding is configured (as vLLM v1's ``SpecDecodingProm``:
+the same names, documentation and ``model_name``/``engine`` labels; the text format writes
+them as ``<name>_total``), summed over all adapters since the engine started:
+
+* ``vllm:spec_decode_num_drafts``: verify steps with at least one drafted token;
+* ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens``;
+* ``vllm:spec_decode_num_accepted_tokens_per_pos{position}``: drafts whose token at
+  ``position`` (``"0"`` .. ``num_speculative_tokens - 1``, every one present from the start)
+  was accepted.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 ENGINE_INDEX = "0"
 """vLLM's ``engine`` label: one engine per server here."""
@@ -64,6 +74,14 @@ class ProtocolFacts:
     resident: tuple[ResidentAdapter, ...] = field(default_factory=tuple)
     num_gpu_loaded: int = 0
     num_cpu_loaded: int = 0
+    num_speculative_tokens: int = 0
+    """Speculative decoding's tokens per draft (``--speculative-config``); 0 = off (no
+    ``vllm:spec_decode_*`` series)."""
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """Accepted drafted tokens by position, ``num_speculative_tokens`` long."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -74,10 +92,11 @@ class ProtocolFacts:
         d["running_adapters"] = tuple(d["running_adapters"])
         d["waiting_adapters"] = tuple(d["waiting_adapters"])
         d["resident"] = tuple(ResidentAdapter(**r) for r in d["resident"])
+        d["spec_accepted_per_pos"] = tuple(d.get("spec_accepted_per_pos", ()))
         return cls(**d)
 
 
-def metric_families(f: ProtocolFacts) -> list[GaugeMetricFamily]:
+def metric_families(f: ProtocolFacts) -> list:
     """The protocol series of ``f`` (what :func:`render` writes)."""
     base = ["model_name", "engine"]
     ids = [f.model_name, ENGINE_INDEX]
@@ -104,6 +123,8 @@ def metric_families(f: ProtocolFacts) -> list[GaugeMetricFamily]:
                               labels=list(info))
     cache.add_metric(list(info.values()), 1.0)
     out.append(cache)
+    if f.num_speculative_tokens:
+        out += spec_decode_families(f, base, ids)
     if not f.lora_enabled:
         return out
     lora = GaugeMetricFamily(
@@ -128,6 +149,30 @@ def metric_families(f: ProtocolFacts) -> list[GaugeMetricFamily]:
               f.max_lora),
     ]
     return out
+
+
+def spec_decode_families(f: ProtocolFacts, base: list[str], ids: list[str]) -> list:
+    """vLLM v1's speculative-decoding counters of ``f`` (``vllm/v1/spec_decode/metrics.py``)."""
+
+    def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=base)
+        c.add_metric(ids, value)
+        return c
+
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=[*base, "position"])
+    accepted = list(f.spec_accepted_per_pos)[: f.num_speculative_tokens]
+    accepted += [0] * (f.num_speculative_tokens - len(accepted))
+    for pos, n in enumerate(accepted):
+        per_pos.add_metric([*ids, str(pos)], n)
+    return [
+        counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", f.spec_num_drafts),
+        counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                f.spec_num_draft_tokens),
+        counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                f.spec_num_accepted_tokens),
+        per_pos,
+    ]
 
 
 class _Collector:

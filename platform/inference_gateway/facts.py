@@ -54,6 +54,21 @@ def resident_adapters(rows: list[dict]) -> tuple[tuple[ResidentAdapter, ...], in
     return tuple(sorted(best.values(), key=lambda a: a.name)), gpu, cpu
 
 
+def spec_totals(counts: dict, k: int) -> tuple[int, int, int, tuple[int, ...]]:
+    """(drafts, drafted tokens, accepted tokens, accepted per position [k]) over all adapters
+    of ``EngineStats.spec_decode`` (adapter key -> ``SpecCounts``): one engine's counters, as
+    vLLM counts them (no per-adapter series leave the tenant boundary here)."""
+    per_pos = [0] * k
+    drafts = drafted = accepted = 0
+    for c in counts.values():
+        drafts += c.num_drafts
+        drafted += c.num_draft_tokens
+        accepted += c.num_accepted_tokens
+        for pos, n in enumerate(c.accepted_per_pos[:k]):
+            per_pos[pos] += n
+    return drafts, drafted, accepted, tuple(per_pos)
+
+
 @dataclass
 class FactsBuilder:
     """Report -> facts with the server's fixed fields; the residency part is reused while
@@ -63,6 +78,8 @@ class FactsBuilder:
     enable_prefix_caching: bool
     gpu_memory_utilization: float
     lora_enabled: bool
+    num_speculative_tokens: int = 0
+    """``--speculative-config``'s tokens per draft; 0 = speculative decoding is off."""
     _residency: object = field(default=None, repr=False)
     _resident: tuple = field(default=((), 0, 0), repr=False)
 
@@ -73,6 +90,7 @@ class FactsBuilder:
             self._resident = resident_adapters(report.residency.rows)
         resident, gpu, cpu = self._resident
         stats = report.stats
+        spec = spec_totals(stats.spec_decode, self.num_speculative_tokens)
         return ProtocolFacts(
             model_name=self.model_name, taken_at=report.taken_at,
             num_running=stats.num_running, num_waiting=stats.num_waiting,
@@ -84,4 +102,7 @@ class FactsBuilder:
             running_adapters=tuple(sorted({public_name(k) for k in report.running_adapters})),
             waiting_adapters=tuple(sorted({public_name(k) for k in report.waiting_adapters})),
             resident=resident, num_gpu_loaded=gpu, num_cpu_loaded=cpu,
+            num_speculative_tokens=self.num_speculative_tokens, spec_num_drafts=spec[0],
+            spec_num_draft_tokens=spec[1], spec_num_accepted_tokens=spec[2],
+            spec_accepted_per_pos=spec[3],
         )

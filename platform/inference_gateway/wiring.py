@@ -43,11 +43,12 @@ def attach(state: AppState) -> None:
         from loramux.platform.inference_gateway.facts import FactsBuilder
         from loramux.platform.inference_gateway.metrics_listener import ProtocolMetricsListener
 
-        cc = engine.config.cache
+        cc, spec = engine.config.cache, engine.config.speculative
         listener = ProtocolMetricsListener(
             s.host, s.protocol_metrics_port, engine.load_report,
             FactsBuilder(state.resolver.base.name, cc.enable_prefix_caching,
-                         cc.gpu_memory_utilization, engine.lora_enabled))
+                         cc.gpu_memory_utilization, engine.lora_enabled,
+                         spec.num_speculative_tokens if spec is not None else 0))
         state.protocol_metrics = listener
         state.cleanups.append(listener.close)
     if s.kv_events_endpoint:

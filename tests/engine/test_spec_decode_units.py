@@ -211,3 +211,61 @@ def test_verified_sampling_is_exact_in_distribution(params):
     biased = first.copy()
     biased[1] += 0.2 * n
     assert _chi2_pvalue(biased[keep], target[0][keep]) < 1e-6
+
+
+@pytest.mark.parametrize("params", [
+    dict(), dict(repetition_penalty=1.3), dict(logprobs=2), dict(min_tokens=6),
+    dict(logit_bias={7: 2.0}), dict(max_tokens=3)], ids=["plain", "penalty", "logprobs",
+                                                         "min_tokens", "bias", "max_tokens"])
+def test_greedy_verification_picks_what_the_sampler_picks_position_by_position(params):
+    """A verify step's rows, each checked against the sampler run position by position (the
+    reference: :func:`_verify_sampled`); only rows that something processes call it."""
+    from loramux.engine.spec_decode.verify import _verify_sampled, plain_greedy
+
+    gen = torch.Generator().manual_seed(1)
+    k, n = 5, 24
+    draft_logits = {i: torch.randn(k, VOCAB, generator=gen) for i in range(n)}
+    logits = torch.randn(n, VOCAB, generator=gen)
+    seqs, refs, rows = [], [], []
+    for i in range(n):
+        # drafts that match the argmax for a random number of positions, then not
+        agree = int(torch.randint(0, k + 1, (1,), generator=gen))
+        drafts = [int(t) for t in draft_logits[i].argmax(-1)]
+        drafts = drafts[:agree] + [(t + 1) % VOCAB for t in drafts[agree:]]
+        kw = {"temperature": 0, "max_tokens": 20, **params}
+        prompt = [7, 8, 9, 10 + i]
+        seqs.append(_seq(prompt, **kw))
+        refs.append(_seq(prompt, **kw))
+        rows.append(ScheduledRow("r", i, 3, 1 + k, [10 + i, *drafts], [], None, False, 0, 3, k))
+    outputs = make_output_processor(max_model_len=64)
+    calls = []
+    sampler = outputs.sampler
+    outputs.sampler = lambda lg, ss: calls.append(len(ss)) or sampler(lg, ss)
+    out = ModelOutput(rows, logits, draft_logits=draft_logits)
+    got = verify_drafts(outputs, out, list(range(n)), seqs, {})
+    assert len(got) == n
+    plain = plain_greedy(seqs[0])
+    assert plain == (params == {} or params == {"max_tokens": 3})
+    assert (not calls) if plain else calls, calls
+    outputs.sampler = sampler
+    from loramux.engine.spec_decode.verify import Verified
+
+    want = [Verified(r, k) for r in refs]
+    _verify_sampled(outputs, out, [(v, i, rows[i].token_ids[1:]) for i, v in enumerate(want)], {})
+    for g, w, s, r in zip(got, want, seqs, refs, strict=True):
+        assert s.output_token_ids == r.output_token_ids and g.num_accepted == w.num_accepted
+        assert s.is_finished == r.is_finished and s.logprobs == r.logprobs
+    assert {g.num_accepted for g in got} != {0}  # some drafts were accepted ...
+    assert any(g.num_accepted < k for g in got)  # ... and some rejected
+
+
+def test_non_finite_draft_logits_fail_only_their_row():
+    from loramux.engine.output_processor import nonfinite_rows
+
+    blocks = {i: torch.zeros(4, VOCAB) for i in range(4)}
+    blocks[1][2, 5] = float("nan")
+    blocks[2][0, 9] = float("-inf")
+    blocks[3][:, :] = 3e38  # finite, but the cheap sum overflows: checked value by value
+    rows = [ScheduledRow("r", i, 3, 5, [1, 2, 3, 4, 5], [], None, False, 0, 3, 4) for i in range(4)]
+    out = ModelOutput(rows, torch.zeros(4, VOCAB), draft_logits=blocks)
+    assert nonfinite_rows(out) == {1, 2}

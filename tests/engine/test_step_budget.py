@@ -12,6 +12,7 @@ from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.engine.step_budget import (
     ALONE_EFFICIENCY,
+    COLD_CHUNK_TOKENS,
     CONTENTION_SHARE,
     DEFAULT_MULTIPLE,
     MIN_CHUNK_TOKENS,
@@ -68,6 +69,32 @@ def test_cost_model_learns_a_linear_machine():
         assert abs(got - want) < 1e-4
     budget = StepBudget(None, model)
     assert abs(budget.target() - DEFAULT_MULTIPLE * (C0 + C_DEC)) < 1e-4
+
+
+def test_cost_model_stays_unbiased_when_features_move_together():
+    """Sustained drafting: decode rows and drafted tokens rise and fall together, and step
+    times are noisy. The fit must still predict what the steps cost (clipping the
+    unconstrained least squares at zero predicted these 3x too long, inflating the derived
+    ITL target and the prompt cap with it)."""
+    import numpy as np
+
+    for seed in (0, 1, 2, 42):
+        rng = np.random.default_rng(seed)
+        model = StepCostModel()
+        for i in range(12):
+            shape = StepShape(2, 200 if i % 3 == 0 else 0, 0)
+            model.observe(shape, C0 + C_DEC * 2 + C_PRE * shape.prefill_tokens)
+        seen = []
+        for _ in range(200):
+            rows = int(rng.integers(10, 14))
+            shape = StepShape(rows, 0, 0, 3 * rows + int(rng.integers(-2, 3)))
+            seconds = (C0 + C_DEC * rows + 0.0004 * shape.draft_tokens) * rng.lognormal(0, 0.3)
+            model.observe(shape, seconds)
+            seen.append((shape, seconds))
+        recent = seen[-30:]
+        bias = sum(model.predict(s) for s, _ in recent) / sum(t for _, t in recent)
+        assert 0.85 < bias < 1.15, (seed, bias, model.coef)
+        assert all(c >= 0 for c in model.coef) and model.c_draft >= 0
 
 
 def test_never_plans_past_the_budget_and_fair_share_holds():
@@ -184,6 +211,26 @@ def test_the_itl_cap_never_starves_a_waiting_prompt():
             break
     assert all(s.num_output_tokens for s in prompts), f"prompts not done after {n} steps"
     assert prompts[0].num_output_tokens > 0
+
+
+def test_a_cold_engine_bounds_prompts_beside_decodes():
+    """Before the cost model has seen WARM_STEPS steps it cannot price a prompt chunk: a prompt
+    arriving beside running decodes then goes in chunks of COLD_CHUNK_TOKENS (a new engine's
+    first steps took it whole), and a prompt with no decode beside it still goes whole."""
+    sched = make_scheduler()
+    first = make_seq("first", "a", prompt_len=1500)
+    sched.add(first)
+    plan = step(sched)
+    assert [s.num_new_tokens for s in plan.scheduled] == [1500]  # alone: the whole budget
+    long = make_seq("long", "a", prompt_len=1500)
+    sched.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        plan = step(sched)
+        chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
+        assert sum(1 for s in plan.scheduled if not s.is_prefill) == 1  # the decode runs every step
+    assert sum(chunks) == 1500 and max(chunks) <= COLD_CHUNK_TOKENS
+    assert chunks[0] == COLD_CHUNK_TOKENS
 
 
 def test_budget_off_keeps_token_budget():

@@ -23,6 +23,7 @@ def test_series_names_types_and_labels(tenants, engine):
         fams = live.scrape()
         for name in GAUGES:
             assert fams[name].type == "gauge", name
+        assert not [n for n in fams if n.startswith("vllm:spec_decode")]  # only when configured
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                      "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
             s = sample(fams, name)
