@@ -8,8 +8,11 @@ seconds, and a flooder's 256 decode sequences made every step ~1 s. So each step
 to a time, not to a fixed token/sequence count:
 
 * :class:`StepCostModel` fits ``seconds ≈ c0 + c_decode · decode rows + c_prefill ·
-  prompt tokens + c_adapter · adapters + c_draft · drafted tokens`` online (least squares with forgetting) from the
-  measured cycle of every step (planning to the next step: outputs delivered included).
+  prompt tokens + c_adapter · adapters + c_draft · drafted tokens`` online from the measured
+  cycle of every step (planning to the next step: outputs delivered included): non-negative
+  least squares over recent steps (forgetting :data:`FORGET` a step), with a long memory's fit
+  (:data:`FORGET_LONG`) as its prior, so what a steady workload's recent steps cannot tell
+  apart (c0 against c_decode while every step has the same rows) keeps its earlier value.
 * :class:`StepBudget` turns the **ITL target** (``SchedulerConfig.target_itl_ms``; unset,
   :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine,
   and for a key alone at least :data:`DEFAULT_MULTIPLE` × the step of its running decodes)
@@ -74,6 +77,10 @@ SKIP_FIRST = 2
 """First steps not observed at all (one-off costs: lazy initialisation, first allocations)."""
 FORGET = 0.97
 """Weight of past observations per new step (recent steps count most)."""
+FORGET_LONG = 0.999
+"""The long memory's weight per step: the prior that keeps what recent steps cannot tell."""
+PRIOR_STEPS = 16.0
+"""How many recent steps' worth the long memory's fit weighs against the recent fit."""
 _RIDGE = 1e-6
 
 
@@ -99,6 +106,9 @@ class StepCostModel:
         self.forget = forget
         self._xtx = np.zeros((5, 5))
         self._xty = np.zeros(5)
+        self._long_xtx = np.zeros((5, 5))
+        self._long_xty = np.zeros(5)
+        self._long_weight = 0.0
         self.num_observed = 0
         self._skipped = 0
         self._all = np.zeros(5)
@@ -112,7 +122,7 @@ class StepCostModel:
         return self.num_observed >= WARM_STEPS
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """Add one measured step and refit (4×4 solve: microseconds)."""
+        """Add one measured step and refit (two 5×5 NNLS solves: tens of microseconds)."""
         if not math.isfinite(seconds) or seconds < 0:
             return
         if self._skipped < SKIP_FIRST:
@@ -121,8 +131,17 @@ class StepCostModel:
         x = shape.features()
         self._xtx = self.forget * self._xtx + np.outer(x, x)
         self._xty = self.forget * self._xty + x * seconds
+        self._long_xtx = FORGET_LONG * self._long_xtx + np.outer(x, x)
+        self._long_xty = FORGET_LONG * self._long_xty + x * seconds
+        self._long_weight = FORGET_LONG * self._long_weight + 1.0
         self.num_observed += 1
-        self._all = _nonnegative_fit(self._xtx, self._xty)
+        # the recent fit with the long memory's as its prior: a steady workload (a flooder's
+        # same-sized steps) leaves some coefficients unidentified by recent steps alone, and
+        # the fit then moved the whole cost into c0 (a one-row step predicted 4x too long,
+        # and the derived ITL target with it); the prior keeps those from the longer past
+        prior = PRIOR_STEPS / self._long_weight * self._long_xtx
+        long_fit = _nonnegative_fit(self._long_xtx, self._long_xty)
+        self._all = _nonnegative_fit(self._xtx + prior, self._xty + prior @ long_fit)
         self.coef = self._all[:4]
         self.c_draft = float(self._all[4])
 

@@ -97,6 +97,30 @@ def test_cost_model_stays_unbiased_when_features_move_together():
         assert all(c >= 0 for c in model.coef) and model.c_draft >= 0
 
 
+def test_a_steady_workload_keeps_what_the_longer_past_taught():
+    """A flooder's same-sized steps for hundreds of steps tell the recent fit nothing about
+    c0 against c_decode; the one-row step (the derived ITL target's base) must still be
+    predicted near what it cost before the flood, not with the flood's whole step in c0."""
+    import numpy as np
+
+    def cost(shape):
+        return C0 + C_DEC * shape.decode_rows + C_PRE * shape.prefill_tokens + 0.0003 * shape.draft_tokens
+
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        model = StepCostModel()
+        for i in range(100):  # a quiet tenant's one-row steps (and a few prompts)
+            shape = StepShape(1, 4 if i % 7 == 0 else 0, 1)
+            model.observe(shape, cost(shape) * rng.lognormal(0, 0.15))
+        for i in range(300):  # a steady drafting flood: 11-13 rows, drafts with them
+            rows = int(rng.integers(11, 14))
+            shape = StepShape(rows, 0, 1 + (i % 5 == 0), 2 * rows + int(rng.integers(-3, 4)))
+            model.observe(shape, cost(shape) * rng.lognormal(0, 0.3))
+        one_row = model.predict(StepShape(1, 0, 1)) / cost(StepShape(1, 0, 1))
+        flood = model.predict(StepShape(12, 0, 1, 24)) / cost(StepShape(12, 0, 1, 24))
+        assert 0.5 < one_row < 1.4 and 0.85 < flood < 1.15, (seed, one_row, flood, model.coef)
+
+
 def test_never_plans_past_the_budget_and_fair_share_holds():
     target_ms = 40.0  # the step while keys compete: CONTENTION_SHARE of the ITL target
     sched = make_scheduler(target_itl_ms=target_ms / CONTENTION_SHARE)
