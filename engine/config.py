@@ -163,11 +163,13 @@ class LoRAConfig:
     """Bytes for adapters when max_loras is unset: CPU = slots + CPU tier (None =
     DEFAULT_CPU_LORA_MEMORY); CUDA = slots, taken before the KV cache (None =
     GPU_LORA_MEMORY_SHARE of the memory left after the weights)."""
-    lora_load_workers: int = 4
+    lora_load_workers: int = 2
     """Cold adapters read from disk (or fetched from the adapter source) at once, each on its
     own thread (capped by the CPU tier's size: their weights are held beside it); further
     loads wait in admission's fair order, so one tenant's burst of cold adapters does not
-    queue a neighbour's load behind all of its own."""
+    queue a neighbour's load behind all of its own. Reading and checking an adapter is
+    CPU work: on 2 cores more than 2 at once slowed each other (4 read at 175-241 ms each
+    where one alone took 72-95); raise it where loads wait on a slow disk or object store."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.lora_load_workers <= 64:
