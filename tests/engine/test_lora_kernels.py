@@ -517,6 +517,40 @@ def _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def test_sgmv_kernel_split_over_threads_matches_per_run_gemms():
+    """A call above the kernel's PARALLEL_MIN_MACS (600 tokens x 2 slices x rank-32 slots x
+    (K + N) = 1800: 69M >= 2**26) runs its shrink and expand split over threads: the same sums as
+    the per-run GEMMs, runs of several slots and ranks, base rows untouched."""
+    from loramux.engine.lora.ops import cpu_sgmv
+
+    require_cpu_kernel()
+    g = torch.Generator().manual_seed(11)
+    S, R, K, N = 2, 32, 900, 900
+    ranks = [32, 16, 8]
+    a = torch.zeros(3, S, R, K)
+    b = torch.zeros(3, S * R, N)
+    for slot, r in enumerate(ranks):
+        for s in range(S):
+            lo, hi = s * N // S, (s + 1) * N // S
+            a[slot, s, :r] = torch.randn(r, K, generator=g) * 0.05
+            b[slot, s * R : s * R + r, lo:hi] = torch.randn(r, hi - lo, generator=g) * 0.05
+    runs = [(0, 250, 0), (250, 251, 1), (260, 610, 2)]  # rows 251-259 are base rows
+    x = torch.randn(610, K, generator=g)
+    y = torch.randn(610, N, generator=g)
+    expected = y.clone()
+    torch_ops._add_runs(expected, x, a, b, runs, S * R)
+    got = y.clone()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cpu_sgmv.add_runs_sgmv(got, x, a, b, torch.tensor(runs), torch.tensor(ranks),
+                               [s * N // S for s in range(S + 1)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[251:260], y[251:260])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_sgmv_bf16_output_rounds_once_as_torch(isa, w_dtype):

@@ -25,6 +25,13 @@
 #define TILE 64 /* output columns per expand work item */
 #define SHRINK_TOKENS 3 /* tokens of a run per shrink work item (dot4x3) */
 #define PF_TILES 3 /* the expand asks for the B tile this many work items ahead */
+/* A call is split over threads only from this much work (tokens x S*R x (K+N)): in the live
+ * server (2 cores, the HTTP loop beside the engine thread) the OpenMP regions of decode and
+ * chunk-sized calls spent ~3/4 of the kernel's time in libgomp's fork/barrier waits (py-spy
+ * --native), and the 4-adapter serving run with every call on the engine thread alone gave
+ * LoRA / base throughput 0.83 and TPOT 1.13x, against 0.77 and 1.51x split over 2 threads
+ * (bench/results/lora_serving_threads.json). Only long prompt runs of high rank exceed it. */
+#define PARALLEL_MIN_MACS ((int64_t)1 << 26)
 
 /* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
  * (results do not change). Adapter weights come from DRAM at every layer (the base's weights
@@ -325,7 +332,7 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
         row += len, npairs += (len + SHRINK_TOKENS - 1) / SHRINK_TOKENS;
     }
     int64_t w_slot_b = (int64_t)SR * N;
-    int big = ntok * (int64_t)SR * (K + N) >= 65536;
+    int big = ntok * (int64_t)SR * (K + N) >= PARALLEL_MIN_MACS;
 
 #pragma omp parallel num_threads(nthreads) if (big)
     {
