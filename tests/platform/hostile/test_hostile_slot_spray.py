@@ -8,10 +8,10 @@ from __future__ import annotations
 import statistics
 import time
 
-import httpx
 import pytest
 from support.adapters import write_random_adapter
 from support.attack import Attack
+from support.neighbour import neighbour_request
 from support.server import make_engine
 
 SPRAY_ADAPTERS = 10
@@ -41,15 +41,7 @@ TIMINGS: list[str] = []
 
 
 def _neighbour(url: str, key: str) -> tuple[float, str]:
-    start = time.monotonic()
-    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                   json={"model": "neighbour-lora", "prompt": "the canary says", "max_tokens": 8,
-                         "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    TIMINGS.append(r.headers.get("X-LoRAMux-Timing", ""))
-    body = r.json()
-    assert body["usage"]["completion_tokens"] == 8
-    return time.monotonic() - start, body["choices"][0]["text"]
+    return neighbour_request(url, key, TIMINGS)
 
 
 def spray(url: str, key: str, adapters: list[str]) -> Attack:

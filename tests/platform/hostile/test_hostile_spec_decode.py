@@ -18,9 +18,9 @@ import statistics
 import threading
 import time
 
-import httpx
 import pytest
 from support.attack import Attack
+from support.neighbour import neighbour_request
 from support.server import make_engine
 
 K = 8
@@ -46,14 +46,7 @@ def spec_engine(tiny_model_dir):
 
 
 def _neighbour(url: str, key: str) -> tuple[float, str]:
-    start = time.monotonic()
-    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                   json={"model": "neighbour-lora", "prompt": "the canary says", "max_tokens": 8,
-                         "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["usage"]["completion_tokens"] == 8
-    return time.monotonic() - start, body["choices"][0]["text"]
+    return neighbour_request(url, key)
 
 
 def draftable(url: str, key: str, prompt_tokens: int) -> Attack:
