@@ -48,6 +48,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import nnls
 
 from loramux.engine.sequence import Sequence
 
@@ -156,8 +157,6 @@ def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
     unconstrained solution instead broke down when features move together (decode rows and
     drafted tokens under sustained drafting): a negative coefficient clipped to zero left
     its partner inflated, and the steps were predicted 2-3x longer than they ran."""
-    from scipy.optimize import nnls  # imported on first use (~0.5 s), not with the engine
-
     ridge = _RIDGE * np.diag(np.diag(xtx) + 1e-12)  # scale-free; solves unseen features
     lower = np.linalg.cholesky(xtx + ridge)
     coef, _ = nnls(lower.T, np.linalg.solve(lower, xty))
