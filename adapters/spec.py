@@ -26,6 +26,7 @@ from loramux.adapters.arch import (
 from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError, pickle_refusal
 from loramux.adapters.experts import parameter_ranks, parse_target_parameters
+from loramux.adapters.limits import DEFAULT_MAX_LORA_RANK
 from loramux.adapters.safetensors_io import looks_like_pickle
 
 __all__ = [
@@ -38,9 +39,6 @@ __all__ = [
     "refuse",
 ]
 
-DEFAULT_MAX_LORA_RANK = 16
-"""The largest rank served and accepted when nothing says otherwise (``--max-lora-rank``);
-the engine's ``LoRAConfig`` and the registry use this one default."""
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_LAYER_INDEX = 4096
 

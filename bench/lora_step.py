@@ -44,7 +44,7 @@ def capture_steps(eng, loras, args) -> dict:
         ids = torch.randint(1000, 30000, (args.prompt_len,), generator=g).tolist()
         eng.add_request(f"d{i}", {"prompt_token_ids": ids}, params, lora_request=loras[i % len(loras)])
     plans: dict = {}
-    real = eng.execute
+    real = eng.runner.execute
 
     def spy(plan):
         rows = plan.scheduled
@@ -54,7 +54,7 @@ def capture_steps(eng, loras, args) -> dict:
             plans.setdefault("mixed", plan)
         return real(plan)
 
-    eng.execute = spy
+    eng.runner.execute = spy
     while "decode" not in plans:
         eng.step()
     long = torch.randint(1000, 30000, (args.chunk * 4,), generator=g).tolist()
@@ -63,7 +63,7 @@ def capture_steps(eng, loras, args) -> dict:
         if "mixed" in plans:
             break
         eng.step()
-    eng.execute = real
+    eng.runner.execute = real
     return plans
 
 
@@ -74,7 +74,7 @@ def replay(eng, plan, lora: bool) -> float:
     if lora:
         eng.lora_manager.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
     try:
-        eng.runner.execute(batch, ())
+        eng.runner.run_batch(batch, ())
     finally:
         eng.lora_manager.finish_step()
     return time.thread_time() - t0

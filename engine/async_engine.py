@@ -107,7 +107,7 @@ class AsyncEngine:
             return
         if sampling_params is not None and sampling_params.structured_outputs is not None:
             # compiled off the engine thread, time-limited; add_request then finds it cached
-            await self.engine.structured.prepare(sampling_params.structured_outputs)
+            await self.engine.prepare_grammar(sampling_params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
@@ -162,12 +162,12 @@ class AsyncEngine:
 
     async def lora_snapshot(self) -> ResidencySnapshot:
         """The adapters' residency, taken on the engine thread (empty without LoRA)."""
-        return await self.call(self.engine.lora_manager.snapshot)
+        return await self.call(self.engine.adapter_snapshot)
 
     def add_adapter_listener(self, listener: AdapterListener) -> Callable[[], None]:
         """Hear ``(event, key)`` for adapter loads, evictions and drops (on the engine
         thread); returns the remover. Without LoRA nothing is ever heard."""
-        return self.engine.lora_manager.add_listener(listener)
+        return self.engine.add_adapter_listener(listener)
 
     def stats(self) -> EngineStats:
         """The engine's counters (the same :class:`EngineStats` as ``LLMEngine.stats()``)."""
@@ -187,40 +187,28 @@ class AsyncEngine:
     # --- adapter residency (each runs on the engine thread, between steps) ------------
     async def register_adapter(self, request: LoRARequest) -> None:
         """Make an adapter known to the engine (its folder is fetched on first load)."""
-        await self.call(lambda: self.engine.lora_manager.register(request))
+        await self.call(lambda: self.engine.register_adapter(request))
 
     async def evict_adapter(self, key: str) -> tuple[bool, bool]:
         """Free the adapter's device slot: ``(done, deferred)``; deferred = it is in use
         and leaves its slot once its running requests finish; done False = not in a slot."""
-        mgr = self.engine.lora_manager
-
-        def evict() -> tuple[bool, bool]:
-            freed = mgr.evict(key)
-            return freed, freed and mgr.is_evict_pending(key)
-        return await self.call(evict)
+        return await self.call(lambda: self.engine.evict_adapter(key))
 
     async def pin_adapter(self, key: str) -> None:
         """Keep the adapter resident (never evicted); starts its load."""
-        await self.call(lambda: self.engine.lora_manager.pin(key))
+        await self.call(lambda: self.engine.pin_adapter(key))
 
     async def unpin_adapter(self, key: str) -> None:
         """Let the adapter be evicted again."""
-        await self.call(lambda: self.engine.lora_manager.unpin(key))
+        await self.call(lambda: self.engine.unpin_adapter(key))
 
     async def warm_adapter(self, key: str, timeout: float = 30.0) -> bool:
         """Load the adapter (in the background) and place it in a device slot; True once
         it sits there, False when no slot came free within ``timeout`` seconds (it stays
         in CPU memory). Asks the engine in short calls, so steps go on meanwhile."""
-        mgr = self.engine.lora_manager
-
-        def attempt() -> bool | None:  # one engine-thread call: no load can land between
-            if mgr.warm(key):
-                return True
-            return None if mgr.is_loading(key) else False  # False: every slot busy or pinned
-
         deadline = time.monotonic() + timeout
         while True:
-            placed = await self.call(attempt)
+            placed = await self.call(lambda: self.engine.warm_adapter(key))
             if placed is not None:
                 return placed
             if time.monotonic() > deadline:
@@ -236,9 +224,8 @@ class AsyncEngine:
             return []
 
         def drop() -> list[str]:
-            failed = self.fail_waiting(key, message)
-            self.engine.lora_manager.drop(key)
-            return failed
+            failed = self._deliver(self.engine.drop_adapter(key, AdapterGoneError(message)))
+            return [req.request_id for req in failed]
         return self.call_sync(drop, timeout=timeout)
 
     # --- read-only facts -------------------------------------------------------------
@@ -271,7 +258,7 @@ class AsyncEngine:
 
     @property
     def lora_enabled(self) -> bool:
-        return self.engine.lora_manager.enabled
+        return self.engine.lora_enabled
 
     @property
     def is_ready(self) -> bool:
@@ -358,7 +345,7 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._drain_commands(block=not engine.has_unfinished_requests())
             if not engine.has_unfinished_requests():
-                engine.lora_manager.poll()
+                engine.poll_adapters()
                 self._publish_report(busy=False)
                 continue
             done = engine.step_requests()

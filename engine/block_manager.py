@@ -171,6 +171,12 @@ class KVCacheManager:
         for listener in tuple(self.listeners):
             listener.all_blocks_cleared()
 
+    def add_listener(self, listener: KVEventListener) -> Callable[[], None]:
+        """Hear the prefix cache's keys change; returns the function that removes it."""
+        listeners = self.listeners
+        listeners.append(listener)
+        return lambda: listeners.remove(listener) if listener in listeners else None
+
     def _removed(self, keys: list[bytes]) -> None:
         for listener in tuple(self.listeners):
             listener.blocks_removed(keys)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
+from loramux.adapters.limits import DEFAULT_MAX_LORA_RANK
 from loramux.engine.spec_decode.config import SpeculativeConfig
 
 _CPU_DTYPES = ("float32", "bfloat16")

@@ -60,6 +60,6 @@ class Detokenizer:
 
 def stream_holdback(seq: Sequence) -> int:
     """Characters of ``seq.text`` to hold back while streaming: a stop string may still complete."""
-    if seq.is_finished or not seq.params.stop_strings or seq.params.include_stop_str_in_output:
+    if seq.is_stopped or not seq.params.stop_strings or seq.params.include_stop_str_in_output:
         return 0
     return max(len(s) for s in seq.params.stop_strings) - 1

@@ -1,4 +1,12 @@
-"""LLMEngine: the synchronous core. ``step()`` = schedule → run → postprocess."""
+"""LLMEngine: the synchronous core. A step is four phases, each handing plain data to the
+next (vLLM v1's shape)::
+
+    schedule() -> SchedulerOutput -> execute -> ModelOutput -> sample -> SampledOutput
+               -> update_from_output -> StepOutcome -> settle (the requests' side)
+
+then the requests that advanced go back to the caller. Only the execute and sample phases
+hold tensors; only the scheduler changes a sequence's status.
+"""
 
 from __future__ import annotations
 
@@ -18,17 +26,22 @@ from loramux.engine.errors import (
     AdapterNumericsError,
     ContextLengthError,
     EngineStepError,
-    PromptError,
     QueueFullError,
 )
-
-__all__ = ["AdapterNumericsError", "ContextLengthError", "EngineStepError", "LLMEngine", "QueueFullError"]
+from loramux.engine.intake import (
+    PromptType,
+    check_prompt,
+    make_sequences,
+    prefix_cache_id,
+    queue_full_for,
+    tokenize,
+)
+from loramux.engine.loading import load_base
 from loramux.engine.lora.manager import LoRAManager
 from loramux.engine.lora.null import NoLoRA
-from loramux.engine.lora.state import ResidencySnapshot
+from loramux.engine.lora.state import AdapterListener, ResidencySnapshot
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.kernels.loader import status as kernel_status
-from loramux.engine.model.registry import load_model
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
 from loramux.engine.postprocess import Postprocessor
@@ -37,102 +50,42 @@ from loramux.engine.runner import ModelRunner, plan_num_blocks
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
-from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.sequence import SequenceStatus
 from loramux.engine.spec_decode.drafter import Drafter
-from loramux.engine.step_data import ModelOutput, SchedulerOutput, StepOutcome
+from loramux.engine.step_data import SchedulerOutput, StepOutcome
 from loramux.engine.structured_output import StructuredOutputManager
+from loramux.engine.structured_params import StructuredOutputsParams
+
+__all__ = ["AdapterNumericsError", "ContextLengthError", "EngineStepError", "LLMEngine", "PromptType", "QueueFullError"]
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | dict | list[int]
 AdapterSource = Callable[[str], str | Path]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def resolve_dtype(name: str, device: torch.device, model_path: Path) -> torch.dtype:
-    """``auto``: the checkpoint's dtype, except bfloat16 where it is much faster (CUDA, and
-    CPUs with native bf16 matmuls, as vLLM's CPU backend does) and never float16 on a CPU."""
-    if name == "auto":
-        from transformers import AutoConfig
-
-        cfg_dtype = getattr(AutoConfig.from_pretrained(model_path), "dtype", None)
-        name = str(cfg_dtype).replace("torch.", "") if cfg_dtype is not None else "float32"
-        if device.type == "cpu" and (
-            name == "float16" or (name == "float32" and _cpu_has_fast_bf16())
-        ):
-            name = "bfloat16"
-        if device.type == "cuda" and name == "float32":
-            name = "bfloat16"
-    dtype = getattr(torch, name)
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError("float16 is not supported on the CPU (it is very slow there); use bfloat16 or float32")
-    return dtype
-
-
-def _prefix_cache_id(adapter: str | None, salt: str | None) -> str | None:
-    """A sequence's prefix-cache identity: its adapter's, and what the model says sets its
-    keys apart (``DecoderModel.prefix_cache_salt``)."""
-    if salt is None:
-        return adapter
-    return f"{adapter or ''}#{salt}"
 
 
 class LLMEngine:
     """Owns the model, KV cache, scheduler, sampler and (optionally) LoRA slots."""
 
     def __init__(self, config: EngineConfig, adapter_source: AdapterSource | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
-        mc = config.model
-        if mc.model is None:
-            from loramux.engine.default_model import default_model_path
-
-            model_path = default_model_path()
-        else:
-            model_path = Path(mc.model).expanduser()
-            if not model_path.is_dir():
-                raise ValueError(f"model {mc.model!r} is not a local folder")
-        self.model_path = model_path
-        self.device = resolve_device(mc.device)
-        dtype = resolve_dtype(mc.dtype, self.device, model_path)
-        self.model = load_model(model_path, dtype, self.device, enforce_eager=mc.enforce_eager)
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or model_path)
+        base = load_base(config.model)
+        self.model_path, self.device, self.model = base.path, base.device, base.model
+        self.tokenizer, self.eos_token_ids = base.tokenizer, base.eos_token_ids
         dims = self.model.dims
-        self.max_model_len = mc.max_model_len or dims.max_position_embeddings
-        if self.max_model_len > dims.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {dims.max_position_embeddings}"
-            )
+        self.max_model_len = base.max_model_len(config.model.max_model_len)
         cc, sc = config.cache, config.scheduler
         # adapter slots first: on a GPU the KV cache gets the memory they leave
         self.lora_manager: LoRAManager | NoLoRA = NoLoRA()
         if config.lora is not None:
-            self.lora_manager = LoRAManager(
-                config.lora, self.model, adapter_source, running_keys=self._running_lora_keys,
-                gpu_utilization=cc.gpu_memory_utilization,
-            )
-        self.model.lora = self.lora_manager.hook
+            self.lora_manager = LoRAManager(config.lora, self.model, adapter_source,
+                                            gpu_utilization=cc.gpu_memory_utilization)
         num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, mc.attention_backend)
-        self.generator = torch.Generator().manual_seed(mc.seed)
-        self.eos_token_ids = self._eos_ids()
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size,
+                                  config.model.attention_backend, adapters=self.lora_manager)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.sampler = Sampler(dims.vocab_size, self.eos_token_ids, self.generator)
+        self.sampler = Sampler(dims.vocab_size, self.eos_token_ids,
+                               torch.Generator().manual_seed(config.model.seed))
         so = config.structured
         self.structured = StructuredOutputManager(
             self.tokenizer, dims.vocab_size, so.grammar_cache_size, so.grammar_compile_timeout
@@ -145,49 +98,25 @@ class LLMEngine:
         self.num_steps = 0
         """Steps that ran a plan since start (``EngineStats.num_steps``)."""
         self._cycle: tuple[SchedulerOutput, float, int] | None = None
+        """The last step (plan, start, forks) until its cycle ends: see :meth:`_end_cycle`."""
         self._awaiting_adapter: dict[str, Request] = {}
         """Requests whose adapter was not in a slot yet (their adapter-load wait runs)."""
-        """The last step, until its cycle ends (plan, start, forks): see _observe_cycle."""
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
-            model_path.name, dtype, self.device, num_blocks, cc.block_size, self.max_model_len,
+            self.model_path.name, base.dtype, self.device, num_blocks, cc.block_size,
+            self.max_model_len,
         )
 
     def _make_scheduler(self) -> Scheduler:
         spec = self.config.speculative
         drafter = Drafter(spec, self.max_model_len) if spec is not None else None
         return Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.lora_manager,
-                         outputs=self.output_processor, drafter=drafter)
-
-    def _running_lora_keys(self) -> set[str]:
-        return {s.lora_key for s in self.scheduler.running if s.lora_key is not None}
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        gen_cfg = self.model_path / "generation_config.json"
-        if gen_cfg.is_file():
-            import json
-
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return ids
+                         drafter=drafter)
 
     # --- requests -------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": ...}``."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
-            raise PromptError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise PromptError(f"unsupported prompt type {type(prompt).__name__}")
+        return tokenize(self.tokenizer, prompt)
 
     def add_request(
         self,
@@ -209,55 +138,25 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids = self.tokenize(prompt)
-        if not ids:
-            raise PromptError("the prompt is empty")
-        vocab = self.model.dims.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise PromptError(f"prompt token ids must be in [0, {vocab})")
-        params.verify_vocab(vocab)
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {len(ids)} tokens, leaving no room for output. Please reduce "
-                f"the length of the prompt.", "prompt"
-            )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Please reduce the length of the "
-                f"prompt or max_tokens.", "max_tokens"
-            )
+        check_prompt(ids, params, self.model.dims.vocab_size, self.max_model_len)
         lora_key = None
         if lora_request is not None:
             self.lora_manager.register(lora_request)
             lora_key = lora_request.key
         sc = self.config.scheduler
-        if sc.max_waiting is not None and self._queue_full_for(fairness_key, sc.max_waiting):
+        if sc.max_waiting is not None and queue_full_for(self.scheduler.waiting, fairness_key,
+                                                         sc.max_waiting):
             raise QueueFullError(f"the waiting queue is full ({sc.max_waiting} requests)")
-        seqs = []
-        for i in range(params.best_of):
-            seq = Sequence(request_id, i, ids, params, lora_key, fairness_key=fairness_key,
-                           fairness_weight=weight)
-            seq.adapter_id = _prefix_cache_id(
-                lora_request.prefix_cache_id if lora_request is not None else None,
-                self.model.prefix_cache_salt(len(ids)),
-            )
-            if params.prompt_logprobs is not None and len(ids) == 1:
-                seq.prompt_logprobs = [None]
-            if params.structured_outputs is not None:
-                seq.grammar = self.structured.matcher(params.structured_outputs)
-            if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed + i * 1_000_003)
-            seqs.append(seq)
+        cache_id = prefix_cache_id(lora_request.prefix_cache_id if lora_request is not None else None,
+                                   self.model.prefix_cache_salt(len(ids)))
+        seqs = make_sequences(request_id, ids, params, lora_key, cache_id, fairness_key, weight,
+                              self.structured.matcher)
         req = Request(request_id, text, ids, params, seqs, lora_request)
         if lora_key is None or self.lora_manager.is_resident(lora_key):
             req.metrics.adapter_ready_time = req.metrics.arrival_time
         else:
             self._awaiting_adapter[request_id] = req
-        # one prefill: the siblings fork from the first sequence once its prompt is computed
-        self.scheduler.add(seqs[0])
-        seqs[0].pending_forks = seqs[1:]
+        self.scheduler.add(seqs[0])  # one prefill: the siblings fork from it (pending_forks)
         self.requests[request_id] = req
         return req
 
@@ -271,8 +170,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        if not self.requests:  # the engine goes idle: the last step's cycle ends now
-            self._observe_cycle(time.perf_counter())
+        self._end_cycle_if_idle()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -284,93 +182,84 @@ class LLMEngine:
         return [r.to_output() for r in self.step_requests()]
 
     def step_requests(self) -> list[Request]:
-        """Like ``step`` but returns the Request records (the async engine snapshots them).
-        The three phases, each handing plain data to the next: the scheduler's plan, the
-        runner's :meth:`execute`, the scheduler's ``update_from_output``; then the requests'
-        bookkeeping."""
-        t0 = time.perf_counter()
-        self._observe_cycle(t0)
-        if self._awaiting_adapter:
-            self._note_adapters_ready()
-        failed = self._fail_broken_adapters()
+        """Like ``step`` but returns the Request records (the async engine snapshots them)."""
+        started = time.perf_counter()
+        self._end_cycle(started)
+        failed = self._adapter_events()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self.lora_manager.poll(wait=0.005)
             return failed
-        output = self.execute(plan)
-        self.num_steps += 1
-        outcome = self.scheduler.update_from_output(plan, output)
-        done = self._settle(outcome)
-        if output.error is None:
-            self._cycle = (plan, t0, outcome.num_forks)
-            if not self.requests:  # nothing follows at once: the step ends here
-                self._observe_cycle(time.perf_counter())
+        output = self.runner.execute(plan)
+        sampled = self.output_processor.sample(output, self.scheduler.seqs)
+        outcome = self.scheduler.update_from_output(plan, sampled)
+        done = self._settle(plan, outcome, started)
         seen = {r.request_id for r in done}
         return [*(r for r in failed if r.request_id not in seen), *done]
 
-    def _note_adapters_ready(self) -> None:
-        """Stamp the requests whose adapter reached a slot since the last step."""
+    def _adapter_events(self) -> list[Request]:
+        """One pass before each step over what the adapters did since the last: the requests
+        of adapters that failed to load or were marked broken end (the error attached), and
+        those whose adapter reached a slot (or that were scheduled) get their adapter-ready
+        time. Returns the ended requests."""
+        broken = self.lora_manager.failed()
+        if not broken and not self._awaiting_adapter:
+            return []
         now = time.monotonic()
-        for rid, req in list(self._awaiting_adapter.items()):
-            key = req.lora_request.key
-            if req.finished or req.aborted:
-                del self._awaiting_adapter[rid]
-            elif self.lora_manager.is_resident(key) or req.metrics.first_scheduled_time is not None:
+        ended = []
+        for req in list(self.requests.values() if broken else self._awaiting_adapter.values()):
+            key = req.lora_request.key if req.lora_request is not None else None
+            if key in broken:
+                req.error = broken[key]
+                self.abort_request(req.request_id)
+                ended.append(req)
+            elif req.request_id in self._awaiting_adapter and (
+                    self.lora_manager.is_resident(key) or req.metrics.first_scheduled_time is not None):
                 req.metrics.adapter_ready_time = now
-                del self._awaiting_adapter[rid]
+                del self._awaiting_adapter[req.request_id]
+        for rid in [rid for rid, req in self._awaiting_adapter.items() if req.finished]:
+            del self._awaiting_adapter[rid]
+        return ended
 
-    def _observe_cycle(self, now: float) -> None:
-        """Feed the step budget the last step's whole cycle: from its planning to the start of
-        the next step (outputs delivered, commands run), the gap a decode row sees between two
-        tokens; a step after which the engine had nothing left is measured to its own end."""
-        if self._cycle is None:
-            return
-        plan, t0, forks = self._cycle
-        self._cycle = None
-        self.scheduler.observe_step(plan, now - t0, extra_rows=forks)
-
-    def execute(self, plan: SchedulerOutput) -> ModelOutput:
-        """Phase 2: order the rows, run the model with the step's adapters; a batch-level
-        failure (e.g. an allocation) comes back as ``ModelOutput.error``."""
-        try:
-            batch = self.runner.order(plan, self.lora_manager.slot_of)
-            now = time.monotonic()
-            for row in batch.rows:
-                metrics = self.requests[row.request_id].metrics
-                if metrics.first_scheduled_time is None:
-                    metrics.first_scheduled_time = now
-            self.lora_manager.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
-            try:
-                logits, prompt_logits, draft_logits = self.runner.execute(batch, plan.copies)
-            finally:
-                self.lora_manager.finish_step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
-            return ModelOutput(plan.scheduled, error=exc)
-        return ModelOutput(batch.rows, logits, prompt_logits, draft_logits)
-
-    def _settle(self, outcome: StepOutcome) -> list[Request]:
-        """The requests' side of a step: failed ones end (error attached), timestamps, and
-        finished ones leave the table. Returns the requests that changed."""
+    def _settle(self, plan: SchedulerOutput, outcome: StepOutcome, started: float) -> list[Request]:
+        """The requests' side of a step: failed ones end (error attached), timestamps and
+        inter-token latencies, and finished ones leave the table. Returns the requests that
+        changed."""
+        self.num_steps += 1
+        scheduled_at = time.monotonic() - (time.perf_counter() - started)
+        for row in plan.scheduled:
+            req = self.requests.get(row.request_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = scheduled_at
         touched = {rid: self.requests[rid] for rid in outcome.advanced if rid in self.requests}
         for req in self.fail_requests(outcome.failed):
             touched[req.request_id] = req
         now = time.monotonic()
         target = self.scheduler.itl_target()
         for req in touched.values():
-            m = req.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            elif m.last_token_time is not None:
-                gap = now - m.last_token_time
-                m.inter_token_latencies.append(gap)
-                if target is not None and gap > target:
-                    m.itl_misses += 1
-            m.last_token_time, m.itl_target = now, target
+            req.metrics.record_token(now, target)
             if req.finished:
                 req.metrics.finished_time = now
                 self.requests.pop(req.request_id, None)
+        if outcome.error is None:  # a failed batch is no measure of a step's cost
+            self._cycle = (plan, started, outcome.num_forks)
+        self._end_cycle_if_idle()
         return list(touched.values())
+
+    def _end_cycle(self, now: float) -> None:
+        """Feed the step budget the last step's whole cycle: from its planning to the start of
+        the next step (outputs delivered, commands run), the gap a decode row sees between two
+        tokens; a step after which the engine had nothing left is measured to its own end."""
+        if self._cycle is None:
+            return
+        plan, started, forks = self._cycle
+        self._cycle = None
+        self.scheduler.observe_step(plan, now - started, extra_rows=forks)
+
+    def _end_cycle_if_idle(self) -> None:
+        """The engine went idle (its last request settled or was aborted): the cycle ends now."""
+        if not self.requests:
+            self._end_cycle(time.perf_counter())
 
     def fail_requests(self, culprits: dict[str, Exception]) -> list[Request]:
         """End these requests (their blocks freed): an :class:`EngineStepError` as it is,
@@ -389,16 +278,61 @@ class LLMEngine:
             out.append(req)
         return out
 
-    def _queue_full_for(self, fairness_key: str | None, max_waiting: int) -> bool:
-        """Past ``max_waiting`` a request is refused only when its key already holds its
-        share of the queue (``max_waiting`` ÷ the keys waiting, itself included): one key's
-        flood fills the queue for itself, never for a neighbour."""
-        waiting = self.scheduler.waiting
-        if len(waiting) < max_waiting:
-            return False
-        per_key = Counter(seq.fairness_key for seq in waiting)
-        keys = len(per_key) + (fairness_key not in per_key)
-        return per_key[fairness_key] >= max_waiting // keys
+    # --- adapters and grammars (AsyncEngine hands each call to the engine thread) -----------
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora_manager.enabled
+
+    def poll_adapters(self) -> None:
+        """Apply finished background loads and pending evictions (idle turns of the loop)."""
+        self.lora_manager.poll()
+
+    def register_adapter(self, request: LoRARequest) -> None:
+        """Make an adapter known (its config checked; weights fetched on first load)."""
+        self.lora_manager.register(request)
+
+    def evict_adapter(self, key: str) -> tuple[bool, bool]:
+        """Free the adapter's device slot: ``(done, deferred)``; deferred = it is in use and
+        leaves its slot once its running requests finish; done False = not in a slot."""
+        freed = self.lora_manager.evict(key)
+        return freed, freed and self.lora_manager.is_evict_pending(key)
+
+    def pin_adapter(self, key: str) -> None:
+        """Keep the adapter resident (never evicted); starts its load."""
+        self.lora_manager.pin(key)
+
+    def unpin_adapter(self, key: str) -> None:
+        """Let the adapter be evicted again."""
+        self.lora_manager.unpin(key)
+
+    def warm_adapter(self, key: str) -> bool | None:
+        """Bring the adapter into a device slot: True once it sits there, None while its load
+        runs (ask again), False when every slot is busy or pinned."""
+        if self.lora_manager.warm(key):
+            return True
+        return None if self.lora_manager.is_loading(key) else False
+
+    def drop_adapter(self, key: str, error: Exception) -> list[Request]:
+        """A deleted or replaced adapter version leaves: its queued requests fail now with
+        ``error`` (running ones finish on the weights they started with), then its weights
+        are dropped. Returns the failed requests."""
+        failed = self.abort_waiting(key, error)
+        self.lora_manager.drop(key)
+        return failed
+
+    def adapter_snapshot(self) -> ResidencySnapshot:
+        """The adapters' residency as plain data (empty without LoRA)."""
+        return self.lora_manager.snapshot()
+
+    def add_adapter_listener(self, listener: AdapterListener) -> Callable[[], None]:
+        """Hear ``(event, key)`` for adapter loads, evictions, drops and broken marks (on the
+        engine thread); returns the remover. Without LoRA nothing is ever heard."""
+        return self.lora_manager.add_listener(listener)
+
+    async def prepare_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a request's grammar before it is added (any thread: compiled off the engine
+        thread with a time limit; ``add_request`` then finds it cached)."""
+        await self.structured.prepare(spec)
 
     def abort_waiting(self, lora_key: str, error: Exception) -> list[Request]:
         """Fail at once, with ``error``, every request of adapter ``lora_key`` that waits in
@@ -446,13 +380,7 @@ class LLMEngine:
         """Hear the prefix cache's keys change (:class:`KVEventListener`, on the engine
         thread, inside the step; it survives a restart and hears the cleared cache then).
         Returns the function that removes it."""
-        listeners = self.kv.listeners
-        listeners.append(listener)
-
-        def remove() -> None:
-            if listener in listeners:
-                listeners.remove(listener)
-        return remove
+        return self.kv.add_listener(listener)
 
     def load_report(self, residency: ResidencySnapshot | None = None) -> LoadReport:
         """What a load-aware router reads of this engine: the counters, the adapters of the
@@ -466,17 +394,3 @@ class LLMEngine:
             num_kv_blocks=self.kv.pool.num_blocks, block_size=self.kv.block_size,
             taken_at=time.time(),
         )
-
-    def _fail_broken_adapters(self) -> list[Request]:
-        """Finish the requests whose adapter failed to load, with the load error attached."""
-        broken = self.lora_manager.failed()
-        if not broken:
-            return []
-        out = []
-        for req in list(self.requests.values()):
-            key = req.lora_request.key if req.lora_request is not None else None
-            if key in broken:
-                req.error = broken[key]
-                self.abort_request(req.request_id)
-                out.append(req)
-        return out

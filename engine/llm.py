@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
@@ -60,9 +62,7 @@ class LLM:
         """Options as in ``vllm.LLM``; their defaults are the engine's (``engine/config.py``).
         ``speculative_config``: vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens":
         4, "prompt_lookup_max": 4}`` (``engine/spec_decode/config.py``)."""
-        ignored = {k for k in unused if k not in _VLLM_ACCEPTED}
-        if ignored:
-            raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(ignored)}")
+        check_vllm_arguments(unused)
         config = EngineConfig.from_options(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
             max_model_len=max_model_len, attention_backend=attention_backend,
@@ -181,8 +181,45 @@ def _per_prompt(value, n: int, name: str) -> list:
     return [value] * n
 
 
-# vLLM constructor arguments that are accepted and have no effect here.
-_VLLM_ACCEPTED = {
-    "trust_remote_code", "tensor_parallel_size", "disable_log_stats",
-    "swap_space", "quantization", "revision", "tokenizer_mode", "download_dir",
+@dataclass(frozen=True)
+class _Unserved:
+    """A ``vllm.LLM`` argument this engine does not act on."""
+
+    default: object
+    """vLLM's default: passing it changes nothing, so nothing is said."""
+    refuse: bool
+    """True: any other value is an error (the caller asked for something this engine does not
+    do); False: a warning naming it (the value has no effect here)."""
+    why: str
+
+
+_VLLM_UNSERVED: dict[str, _Unserved] = {
+    "tensor_parallel_size": _Unserved(1, True, "this engine runs one process on one device"),
+    "quantization": _Unserved(None, True, "quantized checkpoints are not supported yet: serve "
+                              "an unquantized (float32 / bfloat16) checkpoint"),
+    "swap_space": _Unserved(4, False, "preempted sequences are recomputed, never swapped"),
+    "trust_remote_code": _Unserved(False, False, "no remote code is run: every family has its "
+                                   "own implementation here"),
+    "revision": _Unserved(None, False, "models are local folders (no hub download)"),
+    "download_dir": _Unserved(None, False, "models are local folders (no hub download)"),
+    "tokenizer_mode": _Unserved("auto", False, "the tokenizer is always transformers' "
+                                "AutoTokenizer of the model folder"),
+    "disable_log_stats": _Unserved(False, False, "the engine logs no periodic stats; its "
+                                   "counters are in LLM.llm_engine.stats()"),
 }
+"""vLLM constructor arguments accepted for compatibility that this engine does not act on."""
+
+
+def check_vllm_arguments(kwargs: dict) -> None:
+    """Refuse unknown arguments, and vLLM arguments asking for what this engine does not do
+    (ValueError naming them); warn about those whose value has no effect here."""
+    unknown = sorted(k for k in kwargs if k not in _VLLM_UNSERVED)
+    if unknown:
+        raise TypeError(f"LLM() got unexpected keyword arguments: {unknown}")
+    for name, value in kwargs.items():
+        arg = _VLLM_UNSERVED[name]
+        if value == arg.default:
+            continue
+        if arg.refuse:
+            raise ValueError(f"{name}={value!r} is not supported: {arg.why}")
+        warnings.warn(f"LLM(): {name}={value!r} has no effect: {arg.why}", UserWarning, stacklevel=3)

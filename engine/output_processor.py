@@ -1,9 +1,13 @@
-"""Tokens from a step's logits: the part of :meth:`Scheduler.update_from_output
-<loramux.engine.scheduler.Scheduler.update_from_output>` that reads numbers.
+"""The sample phase of a step: tokens from the step's logits (between the runner's
+``execute`` and :meth:`Scheduler.update_from_output
+<loramux.engine.scheduler.Scheduler.update_from_output>`, which reads only the ids).
 
-The scheduler hands it the rows' sequences; it checks the numbers, records prompt logprobs,
-masks grammars, samples and postprocesses (detokenize, stop checks) through the
-collaborators it is built with. It knows no queue, KV cache or request table. A row fails
+Given the model output and the sequences of its rows, it checks the numbers, records prompt
+logprobs, masks grammars, samples (``n`` / ``best_of`` siblings from their parent's row),
+verifies drafts and postprocesses (append, logprobs, detokenize, stop checks: a stop sets
+the sequence's ``finish_reason``) through the collaborators it is built with, and returns a
+plain-data :class:`~loramux.engine.step_data.SampledOutput`. It knows no queue, KV cache or
+request table and never changes a sequence's status. A row fails
 only its own request: a sampler or postprocessing error lands in the step's failures, and a
 row whose logits are not finite (NaN/Inf: the hidden state overflowed) fails with
 :class:`AdapterNumericsError` naming the adapter, which is marked broken (evicted, its other
@@ -12,6 +16,7 @@ requests failed, refused until replaced). The other rows of the step go on.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -20,10 +25,13 @@ from loramux.engine.errors import AdapterNumericsError
 from loramux.engine.postprocess import Postprocessor
 from loramux.engine.sampler import SamplerOutput
 from loramux.engine.sequence import Sequence
-from loramux.engine.step_data import ModelOutput
+from loramux.engine.spec_decode.verify import verify_drafts
+from loramux.engine.step_data import ModelOutput, SampledOutput, SampledSeq
 
 
 class SampleFn(Protocol):
+    vocab_size: int
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """One token per row of ``logits`` [B, V] with ``seqs[i]``'s parameters."""
 
@@ -73,12 +81,57 @@ class OutputProcessor:
         self.structured = structured
         self.adapters = adapters
 
-    def check_rows(self, out: ModelOutput, seqs: list[Sequence]) -> dict[str, Exception]:
+    @property
+    def vocab_size(self) -> int:
+        return self.sampler.vocab_size
+
+    def sample(self, output: ModelOutput, seqs: Mapping[int, Sequence]) -> SampledOutput:
+        """The sample phase of a step (engine thread, after the runner's ``execute``):
+        ``seqs`` finds each row's sequence by id. A row whose prompt is now computed samples
+        its token, and one for each of its pending ``n`` / ``best_of`` siblings; a verify
+        row accepts drafts; a prompt chunk's row takes nothing."""
+        if output.error is not None:
+            return SampledOutput(failed={r.request_id: output.error for r in output.rows},
+                                 error=output.error)
+        row_seqs = [seqs[r.seq_id] for r in output.rows]
+        bad, nonfinite = self.check_rows(output, row_seqs)
+        before = {}
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        verify_rows: list[int] = []
+        verify_seqs: list[Sequence] = []
+        for i, (row, seq) in enumerate(zip(output.rows, row_seqs, strict=True)):
+            if row.request_id in bad:
+                continue
+            if row.num_draft_tokens:
+                verify_rows.append(i)
+                verify_seqs.append(seq)
+            elif row.num_computed_tokens + row.num_new_tokens >= seq.num_tokens:
+                sample_rows.extend([i] * (1 + len(seq.pending_forks)))
+                sample_seqs.extend([seq, *seq.pending_forks])
+            for s in (seq, *seq.pending_forks):
+                before[s.seq_id] = s.num_tokens
+        took = []
+        if sample_rows:
+            took += [self._took(s, before[s.seq_id])
+                     for s in self.sample_rows(output.logits, sample_rows, sample_seqs, bad)]
+        if verify_rows:
+            took += [self._took(v.seq, before[v.seq.seq_id], v.num_drafted, v.num_accepted)
+                     for v in verify_drafts(self, output, verify_rows, verify_seqs, bad)]
+        return SampledOutput(took, bad, nonfinite)
+
+    @staticmethod
+    def _took(seq: Sequence, num_tokens_before: int, drafted: int = 0, accepted: int = 0) -> SampledSeq:
+        return SampledSeq(seq.seq_id, seq.token_ids[num_tokens_before:], seq.finish_reason,
+                          drafted, accepted)
+
+    def check_rows(self, out: ModelOutput, seqs: list[Sequence]) -> tuple[dict[str, Exception], list[int]]:
         """Called first on a step's output (``seqs[i]`` is row i's sequence): fails the
         requests of non-finite rows and records the prompt logprobs of the rows that asked.
-        Returns the failed requests (request id -> error)."""
+        Returns the failed requests (request id -> error) and the non-finite rows."""
         bad: dict[str, Exception] = {}
-        for row in sorted(nonfinite_rows(out)):
+        nonfinite = sorted(nonfinite_rows(out))
+        for row in nonfinite:
             seq = seqs[row]
             bad.setdefault(seq.request_id, self._numerics(seq))
         for row, rows in out.prompt_logits.items():
@@ -89,10 +142,14 @@ class OutputProcessor:
                 self.postprocessor.record_prompt_logprobs(seq, rows)
             except Exception as exc:
                 bad[seq.request_id] = exc
-        return bad
+        return bad, nonfinite
 
-    def sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
-               bad: dict[str, Exception]) -> list[Sequence]:
+    def accept_pick(self, seq: Sequence, token: int) -> None:
+        """Postprocess ``token``, picked outside the sampler (a greedy verify row's argmax)."""
+        self.postprocessor.accept(seq, 0, SamplerOutput([token], None, None, None, None))
+
+    def sample_rows(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
+                    bad: dict[str, Exception]) -> list[Sequence]:
         """Sample one token for each sequence, ``seqs[i]`` from row ``rows[i]`` of the step's
         ``logits`` [B, V] (forks share their parent's row), and postprocess it. When the
         batched sampler fails, each row is sampled alone to find the culprits; a request

@@ -59,6 +59,18 @@ class RequestMetrics:
     itl_misses: int = 0
     """Gaps in :attr:`inter_token_latencies` longer than the target of their moment."""
 
+    def record_token(self, now: float, itl_target: float | None) -> None:
+        """The request advanced at ``now`` (settling a step): its first token, or one more gap
+        between tokens, a miss when longer than ``itl_target`` (seconds; None: no target)."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None:
+            gap = now - self.last_token_time
+            self.inter_token_latencies.append(gap)
+            if itl_target is not None and gap > itl_target:
+                self.itl_misses += 1
+        self.last_token_time, self.itl_target = now, itl_target
+
     def timing(self) -> dict[str, float] | None:
         """Seconds spent in each phase, once it has a first token: ``queue`` (arrival to
         first scheduled step), ``adapter_load`` (the part of the queue wait its adapter was

@@ -8,15 +8,16 @@ import torch
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.outputs import Logprob
 from loramux.engine.sampler import SamplerOutput
-from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.sequence import Sequence
 
 LOGPROB_ROWS = 128
 """Prompt positions whose logprobs are computed at once (bounds the [rows, vocab] temporaries)."""
 
 
 class Postprocessor:
-    """Applies a step's picks to sequences and decides when they finish (called by the
-    :class:`~loramux.engine.output_processor.OutputProcessor`, engine thread)."""
+    """Applies a step's picks to sequences and decides when they stop (called by the
+    :class:`~loramux.engine.output_processor.OutputProcessor`, engine thread): a stop sets
+    ``finish_reason`` / ``stop_reason``, and the scheduler finishes the sequence."""
 
     def __init__(self, detokenizer: Detokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
         self.detok = detokenizer
@@ -24,7 +25,7 @@ class Postprocessor:
         self.max_model_len = max_model_len
 
     def accept(self, seq: Sequence, row: int, out: SamplerOutput) -> None:
-        """Append the row's token to ``seq`` and mark it finished when a limit is hit."""
+        """Append the row's token to ``seq`` and set its ``finish_reason`` when a limit is hit."""
         token = out.token_ids[row]
         seq.append_token(token)
         p = seq.params
@@ -86,4 +87,3 @@ class Postprocessor:
     def _finish(seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        seq.status = SequenceStatus.FINISHED

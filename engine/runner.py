@@ -1,4 +1,5 @@
-"""Model runner: turns a plain-data SchedulerOutput into tensors, runs the model, returns logits.
+"""Model runner: the execute phase of a step. Turns a plain-data SchedulerOutput into
+tensors, lays out the step's adapters, runs the model and returns a ModelOutput of logits.
 
 Owns the KV cache tensors. Rows of a step: decode sequences first (one token
 each), then prefilling sequences (this step's chunk of their prompt, contiguous,
@@ -9,8 +10,9 @@ cache). Copy-on-write block copies of the plan run before the forward pass.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,7 +21,10 @@ from loramux.engine.config import CacheConfig
 from loramux.engine.model.attention import build_step_attention
 from loramux.engine.model.cpu_attention import kernel_available
 from loramux.engine.model.decoder import DecoderModel
-from loramux.engine.step_data import ScheduledRow, SchedulerOutput
+from loramux.engine.step_data import ModelOutput, ScheduledRow, SchedulerOutput
+
+if TYPE_CHECKING:
+    from loramux.engine.model.decoder import LoRAHook
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,23 @@ class StepBatch:
     @property
     def num_new_tokens(self) -> list[int]:
         return [r.num_new_tokens for r in self.rows]
+
+
+class StepAdapters(Protocol):
+    """What the runner asks of the adapter manager for each step."""
+
+    hook: LoRAHook | None
+    """What the model calls per LoRA layer (None: no LoRA layers run)."""
+
+    @property
+    def slot_of(self) -> Mapping[str, int]:
+        """Adapter -> device slot of the resident adapters."""
+
+    def prepare_step(self, row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
+        """Lay out a step's adapters, before its forward pass."""
+
+    def finish_step(self) -> None:
+        """After the step's forward pass (also a failed one)."""
 
 
 def plan_num_blocks(model: DecoderModel, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
@@ -73,9 +95,12 @@ class ModelRunner:
     """Builds the step's tensors and runs the forward pass."""
 
     def __init__(
-        self, model: DecoderModel, num_blocks: int, block_size: int, attention_backend: str = "auto"
+        self, model: DecoderModel, num_blocks: int, block_size: int, attention_backend: str = "auto",
+        adapters: StepAdapters | None = None,
     ) -> None:
+        """``adapters``: the adapter slots of the steps (None: base-model rows only)."""
         self.model = model
+        self.adapters = adapters
         # CPU: the compiled kernel reads K/V blocks in place (installed with the package; logged fallback)
         self.cpu_kernel = (
             model.device.type == "cpu" and attention_backend == "auto" and kernel_available()
@@ -110,8 +135,25 @@ class ModelRunner:
             prefill.sort(key=key)
         return StepBatch(decode + prefill, len(decode))
 
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """The execute phase: order the plan's rows, lay out their adapters, run the model; a
+        batch-level failure (e.g. an allocation) comes back as ``ModelOutput.error``."""
+        adapters = self.adapters
+        try:
+            batch = self.order(plan, adapters.slot_of if adapters is not None else {})
+            if adapters is None:
+                return ModelOutput(batch.rows, *self.run_batch(batch, plan.copies))
+            adapters.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
+            try:
+                return ModelOutput(batch.rows, *self.run_batch(batch, plan.copies))
+            finally:
+                adapters.finish_step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
+            return ModelOutput(plan.scheduled, error=exc)
+
     @torch.inference_mode()
-    def execute(
+    def run_batch(
         self, batch: StepBatch, copies: list[tuple[int, int]] = ()
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Run one step after copying the ``copies`` blocks (copy-on-write). Returns logits
@@ -165,6 +207,7 @@ class ModelRunner:
             self.kv_caches,
             torch.cat(logit_rows).to(dev),
             prompt_lens.to(dev),
+            lora=self.adapters.hook if self.adapters is not None else None,
         )
         b = len(rows)
         extra = {row: logits[o : o + c] for row, (o, c) in prompt_rows.items()}

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field, fields
 
 from loramux.engine.errors import SamplingParamError
-from loramux.engine.structured_output import StructuredOutputsParams
+from loramux.engine.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,14 @@ class SamplingParams:
             self.top_k = 0
 
     def _verify(self) -> None:
+        """Every field's vLLM check (``SamplingParamError`` names the field)."""
+        self._verify_counts()
+        self._verify_distribution()
+        self._verify_lengths()
+        self._verify_token_lists()
+
+    def _verify_counts(self) -> None:
+        """n, best_of and beam search's flags."""
         _int("n", self.n)
         if self.n < 1:
             raise SamplingParamError("n", f"n must be at least 1, got {self.n}.")
@@ -132,6 +140,9 @@ class SamplingParams:
                 "best_of",
                 f"best_of must be 1 (or equal to n) when using greedy sampling, got {self.best_of}."
             )
+
+    def _verify_distribution(self) -> None:
+        """Penalties, temperature, top-p / top-k / min-p."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = _number(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
@@ -150,6 +161,9 @@ class SamplingParams:
             raise SamplingParamError("top_k", f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
             raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+
+    def _verify_lengths(self) -> None:
+        """max/min tokens, logprob counts and the seed."""
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -174,6 +188,9 @@ class SamplingParams:
                     raise SamplingParamError(name, f"{name} must be non-negative, got {value}.")
         if self.seed is not None:
             _int("seed", self.seed)
+
+    def _verify_token_lists(self) -> None:
+        """Stop strings and ids, logit bias, allowed tokens."""
         for s in self.stop_strings:
             if not isinstance(s, str):
                 raise SamplingParamError("stop", f"stop must be a string or a list of strings, got {s!r}.")

@@ -18,10 +18,12 @@ starving and ranks first, and when no slot is free the busy adapter with the lea
 work stops admitting, then is preempted ``starvation_steps`` later: a sequence whose adapter
 is loaded starts within ``2 * starvation_steps + 2`` steps of its first skip. A waiting
 sequence starts after its longest prefix found in the KV cache's prefix cache.
-It knows nothing of the model: it hands a plain-data :class:`SchedulerOutput` to the runner
-and takes the runner's :class:`ModelOutput` back in :meth:`Scheduler.update_from_output`,
-where the rows' sequences advance, fork, sample (through an :class:`OutputProcessor`) and
-finish, as in vLLM v1 and nano-vllm.
+It knows nothing of the model, logits, grammars or text: it hands a plain-data
+:class:`SchedulerOutput` to the runner and takes the sample phase's :class:`SampledOutput`
+(each sequence's new token ids and whether a stop condition hit) back in
+:meth:`Scheduler.update_from_output`, where the rows' sequences advance their KV, fork and
+finish, as in vLLM v1 and nano-vllm. It alone moves a sequence between waiting, running and
+finished.
 """
 
 from __future__ import annotations
@@ -33,12 +35,10 @@ from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
 from loramux.engine.fairness import DECODE_COST, FairnessPolicy, make_policy
 from loramux.engine.lora.admission import AdapterGate, SlotAdmission
-from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.sequence import Sequence, SequenceStatus
-from loramux.engine.spec_decode.drafter import Drafter, cost_ratio
-from loramux.engine.spec_decode.verify import verify_drafts
-from loramux.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, StepShape
-from loramux.engine.step_data import ModelOutput, SchedulerOutput, StepOutcome
+from loramux.engine.spec_decode.drafter import Drafter
+from loramux.engine.step_budget import MIN_CHUNK_TOKENS, StepBudget, StepLimits, StepShape
+from loramux.engine.step_data import SampledOutput, SampledSeq, SchedulerOutput, StepOutcome
 from loramux.engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,10 @@ class Scheduler:
         adapters: AdapterGate | None = None,
         policy: FairnessPolicy | None = None,
         *,
-        outputs: OutputProcessor,
         drafter: Drafter | None = None,
     ) -> None:
-        """``adapters``: the adapter slots admission asks (None: adapter requests wait);
-        ``outputs``: what turns a step's logits into tokens (:meth:`update_from_output`);
+        """``adapters``: the adapter slots admission asks (None: adapter requests wait; it
+        also hears the running sequences' adapters after every change, ``note_running``);
         ``drafter``: speculative decoding's drafts for decode rows (None = off)."""
         self.drafter = drafter
         self.config = config
@@ -68,7 +67,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.token_budget(max_model_len)
         self.adapters = adapters
-        self.outputs = outputs
         self.slot_admission = SlotAdmission(adapters, config.starvation_steps)
         # A key may displace another's running sequence once it is behind by more than one
         # full decode step's charge: small enough that a newcomer beside a flood that holds
@@ -84,8 +82,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.budget = StepBudget(config.target_itl_ms) if config.enable_step_budget else None
         """The step-time budget (None = token/sequence limits only)."""
-        self._prefill_cap: int | None = None  # this step's prompt tokens (step budget)
-        self._draft_weight = 1.0  # prompt tokens of the cap one draft token costs
 
     # --- queue ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -123,7 +119,12 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks at once."""
+        """Drop a finished or aborted sequence and free its blocks at once (the engine calls
+        it to abort one; the step's own finishes happen in :meth:`update_from_output`)."""
+        self._finish(seq)
+        self._note_running()
+
+    def _finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
             self.policy.on_finish(seq)
@@ -146,92 +147,72 @@ class Scheduler:
         part-way through their prefill, then waiting sequences in the order the
         admission policy gives, each taking as much of the remaining token budget as
         it needs (a chunk of it when chunked prefill is on)."""
-        plan = StepPlan()
-        self._prefill_cap = None
+        plan = StepPlan(self._limits())
         self._schedule_running(plan)
         self._continue_prefills(plan)
         if not plan.preempted:
             self._admit_waiting(plan)
         for s in plan.items:
             self.policy.charge(s.seq, s.num_new_tokens, s.is_prefill)
+        self._note_running()
         return plan.output()
 
-    # --- after the model ran ---------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, output: ModelOutput) -> StepOutcome:
-        """Apply a step's model output to its sequences; called once per step, after the
-        runner. Every row advances its computed tokens (the KV blocks that became full join
-        the prefix cache); a row whose prompt is now computed forks its pending ``n`` /
-        ``best_of`` siblings (sharing its blocks) and samples, for itself and for each of
-        them, through :attr:`outputs`; finished sequences leave and free their blocks. A
-        row's failure fails only its request; a batch-level error fails the plan's."""
-        outcome = StepOutcome()
-        if output.error is not None:
-            outcome.failed = {r.request_id: output.error for r in plan.scheduled}
+    # --- after the model ran and its rows were sampled ----------------------------------
+    def update_from_output(self, plan: SchedulerOutput, sampled: SampledOutput) -> StepOutcome:
+        """Apply a step's sampled tokens to its sequences; called once per step, after the
+        sample phase. Every row advances its computed tokens (the KV blocks that became full
+        join the prefix cache); a row whose prompt is now computed forks its pending ``n`` /
+        ``best_of`` siblings (sharing its blocks; they sampled its row); a verify row keeps the
+        KV of its accepted drafts only; sequences whose stop condition hit finish and free
+        their blocks. A failed request's rows are left as they were (the engine ends it)."""
+        outcome = StepOutcome(failed=dict(sampled.failed), error=sampled.error)
+        if sampled.error is not None:
             return outcome
-        seqs = [self.seqs[r.seq_id] for r in output.rows]
-        bad = self.outputs.check_rows(output, seqs)
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        verify_rows: list[int] = []
-        verify_seqs: list[Sequence] = []
-        for i, (row, seq) in enumerate(zip(output.rows, seqs, strict=True)):
-            if row.request_id in bad:
+        took = {s.seq_id: s for s in sampled.seqs}
+        for row in plan.scheduled:
+            if row.request_id in outcome.failed:
                 continue
+            seq = self.seqs[row.seq_id]
             if row.num_draft_tokens:
-                seq.num_computed_tokens += 1  # the last token; the drafts count once accepted
-                verify_rows.append(i)
-                verify_seqs.append(seq)
+                if row.seq_id in took:
+                    self._settle_verified(seq, took[row.seq_id])
                 continue
             seq.num_computed_tokens += row.num_new_tokens
             self.kv.register_computed(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk: nothing to sample yet
-            sample_rows.append(i)
-            sample_seqs.append(seq)
+            if row.seq_id not in took:
+                continue  # a prompt chunk: nothing was sampled
             for child in seq.pending_forks:
                 self.kv.fork(seq, child)
                 self.add_fork(child)
-                sample_rows.append(i)
-                sample_seqs.append(child)
                 outcome.num_forks += 1
             seq.pending_forks = []
         advanced: dict[str, None] = {}
-        if sample_rows:
-            for seq in self.outputs.sample(output.logits, sample_rows, sample_seqs, bad):
-                if seq.is_finished:
-                    self.finish(seq)
-                advanced[seq.request_id] = None
-        if verify_rows:
-            for v in verify_drafts(self.outputs, output, verify_rows, verify_seqs, bad):
-                self._settle_verified(v.seq, v.num_drafted, v.num_accepted)
-                advanced[v.seq.request_id] = None
+        for s in sampled.seqs:
+            seq = self.seqs.get(s.seq_id)
+            if seq is None or seq.request_id in outcome.failed:
+                continue
+            if s.finish_reason is not None:
+                self._finish(seq)
+            advanced[seq.request_id] = None
         outcome.advanced = list(advanced)
-        outcome.failed = bad
+        self._note_running()
         return outcome
 
-    def _settle_verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        """A verify row's sequence after acceptance: the accepted drafts' KV counts, the
-        blocks only rejected drafts used go back to the pool."""
+    def _settle_verified(self, seq: Sequence, took: SampledSeq) -> None:
+        """A verify row's sequence after acceptance: its last token and the accepted drafts'
+        KV count, the blocks only rejected drafts used go back to the pool."""
         if self.drafter is not None:
-            self.drafter.record(seq, num_drafted, num_accepted)
-        if seq.is_finished:
-            self.finish(seq)
-            return
-        seq.num_computed_tokens += num_accepted
+            self.drafter.record(seq, took.num_drafted, took.num_accepted)
+        if took.finish_reason is not None:
+            return  # finished below: its blocks go back whole
+        seq.num_computed_tokens += 1 + took.num_accepted
         self.kv.trim(seq)
         self.kv.register_computed(seq)
 
-    def _draft_cost_ratio(self, num_decodes: int) -> float:
-        """The drafter's cost ratio for a step of ``num_decodes`` rows (spec_decode/drafter.py);
-        sets how many prompt tokens of the step budget's cap one draft token weighs."""
-        model = self.budget.model if self.budget is not None else None
-        warm = model is not None and model.warm
-        coef = model.coef if warm else None
-        c_draft = model.c_draft if warm else 0.0
-        c_pre = float(model.coef[2]) if warm else 0.0
-        self._draft_weight = c_draft / c_pre if c_draft > 0 and c_pre > 0 else 1.0
-        adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
-        return cost_ratio(coef, num_decodes, adapters, c_draft)
+    def _note_running(self) -> None:
+        """Tell the adapter gate which adapters the running sequences use (never evicted)."""
+        if self.adapters is not None:
+            self.adapters.note_running({s.lora_key for s in self.running if s.lora_key is not None})
 
     def _draft(self, seq: Sequence, spare: int, ratio: float) -> list[int]:
         """Drafts for ``seq``'s decode row within ``spare`` tokens of the step's budget, and
@@ -252,20 +233,20 @@ class Scheduler:
         preempting the policy's victims (FIFO: the newest) when blocks run out."""
         kept: list[Sequence] = []
         queue = list(self.running)  # oldest first
-        run_now = self._budget_decodes()
+        limits = plan.limits
         # drafts take what the step's token budget leaves beside one token per decode
-        num_decodes = sum(1 for s in queue if s.num_computed_tokens >= s.num_tokens - 1)
+        num_decodes = sum(1 for s in queue if self._is_decode(s))
         spare = self.max_num_batched_tokens - num_decodes
-        ratio = self._draft_cost_ratio(num_decodes) if self.drafter is not None else 0.0
-        if self._prefill_cap is not None:
+        ratio = limits.draft_cost_ratio
+        if limits.prefill_tokens is not None:
             # the step budget caps prompt tokens (the ITL target): drafts cost what prompt tokens
             # cost and share the cap with them, leaving prompts (if any) their minimum chunk
             prompts = bool(self.waiting) or num_decodes < len(queue)
-            room = self._prefill_cap - (MIN_CHUNK_TOKENS if prompts else 0)
-            spare = min(spare, int(room / self._draft_weight))
+            room = limits.prefill_tokens - (MIN_CHUNK_TOKENS if prompts else 0)
+            spare = min(spare, int(room / limits.draft_weight))
         while queue:
             seq = queue.pop(0)
-            if run_now is not None and id(seq) not in run_now:
+            if not limits.runs(seq):
                 kept.append(seq)  # prefilling, or a decode the step budget rotates out
                 continue
             if seq.num_computed_tokens < seq.num_tokens - 1:
@@ -377,33 +358,38 @@ class Scheduler:
         """Tokens of the step's budget not yet planned; for a prompt (``seq``) that can be
         chunked, also within the step-time budget's prompt tokens."""
         left = self.max_num_batched_tokens - plan.num_tokens
-        if self._prefill_cap is None or (seq is not None and not self._chunkable(seq)):
+        cap = plan.limits.prefill_tokens
+        if cap is None or (seq is not None and not self._chunkable(seq)):
             return left
-        drafts = int(plan.num_draft_tokens * self._draft_weight + 0.999)  # in prompt tokens
-        return min(left, self._prefill_cap - plan.num_prefill_tokens - drafts)
+        drafts = int(plan.num_draft_tokens * plan.limits.draft_weight + 0.999)  # in prompt tokens
+        return min(left, cap - plan.num_prefill_tokens - drafts)
 
     def _chunkable(self, seq: Sequence) -> bool:
         return self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None
 
     # --- step-time budget --------------------------------------------------------------
-    def _budget_decodes(self) -> set[int] | None:
-        """Ids of the running decodes the step budget lets in (None = all); sets this
-        step's prompt-token cap."""
-        if self.budget is None:
-            return None
+    def _limits(self) -> StepLimits:
+        """The step budget's limits for the next step (uncapped without a budget); sets the
+        fairness policy's slack to one step's charge of the rows that run."""
         decodes = []
         prompts = {s.fairness_key for s in self.waiting}
         for s in self.running:
-            if s.num_computed_tokens >= s.num_tokens - 1:
+            if self._is_decode(s):
                 decodes.append(s)
             else:
                 prompts.add(s.fairness_key)
         adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
+        if self.budget is None:
+            return StepLimits.uncapped(len(decodes), adapters)
         limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc")
-        self._prefill_cap = limits.prefill_tokens
-        capped = len(limits.decode) < len(decodes)  # slack: one full step's charge of this step
+        capped = limits.decode is not None  # slack: one full step's charge of this step
         self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
-        return None if len(limits.decode) == len(decodes) else {id(s) for s in limits.decode}
+        return limits
+
+    @staticmethod
+    def _is_decode(seq: Sequence) -> bool:
+        """True when ``seq``'s prompt is computed: its next row decodes one token."""
+        return seq.num_computed_tokens >= seq.num_tokens - 1
 
     def itl_target(self) -> float | None:
         """The inter-token latency target now (seconds; None: no step budget, or not known

@@ -6,10 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from loramux.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _seq_ids = itertools.count()
 
@@ -56,6 +58,7 @@ class Sequence:
     pending_forks: list[Sequence] = field(default_factory=list)
     """Siblings (``best_of`` > 1) that fork from this sequence once its prompt is computed."""
     status: SequenceStatus = SequenceStatus.WAITING
+    """Set by the scheduler only (queued, in the batch, done)."""
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -100,6 +103,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_stopped(self) -> bool:
+        """A stop condition hit (``finish_reason`` set by the sample phase, or an abort): the
+        scheduler finishes it; true from then on."""
+        return self.finish_reason is not None
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -163,14 +163,49 @@ def _nonnegative_fit(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
     return coef
 
 
-@dataclass
-class StepLimits:
-    """The next step's caps (None = no cap from the budget)."""
+DEFAULT_COST_RATIO = 0.1
+"""Cost ratio per decode row of the step before the cost model is warm (or without a step
+budget): one more token cost ~10% of a decode token's share of a step on the CPU."""
 
-    decode: list[Sequence]
-    """The decode rows to run (all candidates when uncapped)."""
-    prefill_tokens: int | None
+
+def cost_ratio(coef, num_rows: int, num_adapters: int, c_draft: float = 0.0) -> float:
+    """What one more token costs a step of ``num_rows`` decode rows over what each of its
+    decode tokens costs: ``c_token * rows / step``, from the fitted coefficients ``coef`` =
+    (c0, c_decode, c_prompt_token, c_adapter), or None; ``c_token`` is the fitted cost of a
+    drafted token ``c_draft`` once verify rows were seen, else a prompt token's. Speculative
+    decoding drafts a token only while its chance of acceptance exceeds this."""
+    rows = max(1, num_rows)
+    if coef is not None:
+        c0, c_dec, c_tok, c_ad = (float(c) for c in coef)
+        c_tok = c_draft if c_draft > 0 else c_tok
+        step = c0 + c_dec * rows + c_ad * num_adapters
+        if step > 0 and c_tok > 0:
+            return min(0.95, c_tok * rows / step)
+    return min(0.95, DEFAULT_COST_RATIO * rows)
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The next step's caps, decided once before it is planned (carried on its plan)."""
+
+    decode: frozenset[int] | None = None
+    """Sequence ids of the running decodes that run (None = all of them)."""
+    prefill_tokens: int | None = None
     """Most prompt tokens beside them (None = only the token budget applies)."""
+    draft_weight: float = 1.0
+    """Prompt tokens of ``prefill_tokens`` one drafted token counts as (their fitted costs'
+    ratio): drafts and prompt chunks share the cap."""
+    draft_cost_ratio: float = DEFAULT_COST_RATIO
+    """What one more drafted token costs the step (:func:`cost_ratio`)."""
+
+    def runs(self, seq: Sequence) -> bool:
+        """True when running decode ``seq`` takes part in the step."""
+        return self.decode is None or seq.seq_id in self.decode
+
+    @staticmethod
+    def uncapped(num_decodes: int, adapters: int) -> StepLimits:
+        """The limits of a scheduler without a step budget (token and sequence limits only)."""
+        return StepLimits(draft_cost_ratio=cost_ratio(None, num_decodes, adapters))
 
 
 class StepBudget:
@@ -205,10 +240,26 @@ class StepBudget:
 
     def plan(self, candidates: list[Sequence], keys_with_prompts: set, adapters: int,
              fair: bool = True) -> StepLimits:
-        """Which of the running decode ``candidates`` (oldest first) run this step, and how
-        many prompt tokens may join them. ``keys_with_prompts``: fairness keys with a
-        waiting or part-way prompt (their share of the rows is kept for it). ``fair`` False
-        (FCFS admission): every row counts as one key's."""
+        """The limits of the next step (called once per step, before it is planned): which of
+        the running decode ``candidates`` (oldest first) run, how many prompt tokens may join
+        them, and what a drafted token costs. ``keys_with_prompts``: fairness keys with a
+        waiting or part-way prompt (their share of the rows is kept for it); ``adapters``:
+        distinct adapters of the running sequences. ``fair`` False (FCFS admission): every
+        row counts as one key's."""
+        decode, prefill = self._decode_and_prefill(candidates, keys_with_prompts, adapters, fair)
+        m = self.model
+        coef, c_draft = (m.coef, m.c_draft) if m.warm else (None, 0.0)
+        c_pre = float(m.coef[2]) if m.warm else 0.0
+        return StepLimits(
+            None if len(decode) == len(candidates) else frozenset(s.seq_id for s in decode),
+            prefill,
+            c_draft / c_pre if c_draft > 0 and c_pre > 0 else 1.0,
+            cost_ratio(coef, len(candidates), adapters, c_draft),
+        )
+
+    def _decode_and_prefill(self, candidates: list[Sequence], keys_with_prompts: set,
+                            adapters: int, fair: bool) -> tuple[list[Sequence], int | None]:
+        """The decode rows that run and the prompt-token cap (None = none) of :meth:`plan`."""
         self.steps += 1
         now = self.clock()
         keys = {s.fairness_key for s in candidates} | keys_with_prompts if fair else {None}
@@ -217,7 +268,7 @@ class StepBudget:
         for key in [k for k, t in self._last_seen.items() if now - t > RECENT_S]:
             del self._last_seen[key]
         if not self.model.warm:
-            return StepLimits(candidates, COLD_CHUNK_TOKENS if candidates else None)
+            return candidates, COLD_CHUNK_TOKENS if candidates else None
         m = self.model
         c0, c_dec, c_pre, c_ad = m.coef
         decode = candidates
@@ -256,11 +307,11 @@ class StepBudget:
         if decode:
             self.last_target = target
         if not decode:  # a prompt alone: nobody's inter-token latency at stake
-            return StepLimits(decode, None)
+            return decode, None
         if c_pre <= 0:  # no prompt cost learnt yet: a bounded chunk, which teaches it
-            return StepLimits(decode, COLD_CHUNK_TOKENS)
+            return decode, COLD_CHUNK_TOKENS
         left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
-        return StepLimits(decode, max(MIN_CHUNK_TOKENS, int(left / c_pre)))
+        return decode, max(MIN_CHUNK_TOKENS, int(left / c_pre))
 
 
 def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,

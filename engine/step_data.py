@@ -1,14 +1,15 @@
 """The plain data one engine step hands between its phases (vLLM v1's ``SchedulerOutput`` and
 ``ModelRunnerOutput``)::
 
-    Scheduler.schedule()            -> SchedulerOutput   (which rows, their tokens and blocks)
-    ModelRunner (order, execute)    -> ModelOutput       (the rows' logits, or the step's error)
-    Scheduler.update_from_output()  -> StepOutcome       (which requests advanced or failed)
+    Scheduler.schedule()               -> SchedulerOutput  (which rows, their tokens and blocks)
+    ModelRunner.execute()              -> ModelOutput      (the rows' logits, or the step's error)
+    OutputProcessor.sample()           -> SampledOutput    (each sequence's new tokens, failures)
+    Scheduler.update_from_output()     -> StepOutcome      (which requests advanced or failed)
 
 No live :class:`~loramux.engine.sequence.Sequence` crosses a phase: a row names its sequence
 by id and carries what the runner needs to build the step's tensors (its input token ids,
 first position, block ids, adapter), so the scheduler is tested with no model and the runner
-with no scheduler.
+with no scheduler; only the execute and sample phases hold tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from loramux.engine.step_budget import StepLimits
 
 
 @dataclass(slots=True)
@@ -58,6 +61,8 @@ class SchedulerOutput:
     """Ids of the sequences preempted (recompute) while planning this step."""
     copies: list[tuple[int, int]] = field(default_factory=list)
     """(source, destination) KV blocks to copy before the step (copy-on-write)."""
+    limits: StepLimits | None = None
+    """The step budget's caps this step was planned under (None: no step budget)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,6 +109,37 @@ class ModelOutput:
     """Set when the step failed as a whole (e.g. an allocation): its requests fail."""
 
 
+@dataclass(slots=True)
+class SampledSeq:
+    """What one sequence took in a step."""
+
+    seq_id: int
+    token_ids: list[int]
+    """Tokens appended this step: one, or a verify row's accepted drafts and the token
+    sampled after them."""
+    finish_reason: str | None = None
+    """Set when a stop condition was hit (``stop`` / ``length``): the scheduler finishes it."""
+    num_drafted: int = 0
+    """A verify row's drafted tokens (0: not a verify row)."""
+    num_accepted: int = 0
+    """Of those, the accepted ones (their KV is kept)."""
+
+
+@dataclass
+class SampledOutput:
+    """What the sample phase returns: per-sequence tokens in the order they were taken
+    (``n`` / ``best_of`` siblings sample their parent's row), and the requests that failed."""
+
+    seqs: list[SampledSeq] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)
+    """Request id -> why it failed in this step (a non-finite row, a sampler or
+    postprocessing error, or the batch-level error): the other rows went on."""
+    nonfinite_rows: list[int] = field(default_factory=list)
+    """Rows of the model output whose logits held a NaN or an Inf."""
+    error: Exception | None = None
+    """The batch-level error of the execute phase (every request of the plan failed)."""
+
+
 @dataclass
 class StepOutcome:
     """What :meth:`Scheduler.update_from_output` did with a step, for the request bookkeeping
@@ -116,3 +152,5 @@ class StepOutcome:
     caller ends them (their other sequences may be outside the step)."""
     num_forks: int = 0
     """Sequences forked (``n`` / ``best_of`` siblings) and sampled beyond the plan's rows."""
+    error: Exception | None = None
+    """The batch-level error when the step failed as a whole (every request in ``failed``)."""

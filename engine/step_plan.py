@@ -5,6 +5,7 @@ plain-data :class:`~loramux.engine.step_data.SchedulerOutput` the runner gets.""
 from __future__ import annotations
 
 from loramux.engine.sequence import Sequence
+from loramux.engine.step_budget import StepLimits
 from loramux.engine.step_data import ScheduledRow, SchedulerOutput
 
 
@@ -34,9 +35,11 @@ class PlannedRow:
 
 
 class StepPlan:
-    """The step being planned: live sequences, counted as they are added and dropped."""
+    """The step being planned under ``limits``: live sequences, counted as they are added
+    and dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: StepLimits | None = None) -> None:
+        self.limits = limits or StepLimits()
         self.items: list[PlannedRow] = []
         self.preempted: list[Sequence] = []
         self.copies: list[tuple[int, int]] = []
@@ -63,4 +66,4 @@ class StepPlan:
 
     def output(self) -> SchedulerOutput:
         return SchedulerOutput([i.row() for i in self.items], [s.seq_id for s in self.preempted],
-                               self.copies)
+                               self.copies, self.limits)

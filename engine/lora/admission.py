@@ -52,6 +52,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from loramux.engine.sequence import Sequence
@@ -74,6 +75,39 @@ class AdapterGate(Protocol):
         """Called once per step, after its ``acquire`` calls: the load order, best first.
         Loads ``acquire`` started that still wait for a worker start in this order; the
         others of ``lora_keys`` start loading into the CPU tier in the background."""
+
+    def note_running(self, lora_keys: set[str]) -> None:
+        """The adapters of the running sequences now (the scheduler tells it after each
+        schedule, update and abort): their slots are never evicted."""
+
+
+@dataclass
+class _StepView:
+    """One step's adapter demand and slot holdings, as :meth:`SlotAdmission.plan` sees them."""
+
+    busy: Counter
+    """Adapter -> its running sequences."""
+    queued: Counter = field(default_factory=Counter)
+    """Adapter -> its waiting sequences."""
+    age: dict[str, int] = field(default_factory=dict)
+    """Adapter -> the most steps one of its waiting sequences was skipped."""
+    tenant: dict[str, str | None] = field(default_factory=dict)
+    """Waiting adapter -> its tenant (fairness key)."""
+    first: dict = field(default_factory=dict)
+    """Tenant -> its place in the fair order (0 = least served)."""
+    wanted: list[str] = field(default_factory=list)
+    """Adapters with waiting sequences and none running."""
+    resident: set[str] = field(default_factory=set)
+    owner: dict = field(default_factory=dict)
+    """Running adapter -> its tenant."""
+    held: Counter = field(default_factory=Counter)
+    """Tenant -> slots its running adapters hold."""
+    share: int | None = None
+    """Slots a tenant may hold while others wait (fair order only)."""
+    kept: dict = field(default_factory=dict)
+    """Tenant -> its last adapter, idle in a slot, kept for its next request."""
+    claim: Counter = field(default_factory=Counter)
+    """``held`` plus the kept slots: what the other tenants see."""
 
 
 class SlotAdmission:
@@ -103,89 +137,104 @@ class SlotAdmission:
         busy = Counter(s.lora_key for s in running if s.lora_key is not None)
         for key in [k for k in self.closed if k not in busy]:
             del self.closed[key]  # drained: its slot is free for the starving adapter
-        gate = self.gate
-        if gate is None:
+        if self.gate is None:
             return []
-        queued: Counter[str] = Counter()
-        age: dict[str, int] = {}
-        tenant: dict[str, str | None] = {}
-        first: dict = {}  # tenant -> its place in the fair order (0 = least served)
+        view = self._view(waiting, running, busy, fair_order)
+        ranked = sorted(view.wanted, key=lambda k: self._rank(view, k, fair_order))
+        free, tried = self._fill_places(view, ranked)
+        starving = [k for k in ranked if view.age[k] >= self.bound and k not in self._places]
+        if starving and free <= 0 and not self.closed and busy:
+            self._close_for(view, starving[0])
+        elif view.share is not None and free <= 0:
+            self._close_over_share(ranked, busy, view.queued, view.owner, view.claim, view.share,
+                                   view.tenant)
+        self.gate.prefetch(self._load_order(ranked, tried, view.tenant, fair_order))
+        return [s for s in running if s.lora_key in self.closed
+                and self.step - self.closed[s.lora_key] >= self.bound]
+
+    def _view(self, waiting: list[Sequence], running: list[Sequence], busy: Counter,
+              fair_order: bool) -> _StepView:
+        """The step's adapter demand and who holds the slots."""
+        gate = self.gate
+        v = _StepView(busy)
         for seq in waiting:
             if seq.lora_key is not None:
-                queued[seq.lora_key] += 1
-                tenant.setdefault(seq.lora_key, seq.fairness_key)
-                first.setdefault(seq.fairness_key, len(first))
-                age[seq.lora_key] = max(age.get(seq.lora_key, 0), seq.skipped_steps)
-        wanted = [k for k in queued if k not in busy]
-        resident = {k for k in wanted if gate.is_resident(k)}
-        owner = {s.lora_key: s.fairness_key for s in running if s.lora_key is not None}
-        held = Counter(owner[k] for k in busy)  # slots each tenant's running adapters hold
-        share = None
-        kept: dict = {}  # tenant -> its last adapter, idle in a slot, kept for its next request
+                v.queued[seq.lora_key] += 1
+                v.tenant.setdefault(seq.lora_key, seq.fairness_key)
+                v.first.setdefault(seq.fairness_key, len(v.first))
+                v.age[seq.lora_key] = max(v.age.get(seq.lora_key, 0), seq.skipped_steps)
+        v.wanted = [k for k in v.queued if k not in busy]
+        v.resident = {k for k in v.wanted if gate.is_resident(k)}
+        v.owner = {s.lora_key: s.fairness_key for s in running if s.lora_key is not None}
+        v.held = Counter(v.owner[k] for k in busy)  # slots each tenant's running adapters hold
         if fair_order:
-            recent = self._note_recent({**tenant, **owner})
-            tenants = set(held) | {tenant[k] for k in wanted} | set(recent)
-            share = self._share(gate.max_loras, tenants)
+            recent = self._note_recent({**v.tenant, **v.owner})
+            tenants = set(v.held) | {v.tenant[k] for k in v.wanted} | set(recent)
+            v.share = self._share(gate.max_loras, tenants)
             if len(tenants) <= gate.max_loras:  # a slot for everyone: keep the idle ones.
-                kept = {t: k for t, k in recent.items()
-                        if k not in busy and k not in queued and gate.is_resident(k)}
-        claim = held.copy()  # ... and the slots kept for them: what the others see
-        for t in kept:
-            claim[t] += 1
+                v.kept = {t: k for t, k in recent.items()
+                          if k not in busy and k not in v.queued and gate.is_resident(k)}
+        v.claim = v.held.copy()  # ... and the slots kept for them: what the others see
+        for t in v.kept:
+            v.claim[t] += 1
+        return v
 
-        def rank(key: str) -> tuple:
-            starving = age[key] >= self.bound
-            return (not starving, -age[key] if starving else 0,
-                    first[tenant[key]] if fair_order else 0, key not in resident,
-                    -queued[key], -age[key])
+    def _rank(self, v: _StepView, key: str, fair_order: bool) -> tuple:
+        """Sort key of a wanted adapter (the module docstring's order)."""
+        starving = v.age[key] >= self.bound
+        return (not starving, -v.age[key] if starving else 0,
+                v.first[v.tenant[key]] if fair_order else 0, key not in v.resident,
+                -v.queued[key], -v.age[key])
 
-        def others_wait(t) -> bool:
-            return any(x != t for x in kept) or any(
-                tenant[k] != t and k not in self._places for k in wanted)
-
-        ranked = sorted(wanted, key=rank)
-        free = gate.max_loras - len(busy)
+    def _fill_places(self, v: _StepView, ranked: list[str]) -> tuple[int, set[str]]:
+        """Ask the gate for the free slots, best-ranked adapters first; returns the slots
+        still free and the adapters asked for."""
+        free = self.gate.max_loras - len(v.busy)
         loads = 0
         tried: set[str] = set()
+
+        def others_wait(t) -> bool:
+            return any(x != t for x in v.kept) or any(
+                v.tenant[k] != t and k not in self._places for k in v.wanted)
+
         for key in ranked:
             if free <= 0:
                 break
-            t = tenant[key]
-            starving = age[key] >= self.bound
-            if share is not None and held[t] >= share and others_wait(t):
+            t = v.tenant[key]
+            starving = v.age[key] >= self.bound
+            if v.share is not None and v.held[t] >= v.share and others_wait(t):
                 continue  # its share is full while another tenant waits (starving or not)
-            if key not in resident and loads >= free:
+            if key not in v.resident and loads >= free:
                 continue  # no more loads than places: the rest is prefetch's
             tried.add(key)
             # the others' kept slots stay (kept only when every tenant has a slot, so one
             # not kept by another is always there for t)
-            keep = set(busy) | self._places | {k for x, k in kept.items() if x != t}
+            keep = set(v.busy) | self._places | {k for x, k in v.kept.items() if x != t}
             if not starving:  # only a starving adapter displaces queued work ...
-                under = share is not None and claim[t] < share
+                under = v.share is not None and v.claim[t] < v.share
                 # ... or, for a tenant under its share, that of tenants within theirs
-                keep |= {k for k in resident - {key}
-                         if not under or claim[tenant[k]] < share or tenant[k] == t}
-            if gate.acquire(key, keep):
+                keep |= {k for k in v.resident - {key}
+                         if not under or v.claim[v.tenant[k]] < v.share or v.tenant[k] == t}
+            if self.gate.acquire(key, keep):
                 self._places.add(key)
-                held[t] += 1
-                claim[t] += 1
+                v.held[t] += 1
+                v.claim[t] += 1
                 free -= 1
             else:
                 loads += 1
-        starving = [k for k in ranked if age[k] >= self.bound and k not in self._places]
-        if starving and free <= 0 and not self.closed and busy:
-            t = tenant[starving[0]]
-            pool = list(busy)
-            if share is not None and held[t] >= share:  # at its share: it waits on its own
-                pool = [k for k in busy if owner[k] == t]
-            if pool:
-                victim = min(pool, key=lambda k: (queued[k], busy[k], k))
-                self.closed[victim] = self.step
-        elif share is not None and free <= 0:
-            self._close_over_share(ranked, busy, queued, owner, claim, share, tenant)
-        gate.prefetch(self._load_order(ranked, tried, tenant, fair_order))
-        return [s for s in running if s.lora_key in self.closed
-                and self.step - self.closed[s.lora_key] >= self.bound]
+        return free, tried
+
+    def _close_for(self, v: _StepView, starving: str) -> None:
+        """No slot is free for the starving adapter: close the busy adapter with the least
+        queued work (then the fewest running sequences); a tenant at its share waits on its
+        own adapters."""
+        t = v.tenant[starving]
+        pool = list(v.busy)
+        if v.share is not None and v.held[t] >= v.share:
+            pool = [k for k in v.busy if v.owner[k] == t]
+        if pool:
+            victim = min(pool, key=lambda k: (v.queued[k], v.busy[k], k))
+            self.closed[victim] = self.step
 
     def _load_order(self, ranked: list[str], tried: set[str], tenant: dict,
                     fair_order: bool) -> list[str]:

@@ -53,6 +53,9 @@ class AdapterManager(Protocol):
     def prefetch(self, keys: list[str]) -> None:
         """Start loading these adapters into the CPU tier in the background."""
 
+    def note_running(self, lora_keys: set[str]) -> None:
+        """The adapters of the running sequences now (their slots are never evicted)."""
+
     def prepare_step(self, row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
         """Lay out a step's adapters, before its forward pass."""
 

@@ -11,9 +11,9 @@
   layer hook, with the kernel chosen once at start.
 
 A slot used by the running batch is never evicted, nor a pinned adapter. The scheduler's
-admission (``admission.py``) calls :meth:`acquire` and :meth:`prefetch`, the engine
-:meth:`prepare_step` and :meth:`finish_step` around each forward pass and :meth:`poll`
-between steps; every LoRA layer calls ``hook.add``. Loads are counted and timed per tier
+admission (``admission.py``) calls :meth:`acquire` and :meth:`prefetch` and tells
+:meth:`note_running`, the runner calls :meth:`prepare_step` and :meth:`finish_step` around
+each forward pass and the engine :meth:`poll` between steps; every LoRA layer calls ``hook.add``. Loads are counted and timed per tier
 (``load_stats``: store, disk, cpu → slot). Everything runs on the engine thread.
 
 Others watch through public seams only: :meth:`add_listener` hears ``loaded`` (into
@@ -68,13 +68,12 @@ class LoRAManager:
         config: LoRAConfig,
         model: DecoderModel,
         adapter_source: Callable[[str], str | Path] | None = None,
-        running_keys: Callable[[], set[str]] | None = None,
         gpu_utilization: float = 0.9,
     ) -> None:
-        """``running_keys()``: the adapters of the running sequences (never evicted)."""
         self.config = config
         self.device = model.device
-        self.running_keys = running_keys or (lambda: set())
+        self.running_keys: frozenset[str] = frozenset()
+        """The adapters of the running sequences, as the scheduler last told (never evicted)."""
         # auto: the base projections' matmul dtype (fp32 for bf16 on CPUs without bf16 GEMMs)
         dtype = (matmul_dtype(model.dtype, model.device) if config.lora_dtype == "auto"
                  else getattr(torch, config.lora_dtype))
@@ -109,7 +108,11 @@ class LoRAManager:
         self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
 
     def _busy(self) -> set[str]:
-        return self.running_keys() | self.hook.keys
+        return self.running_keys | self.hook.keys
+
+    def note_running(self, lora_keys: set[str]) -> None:
+        """The adapters of the running sequences now (the scheduler, after each change)."""
+        self.running_keys = frozenset(lora_keys)
 
     # --- read-only views ----------------------------------------------------------------
     @property
@@ -335,7 +338,7 @@ class LoRAManager:
     def residency(self) -> list[dict]:
         """One entry per known adapter: tier (gpu | cpu | disk), slot, pinned, rank, kind (LoRA |
         DoRA), in use."""
-        running = self.running_keys()
+        running = self.running_keys
         device_tier = "gpu" if self.device.type == "cuda" else "device"
         slot_of, cpu = self.slots.slot_of, self.tiers.cpu
         rows = []

@@ -89,12 +89,7 @@ class LoRABatchMeta:
         loaded in each slot (0 = empty). Segments of rank-0 slots are dropped; their tokens
         stay in ``sorted_token_idx`` and get no LoRA update.
         """
-        if isinstance(token_slots, torch.Tensor):
-            slots = token_slots.detach().to("cpu", torch.int64).numpy().reshape(-1)
-        elif isinstance(token_slots, np.ndarray):
-            slots = token_slots.astype(np.int64, copy=False).reshape(-1)
-        else:
-            slots = np.asarray(list(token_slots), dtype=np.int64).reshape(-1)
+        slots = _host_slots(token_slots)
         ranks_t = torch.as_tensor(slot_ranks).detach().to("cpu", torch.int64).reshape(-1)
         ranks = ranks_t.numpy()
         num_slots = ranks.shape[0]
@@ -103,51 +98,26 @@ class LoRABatchMeta:
                 f"token slots must be -1 or in [0, {num_slots}); got range "
                 f"[{int(slots.min())}, {int(slots.max())}]"
             )
-        T = int(slots.shape[0])
-
-        lora_tokens = np.nonzero(slots >= 0)[0]
-        order = np.argsort(slots[lora_tokens], kind="stable")
-        sorted_idx = lora_tokens[order]
-        sorted_slots = slots[sorted_idx]
-        uniq, starts, lens = np.unique(sorted_slots, return_index=True, return_counts=True)
-        keep = ranks[uniq] > 0 if uniq.size else np.zeros(0, dtype=bool)
-        seg_slots, seg_starts, seg_lens = uniq[keep], starts[keep], lens[keep]
+        sorted_idx, seg_starts, seg_lens, seg_slots = _segments(slots, ranks)
         t_lora = int(sorted_idx.shape[0])
         covered = int(seg_lens.sum()) == t_lora
-
-        C = _pick_chunk_len(seg_lens)
-        n_chunks = (seg_lens + C - 1) // C  # [S]
-        chunk_slots = np.repeat(seg_slots, n_chunks)
-        chunk_seg = np.repeat(np.arange(seg_slots.shape[0]), n_chunks)
-        first_chunk = np.cumsum(n_chunks) - n_chunks
-        chunk_j = np.arange(chunk_slots.shape[0]) - np.repeat(first_chunk, n_chunks)
-        chunk_start = seg_starts[chunk_seg] + C * chunk_j  # [NC]
-        seg_end = (seg_starts + seg_lens)[chunk_seg]  # [NC]
-        pos = chunk_start[:, None] + np.arange(C)[None, :]  # [NC, C]
-        valid = pos < seg_end[:, None]
-        pos = np.where(valid, pos, chunk_start[:, None]).reshape(-1)
-        valid = valid.reshape(-1)
-        padded = not bool(valid.all())
-        chunk_tokens = sorted_idx[pos] if pos.size else np.zeros(0, dtype=np.int64)
-        identity_layout = not padded and covered
-        identity_tokens = (
-            identity_layout and bool((sorted_idx == np.arange(t_lora)).all())
-        )
-        keep_rows = np.nonzero(valid)[0] if padded else None
+        c = _chunk_layout(sorted_idx, seg_starts, seg_lens, seg_slots)
+        identity_layout = not c.padded and covered
+        identity_tokens = identity_layout and bool((sorted_idx == np.arange(t_lora)).all())
         slot_start = None
-        if chunk_slots.size and (chunk_slots == chunk_slots[0] + np.arange(chunk_slots.size)).all():
-            slot_start = int(chunk_slots[0])
-        active = pos[valid] if not covered else None
+        if c.slots.size and (c.slots == c.slots[0] + np.arange(c.slots.size)).all():
+            slot_start = int(c.slots[0])
+        active = c.pos[c.valid] if not covered else None
         runs = _runs(slots, ranks)
 
-        pack = [slots, sorted_idx, seg_starts, seg_lens, seg_slots, chunk_slots, pos, chunk_tokens]
-        if padded:
-            pack += [valid.astype(np.int64), keep_rows]
+        pack = [slots, sorted_idx, seg_starts, seg_lens, seg_slots, c.slots, c.pos, c.tokens]
+        if c.padded:
+            pack += [c.valid.astype(np.int64), np.nonzero(c.valid)[0]]
         if active is not None:
             pack.append(active)
         parts = _to_device([np.asarray(p, dtype=np.int64) for p in pack], device)
         mask = keep_t = active_t = None
-        if padded:
+        if c.padded:
             mask = parts[8].to(torch.float32).unsqueeze(1)
             keep_t = parts[9]
         if active is not None:
@@ -159,10 +129,10 @@ class LoRABatchMeta:
             seg_lens=parts[3],
             seg_slots=parts[4],
             slot_ranks=ranks_t.to(device),
-            num_tokens=T,
+            num_tokens=int(slots.shape[0]),
             max_seg_len=int(seg_lens.max()) if seg_lens.size else 0,
             num_lora_tokens=t_lora,
-            chunk_len=C,
+            chunk_len=c.chunk_len,
             chunk_slots=parts[5],
             chunk_pos=parts[6],
             chunk_tokens=parts[7],
@@ -191,6 +161,60 @@ class LoRABatchMeta:
     def num_chunks(self) -> int:
         """NC, the number of padded chunks in the torch backend's layout."""
         return int(self.chunk_slots.shape[0])
+
+
+def _host_slots(token_slots: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """``token_slots`` as a flat host int64 array."""
+    if isinstance(token_slots, torch.Tensor):
+        return token_slots.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    if isinstance(token_slots, np.ndarray):
+        return token_slots.astype(np.int64, copy=False).reshape(-1)
+    return np.asarray(list(token_slots), dtype=np.int64).reshape(-1)
+
+
+def _segments(slots: np.ndarray, ranks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The LoRA tokens stable-sorted by slot (``sorted_idx``) and the segments of that
+    order with rank > 0: (sorted_idx, seg_starts, seg_lens, seg_slots)."""
+    lora_tokens = np.nonzero(slots >= 0)[0]
+    order = np.argsort(slots[lora_tokens], kind="stable")
+    sorted_idx = lora_tokens[order]
+    uniq, starts, lens = np.unique(slots[sorted_idx], return_index=True, return_counts=True)
+    keep = ranks[uniq] > 0 if uniq.size else np.zeros(0, dtype=bool)
+    return sorted_idx, starts[keep], lens[keep], uniq[keep]
+
+
+@dataclass
+class _ChunkLayout:
+    """The torch backend's padded chunks (host arrays; see :class:`LoRABatchMeta`)."""
+
+    chunk_len: int  # C
+    slots: np.ndarray  # [NC]
+    pos: np.ndarray  # [NC * C] sorted position per padded row (pads: the chunk's first)
+    tokens: np.ndarray  # [NC * C] token per padded row
+    valid: np.ndarray  # [NC * C] bool, False on pad rows
+
+    @property
+    def padded(self) -> bool:
+        return not bool(self.valid.all())
+
+
+def _chunk_layout(sorted_idx: np.ndarray, seg_starts: np.ndarray, seg_lens: np.ndarray,
+                  seg_slots: np.ndarray) -> _ChunkLayout:
+    """Cut every segment into chunks of one length (:func:`_pick_chunk_len`), the last one
+    padded with the chunk's first position."""
+    C = _pick_chunk_len(seg_lens)
+    n_chunks = (seg_lens + C - 1) // C  # [S]
+    chunk_slots = np.repeat(seg_slots, n_chunks)
+    chunk_seg = np.repeat(np.arange(seg_slots.shape[0]), n_chunks)
+    first_chunk = np.cumsum(n_chunks) - n_chunks
+    chunk_j = np.arange(chunk_slots.shape[0]) - np.repeat(first_chunk, n_chunks)
+    chunk_start = seg_starts[chunk_seg] + C * chunk_j  # [NC]
+    seg_end = (seg_starts + seg_lens)[chunk_seg]  # [NC]
+    pos = chunk_start[:, None] + np.arange(C)[None, :]  # [NC, C]
+    valid = pos < seg_end[:, None]
+    pos = np.where(valid, pos, chunk_start[:, None]).reshape(-1)
+    tokens = sorted_idx[pos] if pos.size else np.zeros(0, dtype=np.int64)
+    return _ChunkLayout(C, chunk_slots, pos, tokens, valid.reshape(-1))
 
 
 def _runs(slots: np.ndarray, ranks: np.ndarray) -> tuple[tuple[int, int, int], ...]:

@@ -53,6 +53,9 @@ class NoLoRA:
     def prefetch(self, keys: list[str]) -> None:
         """Nothing to load."""
 
+    def note_running(self, lora_keys: set[str]) -> None:
+        """No slots to keep."""
+
     def prepare_step(self, row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
         """No adapter in any step."""
 

@@ -128,7 +128,6 @@ class DecoderModel:
         self.family = self.dims.family
         self.dtype = dtype
         self.device = device
-        self.lora: LoRAHook | None = None
         self.max_positions = self.dims.max_position_embeddings
         self.rotary: dict[str | None, RotaryTable] = {
             kind: rotary_table(self.text_config, kind, self.max_positions, dtype, device)
@@ -254,11 +253,13 @@ class DecoderModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_rows: torch.Tensor,  # [B] rows whose logits are needed
         prompt_lens: torch.Tensor | None = None,  # [T] prompt length of each token's sequence
+        lora: LoRAHook | None = None,
     ) -> torch.Tensor:  # [B, V] fp32
         """One step over the batch's new tokens; ``attn`` holds the step's attention metadata
-        per sliding window (:attr:`attention_windows`)."""
+        per sliding window (:attr:`attention_windows`); ``lora``: the step's adapters (the
+        runner's hook, laid out for this step; None or inactive: base model only)."""
         d, s = self.dims, self.spec
-        lora = self.lora if self.lora is not None and self.lora.active() else None
+        lora = lora if lora is not None and lora.active() else None
         norms = self.norms
         if isinstance(attn, AttentionMetadata):
             attn = dict.fromkeys(self.attention_windows, attn)

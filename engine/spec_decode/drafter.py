@@ -8,7 +8,7 @@ estimate ``a`` of the chance that a drafted token is accepted (accepted drafts o
 accepted + rejecting verify steps, decayed, the maximum-likelihood ``a`` of a geometric run),
 and the i-th draft is kept only while ``a ** i`` (the chance it is accepted) exceeds the
 step's *cost ratio*: what one more token costs the step over what one decode token of the
-step costs (``Scheduler`` reads it from the step budget's fitted cost model; about 0.1 per
+step costs (``StepLimits.draft_cost_ratio``, from the step budget's fitted cost model; about 0.1 per
 row in the batch on a CPU). A sequence whose acceptance stays below the ratio stops
 drafting for a back-off (8 decode steps, doubling each time up to 256) and then probes
 again with one draft. Drafts never run past ``max_tokens`` or ``max_model_len``.
@@ -42,27 +42,6 @@ class SpecCounts:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-
-DEFAULT_COST_RATIO = 0.1
-"""Cost ratio per decode row of the step before the step budget's cost model is warm (or
-without one): one more token cost ~10% of a decode token's share of a step on the CPU."""
-
-
-def cost_ratio(coef, num_rows: int, num_adapters: int, c_draft: float = 0.0) -> float:
-    """What one more token costs a step of ``num_rows`` decode rows over what each of its
-    decode tokens costs: ``c_token * rows / step``, from the step budget's fitted
-    coefficients ``coef`` = (c0, c_decode, c_prompt_token, c_adapter), or None; ``c_token``
-    is the fitted cost of a drafted token ``c_draft`` once verify rows were seen, else a
-    prompt token's."""
-    rows = max(1, num_rows)
-    if coef is not None:
-        c0, c_dec, c_tok, c_ad = (float(c) for c in coef)
-        c_tok = c_draft if c_draft > 0 else c_tok
-        step = c0 + c_dec * rows + c_ad * num_adapters
-        if step > 0 and c_tok > 0:
-            return min(0.95, c_tok * rows / step)
-    return min(0.95, DEFAULT_COST_RATIO * rows)
 
 
 class SpecState:

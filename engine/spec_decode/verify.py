@@ -15,11 +15,10 @@ position's sample is the bonus token. Greedy outputs are token-identical to no s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from loramux.engine.output_processor import OutputProcessor
-from loramux.engine.sampler import SamplerOutput
 from loramux.engine.sequence import Sequence
 from loramux.engine.step_data import ModelOutput
 
@@ -31,6 +30,20 @@ class Verified:
     seq: Sequence
     num_drafted: int
     num_accepted: int = 0
+
+
+class RowSampler(Protocol):
+    """What verification asks of the sample phase (the ``OutputProcessor``)."""
+
+    vocab_size: int
+
+    def sample_rows(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
+                    bad: dict[str, Exception]) -> list[Sequence]:
+        """Sample and postprocess one token for each of ``seqs`` from row ``rows[i]`` of
+        ``logits``; failures land in ``bad``. Returns the sequences that took a token."""
+
+    def accept_pick(self, seq: Sequence, token: int) -> None:
+        """Postprocess ``token`` for ``seq`` (it may stop); raises on a failure."""
 
 
 def plain_greedy(seq: Sequence) -> bool:
@@ -45,7 +58,7 @@ def plain_greedy(seq: Sequence) -> bool:
             and p.frequency_penalty == 0.0 and p.logprobs is None and p.best_of <= p.n)
 
 
-def verify_drafts(outputs: OutputProcessor, output: ModelOutput, rows: list[int],
+def verify_drafts(outputs: RowSampler, output: ModelOutput, rows: list[int],
                   seqs: list[Sequence], bad: dict[str, Exception]) -> list[Verified]:
     """Accept drafts for the verify rows ``rows`` (indexes into ``output.rows``; ``seqs[i]``
     is row ``rows[i]``'s sequence). Appends the accepted drafts and the one token sampled after
@@ -59,7 +72,7 @@ def verify_drafts(outputs: OutputProcessor, output: ModelOutput, rows: list[int]
     drafted tokens cost, not a sampler call per row and position."""
     results: list[Verified] = []
     todo: list[tuple[Verified, int, list[int]]] = []
-    vocab = getattr(outputs.sampler, "vocab_size", None)
+    vocab = outputs.vocab_size
     for i, seq in zip(rows, seqs, strict=True):
         row = output.rows[i]
         v = Verified(seq, row.num_draft_tokens)
@@ -78,24 +91,24 @@ def verify_drafts(outputs: OutputProcessor, output: ModelOutput, rows: list[int]
     return [v for v in results if v.seq.request_id not in bad]
 
 
-def _accept_greedy(outputs: OutputProcessor, v: Verified, picks: list[int], drafts: list[int],
+def _accept_greedy(outputs: RowSampler, v: Verified, picks: list[int], drafts: list[int],
                    bad: dict[str, Exception]) -> None:
     """Postprocess ``picks`` (the argmax of each position) while they match the drafts."""
     seq = v.seq
     for pos, token in enumerate(picks):
         try:
-            outputs.postprocessor.accept(seq, 0, SamplerOutput([token], None, None, None, None))
+            outputs.accept_pick(seq, token)
         except Exception as exc:
             bad[seq.request_id] = exc
             return
         if pos >= len(drafts) or token != drafts[pos]:
             return
         v.num_accepted += 1
-        if seq.is_finished:
+        if seq.is_stopped:
             return
 
 
-def _verify_sampled(outputs: OutputProcessor, output: ModelOutput,
+def _verify_sampled(outputs: RowSampler, output: ModelOutput,
                     todo: list[tuple[Verified, int, list[int]]], bad: dict[str, Exception]) -> None:
     """Position by position through the sampler, for the rows ``todo`` ((result, row, drafts))."""
     live = todo
@@ -106,15 +119,15 @@ def _verify_sampled(outputs: OutputProcessor, output: ModelOutput,
             break
         step_logits = torch.stack([output.draft_logits[i][pos] if pos < len(drafts)
                                    else output.logits[i] for _, i, drafts in live])  # [R, V]
-        took = {id(s) for s in outputs.sample(step_logits, list(range(len(live))),
-                                              [v.seq for v, _, _ in live], bad)}
+        took = {id(s) for s in outputs.sample_rows(step_logits, list(range(len(live))),
+                                                   [v.seq for v, _, _ in live], bad)}
         nxt = []
         for v, i, drafts in live:
             seq = v.seq
             if id(seq) not in took or pos >= len(drafts) or seq.token_ids[-1] != drafts[pos]:
                 continue
             v.num_accepted += 1
-            if not seq.is_finished:
+            if not seq.is_stopped:
                 nxt.append((v, i, drafts))
         live = nxt
         pos += 1

@@ -16,7 +16,7 @@ from typing import Any
 from loramux.engine.beam_search import BEAM_SEARCH_READS
 from loramux.engine.errors import SamplingParamError
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.structured_output import StructuredOutputsParams
+from loramux.engine.structured_params import StructuredOutputsParams
 from loramux.platform.errors import BadRequest
 from loramux.platform.openai.protocol import (
     ChatCompletionRequest,

@@ -118,7 +118,7 @@ def feed(tokenizer, detok, text: str, *, stream: bool = False, **params):
         consumed += 1
         if stream:
             snapshots.append(req.to_output(streaming=True).outputs[0].text)
-        if seq.is_finished:
+        if seq.is_stopped:
             break
     return seq, consumed, snapshots
 
@@ -158,14 +158,14 @@ def test_stop_string_across_multibyte_characters(tokenizer, detok):
 
 def test_no_stop_string_match_runs_to_the_end(tokenizer, detok):
     seq, consumed, _ = feed(tokenizer, detok, TEXT, stop=["xyz", "end  of"])
-    assert seq.text == TEXT and not seq.is_finished
+    assert seq.text == TEXT and not seq.is_stopped
     assert consumed == len(ids_of(tokenizer, TEXT))
 
 
 def test_min_tokens_defers_stop_strings(tokenizer, detok):
     seq, consumed, _ = feed(tokenizer, detok, TEXT, stop="world", min_tokens=3)
     # "world" completes with token 2 < min_tokens: ignored, later text is kept
-    assert not seq.is_finished and seq.text == TEXT
+    assert not seq.is_stopped and seq.text == TEXT
 
 
 def test_streaming_never_shows_text_that_is_later_cut(tokenizer, detok):

@@ -50,16 +50,16 @@ def assert_no_leak(engine) -> None:
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine):
     from loramux.engine.engine import EngineStepError
 
-    original = engine.runner.execute
+    original = engine.runner.run_batch
     calls = []
 
-    def execute_once_broken(batch, copies=()):
+    def run_once_broken(batch, copies=()):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
         return original(batch, copies)
 
-    engine.runner.execute = execute_once_broken
+    engine.runner.run_batch = run_once_broken
     engine.add_request("a", "hello there", GREEDY)
     engine.add_request("b", "general kenobi", GREEDY)
     failed = {o.request_id: o for o in engine.step()}

@@ -287,6 +287,9 @@ class FakeGate:
     def prefetch(self, lora_keys: list[str]) -> None:
         self.prefetched.extend(lora_keys)
 
+    def note_running(self, lora_keys: set[str]) -> None:
+        self.running = set(lora_keys)
+
 
 def adapters_of(plan: SchedulerOutput) -> set[str]:
     return {s.lora_key for s in plan.scheduled if s.lora_key is not None}
@@ -458,15 +461,20 @@ def test_a_row_failing_in_the_sampler_fails_only_its_request():
     good, bad = make_seq("good", max_tokens=2), make_seq("bad", max_tokens=2)
     sched.add(good)
     sched.add(bad)
-    inner = sched.outputs.sampler
+    outputs = harness.make_output_processor(64)
+    inner = outputs.sampler
 
-    def sampler(logits, seqs):
-        if any(s.request_id == "bad" for s in seqs):
-            raise ValueError("a broken logits processor")
-        return inner(logits, seqs)
+    class Sampler:
+        vocab_size = harness.VOCAB
 
-    sched.outputs.sampler = sampler
-    plan, outcome = harness.step(sched)
+        def __call__(self, logits, seqs):
+            if any(s.request_id == "bad" for s in seqs):
+                raise ValueError("a broken logits processor")
+            return inner(logits, seqs)
+
+    outputs.sampler = Sampler()
+    plan = sched.schedule()
+    outcome = harness.sample(outputs, sched, plan, harness.model_output(sched, plan))
     assert names(plan) == {"good": 4, "bad": 4}
     assert outcome.advanced == ["good"] and list(outcome.failed) == ["bad"]
     assert isinstance(outcome.failed["bad"], ValueError)
@@ -480,8 +488,8 @@ def test_a_non_finite_row_fails_its_request_and_marks_its_adapter_broken():
     from loramux.engine.errors import AdapterNumericsError
 
     broken = harness.BrokenLog()
-    sched = harness.Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 64, FakeGate(4),
-                              outputs=harness.make_output_processor(64, broken=broken))
+    sched = harness.Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 64, FakeGate(4))
+    outputs = harness.make_output_processor(64, broken=broken)
     seqs = {name: make_seq(name, lora=lora) for name, lora in
             (("neighbour", None), ("poisoned", "bad"), ("base-nan", None), ("other", "fine"))}
     for s in seqs.values():
@@ -492,7 +500,7 @@ def test_a_non_finite_row_fails_its_request_and_marks_its_adapter_broken():
     out.logits[rows["poisoned"], 7] = float("inf")
     out.logits[rows["base-nan"], 3] = float("nan")
     out.logits[rows["other"], :] = 3e36  # finite but the row's sum overflows: still fine
-    outcome = sched.update_from_output(plan, out)
+    outcome = harness.sample(outputs, sched, plan, out)
     assert set(outcome.failed) == {"poisoned", "base-nan"}
     assert all(isinstance(e, AdapterNumericsError) for e in outcome.failed.values())
     assert outcome.failed["poisoned"].adapter == "bad" and outcome.failed["base-nan"].adapter is None
@@ -506,7 +514,8 @@ def test_a_batch_level_error_fails_every_request_of_the_plan():
     for name in "ab":
         sched.add(make_seq(name))
     plan = sched.schedule()
-    outcome = sched.update_from_output(plan, ModelOutput(plan.scheduled, error=MemoryError("oom")))
+    outputs = harness.make_output_processor(64)
+    outcome = harness.sample(outputs, sched, plan, ModelOutput(plan.scheduled, error=MemoryError("oom")))
     assert set(outcome.failed) == {"a", "b"} and outcome.advanced == []
     assert all(s.num_computed_tokens == 0 for s in sched.running)  # nothing was computed
 
@@ -525,7 +534,7 @@ def test_prompt_logprobs_of_a_long_prompt_are_read_in_chunks_and_match_a_full_so
     prompt_logits = torch.randn(prompt_len - 1, harness.VOCAB, generator=torch.Generator().manual_seed(0))
     out = harness.model_output(sched, plan)
     out.prompt_logits = {0: prompt_logits}
-    outcome = sched.update_from_output(plan, out)
+    outcome = harness.sample(harness.make_output_processor(512), sched, plan, out)
     assert outcome.advanced == ["p"] and seq.is_finished
     lp = torch.log_softmax(prompt_logits, dim=-1)
     assert seq.prompt_logprobs[0] is None and len(seq.prompt_logprobs) == prompt_len
@@ -540,8 +549,7 @@ def test_prompt_logprobs_of_a_long_prompt_are_read_in_chunks_and_match_a_full_so
 
 
 def test_stop_tokens_and_eos_finish_in_update_from_output_and_free_the_blocks():
-    sched = harness.Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 64, None,
-                              outputs=harness.make_output_processor(64, eos={0}))
+    sched = harness.Scheduler(SchedulerConfig(), KVCacheManager(64, 4), 64, None)
     stop = Sequence("stop", 0, [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[102]))
     eos = Sequence("eos", 0, [4, 5], SamplingParams(max_tokens=10))
     for s in (stop, eos):
@@ -551,8 +559,8 @@ def test_stop_tokens_and_eos_finish_in_update_from_output_and_free_the_blocks():
         return 0 if sched.seqs[seq_id].request_id == "eos" and sched.seqs[seq_id].num_output_tokens else (
             harness.next_output_token(sched, seq_id))
 
-    harness.step(sched, token)
-    _, outcome = harness.step(sched, token)
+    harness.step(sched, token, eos={0})
+    _, outcome = harness.step(sched, token, eos={0})
     assert outcome.advanced == ["stop", "eos"]
     assert (stop.finish_reason, stop.stop_reason, stop.output_token_ids) == ("stop", 102, [101, 102])
     assert (eos.finish_reason, eos.output_token_ids) == ("stop", [101, 0])

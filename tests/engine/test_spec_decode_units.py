@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support.scheduler_harness import VOCAB, make_output_processor, make_scheduler, model_output
+from support.scheduler_harness import VOCAB, make_output_processor, make_scheduler, model_output, sample
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
@@ -82,7 +82,7 @@ def test_drafter_caps_and_switches_itself_off_for_low_acceptance():
 
 
 def test_cost_ratio_follows_the_fitted_step_cost():
-    from loramux.engine.spec_decode.drafter import DEFAULT_COST_RATIO, cost_ratio
+    from loramux.engine.step_budget import DEFAULT_COST_RATIO, cost_ratio
 
     assert cost_ratio(None, 3, 0) == pytest.approx(3 * DEFAULT_COST_RATIO)
     # c0 30 ms, 2 ms per decode row, 4 ms per extra token: 4 rows -> 4 * 4 / 38
@@ -113,8 +113,9 @@ def test_scheduler_plans_verify_rows_and_frees_rejected_blocks():
     prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 7]
     seq = Sequence("r", 0, prompt, SamplingParams(temperature=0, max_tokens=30))
     sched.add(seq)
+    outputs = make_output_processor(max_model_len=128)
     plan = sched.schedule()
-    sched.update_from_output(plan, model_output(sched, plan, lambda s, i: 8))  # prompt -> 8
+    sample(outputs, sched, plan, model_output(sched, plan, lambda s, i: 8))  # prompt -> 8
     plan = sched.schedule()
     (row,) = plan.scheduled
     assert row.num_draft_tokens == 6 and row.token_ids == [8, 9, 10, 11, 12, 13, 14]
@@ -125,7 +126,7 @@ def test_scheduler_plans_verify_rows_and_frees_rejected_blocks():
     logits = torch.full((7, VOCAB), -1e4)
     logits[torch.arange(7), torch.tensor(want)] = 0.0
     out = ModelOutput(plan.scheduled, logits[6:], draft_logits={0: logits[:6]})
-    sched.update_from_output(plan, out)
+    sample(outputs, sched, plan, out)
     assert seq.output_token_ids == [8, 9, 10, 99]
     assert seq.num_computed_tokens == seq.num_tokens - 1
     assert len(seq.block_table) == kv.blocks_for(seq.num_computed_tokens)  # the rest went back
@@ -142,7 +143,7 @@ def test_drafts_stay_within_the_token_budget_beside_prompts():
     first = Sequence("a", 0, [7, 8, 9, 10, 11, 12, 13, 14, 7], SamplingParams(temperature=0, max_tokens=30))
     sched.add(first)
     plan = sched.schedule()
-    sched.update_from_output(plan, model_output(sched, plan, lambda s, i: 8))
+    sample(make_output_processor(max_model_len=128), sched, plan, model_output(sched, plan, lambda s, i: 8))
     sched.add(Sequence("b", 0, list(range(20, 40)), SamplingParams(temperature=0, max_tokens=4)))
     plan = sched.schedule()
     rows = {r.request_id: r for r in plan.scheduled}
@@ -240,7 +241,15 @@ def test_greedy_verification_picks_what_the_sampler_picks_position_by_position(p
     outputs = make_output_processor(max_model_len=64)
     calls = []
     sampler = outputs.sampler
-    outputs.sampler = lambda lg, ss: calls.append(len(ss)) or sampler(lg, ss)
+
+    class Counting:
+        vocab_size = VOCAB
+
+        def __call__(self, lg, ss):
+            calls.append(len(ss))
+            return sampler(lg, ss)
+
+    outputs.sampler = Counting()
     out = ModelOutput(rows, logits, draft_logits=draft_logits)
     got = verify_drafts(outputs, out, list(range(n)), seqs, {})
     assert len(got) == n
@@ -254,7 +263,7 @@ def test_greedy_verification_picks_what_the_sampler_picks_position_by_position(p
     _verify_sampled(outputs, out, [(v, i, rows[i].token_ids[1:]) for i, v in enumerate(want)], {})
     for g, w, s, r in zip(got, want, seqs, refs, strict=True):
         assert s.output_token_ids == r.output_token_ids and g.num_accepted == w.num_accepted
-        assert s.is_finished == r.is_finished and s.logprobs == r.logprobs
+        assert s.is_stopped == r.is_stopped and s.logprobs == r.logprobs
     assert {g.num_accepted for g in got} != {0}  # some drafts were accepted ...
     assert any(g.num_accepted < k for g in got)  # ... and some rejected
 

@@ -1,6 +1,8 @@
-"""Drive a :class:`Scheduler` with no model: each step's plan gets a plain-data
-:class:`ModelOutput` whose logits pick the token a test chooses, and the scheduler's real
-``update_from_output`` (real sampler, postprocessor and stop checks) applies it."""
+"""Drive a :class:`Scheduler` with no model and no logits: each step's plan gets a plain-data
+:class:`SampledOutput` of the token ids a test chooses, passed through the real postprocessor
+(its stop checks decide which sequences stop), and the scheduler's ``update_from_output``
+applies it. Tests of the sample phase itself build a :class:`ModelOutput` (:func:`model_output`)
+and run it through a real :class:`OutputProcessor` (:func:`sample`)."""
 
 from __future__ import annotations
 
@@ -13,14 +15,22 @@ from loramux.engine.config import SchedulerConfig
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.postprocess import Postprocessor
-from loramux.engine.sampler import Sampler
+from loramux.engine.sampler import Sampler, SamplerOutput
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
-from loramux.engine.step_data import ModelOutput, SchedulerOutput, StepOutcome
+from loramux.engine.step_data import (
+    ModelOutput,
+    SampledOutput,
+    SampledSeq,
+    SchedulerOutput,
+    StepOutcome,
+)
 
 VOCAB = 512
 PICK = 1e4
 """The chosen token's logit (the others are 0): every sampler setting picks it."""
+
+TokenFn = Callable[[Scheduler, int], int]
 
 
 class FakeDetokenizer:
@@ -50,12 +60,16 @@ class BrokenLog:
         self.marked.append((key, error))
 
 
+def make_postprocessor(max_model_len: int, eos: set[int] | None = None) -> Postprocessor:
+    return Postprocessor(FakeDetokenizer(), eos if eos is not None else set(), max_model_len)
+
+
 def make_output_processor(max_model_len: int, eos: set[int] | None = None,
                           broken: BrokenLog | None = None) -> OutputProcessor:
     eos = eos if eos is not None else set()
     return OutputProcessor(
         Sampler(VOCAB, eos, torch.Generator().manual_seed(0)),
-        Postprocessor(FakeDetokenizer(), eos, max_model_len),
+        make_postprocessor(max_model_len, eos),
         NoGrammars(),
         broken if broken is not None else BrokenLog(),
     )
@@ -63,8 +77,7 @@ def make_output_processor(max_model_len: int, eos: set[int] | None = None,
 
 def make_scheduler(config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                    adapters=None, **kwargs) -> Scheduler:
-    return Scheduler(config, kv, max_model_len, adapters,
-                     outputs=make_output_processor(max_model_len), **kwargs)
+    return Scheduler(config, kv, max_model_len, adapters, **kwargs)
 
 
 def next_output_token(sched: Scheduler, seq_id: int) -> int:
@@ -72,8 +85,26 @@ def next_output_token(sched: Scheduler, seq_id: int) -> int:
     return 101 + sched.seqs[seq_id].num_output_tokens
 
 
-def model_output(sched: Scheduler, plan: SchedulerOutput,
-                 token: Callable[[Scheduler, int], int] = next_output_token) -> ModelOutput:
+def sampled_output(sched: Scheduler, plan: SchedulerOutput, token: TokenFn = next_output_token,
+                   eos: set[int] | None = None) -> SampledOutput:
+    """The sample phase as data: each row whose prompt is now computed (and its pending
+    siblings) takes ``token(sched, seq_id)``, postprocessed by the real stop checks (max
+    tokens, ``max_model_len``, stop tokens, EOS ``eos``); prompt chunks take nothing."""
+    post = make_postprocessor(sched.max_model_len, eos)
+    took = []
+    for row in plan.scheduled:
+        seq = sched.seqs[row.seq_id]
+        if row.num_computed_tokens + row.num_new_tokens < seq.num_tokens:
+            continue
+        tok = token(sched, seq.seq_id)  # the row's pick: its siblings sample the same row
+        for s in (seq, *seq.pending_forks):
+            post.accept(s, 0, SamplerOutput([tok], None, None, None, None))
+            took.append(SampledSeq(s.seq_id, [tok], s.finish_reason))
+    return SampledOutput(took)
+
+
+def model_output(sched: Scheduler, plan: SchedulerOutput, token: TokenFn = next_output_token,
+                 ) -> ModelOutput:
     """Logits for the plan's rows (in plan order) that pick ``token(sched, seq_id)``."""
     logits = torch.zeros(len(plan.scheduled), VOCAB)
     for i, row in enumerate(plan.scheduled):
@@ -81,9 +112,16 @@ def model_output(sched: Scheduler, plan: SchedulerOutput,
     return ModelOutput(list(plan.scheduled), logits)
 
 
-def step(sched: Scheduler, token: Callable[[Scheduler, int], int] = next_output_token,
+def sample(outputs: OutputProcessor, sched: Scheduler, plan: SchedulerOutput,
+           out: ModelOutput) -> StepOutcome:
+    """The engine's sample and update phases for a model output: ``outputs`` samples it,
+    the scheduler applies the sampled tokens."""
+    return sched.update_from_output(plan, outputs.sample(out, sched.seqs))
+
+
+def step(sched: Scheduler, token: TokenFn = next_output_token, eos: set[int] | None = None,
          ) -> tuple[SchedulerOutput, StepOutcome]:
-    """Plan a step and apply a model output to it, as the engine does."""
+    """Plan a step and apply its sampled tokens to it, as the engine does."""
     plan = sched.schedule()
-    outcome = sched.update_from_output(plan, model_output(sched, plan, token))
+    outcome = sched.update_from_output(plan, sampled_output(sched, plan, token, eos))
     return plan, outcome

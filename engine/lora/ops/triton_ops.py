@@ -72,15 +72,9 @@ if HAS_TRITON:
         rank_ptr,  # [num_slots]
         scale_ptr,  # [num_slots] fp32
         K,
-        stride_xt,
-        stride_xk,
-        stride_a0,
-        stride_a1,
-        stride_a2,
-        stride_a3,
-        stride_v0,
-        stride_v1,
-        stride_v2,
+        stride_xt, stride_xk,  # x
+        stride_a0, stride_a1, stride_a2, stride_a3,  # A
+        stride_v0, stride_v1, stride_v2,  # v
         NUM_N_TILES,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,

@@ -30,16 +30,16 @@ def test_n_flood_leaves_the_neighbour_within_bound(live, tenants):
 def test_a_failing_step_fails_its_request_and_the_neighbour_goes_on(live, tenants, engine,
                                                                       monkeypatch):
     url, canary = live()
-    original = engine.engine.runner.execute
+    original = engine.engine.runner.run_batch
     calls: list[int] = []
 
-    def execute_once_broken(batch, copies=()):
+    def run_once_broken(batch, copies=()):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("can't allocate memory")
         return original(batch, copies)
 
-    monkeypatch.setattr(engine.engine.runner, "execute", execute_once_broken)
+    monkeypatch.setattr(engine.engine.runner, "run_batch", run_once_broken)
     r = _attack(url, tenants, {"prompt": "boom", "max_tokens": 4})
     assert r.status_code == 500, r.text
     assert r.json()["error"]["code"] == "engine_step_failed", r.text

@@ -1,0 +1,36 @@
+"""``LLM(...)``'s vLLM arguments: none is accepted and silently ignored."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from loramux.engine.llm import check_vllm_arguments
+
+
+def test_vllm_defaults_pass_silently():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_vllm_arguments({"tensor_parallel_size": 1, "quantization": None, "swap_space": 4,
+                              "trust_remote_code": False, "tokenizer_mode": "auto"})
+
+
+@pytest.mark.parametrize("name, value", [("tensor_parallel_size", 2), ("quantization", "awq"),
+                                         ("quantization", "fp8")])
+def test_what_the_engine_cannot_do_is_refused_naming_the_argument(name, value):
+    with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
+        check_vllm_arguments({name: value})
+
+
+@pytest.mark.parametrize("name, value", [("swap_space", 16), ("trust_remote_code", True),
+                                         ("revision", "main"), ("download_dir", "/tmp/x"),
+                                         ("tokenizer_mode", "slow"), ("disable_log_stats", True)])
+def test_a_value_without_effect_warns_naming_it(name, value):
+    with pytest.warns(UserWarning, match=f"{name}={value!r} has no effect"):
+        check_vllm_arguments({name: value})
+
+
+def test_unknown_arguments_are_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword arguments: \\['max_lora_ranks'\\]"):
+        check_vllm_arguments({"max_lora_ranks": 8})
