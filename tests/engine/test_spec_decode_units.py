@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support.scheduler_harness import VOCAB, make_output_processor, make_scheduler, model_output, sample
+from support.scheduler_harness import (
+    VOCAB,
+    make_output_processor,
+    make_scheduler,
+    model_output,
+    sample,
+)
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
