@@ -114,6 +114,10 @@ class Llama3JsonToolParser(ToolParser):
         request: Any,
     ) -> DeltaMessage | None:
         if not (current_text.startswith(self.bot_token) or current_text.startswith("{")):
+            if self.bot_token.startswith(current_text):
+                return None  # the marker is arriving in pieces (text, not its token)
+            if self.bot_token.startswith(previous_text) and previous_text:
+                return DeltaMessage(content=current_text)  # what was held back, too
             return DeltaMessage(content=delta_text)
         try:
             calls, complete = self._parse_calls(current_text)
@@ -121,54 +125,69 @@ class Llama3JsonToolParser(ToolParser):
             return None  # not enough text to parse yet
         if not calls:
             return None
-        current = calls[self.current_tool_id] if self.current_tool_id < len(calls) else {}
-
-        if len(calls) > self.current_tool_id + 1:
-            # a new call starts: first send what the previous one still lacks
-            delta = None
-            if self.current_tool_id >= 0 and current.get("arguments"):
-                args_json = json.dumps(current["arguments"], ensure_ascii=False)
-                sent = self.streamed_args_for_tool[self.current_tool_id]
-                diff = args_json[len(sent) :]
-                delta = self._args_delta(self.current_tool_id, diff)
-            self.current_tool_id = len(calls) - 1
-            self.current_tool_name_sent = False
-            self.streamed_args_for_tool.append("")
-            return delta
-
-        delta = None
-        if not self.current_tool_name_sent:
-            name = current.get("name")
-            if name:
+        chunks: list[DeltaToolCall] = []
+        while True:
+            at = self.current_tool_id
+            announced = at < 0 or self.current_tool_name_sent or not calls[at].get("name")
+            if len(calls) > at + 1 and announced:
+                # the next call has started: first send what the current one still lacks
+                if self.current_tool_id >= 0:
+                    args = calls[self.current_tool_id].get("arguments")
+                    if args:
+                        args_json = json.dumps(args, ensure_ascii=False)
+                        sent = self.streamed_args_for_tool[self.current_tool_id]
+                        self._send_args(chunks, self.current_tool_id, args_json[len(sent) :])
+                self.current_tool_id += 1
+                self.current_tool_name_sent = False
+                self.streamed_args_for_tool.append("")
+                continue
+            current = calls[self.current_tool_id]
+            if not self.current_tool_name_sent:
+                name = current.get("name")
+                if not name:
+                    break
                 self.current_tool_name_sent = True
-                delta = DeltaMessage(
-                    tool_calls=[
-                        DeltaToolCall(
-                            index=self.current_tool_id,
-                            id=make_tool_call_id(),
-                            type="function",
-                            function=DeltaFunctionCall(name=name),
-                        )
-                    ]
+                chunks.append(
+                    DeltaToolCall(
+                        index=self.current_tool_id,
+                        id=make_tool_call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=name),
+                    )
                 )
-        elif current.get("arguments"):
-            args_json = json.dumps(current["arguments"], ensure_ascii=False)
-            sent = len(self.streamed_args_for_tool[self.current_tool_id])
-            prev = self.prev_tool_call_arr[self.current_tool_id].get("arguments")
-            diff = None
-            if complete[self.current_tool_id]:
-                diff = args_json[sent:]
-            elif prev:
-                prev_json = json.dumps(prev, ensure_ascii=False)
-                if args_json != prev_json:
-                    diff = common_prefix(prev_json, args_json)[sent:]
-            if diff is not None:
-                delta = self._args_delta(self.current_tool_id, diff)
+                continue
+            self._stream_arguments(chunks, current, complete[self.current_tool_id])
+            break
         self.prev_tool_call_arr = calls
-        return delta
+        return DeltaMessage(tool_calls=chunks) if chunks else None
 
-    def _args_delta(self, index: int, diff: str) -> DeltaMessage:
-        self.streamed_args_for_tool[index] += diff
-        return DeltaMessage(
-            tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=diff))]
+    def _stream_arguments(self, chunks: list[DeltaToolCall], current: dict, complete: bool) -> None:
+        """Send the part of the current call's arguments that can no longer change:
+        all of it once the call's JSON is complete, else the common prefix of this
+        step's and the last step's ``json.dumps(arguments)``."""
+        args = current.get("arguments")
+        if not args:
+            return
+        index = self.current_tool_id
+        args_json = json.dumps(args, ensure_ascii=False)
+        sent = len(self.streamed_args_for_tool[index])
+        prev = (
+            self.prev_tool_call_arr[index].get("arguments")
+            if index < len(self.prev_tool_call_arr)
+            else None
         )
+        if complete:
+            self._send_args(chunks, index, args_json[sent:])
+        elif prev:
+            prev_json = json.dumps(prev, ensure_ascii=False)
+            if args_json != prev_json:
+                self._send_args(chunks, index, common_prefix(prev_json, args_json)[sent:])
+
+    def _send_args(self, chunks: list[DeltaToolCall], index: int, diff: str) -> None:
+        if not diff:
+            return
+        self.streamed_args_for_tool[index] += diff
+        if chunks and chunks[-1].index == index and chunks[-1].function is not None:
+            chunks[-1].function.arguments = (chunks[-1].function.arguments or "") + diff
+        else:
+            chunks.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=diff)))
