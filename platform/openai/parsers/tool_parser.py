@@ -97,11 +97,12 @@ class ToolParser(ABC):
     def finish_streaming(self) -> DeltaMessage | None:
         """Called once when a streamed generation ends: the argument text of the last
         call that was parsed but not yet sent (vLLM's serving layer appends it to the
-        final chunk), as one chunk, or ``None``."""
+        final chunk), as one chunk, or ``None``. Never for a call whose name was not
+        parsed (vLLM would send arguments of a call it never announced)."""
         remaining = self.remaining_unstreamed_args()
-        if not remaining:
-            return None
         index = len(self.prev_tool_call_arr) - 1
+        if not remaining or not self.prev_tool_call_arr[index].get("name"):
+            return None
         self.streamed_args_for_tool[index] += remaining
         return DeltaMessage(
             tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=remaining))]
