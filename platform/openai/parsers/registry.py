@@ -54,6 +54,7 @@ def import_plugin(plugin_path: str) -> ModuleType | None:
         spec.loader.exec_module(module)
         return module
     except Exception:
+        sys.modules.pop(module_name, None)
         logger.exception("Failed to load module '%s' from %s.", module_name, plugin_path)
         return None
 
