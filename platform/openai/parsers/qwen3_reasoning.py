@@ -152,31 +152,35 @@ class Qwen3ReasoningParser(ReasoningParser):
         return None
 
     def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens before the thought's end (its markers not counted)."""
+        """Tokens of the thought, its markers not counted."""
         if not self.thinking_enabled or not token_ids:
             return 0
         ids = list(token_ids)
         if self.end_token_id is not None and self.end_token_id in ids:
-            cut = ids.index(self.end_token_id)
-        else:
-            cut = self._first_prefix_ending_thought(ids)
-        markers = {self.start_token_id, self.end_token_id}
-        return sum(1 for i in ids[:cut] if i not in markers)
+            markers = {self.start_token_id, self.end_token_id}
+            return sum(1 for i in ids[: ids.index(self.end_token_id)] if i not in markers)
+        return self._count_by_text(ids)
 
-    def _first_prefix_ending_thought(self, ids: list[int]) -> int:
-        """The number of tokens before the one that completes ``</think>`` /
-        ``<tool_call>`` in the decoded text (all of them if none does)."""
+    def _count_by_text(self, ids: list[int]) -> int:
+        """Without a ``</think>`` token: the tokens whose text lies inside the thought,
+        found by decoding prefixes (binary search, a few decodes)."""
+        text = self.model_tokenizer.decode(ids)
+        ends = [i for i in (text.find(THINK_END), text.find(TOOL_CALL_START)) if i != -1]
+        thought_end = min(ends) if ends else len(text)
 
-        def ended(n: int) -> bool:
-            return split_thought(self.model_tokenizer.decode(ids[:n]))[2]
+        def decoded_len(n: int) -> int:
+            return len(self.model_tokenizer.decode(ids[:n]))
 
-        if not ended(len(ids)):
-            return len(ids)
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ended(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo - 1
+        def last_prefix_within(limit: int) -> int:
+            lo, hi = 0, len(ids)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if decoded_len(mid) <= limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        inside = last_prefix_within(thought_end)
+        opened = last_prefix_within(len(THINK_START)) if text.startswith(THINK_START) else 0
+        return max(0, inside - opened)

@@ -45,9 +45,13 @@ def test_unknown_name_lists_the_choices():
 
 
 def test_flag_refusals():
-    with pytest.raises(ParserStartupError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+    with pytest.raises(
+        ParserStartupError, match="--enable-auto-tool-choice requires --tool-call-parser"
+    ):
         validate_parser_flags(True, None, None)
-    with pytest.raises(ParserStartupError, match=r"invalid tool call parser: nope \(chose from \{ .*hermes"):
+    with pytest.raises(
+        ParserStartupError, match=r"invalid tool call parser: nope \(chose from \{ .*hermes"
+    ):
         validate_parser_flags(True, "nope", None)
     with pytest.raises(ParserStartupError, match=r"invalid reasoning parser: nope \(chose from"):
         validate_parser_flags(False, None, "nope")

@@ -13,7 +13,12 @@ MALFORMED = [
     ("hermes", (), '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>', None),
     ("hermes", (), '<tool_call>{"name": "get_weather"}</tool_call>', None),  # no arguments
     ("hermes", (), "Sure <tool_call>not json at all</tool_call> done", None),
-    ("llama3_json", ("<|python_tag|>",), '{"name": "get_weather", "arguments": {"city": "Tok', None),
+    (
+        "llama3_json",
+        ("<|python_tag|>",),
+        '{"name": "get_weather", "arguments": {"city": "Tok',
+        None,
+    ),
     ("llama3_json", ("<|python_tag|>",), '{"arguments": {"city": "Tokyo"}}', None),  # no name
     ("pythonic", (), "[get_weather(city=Tokyo Japan)]", None),
     ("pythonic", (), "[get_weather(city=open('/etc/passwd'))]", None),  # not a literal
