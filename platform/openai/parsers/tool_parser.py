@@ -63,6 +63,8 @@ class ToolParser(ABC):
         self.streamed_args_for_tool: list[str] = []
         #: set when the text looked like a call but did not parse (streamed or not)
         self.parse_failed: bool = False
+        self._streamed_text = ""
+        self._streamed_request: Any = None
 
     @cached_property
     def vocab(self) -> dict[str, int]:
@@ -148,6 +150,7 @@ class ToolParser(ABC):
     ) -> DeltaMessage | None:
         """:meth:`extract_tool_calls_streaming` that never raises (a failing step sends
         nothing and sets :attr:`parse_failed`)."""
+        self._streamed_text, self._streamed_request = current_text, request
         try:
             return self.extract_tool_calls_streaming(
                 previous_text,
@@ -164,10 +167,17 @@ class ToolParser(ABC):
             return None
 
     def safe_finish_streaming(self) -> DeltaMessage | None:
-        """:meth:`finish_streaming` that never raises."""
+        """:meth:`finish_streaming` that never raises. It also parses the whole streamed
+        text once more (``extract_tool_calls`` is stateless) so that a stream whose
+        text looked like a call but did not parse sets :attr:`parse_failed` as the
+        non-streamed answer would."""
         try:
-            return self.finish_streaming()
+            delta = self.finish_streaming()
         except Exception:
             logger.exception("tool parser %s failed at the end of a stream", type(self))
             self.parse_failed = True
-            return None
+            delta = None
+        if self._streamed_text and not self.parse_failed:
+            whole = self.safe_extract_tool_calls(self._streamed_text, self._streamed_request)
+            self.parse_failed = whole.parse_failed
+        return delta

@@ -47,6 +47,7 @@ def test_streamed_never_raises(name, tokens, text, content, mode, make_tokenizer
     replay = stream_tool_parser(parser, tokenizer, text, Request(), mode)
     for call in replay.calls.values():
         assert call.name is not None
+    assert parser.parse_failed  # counted like the non-streamed failure
 
 
 def test_mistral_v11_call_with_broken_arguments_is_kept_and_flagged(make_tokenizer):
