@@ -126,6 +126,23 @@ CASES = [
         [("add", {"a": 1, "b": 2})], None, special_tokens=("[TOOL_CALLS]",),
         exact_arguments=False,  # vLLM streams the raw text, returns json.dumps of it
     ),
+    Case(
+        "mistral-pre-v11-spaced", "mistral",
+        '[TOOL_CALLS]  [ {"name":"add" , "arguments" : {"a": 3, "b": 4} } ]',
+        [("add", {"a": 3, "b": 4})], None, special_tokens=("[TOOL_CALLS]",),
+    ),
+    Case(
+        "mistral-pre-v11-arguments-before-name", "mistral",
+        '[TOOL_CALLS] [{"arguments": {"name": "John Doe"}, "name": "get_age"}]',
+        [("get_age", {"name": "John Doe"})], None, special_tokens=("[TOOL_CALLS]",),
+    ),
+    Case(
+        "mistral-pre-v11-trailing-text", "mistral",
+        '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"city": "Dallas", '
+        '"state": "TX", "unit": "fahrenheit"}}]\nextra trailing data',
+        [("get_current_weather", {"city": "Dallas", "state": "TX", "unit": "fahrenheit"})],
+        None, streamed_content="\nextra trailing data", special_tokens=("[TOOL_CALLS]",),
+    ),
     # mistral, v11+ tokenizer ([TOOL_CALLS]name[ARGS]{...})
     Case(
         "mistral-v11", "mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Tokyo", "unit": "celsius"}',
@@ -141,6 +158,12 @@ CASES = [
     Case(
         "mistral-v11-name-brace", "mistral", '[TOOL_CALLS]get_weather{"city": "Tokyo"}',
         [("get_weather", {"city": "Tokyo"})], None, special_tokens=("[TOOL_CALLS]", "[ARGS]"),
+    ),
+    Case(
+        "mistral-v11-content-with-brace", "mistral",
+        'hi{hi[TOOL_CALLS]bash{"command": "print(\\"hello world!\\")\\nre.compile(r\'{}\')"}',
+        [("bash", {"command": "print(\"hello world!\")\nre.compile(r'{}')"})], "hi{hi",
+        special_tokens=("[TOOL_CALLS]", "[ARGS]"),
     ),
     Case(
         "mistral-none", "mistral", "No tools needed.", [], "No tools needed.",

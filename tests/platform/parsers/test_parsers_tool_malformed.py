@@ -66,6 +66,23 @@ def test_mistral_v11_marker_alone_is_no_call(make_tokenizer):
     assert result.parse_failed
 
 
+def test_mistral_pre_v11_finds_the_call_array_after_junk(make_tokenizer):
+    parser = ToolParserManager.get_tool_parser("mistral")(make_tokenizer("[TOOL_CALLS]"))
+    text = '[TOOL_CALLS]  junk [{"name": "add", "arguments":{"a": 1, "b": 2}}] trail'
+    result = parser.safe_extract_tool_calls(text, Request())
+    assert [(c.function.name, c.function.arguments) for c in result.tool_calls] == [
+        ("add", '{"a": 1, "b": 2}')
+    ]
+
+
+def test_mistral_v11_name_without_arguments_is_a_call(make_tokenizer):
+    parser = ToolParserManager.get_tool_parser("mistral")(make_tokenizer("[TOOL_CALLS]", "[ARGS]"))
+    result = parser.safe_extract_tool_calls("[TOOL_CALLS]toolname_no_args", Request())
+    assert [(c.function.name, c.function.arguments) for c in result.tool_calls] == [
+        ("toolname_no_args", "{}")
+    ]
+
+
 def test_mistral_pre_v11_tool_choice_none_leaves_text(make_tokenizer):
     parser = ToolParserManager.get_tool_parser("mistral")(make_tokenizer("[TOOL_CALLS]"))
     text = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]'
