@@ -30,7 +30,7 @@ from loramux.platform.openai.parsers.mistral_legacy import (
 )
 from loramux.platform.openai.parsers.text import is_complete_json, longest_tag_overlap
 from loramux.platform.openai.parsers.tool_parser import ToolParser
-from loramux.platform.openai.parsers.tools import fix_argument_types
+from loramux.platform.openai.parsers.tools import calls_suppressed, fix_argument_types
 from loramux.platform.openai.parsers.types import (
     DeltaFunctionCall,
     DeltaMessage,
@@ -75,6 +75,7 @@ class MistralToolParser(ToolParser):
         self._last_text = ""
         self._body_offset: int | None = None
         self._sent_after: int | None = None
+        self._suppressed = False
 
     # -- non-streamed -----------------------------------------------------------------
 
@@ -84,6 +85,8 @@ class MistralToolParser(ToolParser):
         if TOOL_CALLS not in model_output:
             return ExtractedToolCalls(False, [], model_output)
         content, *segments = model_output.split(TOOL_CALLS)
+        if calls_suppressed(request):
+            return ExtractedToolCalls(False, [], content or None)
         tools = self.request_tools(request)
         calls: list[ToolCall] = []
         failed = False
@@ -159,6 +162,7 @@ class MistralToolParser(ToolParser):
     ) -> DeltaMessage | None:
         if self.is_pre_v11:
             return self._stream_pre_v11(current_text, request, final=False)
+        self._suppressed = calls_suppressed(request)
         return self._stream_v11(current_text, final=False)
 
     def finish_streaming(self) -> DeltaMessage | None:
@@ -188,7 +192,7 @@ class MistralToolParser(ToolParser):
         if segments:
             self._pending_ws = ""
         deltas: list[DeltaToolCall] = []
-        for index, segment in enumerate(segments):
+        for index, segment in enumerate([] if self._suppressed else segments):
             closed = final or index < len(segments) - 1
             if not segment and not closed:
                 break

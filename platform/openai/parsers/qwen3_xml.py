@@ -34,6 +34,7 @@ from loramux.platform.openai.parsers.qwen3_xml_scan import (
 from loramux.platform.openai.parsers.text import longest_tag_overlap
 from loramux.platform.openai.parsers.tool_parser import ToolParser
 from loramux.platform.openai.parsers.tools import (
+    calls_suppressed,
     find_tool_properties,
     fix_argument_types,
     streamable_string_keys,
@@ -68,6 +69,10 @@ class Qwen3XmlToolParser(ToolParser):
 
     def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCalls:
         result = scan(model_output)
+        if calls_suppressed(request):
+            return ExtractedToolCalls(
+                False, [], result.content_before + result.content_after or None
+            )
         tools = self.request_tools(request)
         calls: list[ToolCall] = []
         for slot in result.slots:
@@ -143,7 +148,8 @@ class Qwen3XmlToolParser(ToolParser):
             self._pending_ws = ""
         tools = self.request_tools(self._request)
         deltas: list[DeltaToolCall] = []
-        for index, slot in enumerate(result.slots):
+        slots = [] if calls_suppressed(self._request) else result.slots
+        for index, slot in enumerate(slots):
             while len(self._ids) <= index:
                 self._ids.append("")
                 self._names_sent.append(False)

@@ -26,6 +26,12 @@ def request_tools(request: Any) -> list[Any]:
     return list(_get(request, "tools") or []) if request is not None else []
 
 
+def calls_suppressed(request: Any) -> bool:
+    """``tool_choice: "none"`` with tools: vLLM's engine-based parsers then keep the
+    text outside calls as content and return no calls."""
+    return _get(request, "tool_choice") == "none" and bool(request_tools(request))
+
+
 def tool_name(tool: Any) -> str | None:
     function = _get(tool, "function")
     if function is not None:

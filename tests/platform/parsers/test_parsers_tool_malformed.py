@@ -145,3 +145,27 @@ def test_a_parser_exception_is_served_as_content(plain_tokenizer):
     assert parser.safe_extract_tool_calls_streaming("", "x", "x", [], [], [], Request()) is None
     assert parser.safe_finish_streaming() is None
     assert parser.parse_failed
+
+
+@pytest.mark.parametrize(
+    ("name", "tokens", "text", "content"),
+    [
+        (
+            "qwen3_xml", (),
+            "Sure.<tool_call>\n<function=f>\n<parameter=a>1</parameter>\n</function>\n</tool_call> Done.",
+            "Sure. Done.",
+        ),
+        ("mistral", ("[TOOL_CALLS]", "[ARGS]"), 'Sure. [TOOL_CALLS]f[ARGS]{"a": 1}', "Sure. "),
+    ],
+)  # fmt: skip
+def test_engine_parsers_return_no_calls_for_tool_choice_none(
+    name, tokens, text, content, make_tokenizer
+):
+    """vLLM's engine-based parsers keep only the text outside calls then."""
+    tokenizer = make_tokenizer(*tokens)
+    request = Request(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    parser_cls = ToolParserManager.get_tool_parser(name)
+    result = parser_cls(tokenizer).safe_extract_tool_calls(text, request)
+    assert not result.tools_called and result.content == content
+    replay = stream_tool_parser(parser_cls(tokenizer), tokenizer, text, request)
+    assert replay.calls == {} and replay.content == content
