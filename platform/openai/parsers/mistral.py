@@ -264,9 +264,11 @@ class MistralToolParser(ToolParser):
             args = ""
             if span.args_start is not None:
                 end = span.args_end if span.args_end is not None else len(body)
-                if span.args_is_string:
-                    args = decode_first_json(body[span.args_start : end]) if span.args_end else None
-                    args = args if isinstance(args, str) else ""
+                if span.args_is_string:  # a string value is sent whole, decoded
+                    value = (
+                        decode_first_json(body[span.args_start : end]) if span.args_end else None
+                    )
+                    args = value if isinstance(value, str) else ""
                 else:
                     args = body[span.args_start : end]
             sent = self.streamed_args_for_tool[index]
