@@ -13,10 +13,11 @@
  * step, then the masked online softmax per query, then acc = acc * corr + P V runs
  * 4 queries x 16 dims per step. qpos: position of the tile's first row. */
 #define HAVE_BLOCK_PATH 1
-static void chunk_block(const float *qbuf, int M, int G, int D, int qpos, int c0, int cnt,
-                        int window, float softcap, const float *const *krow,
-                        const float *const *vrow, float *kT, float *P, float *cr, float *acc,
-                        float *mx, float *ls) {
+
+/* P[i][j] = q_i . k_j (soft-capped when softcap > 0) for the tile's M queries and the chunk's
+ * cnt keys, 4 queries x 16 keys per step over K transposed into kT (pads: finite zeros). */
+static inline void tile_scores(const float *qbuf, int M, int D, int cnt, float softcap,
+                               const float *const *krow, float *kT, float *P) {
     for (int d = 0; d < D; d++)
         for (int j = cnt; j < KEY_CHUNK; j++) kT[d * KEY_CHUNK + j] = 0.0f; /* finite pads */
     for (int j = 0; j < cnt; j++)
@@ -60,6 +61,15 @@ static void chunk_block(const float *qbuf, int M, int G, int D, int qpos, int c0
     }
     if (softcap > 0.0f) /* the columns scored above (pads are the finite 0 . q) */
         for (i = 0; i < M; i++) softcap_scores(P + (int64_t)i * KEY_CHUNK, nsub * KEY_SUB, softcap);
+}
+
+/* The masked online softmax of each query's row of P (causal from qpos, the sliding window):
+ * P becomes exp(s - new max) where visible and 0 elsewhere; cr[i] the correction of the
+ * query's running max mx[i], ls[i] its running sum. */
+static inline void tile_softmax(int M, int G, int qpos, int c0, int cnt, int window, float *P,
+                                float *cr, float *mx, float *ls) {
+    const int nsub = (cnt + KEY_SUB - 1) / KEY_SUB;
+    int i;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (i = 0; i < M; i++) {
         const int pos = qpos + i / G;
@@ -90,7 +100,12 @@ static void chunk_block(const float *qbuf, int M, int G, int D, int qpos, int c0
         ls[i] = ls[i] * cr[i] + hsum8(sum);
         mx[i] = newm;
     }
-    i = 0;
+}
+
+/* acc_i = acc_i * cr[i] + sum_j P[i][j] v_j, 4 queries x 16 dims per step. */
+static inline void tile_accumulate(int M, int D, int cnt, const float *const *vrow, const float *P,
+                                   const float *cr, float *acc) {
+    int i = 0;
     for (; i + 4 <= M; i += 4) {
         int d = 0;
         for (; d + 16 <= D; d += 16) {
@@ -121,6 +136,15 @@ static void chunk_block(const float *qbuf, int M, int G, int D, int qpos, int c0
             }
     }
     for (; i < M; i++) accumulate(acc + (int64_t)i * D, cr[i], P + (int64_t)i * KEY_CHUNK, vrow, cnt, D);
+}
+
+static void chunk_block(const float *qbuf, int M, int G, int D, int qpos, int c0, int cnt,
+                        int window, float softcap, const float *const *krow,
+                        const float *const *vrow, float *kT, float *P, float *cr, float *acc,
+                        float *mx, float *ls) {
+    tile_scores(qbuf, M, D, cnt, softcap, krow, kT, P);
+    tile_softmax(M, G, qpos, c0, cnt, window, P, cr, mx, ls);
+    tile_accumulate(M, D, cnt, vrow, P, cr, acc);
 }
 #endif
 #endif

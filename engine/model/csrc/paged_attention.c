@@ -33,6 +33,25 @@ typedef struct {
     int seq, r0, r1;
 } Tile;
 
+/* krow[j - c0], vrow[j - c0]: the KV head's key and value rows of positions c0..c1 (inclusive)
+ * as fp32, in place in an fp32 cache, else converted into kbuf / vbuf. */
+static inline void gather_chunk(const void *k_cache, const void *v_cache, const int32_t *table, int bs,
+                                int Hkv, int kvh, int D, int dtype, int c0, int c1, float *kbuf,
+                                float *vbuf, const float **krow, const float **vrow) {
+    for (int j = c0; j <= c1; j++) {
+        const int64_t off = (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
+        if (dtype == 0) {
+            krow[j - c0] = (const float *)k_cache + off;
+            vrow[j - c0] = (const float *)v_cache + off;
+        } else {
+            load_row(k_cache, dtype, off, D, kbuf + (int64_t)(j - c0) * D);
+            load_row(v_cache, dtype, off, D, vbuf + (int64_t)(j - c0) * D);
+            krow[j - c0] = kbuf + (int64_t)(j - c0) * D;
+            vrow[j - c0] = vbuf + (int64_t)(j - c0) * D;
+        }
+    }
+}
+
 static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
                      void *out, const int32_t *table, int row0, int n, int ctx, const Tile *tile,
                      int kvh, int H, int Hkv, int G, int D, int bs, int window, float scale,
@@ -61,18 +80,7 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
     }
     for (int c0 = lo; c0 <= hi; c0 += KEY_CHUNK) {
         const int c1 = c0 + KEY_CHUNK - 1 < hi ? c0 + KEY_CHUNK - 1 : hi; /* inclusive */
-        for (int j = c0; j <= c1; j++) {
-            const int64_t off = (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
-            if (dtype == 0) {
-                krow[j - c0] = (const float *)k_cache + off;
-                vrow[j - c0] = (const float *)v_cache + off;
-            } else {
-                load_row(k_cache, dtype, off, D, kbuf + (int64_t)(j - c0) * D);
-                load_row(v_cache, dtype, off, D, vbuf + (int64_t)(j - c0) * D);
-                krow[j - c0] = kbuf + (int64_t)(j - c0) * D;
-                vrow[j - c0] = vbuf + (int64_t)(j - c0) * D;
-            }
-        }
+        gather_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, dtype, c0, c1, kbuf, vbuf, krow, vrow);
 #ifdef HAVE_BLOCK_PATH
         if (M >= 8) {
             chunk_block(qbuf, M, G, D, qpos0 + tile->r0, c0, c1 - c0 + 1, window, softcap, krow,
