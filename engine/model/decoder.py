@@ -4,10 +4,11 @@ A family is data (:class:`~loramux.engine.model.spec.DecoderSpec`, built by
 ``models/<family>.py``): norm offset, the norms' checkpoint names (sandwich norms), q/k norms,
 activation, embedding scale, softmax scale, soft-caps, per-layer windows and rotary tables,
 fused checkpoint names, and where it must be code its own feed-forward block (``spec.mlp``,
-handed a :class:`~loramux.engine.model.spec.LayerContext` per layer). Projections are fused per layer (q|k|v and gate|up) so a step runs four matmuls per
-layer; a LoRA hook, when attached, adds each token's adapter delta to the output of every
-projection group (:data:`~loramux.adapters.arch.PROJECTION_GROUPS`). Attention reads the
-paged KV cache through the step's metadata of the layer's window.
+handed a :class:`~loramux.engine.model.spec.LayerContext` per layer). Projections are fused
+per layer (q|k|v and gate|up) so a step runs four matmuls per layer; a LoRA hook, when
+attached, adds each token's adapter delta to the output of every projection group
+(:data:`~loramux.adapters.arch.PROJECTION_GROUPS`). Attention reads the paged KV cache
+through the step's metadata of the layer's window.
 """
 
 from __future__ import annotations
