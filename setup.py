@@ -5,8 +5,8 @@ built by torch's C++ extension tooling against the torch of the build environmen
 (``[build-system] requires`` pins it; ``make install`` builds with ``--no-build-isolation``
 against the venv's torch, so the binary matches the torch it runs with). ``ops.cpp`` registers
 the ``torch.ops.loramux.*`` operators; each C kernel source is compiled once per ISA variant
-(:data:`ISA_VARIANTS`, never ``-march=native``), and ``ops.cpp`` runs the best variant the CPU
-supports, chosen when the extension loads: one binary for every x86-64 machine.
+(:data:`ISA_VARIANTS`, never ``-march=native``), and the operators run the best variant the CPU
+supports (``isa.cpp``), chosen when the extension loads: one binary for every x86-64 machine.
 
 A machine without a C and C++ compiler installs the package without the extension and says
 so; the engine then runs on torch ops and reports itself ``degraded``. Where a compiler is
@@ -25,7 +25,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 CSRC = "engine/model/csrc"
 KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c")]
-HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h")]
+HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_prefill.h",
+                                         "sgmv_shrink.h")]
 C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]
 """Flags of every kernel object. OpenMP: the process's libgomp at run time is torch's own."""
 
@@ -66,12 +67,12 @@ class BuildKernels(BuildExtension):
 
 kernels = CppExtension(
     "loramux.engine.model.kernels._C",
-    sources=[f"{CSRC}/ops.cpp"],
+    sources=[f"{CSRC}/ops.cpp", f"{CSRC}/isa.cpp"],
     include_dirs=[os.path.abspath(CSRC)],
     define_macros=[(f"LMX_HAVE_{isa.upper()}", "1") for isa in ISA_VARIANTS if isa != "scalar"],
     extra_compile_args=["-O3"],
     extra_link_args=["-fopenmp", *(["-lmvec"] if X86_LINUX else []), "-lm"],
-    depends=[*KERNEL_SOURCES, *HEADERS],
+    depends=[*KERNEL_SOURCES, *HEADERS, f"{CSRC}/ops_common.h"],
 )
 
 setup(ext_modules=[kernels], cmdclass={"build_ext": BuildKernels})

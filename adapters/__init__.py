@@ -9,8 +9,11 @@
   safely (no absolute paths, ``..``, links or devices; member count and size caps)
 - :mod:`~loramux.adapters.safetensors_io` safetensors header checks before any tensor is
   read; nothing in this package unpickles or calls ``torch.load``
-- :mod:`~loramux.adapters.arch` the supported families and architectures (Llama/Mistral/
-  Qwen2, Qwen3, Gemma 3, Gemma 2, Phi-3/4), the modules LoRA may target in each, the shapes they imply
+- :mod:`~loramux.adapters.arch` the supported base models as the package reads them: which
+  family a config is, the modules LoRA may target in it, the shapes they imply
+- :mod:`~loramux.adapters.families` one ``ModelFamily`` row per family (Llama/Mistral/Qwen2,
+  Qwen3, Gemma 3, Gemma 2, Phi-3/4, Qwen3-MoE, Mixtral; ``register_family`` adds one);
+  :mod:`~loramux.adapters.projections` the projections' names and PEFT's tensor keys
 - :mod:`~loramux.adapters.fused` an adapter on split names rewritten in a fused family's
   names (Phi-3's ``qkv_proj``) for PEFT
 - :mod:`~loramux.adapters.merge` ``export_merged`` (PEFT ``merge_and_unload`` to a Hugging

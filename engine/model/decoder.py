@@ -1,12 +1,14 @@
 """The decoder forward pass every family runs, with fused projections and LoRA hooks.
 
 A family is data (:class:`~loramux.engine.model.spec.DecoderSpec`, built by
-``models/<family>.py``): norm offset, sandwich norms, q/k norms, activation, embedding
-scale, softmax scale, soft-caps, per-layer windows and rotary tables, fused checkpoint
-names. Projections are fused per layer (q|k|v and gate|up) so a step runs four matmuls per
-layer; a LoRA hook, when attached, adds each token's adapter delta to the output of every
-projection group (:data:`~loramux.adapters.arch.PROJECTION_GROUPS`). Attention reads the
-paged KV cache through the step's metadata of the layer's window.
+``models/<family>.py``): norm offset, the norms' checkpoint names (sandwich norms), q/k norms,
+activation, embedding scale, softmax scale, soft-caps, per-layer windows and rotary tables,
+fused checkpoint names, and where it must be code its own feed-forward block (``spec.mlp``,
+handed a :class:`~loramux.engine.model.spec.LayerContext` per layer). Projections are fused
+per layer (q|k|v and gate|up) so a step runs four matmuls per layer; a LoRA hook, when
+attached, adds each token's adapter delta to the output of every projection group
+(:data:`~loramux.adapters.arch.PROJECTION_GROUPS`). Attention reads the paged KV cache
+through the step's metadata of the layer's window.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from loramux.engine.model.layers import Norms, gated_activation
 from loramux.engine.model.linear import Linear, matmul_dtype
 from loramux.engine.model.rotary import RotaryTable, rotary_table
 from loramux.engine.model.small_ops import EagerOps, select_small_ops
-from loramux.engine.model.spec import DecoderSpec
+from loramux.engine.model.spec import DecoderSpec, LayerContext, LayerSpec
 from loramux.engine.model.weights import (
     ModelDims,
     ModelLoadError,
@@ -108,8 +110,8 @@ class DecoderModel:
         dtype: torch.dtype,
         device: torch.device,
         *,
+        spec: DecoderSpec,
         enforce_eager: bool = False,
-        spec: DecoderSpec | None = None,
         hf_config=None,
     ) -> None:
         path = Path(path)
@@ -118,10 +120,6 @@ class DecoderModel:
         self.arch = resolve_architecture(self.hf_config)
         self.text_config = text_config(self.hf_config)
         self.dims: ModelDims = dims_from_config(self.hf_config)
-        if spec is None:
-            from loramux.engine.model.models.llama import decoder_spec
-
-            spec = decoder_spec(self.text_config)
         if len(spec.layers) != self.dims.num_layers:
             raise ModelLoadError(f"{path}: {len(spec.layers)} layer specs for {self.dims.num_layers} layers")
         self.spec = spec
@@ -163,35 +161,9 @@ class DecoderModel:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing") from None
 
         self.embed = take("model.embed_tokens.weight")
-        self.layers: list[LayerWeights] = []
-        for i, ls in enumerate(s.layers):
-            p = f"model.layers.{i}."
-            ops = self.ops_by_rope[ls.rope]
-            act = gated_activation(s.activation, ops)
-            if s.sandwich_norms:
-                names = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-            else:
-                names = (None, "post_attention_layernorm", None)
-            mlp = s.mlp(take, p, self) if s.mlp is not None else None
-            if mlp is None:
-                mlp = GatedMLP(self._gate_up(sd, p, take), Linear(take(p + "mlp.down_proj.weight"),
-                                                                 sd.pop(p + "mlp.down_proj.bias", None)), act)
-            self.layers.append(
-                LayerWeights(
-                    attn_norm=take(p + "input_layernorm.weight"),
-                    qkv=self._qkv(sd, p, take),
-                    o=Linear(take(p + "self_attn.o_proj.weight"), sd.pop(p + "self_attn.o_proj.bias", None)),
-                    ffn_norm=take(p + names[1] + ".weight"),
-                    mlp=mlp,
-                    ops=ops,
-                    rope=ls.rope,
-                    window=ls.window,
-                    q_norm=take(p + "self_attn.q_norm.weight") if s.qk_norm else None,
-                    k_norm=take(p + "self_attn.k_norm.weight") if s.qk_norm else None,
-                    attn_out_norm=take(p + names[0] + ".weight") if names[0] else None,
-                    ffn_out_norm=take(p + names[2] + ".weight") if names[2] else None,
-                )
-            )
+        self.layers: list[LayerWeights] = [
+            self._load_layer(i, ls, sd, take) for i, ls in enumerate(s.layers)
+        ]
         self.norm = take("model.norm.weight")
         if not d.tie_word_embeddings:
             self.lm_head = Linear(take("lm_head.weight"))
@@ -201,6 +173,33 @@ class DecoderModel:
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ModelLoadError(f"{self.path}: unexpected tensors {leftover[:5]}")
+
+    def _load_layer(self, i: int, ls: LayerSpec, sd: dict, take) -> LayerWeights:
+        s, p = self.spec, f"model.layers.{i}."
+        ops = self.ops_by_rope[ls.rope]
+        act = gated_activation(s.activation, ops)
+        mlp = None
+        if s.mlp is not None:
+            mlp = s.mlp(LayerContext(index=i, prefix=p, dims=self.dims, activation=act, take=take,
+                                     source=str(self.path)))
+        if mlp is None:
+            down = Linear(take(p + "mlp.down_proj.weight"), sd.pop(p + "mlp.down_proj.bias", None))
+            mlp = GatedMLP(self._gate_up(sd, p, take), down, act)
+        names = s.norms
+        return LayerWeights(
+            attn_norm=take(p + names.attn + ".weight"),
+            qkv=self._qkv(sd, p, take),
+            o=Linear(take(p + "self_attn.o_proj.weight"), sd.pop(p + "self_attn.o_proj.bias", None)),
+            ffn_norm=take(p + names.ffn + ".weight"),
+            mlp=mlp,
+            ops=ops,
+            rope=ls.rope,
+            window=ls.window,
+            q_norm=take(p + "self_attn.q_norm.weight") if s.qk_norm else None,
+            k_norm=take(p + "self_attn.k_norm.weight") if s.qk_norm else None,
+            attn_out_norm=take(p + names.attn_out + ".weight") if names.attn_out else None,
+            ffn_out_norm=take(p + names.ffn_out + ".weight") if names.ffn_out else None,
+        )
 
     def _qkv(self, sd: dict, prefix: str, take) -> Linear:
         fused = self.spec.fused_qkv

@@ -17,8 +17,8 @@ adapter and the row's expert, over the same sorted runs.
 
 Checkpoints: the fused 3-D tensors transformers 5 keeps in memory (``mlp.experts.gate_up_proj``
 [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) or the per-expert tensors checkpoints are
-saved with (Qwen3-MoE ``mlp.experts.<e>.{gate,up,down}_proj.weight``; Mixtral
-``block_sparse_moe.experts.<e>.w1/w3/w2.weight``, w1 the gate, w3 the up projection).
+saved with (``<parent>.experts.<e>.<gate|up|down>.weight``, named by the family's
+:class:`ExpertNames`, which its module passes to :func:`load_moe_block`).
 """
 
 from __future__ import annotations
@@ -31,23 +31,20 @@ import torch
 import torch.nn.functional as F
 
 from loramux.engine.errors import ModelLoadError
-from loramux.engine.model.layers import gated_activation
 from loramux.engine.model.linear import Linear
+from loramux.engine.model.spec import LayerContext
 
 
 @dataclass(frozen=True)
 class ExpertNames:
-    """How a family's checkpoints name one expert's projections."""
+    """How a family's checkpoints name its MoE block and one expert's projections (each MoE
+    family's module has its own)."""
 
     parents: tuple[str, ...]
     """The block's module names, first match wins (``mlp``; Mixtral's older ``block_sparse_moe``)."""
     gate: str
     up: str
     down: str
-
-
-QWEN3_MOE_NAMES = ExpertNames(("mlp",), "gate_proj", "up_proj", "down_proj")
-MIXTRAL_NAMES = ExpertNames(("mlp", "block_sparse_moe"), "w1", "w3", "w2")
 
 
 class ExpertLoRAHook(Protocol):
@@ -181,14 +178,13 @@ def _take_experts(take, prefix: str, parent: str, names: ExpertNames, num_expert
     return torch.stack(gate_up), torch.stack(down)
 
 
-def load_moe_block(take, prefix: str, model, *, names: ExpertNames, norm_topk_prob: bool,
+def load_moe_block(ctx: LayerContext, *, names: ExpertNames, norm_topk_prob: bool,
                    weights_in_float: bool) -> MoEBlock | None:
-    """The MoE block of layer ``prefix`` (``model.layers.<i>.``) when the layer is one of the
-    model's MoE layers (``dims.moe_layers``), else None (a dense MLP). ``take(name[, default])``
-    pops a checkpoint tensor."""
-    dims = model.dims
-    layer = int(prefix.rstrip(".").rsplit(".", 1)[-1])
-    if layer not in dims.moe_layers:
+    """The MoE block of the layer ``ctx`` describes when it is one of the model's MoE layers
+    (``dims.moe_layers``), else None (a dense MLP). A family's ``DecoderSpec.mlp`` (with its
+    ``names`` and routing bound); called once per layer while the model loads."""
+    dims, take, prefix = ctx.dims, ctx.take, ctx.prefix
+    if ctx.index not in dims.moe_layers:
         return None
     for parent in names.parents:
         router = take(f"{prefix}{parent}.gate.weight", None)
@@ -196,17 +192,16 @@ def load_moe_block(take, prefix: str, model, *, names: ExpertNames, norm_topk_pr
             continue
         experts = _take_experts(take, prefix, parent, names, dims.num_experts)
         if experts is None:
-            raise ModelLoadError(f"{model.path}: {prefix}{parent}.experts: no expert weights "
+            raise ModelLoadError(f"{ctx.source}: {prefix}{parent}.experts: no expert weights "
                                  f"(expected {parent}.experts.gate_up_proj or per-expert tensors)")
         gate_up, down = experts
         if router.shape[0] != dims.num_experts:
-            raise ModelLoadError(f"{model.path}: {prefix}{parent}.gate.weight has {router.shape[0]} "
+            raise ModelLoadError(f"{ctx.source}: {prefix}{parent}.gate.weight has {router.shape[0]} "
                                  f"experts, the config {dims.num_experts}")
-        act = gated_activation(model.spec.activation, model.ops_by_rope[model.spec.layers[layer].rope])
         backend = "triton" if router.device.type == "cuda" and _has_triton() else "torch"
-        return MoEBlock(router, gate_up, down, dims.num_experts_per_tok, norm_topk_prob, act,
-                        weights_in_float=weights_in_float, backend=backend)
-    raise ModelLoadError(f"{model.path}: tensor {prefix}{names.parents[0]}.gate.weight (the router) "
+        return MoEBlock(router, gate_up, down, dims.num_experts_per_tok, norm_topk_prob,
+                        ctx.activation, weights_in_float=weights_in_float, backend=backend)
+    raise ModelLoadError(f"{ctx.source}: tensor {prefix}{names.parents[0]}.gate.weight (the router) "
                          f"is missing")
 
 

@@ -1,11 +1,8 @@
-"""The model registry: a Hugging Face ``architectures`` entry → its family
-(``adapters.arch.ARCHITECTURES``, the one table) → the family's module here, which turns the
-config into the decoder's spec.
-
-Adding a family: a row in ``adapters/arch.py`` (``FAMILIES``, ``ARCHITECTURES``: what LoRA may
-target, the checkpoint prefixes), a module ``models/<family>.py`` with ``decoder_spec(config)``,
-its entry in :data:`FAMILY_MODULES`, and the family's test (copy
-``tests/engine/test_families_vs_transformers.py``'s config row).
+"""The model registry: a Hugging Face ``architectures`` entry → its family's row
+(``adapters.families``: one :class:`~loramux.adapters.families.ModelFamily` per family) → the
+engine module the row names, whose ``decoder_spec(config)`` turns the config into the
+decoder's spec. Adding a family is a row and a module (``docs/architecture.md``, "Adding a
+family"); nothing here changes.
 """
 
 from __future__ import annotations
@@ -15,29 +12,25 @@ from pathlib import Path
 
 import torch
 
-from loramux.adapters.arch import FAMILIES, resolve_architecture
+from loramux.adapters.arch import resolve_architecture
+from loramux.adapters.families import family_of
+from loramux.engine.errors import ModelLoadError
 from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.model.spec import DecoderSpec
 from loramux.engine.model.weights import read_hf_config, text_config
 
-FAMILY_MODULES = {
-    "llama": "loramux.engine.model.models.llama",
-    "qwen3": "loramux.engine.model.models.qwen3",
-    "gemma3": "loramux.engine.model.models.gemma3",
-    "gemma2": "loramux.engine.model.models.gemma2",
-    "phi3": "loramux.engine.model.models.phi3",
-    "qwen3_moe": "loramux.engine.model.models.qwen3_moe",
-    "mixtral": "loramux.engine.model.models.mixtral",
-}
-"""Family name (``adapters.arch.FAMILIES``) → the module with its ``decoder_spec``."""
-assert set(FAMILY_MODULES) == set(FAMILIES), "every family needs its module"
-
 
 def decoder_spec(config) -> DecoderSpec:
-    """The decoder spec of a (whole) transformers config, by its architecture's family."""
-    family = resolve_architecture(config).family
-    module = importlib.import_module(FAMILY_MODULES[family])
-    return module.decoder_spec(text_config(config))
+    """The decoder spec of a (whole) transformers config, built by the module its
+    architecture's family names. Raises :class:`ModelLoadError` when that module cannot be
+    imported or has no ``decoder_spec``."""
+    family = family_of(resolve_architecture(config))
+    try:
+        build = importlib.import_module(family.module).decoder_spec
+    except (ImportError, AttributeError) as e:
+        raise ModelLoadError(f"family {family.name!r}: its module {family.module!r} does not "
+                             f"give a decoder_spec ({e})") from e
+    return build(text_config(config))
 
 
 def load_model(

@@ -1,13 +1,18 @@
 """What a family's decoder is, as data: the shared forward pass (``decoder.py``) reads a
 :class:`DecoderSpec` that each family module (``models/<family>.py``) builds from the Hugging
 Face config. Everything that differs between the dense families is a field here; a family
-whose layers need other code (MoE experts) supplies its own MLP (``mlp``)."""
+whose layers need other code (MoE experts) supplies its own feed-forward builder (``mlp``),
+which gets a :class:`LayerContext` per layer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+from loramux.engine.model.weights import ModelDims
 
 
 @dataclass(frozen=True)
@@ -21,15 +26,51 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class NormNames:
+    """A layer's RMSNorms as the family's checkpoints name them
+    (``model.layers.<i>.<name>.weight``); the defaults are Llama's two."""
+
+    attn: str = "input_layernorm"
+    """Before attention."""
+    ffn: str = "post_attention_layernorm"
+    """Before the feed-forward block."""
+    attn_out: str | None = None
+    """On attention's output before it joins the residual (None: no such norm)."""
+    ffn_out: str | None = None
+    """On the feed-forward block's output before it joins the residual (None: none)."""
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What a family's feed-forward builder (:attr:`DecoderSpec.mlp`) is handed for one layer,
+    once, while the model loads."""
+
+    index: int
+    """The layer's index."""
+    prefix: str
+    """Its tensors' prefix in the canonical checkpoint names (``model.layers.<index>.``)."""
+    dims: ModelDims
+    """The model's dimensions (experts, MoE layers, sizes)."""
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    """The spec's gated activation ``act(gate) * up`` [T, 2I] → [T, I], on the layer's small ops."""
+    take: Callable[..., torch.Tensor | None]
+    """``take(name[, default])`` pops a canonical checkpoint tensor; without a default a
+    missing one raises ``ModelLoadError`` naming it. Whatever is left unpopped at the end of
+    loading is refused as unexpected."""
+    source: str
+    """Where the weights come from (the model folder), for error messages."""
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     """How one family's decoder differs from Llama's (the defaults)."""
 
     layers: tuple[LayerSpec, ...]
     norm_offset: float = 0.0
     """RMSNorm scales by ``offset + w`` (Gemma: 1, computed in float32)."""
-    sandwich_norms: bool = False
-    """Norms after attention and after the MLP too (Gemma's four norms per layer; the
-    checkpoint names them post_attention / pre_feedforward / post_feedforward_layernorm)."""
+    norms: NormNames = NormNames()
+    """The layer's norms by checkpoint name (Gemma's four per layer: sandwich norms after
+    attention and after the MLP too)."""
     qk_norm: bool = False
     """Per-head RMSNorm of q and k before rotary (``self_attn.q_norm`` / ``k_norm``)."""
     activation: str = "silu"
@@ -50,13 +91,10 @@ class DecoderSpec:
     """Checkpoint name of the fused gate|up projection (Phi-3: ``gate_up_proj``)."""
     rope_layer_types: tuple[str | None, ...] = (None,)
     """The rotary tables to build (``rope_parameters[layer_type]``; None: the flat one)."""
-    mlp: Callable[..., Any] | None = None
-    """Builds a layer's feed-forward block from the checkpoint: ``mlp(take, prefix, model)``
-    (``take(name[, default])`` pops a canonical tensor, ``prefix`` is ``model.layers.<i>.``)
-    returns a ``decoder.LayerMLP``, or None for the gated dense MLP in that layer; None here: the
-    dense MLP everywhere. The MoE families plug in here (``moe.py``)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Anything else a family's own code needs."""
+    mlp: Callable[[LayerContext], Any] | None = None
+    """Builds a layer's feed-forward block from the checkpoint: ``mlp(ctx)`` returns a
+    ``decoder.LayerMLP``, or None for the gated dense MLP in that layer; None here: the dense
+    MLP everywhere. The MoE families plug in here (``moe.load_moe_block``)."""
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -1,4 +1,4 @@
-"""Upload checks per family (``adapters/arch.py``): each family's PEFT adapters pass against
+"""Upload checks per family (``adapters/arch.py``, the rows of ``adapters/families.py``): each family's PEFT adapters pass against
 their base; adapters of another family — by module names, by the decoder's path in the
 tensor names, or by what ``base_model_name_or_path`` names — and fused/split spellings that
 cannot be mapped are refused with the reason."""
@@ -11,8 +11,9 @@ import pytest
 from support.lora_fixtures import make_peft_adapter
 from support.tiny_models import make_tiny_model
 
-from loramux.adapters.arch import ARCHITECTURES, FAMILIES, base_dims, model_types_named
+from loramux.adapters.arch import base_dims, model_types_named
 from loramux.adapters.errors import AdapterValidationError
+from loramux.adapters.families import ARCHITECTURES, FAMILIES
 from loramux.adapters.format import validate_adapter
 
 DIMS = dict(head_dim=16)  # hidden 64, 4 heads of 16, 2 kv heads, intermediate 128: every family alike
@@ -136,6 +137,8 @@ def test_what_a_base_model_name_says(name, types):
 
 def test_every_architecture_has_a_family_and_multimodal_dims_come_from_the_text_config():
     assert {a.family for a in ARCHITECTURES.values()} == set(FAMILIES)
+    assert all(ARCHITECTURES[a.name] is a for f in FAMILIES.values() for a in f.architectures)
+    assert all(f.module == f"loramux.engine.model.models.{f.name}" for f in FAMILIES.values())
     cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
            "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
                            "num_hidden_layers": 34}}  # as gemma-3-4b-it leaves out the defaults

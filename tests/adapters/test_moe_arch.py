@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from loramux.adapters.arch import base_dims, family_mismatch, model_types_named
+from loramux.adapters.arch import ATTENTION_MODULES, base_dims, family_mismatch, model_types_named
 from loramux.adapters.errors import AdapterValidationError
+from loramux.adapters.families import (
+    Architecture,
+    ModelFamily,
+    MoEKeys,
+    register_family,
+    unregister_family,
+)
 
 QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
                  intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
@@ -26,6 +33,29 @@ def test_expert_dims_follow_transformers_layer_choice():
     m = base_dims(MIXTRAL)
     assert (m.num_experts, m.moe_intermediate_size, m.moe_layers) == (4, 48, (0, 1))
     assert m.family.lora_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_an_moe_family_row_names_its_own_config_fields():
+    """The experts' dimensions come from the fields the family's row names (no family is
+    special-cased): a row registered here, with field names no built-in family uses."""
+    row = ModelFamily("acme_moe", "Acme-MoE", "acme_moe_engine_module",
+                      (Architecture("AcmeMoeForCausalLM", "acme_moe"),), ATTENTION_MODULES,
+                      moe=MoEKeys(("n_routed_experts",), "expert_ffn", top_k="experts_per_token",
+                                  sparse_step="moe_every", dense_layers="dense_ones"))
+    cfg = dict(architectures=["AcmeMoeForCausalLM"], model_type="acme_moe", hidden_size=64,
+               intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, n_routed_experts=6,
+               expert_ffn=16, experts_per_token=2, moe_every=2, dense_ones=[3])
+    register_family(row)
+    try:
+        d = base_dims(cfg)
+        assert (d.num_experts, d.num_experts_per_tok, d.moe_intermediate_size) == (6, 2, 16)
+        assert d.moe_layers == (1, 5) and d.family.name == "acme_moe"
+        with pytest.raises(AdapterValidationError, match="experts_per_token 7 exceeds the 6 experts"):
+            base_dims({**cfg, "experts_per_token": 7})
+    finally:
+        unregister_family("acme_moe")
+    with pytest.raises(AdapterValidationError, match="not supported"):
+        base_dims(cfg)
 
 
 def test_top_k_beyond_the_experts_is_refused():

@@ -2,197 +2,29 @@
 //
 // Each operator has a schema (below), checks every argument before it hands raw pointers to
 // the C kernels (a wrong dtype, shape, device, stride or index raises RuntimeError or
-// ValueError, never reads or writes outside a tensor), and runs the ISA variant chosen once
-// at load: the best of avx512 / avx2 / scalar that both this binary carries and the CPU runs
-// (__builtin_cpu_supports), overridable with loramux::select_isa (tests force each one).
+// ValueError, never reads or writes outside a tensor; the checks are ops_common.h's), and
+// runs the ISA variant chosen once at load (isa.cpp: the best that both this binary carries
+// and the CPU runs, overridable with loramux::select_isa).
 // The fake (meta) implementations that check shapes without data live in Python
 // (loramux/engine/model/kernels/fake.py); the calls show in torch.profiler by name.
 //
 // Built by setup.py (torch.utils.cpp_extension), as loramux.engine.model.kernels._C.
 #include <Python.h>
 
-#include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <optional>
-#include <string>
-#include <vector>
 
-#include "kernels.h"
+#include "ops_common.h"
 
 namespace {
 
-// ---- ISA variants --------------------------------------------------------------------------
-
-struct Variant {
-  const char* name;
-  bool (*runs_here)();
-  decltype(&loramux_paged_attention_scalar) paged_attention;
-  decltype(&loramux_add_rms_norm_scalar) add_rms_norm;
-  decltype(&loramux_rope_scalar) rope;
-  decltype(&loramux_act_mul_scalar) act_mul;
-  decltype(&loramux_lora_sgmv_scalar) lora_sgmv;
-};
-
-#define LMX_VARIANT(isa, check)                                                        \
-  Variant {                                                                            \
-    #isa, check, loramux_paged_attention_##isa, loramux_add_rms_norm_##isa,            \
-        loramux_rope_##isa, loramux_act_mul_##isa, loramux_lora_sgmv_##isa             \
-  }
-
-#if defined(__x86_64__) || defined(__i386__)
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512dq");
-}
-#endif
-bool always() { return true; }
-
-// best first; only the variants this binary was built with (setup.py's LMX_HAVE_* defines)
-const std::vector<Variant>& variants() {
-  static const std::vector<Variant> all = {
-#ifdef LMX_HAVE_AVX512
-      LMX_VARIANT(avx512, cpu_has_avx512),
-#endif
-#ifdef LMX_HAVE_AVX2
-      LMX_VARIANT(avx2, cpu_has_avx2),
-#endif
-      LMX_VARIANT(scalar, always),
-  };
-  return all;
-}
-
-const Variant* best_variant() {
-  for (const Variant& v : variants())
-    if (v.runs_here()) return &v;
-  return &variants().back();
-}
-
-std::atomic<const Variant*> g_active{nullptr};
-
-const Variant& active() {
-  const Variant* v = g_active.load(std::memory_order_acquire);
-  if (v == nullptr) {
-    v = best_variant();
-    g_active.store(v, std::memory_order_release);
-  }
-  return *v;
-}
-
-std::string isa() { return active().name; }
-
-std::vector<std::string> isas() {
-  std::vector<std::string> names;
-  for (const Variant& v : variants())
-    if (v.runs_here()) names.emplace_back(v.name);
-  return names;
-}
-
-std::string select_isa(const std::string& name) {
-  if (name == "auto") {
-    g_active.store(best_variant(), std::memory_order_release);
-    return isa();
-  }
-  std::string built;
-  for (const Variant& v : variants()) {
-    if (name == v.name) {
-      TORCH_CHECK_VALUE(v.runs_here(), "loramux::select_isa: this CPU cannot run the ", name,
-                        " kernels (it runs: ", c10::Join(", ", isas()), ")");
-      g_active.store(&v, std::memory_order_release);
-      return isa();
-    }
-    built += built.empty() ? v.name : std::string(", ") + v.name;
-  }
-  TORCH_CHECK_VALUE(false, "loramux::select_isa: unknown ISA '", name, "'; this build has: auto, ",
-                    built);
-  return isa();
-}
-
-// ---- argument checks -----------------------------------------------------------------------
-
-int dtype_code(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "loramux::", op,
-              ": ", name, " must be float32 or bfloat16, got ", t.scalar_type());
-  return t.scalar_type() == at::kFloat ? 0 : 1;
-}
-
-int dtype_code(at::ScalarType s, const char* op, const char* name) {
-  TORCH_CHECK(s == at::kFloat || s == at::kBFloat16, "loramux::", op, ": ", name,
-              " must be float32 or bfloat16, got ", s);
-  return s == at::kFloat ? 0 : 1;
-}
-
-void check_cpu(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "loramux::", op, ": ", name, " must be a CPU tensor, got ",
-              t.device());
-}
-
-void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == dim, "loramux::", op, ": ", name, " must have ", dim,
-              " dimensions, got shape ", t.sizes());
-}
-
-void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), "loramux::", op, ": ", name,
-              " must be contiguous, got strides ", t.strides());
-}
-
-// [rows, n] with dense rows (any row stride)
-void check_rows(const at::Tensor& t, const char* op, const char* name) {
-  check_cpu(t, op, name);
-  check_dim(t, 2, op, name);
-  TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, "loramux::", op, ": ", name,
-              " must have dense rows (stride 1 along the last dimension), got strides ",
-              t.strides());
-}
-
-void check_index(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* op,
-                 const char* name) {
-  check_cpu(t, op, name);
-  TORCH_CHECK(t.scalar_type() == dtype, "loramux::", op, ": ", name, " must be ", dtype,
-              ", got ", t.scalar_type());
-  check_dim(t, dim, op, name);
-  check_contiguous(t, op, name);
-}
-
-int as_int(int64_t v, const char* op, const char* name) {
-  TORCH_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), "loramux::", op, ": ", name, " (",
-              v, ") is out of range");
-  return static_cast<int>(v);
-}
-
-void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, const char* an,
-                      const char* bn) {
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "loramux::", op, ": ", bn, " (",
-              b.scalar_type(), ") must have the dtype of ", an, " (", a.scalar_type(), ")");
-}
-
-// a tensor the operator writes must not have rows (or elements) that share memory
-void check_writable(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "loramux::", op, ": ", name,
-              " has elements that share memory (an expanded view?); it is written in place");
-}
-
-void check_rc(int rc, const char* op) {
-  TORCH_CHECK(rc == 0, "loramux::", op, ": could not allocate the kernel's work buffers");
-}
-
-int threads() { return at::get_num_threads(); }
+using namespace lmx;
 
 // ---- operators -----------------------------------------------------------------------------
 
@@ -447,9 +279,9 @@ TORCH_LIBRARY(loramux, m) {
   m.def(
       "lora_sgmv(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor runs, Tensor ranks, "
       "Tensor slice_offsets) -> ()");
-  m.def("isa() -> str", &isa);
-  m.def("isas() -> str[]", &isas);
-  m.def("select_isa(str name) -> str", &select_isa);
+  m.def("isa() -> str", &lmx::isa);
+  m.def("isas() -> str[]", &lmx::isas);
+  m.def("select_isa(str name) -> str", &lmx::select_isa);
 }
 
 TORCH_LIBRARY_IMPL(loramux, CPU, m) {

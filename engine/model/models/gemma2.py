@@ -6,14 +6,18 @@ base — plus attention logit soft-capping (``attn_logit_softcapping``) and
 
 from __future__ import annotations
 
-from loramux.engine.model.spec import DecoderSpec, LayerSpec, layer_windows
+from loramux.engine.model.spec import DecoderSpec, LayerSpec, NormNames, layer_windows
+
+GEMMA_NORMS = NormNames(ffn="pre_feedforward_layernorm", attn_out="post_attention_layernorm",
+                        ffn_out="post_feedforward_layernorm")
+"""Gemma's four norms per layer, by checkpoint name (Gemma 3 has the same)."""
 
 
 def decoder_spec(config) -> DecoderSpec:
     return DecoderSpec(
         layers=tuple(LayerSpec(w) for w in layer_windows(config)),
         norm_offset=1.0,
-        sandwich_norms=True,
+        norms=GEMMA_NORMS,
         activation=config.hidden_activation,
         embed_scale=config.hidden_size**0.5,
         attn_scale=config.query_pre_attn_scalar**-0.5,

@@ -14,6 +14,7 @@ has none, and transformers' (like Google's) Gemma 3 ignores the field.
 from __future__ import annotations
 
 from loramux.engine.errors import ModelLoadError
+from loramux.engine.model.models.gemma2 import GEMMA_NORMS
 from loramux.engine.model.spec import DecoderSpec, LayerSpec, layer_windows
 
 
@@ -27,7 +28,7 @@ def decoder_spec(config) -> DecoderSpec:
     return DecoderSpec(
         layers=tuple(LayerSpec(w, t) for w, t in zip(layer_windows(config), types, strict=True)),
         norm_offset=1.0,
-        sandwich_norms=True,
+        norms=GEMMA_NORMS,
         qk_norm=True,
         activation=config.hidden_activation,
         embed_scale=config.hidden_size**0.5,

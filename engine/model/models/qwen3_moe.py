@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from loramux.engine.model.moe import QWEN3_MOE_NAMES, load_moe_block
+from loramux.engine.model.moe import ExpertNames, load_moe_block
 from loramux.engine.model.spec import DecoderSpec, LayerSpec, layer_windows
+
+EXPERT_NAMES = ExpertNames(("mlp",), "gate_proj", "up_proj", "down_proj")
+"""Where the checkpoints keep the block and each expert's projections."""
 
 
 def decoder_spec(config) -> DecoderSpec:
@@ -18,6 +21,6 @@ def decoder_spec(config) -> DecoderSpec:
         qk_norm=True,
         activation=getattr(config, "hidden_act", "silu"),
         qkv_bias=bool(getattr(config, "attention_bias", False)),
-        mlp=partial(load_moe_block, names=QWEN3_MOE_NAMES, norm_topk_prob=bool(config.norm_topk_prob),
+        mlp=partial(load_moe_block, names=EXPERT_NAMES, norm_topk_prob=bool(config.norm_topk_prob),
                     weights_in_float=False),
     )
