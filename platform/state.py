@@ -181,15 +181,22 @@ def build_state(settings: Settings, engine: AsyncEngine,
     state.cleanups.append(deps.shutdown)
     if usage is not None:
         state.cleanups.append(usage.close)  # cleanups run reversed: after the ones added later
+    _attach_inference_gateway(state)
+    return state
+
+
+def _attach_inference_gateway(state: AppState) -> None:
+    """Start what the settings turn on behind an inference gateway (``wiring.attach``);
+    its stops join the state's cleanups. A part that fails to start closes the state."""
     try:
-        side = inference_gateway.attach(engine, settings, resolver, adapters)
+        side = inference_gateway.attach(state.engine, state.settings, state.resolver,
+                                        state.adapters)
     except BaseException:
         close_state(state)
         raise
     state.protocol_metrics, state.kv_events = side.protocol_metrics, side.kv_events
     state.runtime_lora = side.runtime_lora
     state.cleanups.extend(side.cleanups)
-    return state
 
 
 def build_usage_recorder(settings: Settings, registry: RegistryService | None,

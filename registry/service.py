@@ -5,10 +5,11 @@ The parts, each given what it uses: :class:`~.tenants.Tenants` (tenants, keys, q
 (``adapters``: handles, listings, versions, rollouts, retention),
 :class:`~.uploads.Uploads` (validate → store → commit), the :class:`~.events.EventBus`
 every part announces its committed changes on, and the :class:`~.gc.Storage` (database,
-object store, disk cache, scratch folder) gc works over. The service itself does what spans them: deleting an adapter, its preset and
-description, the outside events it logs, the export and gc. Every public method of the
-parts is reached through the service (the platform and the CLI hold one
-``RegistryService``); no part calls another's private methods.
+object store, disk cache, scratch folder) gc works over. The service itself does what
+spans them: deleting an adapter, its preset and description, the outside events it logs,
+the export and gc. Every public method of the parts is reached through the service (the
+platform and the CLI hold one ``RegistryService``); no part calls another's private
+methods.
 
 Every adapter query is scoped to one tenant: another tenant's adapter is reported exactly
 like a missing one.
@@ -184,7 +185,7 @@ class RegistryService:
             handle = self.adapters.newest(s, [row])[0]
             versions = [v.number for v in self.adapters.versions(s, row.id)]
             s.add(self.audit.event(row, "deleted", actor, {"version": row.last_version,
-                                                      "versions": versions}))
+                                                           "versions": versions}))
             s.delete(row)
         self.bus.notify("deleted", handle)
         return handle

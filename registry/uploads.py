@@ -115,10 +115,10 @@ class Uploads:
         if taken is not None and not replace:
             raise self._conflict(name)
         if taken is None:  # fail fast before validating; checked again at commit
-            check_storage(self.tenants.get_quotas(tenant_id), self.tenants.get_usage(tenant_id), 1, 0)
-        with adapter_folder(
-            source, max_bytes=self.checks.max_adapter_bytes + MAX_CONFIG_BYTES, tmp_dir=self.storage.tmp_dir
-        ) as folder:
+            check_storage(self.tenants.get_quotas(tenant_id), self.tenants.get_usage(tenant_id),
+                          1, 0)
+        with adapter_folder(source, max_bytes=self.checks.max_adapter_bytes + MAX_CONFIG_BYTES,
+                            tmp_dir=self.storage.tmp_dir) as folder:
             weights = self.validate(folder)
             spec = weights.spec
             del weights
@@ -199,11 +199,13 @@ class Uploads:
                     row.previous_live = next_previous_live(
                         rollout_of(row, numbers), ((number, BUCKETS),))
                 s.flush()
-                removed = self.adapters.retain(s, row, quotas.max_versions_per_adapter, number, actor)
+                removed = self.adapters.retain(s, row, quotas.max_versions_per_adapter, number,
+                                               actor)
                 s.flush()
                 after = self.tenants.usage_in(s, tenant_id)
                 check_storage(quotas, before, 0, after.stored_bytes - before.stored_bytes)
-                s.add(self.audit.event(row, kind, actor, {"version": number, "sha256": version.sha256}))
+                s.add(self.audit.event(row, kind, actor,
+                                       {"version": number, "sha256": version.sha256}))
                 s.flush()
                 handle = self.adapters.handle(row, version)
         except IntegrityError:

@@ -39,6 +39,7 @@ def _is_package(name: str, modules: Mapping[str, Path]) -> bool:
 
 
 def _resolve_relative(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The absolute name ``from <level dots><target> import ...`` in ``module`` means."""
     base = module.split(".") if is_package else module.split(".")[:-1]
     if level > 1:
         base = base[: len(base) - (level - 1)]
