@@ -2,7 +2,9 @@
 
 - :mod:`~loramux.adapters.format` ``load_adapter`` (read, no base-model checks; the engine's
   loader), ``validate_adapter`` (every upload check against a base model config),
-  ``LoraWeights``, ``save_adapter``, ``AdapterValidationError``
+  ``AdapterValidationError``; the tensor names and shapes it checks in
+  :mod:`~loramux.adapters.layout`
+- :mod:`~loramux.adapters.weights` ``LoraWeights`` (a loaded adapter), ``save_adapter``
 - :mod:`~loramux.adapters.spec` ``adapter_config.json`` → ``LoraSpec`` (read size-capped,
   checked field by field, features that change the math refused); ``DEFAULT_MAX_LORA_RANK``
 - :mod:`~loramux.adapters.archive` folders and ``.tar.gz`` / ``.zip`` uploads, extracted

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from loramux.adapters.errors import AdapterValidationError
-from loramux.adapters.format import LoraWeights
+from loramux.adapters.weights import LoraWeights
 
 PROBE_TOKENS = 4
 """Tokens of the probe forward (random, unit RMS like a normalized hidden state)."""

@@ -51,6 +51,23 @@ def read_header(
     size = path.stat().st_size
     if size == 0:
         raise AdapterValidationError(f"{name} is empty", field=name)
+    header, n = _read_json_header(path, name, size)
+    data_size = size - 8 - n
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _bad(name, "__metadata__ must map strings to strings")
+    if len(header) > MAX_TENSORS:
+        raise _bad(name, f"{len(header)} tensors, above the limit of {MAX_TENSORS}")
+    infos = {key: _tensor_info(key, entry, data_size) for key, entry in header.items()}
+    _check_packed(infos, data_size, name)
+    return infos
+
+
+def _read_json_header(path: Path, name: str, size: int) -> tuple[dict, int]:
+    """The header's JSON object and its length ``n`` (bounded, inside the file); a file
+    that is a pickle instead is refused as one."""
     with open(path, "rb") as f:
         head = f.read(8)
         try:
@@ -74,45 +91,45 @@ def read_header(
             if looks_like_pickle(head):
                 raise pickle_refusal(name) from None
             raise
-    data_size = size - 8 - n
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    return header, n
+
+
+def _tensor_info(key: str, entry: object, data_size: int) -> TensorInfo:
+    """One header entry checked: a known dtype, a plausible shape, offsets inside the data
+    section that hold exactly the shape's bytes."""
+    if not isinstance(entry, dict):
+        raise AdapterValidationError(f"{key}: header entry is not an object", field=key)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise AdapterValidationError(f"{key}: unknown dtype {dtype!r}", field=key)
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= 8
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise _bad(name, "__metadata__ must map strings to strings")
-    if len(header) > MAX_TENSORS:
-        raise _bad(name, f"{len(header)} tensors, above the limit of {MAX_TENSORS}")
-    infos: dict[str, TensorInfo] = {}
-    for key, entry in header.items():
-        if not isinstance(entry, dict):
-            raise AdapterValidationError(f"{key}: header entry is not an object", field=key)
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPE_SIZES:
-            raise AdapterValidationError(f"{key}: unknown dtype {dtype!r}", field=key)
-        if not (
-            isinstance(shape, list)
-            and len(shape) <= 8
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
-            raise AdapterValidationError(f"{key}: invalid shape {shape!r}", field=key)
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= data_size
-        ):
-            raise AdapterValidationError(
-                f"{key}: data_offsets {offsets!r} fall outside the {data_size}-byte data section",
-                field=key,
-            )
-        expected = math.prod(shape) * DTYPE_SIZES[dtype]
-        if offsets[1] - offsets[0] != expected:
-            raise AdapterValidationError(
-                f"{key}: {offsets[1] - offsets[0]} bytes of data for a {dtype} tensor of shape "
-                f"{tuple(shape)}, expected {expected}",
-                field=key,
-            )
-        infos[key] = TensorInfo(key, dtype, tuple(shape), offsets[0], offsets[1])
+        raise AdapterValidationError(f"{key}: invalid shape {shape!r}", field=key)
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1] <= data_size
+    ):
+        raise AdapterValidationError(
+            f"{key}: data_offsets {offsets!r} fall outside the {data_size}-byte data section",
+            field=key,
+        )
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise AdapterValidationError(
+            f"{key}: {offsets[1] - offsets[0]} bytes of data for a {dtype} tensor of shape "
+            f"{tuple(shape)}, expected {expected}",
+            field=key,
+        )
+    return TensorInfo(key, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_packed(infos: dict[str, TensorInfo], data_size: int, name: str) -> None:
+    """The tensors' data cover the data section exactly: no overlap, gap or trailing bytes."""
     cursor = 0
     for info in sorted(infos.values(), key=lambda i: (i.start, i.end)):
         if info.start != cursor:
@@ -123,7 +140,6 @@ def read_header(
         cursor = info.end
     if cursor != data_size:
         raise _bad(name, f"{data_size - cursor} trailing bytes after the last tensor")
-    return infos
 
 
 def load_tensors(

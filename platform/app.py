@@ -12,6 +12,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
+from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.async_engine import AsyncEngine
@@ -19,14 +20,14 @@ from loramux.platform import ops
 from loramux.platform.adapter_api import routes as adapter_routes
 from loramux.platform.admin import pages as admin_pages
 from loramux.platform.admin import routes as admin_routes
-from loramux.platform.admin.activity import record_rejection
 from loramux.platform.builders import engine_config, error_context, open_registry
 from loramux.platform.drain import Drain
 from loramux.platform.error_handlers import install_error_handlers
+from loramux.platform.errors import APIError
 from loramux.platform.inference_gateway import routes as runtime_lora_routes
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
-from loramux.platform.server import LoramuxApp
+from loramux.platform.server import LoramuxApp, app_of
 from loramux.platform.settings import Settings
 from loramux.platform.state import VERSION, aclose_state, build_state
 from loramux.platform.tenant_api import routes as tenant_routes
@@ -41,6 +42,19 @@ def build_engine(settings: Settings) -> AsyncEngine:
     from loramux.engine.engine import LLMEngine
 
     return AsyncEngine(LLMEngine(engine_config(settings)))
+
+
+def record_rejection(request: Request, err: APIError) -> None:
+    """The app's 429 listener (``install_error_handlers``' ``on_rejection``): counts the
+    rejection by code (``loramux_requests_rejected_total{reason}``) and notes it under the
+    caller's tenant when the request got as far as authentication."""
+    state = app_of(request).services
+    if state is None:
+        return
+    caller = getattr(request.state, "caller", None)  # set by deps.get_caller
+    tenant_id = caller.tenant_id if caller is not None else None
+    state.metrics.rejected.labels(err.code or "rate_limited").inc()
+    state.metrics.activity.rejected(tenant_id, err.code, err.message)
 
 
 def create_app(

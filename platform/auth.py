@@ -4,6 +4,9 @@ the admin key is either ``settings.admin_key`` or a registry key marked admin.
 Successful lookups are cached for ``ttl`` seconds under the key's sha256 (the
 registry's PBKDF2 check costs milliseconds, too much for every request); the
 registry's ``key_revoked`` event empties the cache, so a revocation is immediate.
+
+Behind gateways (``--role engine``) :class:`GatewayIdentityAuthenticator` takes the caller
+from the gateway's signed identity instead of a client key.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import hmac
 from typing import TYPE_CHECKING
 
 from loramux.platform.bulkheads import Dependencies
+from loramux.platform.cluster.protocol import read_identity
 from loramux.platform.errors import Forbidden, Unauthorized
 from loramux.platform.identity import Caller
 from loramux.platform.ttl_cache import TTLCache
@@ -112,3 +116,35 @@ class Authenticator:
         if not caller.is_admin:
             raise Forbidden("this key is not the admin key")
         return caller
+
+
+class GatewayIdentityAuthenticator(Authenticator):
+    """Engine role: the caller is whoever the gateway vouched for with :func:`identity_token`.
+    Tenants are looked up by id (cached ``ttl`` seconds); anything else is no caller."""
+
+    def __init__(self, registry, secret: str, *, allow_anonymous: bool,
+                 ttl: float = KEY_CACHE_TTL_S, deps: Dependencies | None = None):
+        super().__init__(registry, admin_key=None, allow_anonymous=allow_anonymous, ttl=ttl,
+                         deps=deps)
+        self.secret = secret
+        self._tenants: TTLCache[int, object] = self.deps.stale_cache(ttl)
+
+    async def lookup(self, key: str | None) -> Caller | None:
+        identity = read_identity(self.secret, key)
+        if identity is None:
+            return None
+        tid, is_admin, key_prefix = identity
+        if tid is None:
+            return Caller(None, is_admin=is_admin)
+        if self.registry is None:
+            return None
+        try:  # a database outage is the error table's 503, not "no caller"
+            tenant = await self.deps.read_through(
+                self._tenants, tid, lambda: self.deps.db.call(self.registry.get_tenant, tid))
+        except LookupError:  # a deleted tenant (TenantNotFound)
+            return None
+        return Caller(tenant, is_admin=is_admin, key_prefix=key_prefix)
+
+    def forget(self) -> None:
+        super().forget()
+        self._tenants.clear()

@@ -1,7 +1,8 @@
 """What the service's :class:`~loramux.platform.settings.Settings` build: the engine's
 configuration, the registry, the request caps, the default quotas, the dependency
-budgets and the error answers' Retry-After values. The same limits (``max_lora_rank``, ``max_adapter_bytes``) hold for ``serve``
-and for ``loramux adapters upload``, because both build through here.
+budgets, the error answers' Retry-After values and the authenticator. The same limits
+(``max_lora_rank``, ``max_adapter_bytes``) hold for ``serve`` and for ``loramux adapters
+upload``, because both build through here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from loramux.engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
 )
-from loramux.platform.bulkheads import DependencyPolicy
+from loramux.platform.auth import Authenticator, GatewayIdentityAuthenticator
+from loramux.platform.bulkheads import Dependencies, DependencyPolicy
 from loramux.platform.errors import ErrorContext
 from loramux.platform.limits.request import RequestLimits
 from loramux.platform.settings import QUOTA_PREFIX, Settings
@@ -75,6 +77,20 @@ def error_context(settings: Settings) -> ErrorContext:
     """The Retry-After values of the error table's answers for these settings."""
     return ErrorContext(retry_after=settings.retry_after_seconds,
                         dependency_retry_after=settings.dependency_retry_after)
+
+
+def build_authenticator(settings: Settings, registry: RegistryService | None,
+                        deps: Dependencies | None = None) -> Authenticator:
+    """Who a request's key says the caller is: tenant and admin keys, or behind gateways
+    (``--role engine``) only the gateways' signed identity tokens."""
+    if settings.role == "engine":
+        if settings.cluster_secret is None:
+            raise ValueError("--role engine needs --cluster-secret")
+        return GatewayIdentityAuthenticator(registry, settings.cluster_secret.get_secret_value(),
+                                            allow_anonymous=settings.allow_anonymous, deps=deps)
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+    return Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous,
+                         deps=deps)
 
 
 def open_registry(settings: Settings, base_model: Any = None, *,

@@ -50,7 +50,7 @@ def _header(creds: HTTPAuthorizationCredentials | None) -> str | None:
 
 async def get_caller(request: Request, state: StateDep, creds: Credentials) -> Caller:
     caller = await state.auth.caller(_header(creds))
-    request.state.caller = caller  # who a 429 went to (admin/activity.record_rejection)
+    request.state.caller = caller  # who a 429 went to (app.record_rejection)
     return caller
 
 

@@ -35,6 +35,25 @@ class Metrics:
         self.activity = Activity()
         """The rolling in-process window the dashboard reads (in flight, last minute)."""
         r = self.registry = CollectorRegistry()
+        self._request_series(r)
+        self._goodput_series(r)
+        self._latency_series(r)
+        self._adapter_series(r)
+        self._engine_series(r)
+        self._spec_decode_series(r)
+        self.rejected = Counter(
+            "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
+        )
+        self._version_series(r)
+        self.usage = UsageSeries(r)
+        """The usage writer's counters (``loramux_usage_records_*``)."""
+        self._lock = threading.Lock()
+        self._pending_evictions: _Counter[str] = _Counter()
+        self._known_residency: set[tuple[str, str]] = set()
+
+    # --- the series, by family (registered in this order) ---------------------------
+    def _request_series(self, r: CollectorRegistry) -> None:
+        """Requests, their tokens, time to first token and per output token."""
         self.requests = Counter(
             "loramux_requests", "Finished HTTP inference requests.",
             ["adapter", "endpoint", "status"], registry=r,
@@ -53,6 +72,9 @@ class Metrics:
             "loramux_time_per_output_token_seconds", "Mean time between output tokens per request.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+
+    def _goodput_series(self, r: CollectorRegistry) -> None:
+        """Requests that met the goodput targets, and their share."""
         self.goodput = Counter(
             "loramux_goodput_requests", "Finished requests that met both goodput targets "
             "(TTFT and TPOT); the share is this over loramux_goodput_eligible_requests.",
@@ -67,6 +89,9 @@ class Metrics:
             registry=r,
         )
         self._goodput = [0, 0]  # met, checked
+
+    def _latency_series(self, r: CollectorRegistry) -> None:
+        """Gaps between a request's tokens, their target, end-to-end latency."""
         self.itl = Histogram(
             "loramux_inter_token_latency_seconds", "Gaps between a request's consecutive "
             "token-producing engine steps (what a streaming client sees between chunks).",
@@ -85,6 +110,9 @@ class Metrics:
             "loramux_e2e_request_latency_seconds", "Time from arrival to the last token.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+
+    def _adapter_series(self, r: CollectorRegistry) -> None:
+        """Where adapters sit, their loads and evictions."""
         self.residency = Gauge(
             "loramux_adapter_residency", "1 for the tier an adapter sits in (gpu|device|cpu|disk).",
             ["adapter", "tier"], registry=r,
@@ -116,6 +144,9 @@ class Metrics:
             "loramux_engine_evictions", "Adapter slot evictions of the engine, all adapters.",
             registry=r,
         )
+
+    def _engine_series(self, r: CollectorRegistry) -> None:
+        """The engine's queues, KV cache, prefix cache, kernels and KV events."""
         self.waiting = Gauge(
             "loramux_num_requests_waiting", "Requests in the engine's waiting queue.", registry=r
         )
@@ -145,6 +176,9 @@ class Metrics:
             "loramux_kv_events_dropped", "KV events dropped since start because the publisher's "
             "queue was full (the engine step never waits).", registry=r,
         )
+
+    def _spec_decode_series(self, r: CollectorRegistry) -> None:
+        """Speculative decoding, per adapter (vLLM's spec_decode_* series)."""
         self.spec_drafts = Gauge(
             "loramux_spec_decode_num_drafts", "Speculative decoding: verify steps with drafted "
             "tokens since start, per adapter (vLLM's spec_decode_num_drafts).", ["adapter"],
@@ -162,9 +196,9 @@ class Metrics:
         self.spec_acceptance = Gauge(
             "loramux_spec_decode_acceptance_rate", "Speculative decoding: accepted / drafted "
             "tokens since start, per adapter.", ["adapter"], registry=r)
-        self.rejected = Counter(
-            "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
-        )
+
+    def _version_series(self, r: CollectorRegistry) -> None:
+        """Per tenant adapter version (a canary against the live version)."""
         version = ["tenant", "adapter", "version"]
         self.version_requests = Counter(
             "loramux_adapter_version_requests", "Finished requests per tenant adapter version.",
@@ -179,11 +213,6 @@ class Metrics:
         self.version_tpot = Histogram(
             "loramux_adapter_version_time_per_output_token_seconds", "Mean time per output token "
             "per tenant adapter version.", version, buckets=_LATENCY_BUCKETS, registry=r)
-        self.usage = UsageSeries(r)
-        """The usage writer's counters (``loramux_usage_records_*``)."""
-        self._lock = threading.Lock()
-        self._pending_evictions: _Counter[str] = _Counter()
-        self._known_residency: set[tuple[str, str]] = set()
 
     # --- recording --------------------------------------------------------------------
     def observe_request(

@@ -20,7 +20,8 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loramux.platform.drain import Drain
-from loramux.platform.errors import PayloadTooLarge, ServiceUnavailable, to_api_error
+from loramux.platform.error_handlers import to_api_error
+from loramux.platform.errors import PayloadTooLarge, ServiceUnavailable
 from loramux.platform.logs import request_id_var
 
 logger = logging.getLogger("loramux.access")

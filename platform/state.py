@@ -22,6 +22,7 @@ from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import Sessions
 from loramux.platform.auth import Authenticator
 from loramux.platform.builders import (
+    build_authenticator,
     default_quotas,
     dependency_policy,
     error_context,
@@ -109,22 +110,6 @@ def _own_s3_root(settings: Settings) -> str | None:
     return f"s3://{settings.s3_bucket}/{prefix + '/' if prefix else ''}"
 
 
-def build_authenticator(settings: Settings, registry: RegistryService | None,
-                        deps: Dependencies | None = None) -> Authenticator:
-    """Who a request's key says the caller is: tenant and admin keys, or behind gateways
-    (``--role engine``) only the gateways' signed identity tokens."""
-    if settings.role == "engine":
-        from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator
-
-        if settings.cluster_secret is None:
-            raise ValueError("--role engine needs --cluster-secret")
-        return GatewayIdentityAuthenticator(registry, settings.cluster_secret.get_secret_value(),
-                                            allow_anonymous=settings.allow_anonymous, deps=deps)
-    admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-    return Authenticator(registry, admin_key=admin_key, allow_anonymous=settings.allow_anonymous,
-                         deps=deps)
-
-
 def build_state(settings: Settings, engine: AsyncEngine,
                 registry: RegistryService | None) -> AppState:
     """Wire the services around one engine (and optionally a registry); subscribes to
@@ -196,12 +181,22 @@ def build_state(settings: Settings, engine: AsyncEngine,
     state.cleanups.append(deps.shutdown)
     if usage is not None:
         state.cleanups.append(usage.close)  # cleanups run reversed: after the ones added later
+    _attach_inference_gateway(state)
+    return state
+
+
+def _attach_inference_gateway(state: AppState) -> None:
+    """Start what the settings turn on behind an inference gateway (``wiring.attach``);
+    its stops join the state's cleanups. A part that fails to start closes the state."""
     try:
-        inference_gateway.attach(state)
+        side = inference_gateway.attach(state.engine, state.settings, state.resolver,
+                                        state.adapters)
     except BaseException:
         close_state(state)
         raise
-    return state
+    state.protocol_metrics, state.kv_events = side.protocol_metrics, side.kv_events
+    state.runtime_lora = side.runtime_lora
+    state.cleanups.extend(side.cleanups)
 
 
 def build_usage_recorder(settings: Settings, registry: RegistryService | None,

@@ -21,14 +21,14 @@ import logging
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME
-from loramux.registry.store import ObjectStore, sha256_file
+from loramux.registry.files import remove_old, sha256_file
+from loramux.registry.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -161,39 +161,3 @@ class AdapterCache:
         """Remove temporary folders (a fetch a killed process never finished) older than
         ``min_age_s``; return their names."""
         return remove_old(self.root, min_age_s, prefix=_TMP_PREFIX)
-
-
-def remove_old(folder: Path, min_age_s: float, *, prefix: str = "") -> list[str]:
-    """Remove the entries of ``folder`` whose name starts with ``prefix`` and that nothing
-    touched for ``min_age_s`` seconds (crash leftovers); return their names."""
-    if not folder.is_dir():
-        return []
-    cutoff = time.time() - min_age_s
-    removed = []
-    for path in folder.iterdir():
-        if not path.name.startswith(prefix) or path.is_symlink():
-            continue
-        try:
-            if _newest_mtime(path) > cutoff:
-                continue
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        except OSError:
-            continue
-        removed.append(path.name)
-    return removed
-
-
-def _newest_mtime(path: Path) -> float:
-    """The latest modification time under ``path`` (an upload still being written is new)."""
-    newest = path.lstat().st_mtime
-    if path.is_dir():
-        for dirpath, _dirs, files in os.walk(path):
-            for name in files:
-                try:
-                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
-                except OSError:
-                    continue
-    return newest

@@ -18,13 +18,13 @@ from typing import Any
 
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.errors import ObjectIntegrityError, ObjectNotFound, ObjectStoreError
+from loramux.registry.files import sha256_file
 from loramux.registry.store import (
     ObjectInfo,
     ObjectStore,
     _verify,
     check_key,
     discard,
-    sha256_file,
 )
 
 _CHUNK = 1024 * 1024

@@ -1,67 +1,80 @@
-"""``RegistryService``: adapters over SQL + an object store (tenants, keys and quotas:
-tenants.py; versions and rollouts: versions.py; the audit log: audit.py).
+"""``RegistryService``: adapters over SQL + an object store, one facade over its parts.
 
-Upload is validate → write the weights to the store under a content-addressed key →
-commit the new version (and its audit event, and what the retention quota removes) in
-one transaction. A failure at any point leaves no row; an object written by a failed
-upload is unreferenced and ``gc()`` removes it. Every adapter query is scoped to one
-tenant: another tenant's adapter is reported exactly like a missing one.
+The parts, each given what it uses: :class:`~.tenants.Tenants` (tenants, keys, quotas),
+:class:`~.audit.AdapterAudit` (the audit events), :class:`~.versions.AdapterReleases`
+(``adapters``: handles, listings, versions, rollouts, retention),
+:class:`~.uploads.Uploads` (validate → store → commit), the :class:`~.events.EventBus`
+every part announces its committed changes on, and the :class:`~.gc.Storage` (database,
+object store, disk cache, scratch folder) gc works over. The service itself does what
+spans them: deleting an adapter, its preset and description, the outside events it logs,
+the export and gc. Every public method of the parts is reached through the service (the
+platform and the CLI hold one ``RegistryService``); no part calls another's private
+methods.
+
+Every adapter query is scoped to one tenant: another tenant's adapter is reported exactly
+like a missing one.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
-
-from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
-from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, LoraWeights, validate_adapter
-from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK, MAX_CONFIG_BYTES
+from loramux.adapters.archive import CONFIG_NAME
+from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES
+from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
 from loramux.registry.audit import AdapterAudit
 from loramux.registry.cache import AdapterCache
 from loramux.registry.db import Database
 from loramux.registry.errors import (
-    AdapterConflict,
     AdapterNotFound,
     BaseModelNotConfigured,
     InvalidDescription,
 )
+from loramux.registry.events import EventBus
 from loramux.registry.gc import (
     DEFAULT_GC_MIN_AGE_S,
     LEFTOVER_AGE_S,
     OBJECT_PREFIX,
     GcReport,
+    Storage,
     collect,
-    pending_marker,
     remove_leftovers,
 )
-from loramux.registry.handles import AdapterHandle, Listener, object_key
+from loramux.registry.handles import AdapterHandle
 from loramux.registry.models import (
     MAX_DESCRIPTION_CHARS,
     Adapter,
-    AdapterVersion,
-    Tenant,
     utcnow,
 )
-from loramux.registry.names import check_name
 from loramux.registry.presets import PresetCheck, check_preset
-from loramux.registry.quotas import Quotas, check_storage
-from loramux.registry.rollouts import BUCKETS, next_previous_live
-from loramux.registry.store import ObjectStore, sha256_file
-from loramux.registry.tenants import TenantAccounts, TenantRef
+from loramux.registry.quotas import Quotas
+from loramux.registry.store import ObjectStore
+from loramux.registry.tenants import TenantRef, Tenants
+from loramux.registry.uploads import UploadChecks, Uploads
 from loramux.registry.usage import UsageLedger
-from loramux.registry.versions import AdapterReleases, rollout_of
-
-logger = logging.getLogger(__name__)
+from loramux.registry.versions import AdapterReleases
 
 
-class RegistryService(TenantAccounts, AdapterAudit, AdapterReleases):
+class _Part:
+    """A public method (or attribute) of one of the service's parts, reached through the
+    service (``create_tenant = _Part("tenants")`` is ``service.tenants.create_tenant``)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.part), self.name)
+
+
+class RegistryService:
     """Tenants, API keys and adapters. Thread-safe; one per process.
 
     ``base_config`` (a ``config.json`` dict or ``PretrainedConfig``) and
@@ -88,269 +101,106 @@ class RegistryService(TenantAccounts, AdapterAudit, AdapterReleases):
         self.db = db
         self.store = store
         self.cache = cache
-        self.base_config = base_config
-        self.base_model_name = base_model_name
         self.base_model_path = Path(base_model_path) if base_model_path else None
-        self.max_lora_rank = max_lora_rank
-        self.max_adapter_bytes = max_adapter_bytes
-        self.preset_check = preset_check
-        """The serving side's preset validator (None: only the stored shape is checked)."""
         self.tmp_dir = Path(tmp_dir) if tmp_dir else None
         if self.tmp_dir:
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        self._listeners: list[Listener] = []
-        self.default_quotas = default_quotas or Quotas()
+        self.storage = Storage(db, store, cache, self.tmp_dir)
+        self.bus = EventBus()
+        self.tenants = Tenants(db, self.bus, default_quotas)
+        self.audit = AdapterAudit(db, self.tenants)
+        self.adapters = AdapterReleases(self.storage, self.tenants, self.audit, self.bus)
+        self.checks = UploadChecks(base_config, base_model_name, max_lora_rank,
+                                   max_adapter_bytes, preset_check)
+        """What an upload is checked against (the served base model, the serving limits)."""
+        self.uploads = Uploads(self.storage, self.tenants, self.adapters, self.audit, self.bus,
+                               self.checks)
         self.usage = UsageLedger(db)
         """Finished requests' usage records (appended by the platform's usage writer)."""
 
-    # -- events ---------------------------------------------------------------------
+    @property
+    def default_quotas(self) -> Quotas:
+        """The quotas of tenants without their own (the operator may change them)."""
+        return self.tenants.default_quotas
 
-    def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener(kind, handle)`` after each committed change (uploaded,
-        version_added, version_removed, rollout_changed, rolled_back, deleted,
-        preset_changed, described, evicted, exported; ``key_revoked`` and
-        ``quotas_changed`` with handle None); the platform relays it to engines and caches.
-        Returns the function that unsubscribes it."""
-        self._listeners.append(listener)
-        return lambda: self.unsubscribe(listener)
+    @default_quotas.setter
+    def default_quotas(self, quotas: Quotas) -> None:
+        self.tenants.default_quotas = quotas
 
-    def unsubscribe(self, listener: Listener) -> None:
-        """Stop calling ``listener`` (no error when it was not subscribed)."""
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+    # -- events: ``subscribe(listener)`` calls ``listener(kind, handle)`` after each
+    # committed change (uploaded, version_added, version_removed, rollout_changed,
+    # rolled_back, deleted, preset_changed, described, evicted, exported; ``key_revoked``
+    # and ``quotas_changed`` with handle None) and returns the unsubscribe function.
+    subscribe = _Part("bus")
+    unsubscribe = _Part("bus")
 
-    def _notify(self, kind: str, handle: AdapterHandle | None) -> None:
-        for listener in list(self._listeners):
-            try:
-                listener(kind, handle)
-            except Exception:  # a listener must not undo a committed change
-                logger.exception("registry event listener failed for %s", kind)
+    # -- tenants, keys and quotas (tenants.py)
+    create_tenant = _Part("tenants")
+    create_api_key = _Part("tenants")
+    revoke_api_key = _Part("tenants")
+    authenticate_key = _Part("tenants")
+    authenticate = _Part("tenants")
+    list_api_keys = _Part("tenants")
+    get_tenant = _Part("tenants")
+    list_tenants = _Part("tenants")
+    get_quotas = _Part("tenants")
+    set_quotas = _Part("tenants")
+    get_usage = _Part("tenants")
 
-    # -- adapters -------------------------------------------------------------------
-    def _fetch(self, handle: AdapterHandle) -> Path:
-        return self.cache.fetch(self.store, handle.object_key, handle.sha256, handle.config)
+    # -- the audit log (audit.py)
+    events = _Part("audit")
 
-    def cached_path(self, handle: AdapterHandle) -> Path | None:
-        """The adapter's local folder when the disk cache holds it (no store call), else None."""
-        return self.cache.lookup(handle.sha256, handle.config)
+    # -- reading adapters, versions and rollouts (versions.py)
+    cached_path = _Part("adapters")
+    list = _Part("adapters")
+    list_all = _Part("adapters")
+    get = _Part("adapters")
+    get_by_id = _Part("adapters")
+    fetch_by_id = _Part("adapters")
+    release = _Part("adapters")
+    resolve = _Part("adapters")
+    get_version = _Part("adapters")
+    list_all_versions = _Part("adapters")
+    releases = _Part("adapters")
+    set_rollout = _Part("adapters")
+    follow_latest = _Part("adapters")
+    rollback = _Part("adapters")
+    delete_version = _Part("adapters")
 
-    def _require_base(self) -> None:
-        if self.base_config is None:
-            raise BaseModelNotConfigured(
-                "no base model is configured; pass base_model= to build_registry "
-                "(or --base-model to the CLI)"
-            )
+    # -- uploads (uploads.py) and what they are checked against
+    validate = _Part("uploads")
+    upload = _Part("uploads")
+    base_config = _Part("checks")
+    base_model_name = _Part("checks")
+    max_lora_rank = _Part("checks")
+    max_adapter_bytes = _Part("checks")
+    preset_check = _Part("checks")
 
-    def validate(self, source: str | os.PathLike) -> LoraWeights:
-        """Run the upload checks on an adapter folder or archive without storing anything."""
-        self._require_base()
-        return validate_adapter(
-            source,
-            self.base_config,
-            max_lora_rank=self.max_lora_rank,
-            max_bytes=self.max_adapter_bytes,
-            base_model_name=self.base_model_name,
-        )
-
-    def upload(
-        self,
-        tenant: TenantRef,
-        name: str,
-        source: str | os.PathLike,
-        *,
-        actor: str | None = None,
-        replace: bool = True,
-        default_preset: dict[str, Any] | None = None,
-    ) -> AdapterHandle:
-        """Validate an adapter folder or archive and register it as ``name``: version 1
-        of a new adapter, or the next version of an existing one. An adapter that follows
-        the latest version (no explicit rollout) sends every request to the new version at
-        once; one with an explicit rollout keeps it (``name@N`` reaches the new version).
-        The tenant's ``max_versions_per_adapter`` removes the oldest version the rollout
-        does not name. ``replace=False`` refuses an existing name instead
-        (:class:`AdapterConflict`).
-
-        Raises AdapterValidationError (bad adapter), InvalidName, InvalidPreset,
-        TenantNotFound, QuotaExceeded (``max_adapters``, ``max_stored_bytes``,
-        ``max_versions_per_adapter``), AdapterConflict, ObjectStoreError.
-        """
-        check_name(name)
-        preset = check_preset(default_preset, self.preset_check)
-        self._require_base()
-        with self.db.session() as s:
-            tenant_id = self._tenant_id(s, tenant)
-            taken = s.scalar(
-                select(Adapter.id).where(Adapter.tenant_id == tenant_id, Adapter.name == name)
-            )
-        if taken is not None and not replace:
-            raise self._conflict(name)
-        if taken is None:  # fail fast before validating; checked again at commit
-            check_storage(self.get_quotas(tenant_id), self.get_usage(tenant_id), 1, 0)
-        with adapter_folder(
-            source, max_bytes=self.max_adapter_bytes + MAX_CONFIG_BYTES, tmp_dir=self.tmp_dir
-        ) as folder:
-            weights = self.validate(folder)
-            spec = weights.spec
-            del weights
-            weights_path = folder / WEIGHTS_NAME
-            digest = sha256_file(weights_path)
-            fields = dict(
-                base_model=self.base_model_name or "unknown",
-                rank=spec.r,
-                alpha=spec.lora_alpha,
-                target_modules=list(spec.target_modules),
-                config=spec.to_config(),
-                sha256=digest,
-                size_bytes=weights_path.stat().st_size,
-                object_key=object_key(digest),
-            )
-            # the marker keeps gc() off the object until the row is committed (or not)
-            with pending_marker(self.store, digest, self.tmp_dir):
-                # Always (re)write: it refreshes the object's age too.
-                self.store.put_file(fields["object_key"], weights_path, sha256=digest)
-                handle, kind, removed = self._commit_upload(
-                    tenant_id, name, fields, preset, actor, replace)
-        self._notify(kind, handle)
-        self._after_removal(removed)
-        return handle
-
-    @staticmethod
-    def _conflict(name: str) -> AdapterConflict:
-        return AdapterConflict(
-            f"adapter {name!r} already exists; pick another name, or upload it as a new "
-            "version (replace)"
-        )
-
-    def _commit_upload(
-        self,
-        tenant_id: int,
-        name: str,
-        fields: dict[str, Any],
-        preset: dict[str, Any] | None,
-        actor: str | None,
-        replace: bool,
-    ) -> tuple[AdapterHandle, str, list[AdapterHandle]]:
-        """The one transaction of an upload: the new version, the quota checks, what the
-        retention removes and the audit events."""
-        quotas = self.get_quotas(tenant_id)
-        try:
-            with self.db.session() as s:
-                # A no-op write takes the tenant's row lock (PostgreSQL) or the database's
-                # write lock (SQLite) first, so concurrent uploads of one tenant cannot both
-                # pass the storage checks.
-                s.execute(update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name))
-                before = self._usage(s, tenant_id)
-                row = s.scalar(
-                    select(Adapter)
-                    .where(Adapter.tenant_id == tenant_id, Adapter.name == name)
-                    .with_for_update()
-                )
-                if row is not None and not replace:
-                    raise self._conflict(name)
-                if row is None:
-                    check_storage(quotas, before, 1, 0)
-                    row = Adapter(tenant_id=tenant_id, name=name, last_version=0,
-                                  status="ready", rollout_sticky="user")
-                    s.add(row)
-                    s.flush()
-                    kind, numbers = "uploaded", []
-                else:
-                    kind = "version_added"
-                    numbers = [v.number for v in self._versions(s, row.id)]
-                if preset is not None:
-                    row.default_preset = preset
-                number = row.last_version + 1
-                version = AdapterVersion(adapter_id=row.id, number=number, **fields)
-                s.add(version)
-                row.last_version = number
-                row.status = "ready"
-                row.updated_at = utcnow()
-                if row.rollout_weights is None and numbers:  # follows the latest: moves on
-                    row.previous_live = next_previous_live(
-                        rollout_of(row, numbers), ((number, BUCKETS),))
-                s.flush()
-                removed = self._retain(s, row, quotas.max_versions_per_adapter, number, actor)
-                s.flush()
-                after = self._usage(s, tenant_id)
-                check_storage(quotas, before, 0, after.stored_bytes - before.stored_bytes)
-                s.add(self._event(row, kind, actor, {"version": number, "sha256": version.sha256}))
-                s.flush()
-                handle = self._handle(row, version)
-        except IntegrityError:
-            raise self._conflict(name) from None
-        return handle, kind, removed
-
-    def _newest(self, s: Session, rows) -> list[AdapterHandle]:
-        """One handle per adapter row: its newest version."""
-        rows = list(rows)
-        if not rows:
-            return []
-        newest: dict[int, AdapterVersion] = {}
-        for v in s.scalars(select(AdapterVersion).where(
-                AdapterVersion.adapter_id.in_([r.id for r in rows]))):
-            if v.adapter_id not in newest or v.number > newest[v.adapter_id].number:
-                newest[v.adapter_id] = v
-        return [self._handle(r, newest[r.id]) for r in rows if r.id in newest]
-
-    def list(self, tenant: TenantRef) -> list[AdapterHandle]:
-        """The tenant's adapters by name, each as its newest version."""
-        with self.db.session() as s:
-            tenant_id = self._tenant_id(s, tenant)
-            return self._newest(s, s.scalars(
-                select(Adapter).where(Adapter.tenant_id == tenant_id).order_by(Adapter.name)))
-
-    def list_all(self) -> list[AdapterHandle]:
-        """Every tenant's adapters, each as its newest version (admin dashboard)."""
-        with self.db.session() as s:
-            return self._newest(s, s.scalars(select(Adapter).order_by(Adapter.tenant_id,
-                                                                       Adapter.name)))
-
-    def get(self, tenant: TenantRef, name: str) -> AdapterHandle:
-        """One of the tenant's adapters as its newest version; :class:`AdapterNotFound` if
-        it has none by that name."""
-        with self.db.session() as s:
-            return self._newest(s, [self._row(s, self._tenant_id(s, tenant), name)])[0]
-
-    def get_by_id(self, adapter_id: int, version: int | None = None) -> AdapterHandle:
-        """Any tenant's adapter by id (admin and engine use only): one version, default
-        the newest."""
-        with self.db.session() as s:
-            row = s.get(Adapter, adapter_id)
-            versions = self._versions(s, adapter_id) if row is not None else []
-            if version is not None:
-                versions = [v for v in versions if v.number == version]
-            if not versions:
-                raise AdapterNotFound(f"adapter id {adapter_id} (version {version}) not found")
-            return self._handle(row, versions[-1])
-
-    def fetch_by_id(self, adapter_id: int, version: int | None = None) -> Path:
-        """Adapter source for engines: the local PEFT folder of an adapter id's version."""
-        return self.get_by_id(adapter_id, version).local_path()
-
+    # -- adapter changes that span the parts ------------------------------------------
     def delete(self, tenant: TenantRef, name: str, *, actor: str | None = None) -> AdapterHandle:
         """Remove the adapter and every version (the name becomes free); the weights go at
         the next ``gc()``. Listeners hear ``deleted`` with the newest version's handle."""
         with self.db.session() as s:
-            row = self._row(s, self._tenant_id(s, tenant), name)
-            handle = self._newest(s, [row])[0]
-            versions = [v.number for v in self._versions(s, row.id)]
-            s.add(self._event(row, "deleted", actor, {"version": row.last_version,
-                                                      "versions": versions}))
+            row = self.adapters.row(s, self.tenants.tenant_id(s, tenant), name)
+            handle = self.adapters.newest(s, [row])[0]
+            versions = [v.number for v in self.adapters.versions(s, row.id)]
+            s.add(self.audit.event(row, "deleted", actor, {"version": row.last_version,
+                                                           "versions": versions}))
             s.delete(row)
-        self._notify("deleted", handle)
+        self.bus.notify("deleted", handle)
         return handle
 
     def _change(self, tenant: TenantRef, name: str, kind: str, actor: str | None,
                 details: dict[str, Any] | None, **values: Any) -> AdapterHandle:
         with self.db.session() as s:
-            row = self._row(s, self._tenant_id(s, tenant), name)
+            row = self.adapters.row(s, self.tenants.tenant_id(s, tenant), name)
             for k, v in values.items():
                 setattr(row, k, v)
             row.updated_at = utcnow()
-            s.add(self._event(row, kind, actor, details))
+            s.add(self.audit.event(row, kind, actor, details))
             s.flush()
-            handle = self._newest(s, [row])[0]
-        self._notify(kind, handle)
+            handle = self.adapters.newest(s, [row])[0]
+        self.bus.notify(kind, handle)
         return handle
 
     def set_preset(
@@ -363,7 +213,7 @@ class RegistryService(TenantAccounts, AdapterAudit, AdapterReleases):
     ) -> AdapterHandle:
         """Store (or with ``None`` clear) the adapter's default sampling preset (every
         version shares it)."""
-        checked = check_preset(preset, self.preset_check)
+        checked = check_preset(preset, self.checks.preset_check)
         return self._change(tenant, name, "preset_changed", actor, {"preset": checked},
                             default_preset=checked)
 
@@ -379,18 +229,53 @@ class RegistryService(TenantAccounts, AdapterAudit, AdapterReleases):
         return self._change(tenant, name, "described", actor, None,
                             description=description or None)
 
-    # -- garbage collection ---------------------------------------------------------
+    # -- events done elsewhere, and the export ------------------------------------------
+    def record_event(self, adapter_id: int, kind: str, *, actor: str | None = None,
+                     details: dict[str, Any] | None = None) -> None:
+        """Log an event done elsewhere (``evicted`` by the admin API, ``exported``, an
+        adapter found ``broken`` while serving); listeners hear it."""
+        with self.db.session() as s:
+            row = s.get(Adapter, adapter_id)
+            if row is None:
+                raise AdapterNotFound(f"adapter id {adapter_id} not found")
+            s.add(self.audit.event(row, kind, actor, details))
+            handle = self.adapters.newest(s, [row])[0]
+        self.bus.notify(kind, handle)
 
+    def export(self, tenant: TenantRef, name: str, out: str | os.PathLike, *,
+               base_model_path: str | os.PathLike | None = None, check: bool = False,
+               actor: str | None = None, overwrite: bool = False, progress: bool = True,
+               version: int | None = None) -> Path:
+        """Merge one version of the adapter (default: the newest) into the base model and
+        save a Hugging Face folder at ``out`` (logged as ``exported``)."""
+        from loramux.adapters.merge import export_merged
+
+        base = Path(base_model_path) if base_model_path else self.base_model_path
+        if base is None:
+            raise BaseModelNotConfigured(
+                "export needs the base model folder; pass base_model= to build_registry "
+                "(or --base-model to the CLI)"
+            )
+        handle = self.get(tenant, name) if version is None else self.get_version(tenant, name, version)
+        path = export_merged(base, handle.local_path(), out, check=check,
+                             max_lora_rank=max(self.checks.max_lora_rank, handle.rank),
+                             overwrite=overwrite, progress=progress)
+        self.record_event(handle.id, "exported", actor=actor,
+                          details={"out": str(path), "version": handle.version})
+        return path
+
+    # -- garbage collection ---------------------------------------------------------
     def gc(self, *, min_age_seconds: float = DEFAULT_GC_MIN_AGE_S,
            leftover_age_s: float = LEFTOVER_AGE_S) -> GcReport:
         """Delete stored objects no row references and no upload in progress marks (after
         ``min_age_seconds``), stale pending markers and crash leftovers (older than
         ``leftover_age_s``), and prune cache entries of adapters that no longer exist."""
-        return collect(self, min_age_seconds=min_age_seconds, leftover_age_s=leftover_age_s)
+        return collect(self.storage, min_age_seconds=min_age_seconds,
+                       leftover_age_s=leftover_age_s)
 
     def remove_leftovers(self, min_age_s: float = LEFTOVER_AGE_S) -> list[str]:
         """Remove what a killed process left (scratch folders, temporary pieces)."""
-        return remove_leftovers(self, min_age_s)
+        return remove_leftovers(self.storage, min_age_s)
 
 
 __all__ = ["CONFIG_NAME", "OBJECT_PREFIX", "GcReport", "RegistryService"]

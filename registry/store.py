@@ -18,17 +18,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from loramux.registry.errors import ObjectIntegrityError, ObjectNotFound, ObjectStoreError
+from loramux.registry.files import remove_old
 
 _CHUNK = 1024 * 1024
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,1023}$")
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_key(key: str) -> str:
@@ -181,8 +174,6 @@ class FileStore(ObjectStore):
                 )
 
     def remove_leftovers(self, min_age_s: float) -> list[str]:
-        from loramux.registry.cache import remove_old
-
         return [f".tmp/{n}" for n in remove_old(self._tmp, min_age_s)]
 
     def describe(self) -> str:

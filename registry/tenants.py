@@ -1,14 +1,14 @@
-"""Tenants, their API keys and their quotas: the account half of ``RegistryService``.
-
-A mixin: the service provides ``db`` (a :class:`~loramux.registry.db.Database`),
-``default_quotas`` and ``_notify(kind, handle)`` (listeners hear ``key_revoked`` and
-``quotas_changed``).
+"""Tenants, their API keys and their quotas (:class:`Tenants`, a part of
+``RegistryService``): over the database, announcing ``key_revoked`` and ``quotas_changed``
+on the registry's event bus. The other parts find a tenant through :meth:`Tenants.tenant_id`
+and count its storage through :meth:`Tenants.usage_in`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -19,6 +19,10 @@ from loramux.registry.errors import TenantConflict, TenantNotFound
 from loramux.registry.models import Adapter, AdapterVersion, ApiKey, Tenant, TenantQuota, utcnow
 from loramux.registry.names import check_name
 from loramux.registry.quotas import QUOTA_FIELDS, Quotas, TenantUsage
+
+if TYPE_CHECKING:
+    from loramux.registry.db import Database
+    from loramux.registry.events import EventBus
 
 TenantRef = Tenant | int | str
 KEY_LAST_USED_EVERY = timedelta(minutes=1)
@@ -38,8 +42,14 @@ class ApiKeyInfo:
     revoked_at: datetime | None
 
 
-class TenantAccounts:
-    """Tenants, API keys and quotas (mixed into ``RegistryService``)."""
+class Tenants:
+    """Tenants, API keys and quotas. ``default_quotas`` apply to every tenant without
+    quotas of its own."""
+
+    def __init__(self, db: Database, bus: EventBus, default_quotas: Quotas | None = None) -> None:
+        self.db = db
+        self.bus = bus
+        self.default_quotas = default_quotas or Quotas()
 
     def create_tenant(self, name: str, *, admin: bool = False) -> tuple[Tenant, str]:
         """Create a tenant and its first API key; the plaintext key is returned only here."""
@@ -72,7 +82,7 @@ class TenantAccounts:
     ) -> str:
         """Add an API key to a tenant; returns the plaintext key (shown once)."""
         with self.db.session() as s:
-            return self._add_key(s, self._tenant_id(s, tenant), admin=admin, label=label)
+            return self._add_key(s, self.tenant_id(s, tenant), admin=admin, label=label)
 
     def revoke_api_key(self, key_or_prefix: str) -> bool:
         """Revoke a key by its plaintext or its prefix; ``False`` if no such active key."""
@@ -82,7 +92,7 @@ class TenantAccounts:
             if row is None or row.revoked_at is not None:
                 return False
             row.revoked_at = utcnow()
-        self._notify("key_revoked", None)
+        self.bus.notify("key_revoked", None)
         return True
 
     def authenticate_key(self, key: str) -> ApiKey | None:
@@ -110,7 +120,7 @@ class TenantAccounts:
         with self.db.session() as s:
             q = select(ApiKey).order_by(ApiKey.id)
             if tenant is not None:
-                q = q.where(ApiKey.tenant_id == self._tenant_id(s, tenant))
+                q = q.where(ApiKey.tenant_id == self.tenant_id(s, tenant))
             return [
                 ApiKeyInfo(k.tenant_id, k.prefix, k.label, bool(k.is_admin), k.created_at,
                            k.last_used_at, k.revoked_at)
@@ -124,13 +134,15 @@ class TenantAccounts:
 
     def get_tenant(self, tenant: TenantRef) -> Tenant:
         with self.db.session() as s:
-            return s.get_one(Tenant, self._tenant_id(s, tenant))
+            return s.get_one(Tenant, self.tenant_id(s, tenant))
 
     def list_tenants(self) -> list[Tenant]:
         with self.db.session() as s:
             return list(s.scalars(select(Tenant).order_by(Tenant.name)))
 
-    def _tenant_id(self, s: Session, tenant: TenantRef) -> int:
+    def tenant_id(self, s: Session, tenant: TenantRef) -> int:
+        """The id of a tenant given as a row, an id or a name, in the caller's session
+        (:class:`TenantNotFound` if there is none)."""
         if isinstance(tenant, Tenant):
             tenant = tenant.id
         if isinstance(tenant, int) and not isinstance(tenant, bool):
@@ -151,7 +163,7 @@ class TenantAccounts:
         """The tenant's quotas in effect: its own, else the operator's defaults. Called by
         the platform per request (cache it briefly) and by the API/CLI to show them."""
         with self.db.session() as s:
-            row = s.get(TenantQuota, self._tenant_id(s, tenant))
+            row = s.get(TenantQuota, self.tenant_id(s, tenant))
             if row is None:
                 return self.default_quotas
             return Quotas(**{name: getattr(row, name) for name in QUOTA_FIELDS})
@@ -159,10 +171,10 @@ class TenantAccounts:
     def set_quotas(self, tenant: TenantRef, quotas: Quotas | None) -> Quotas:
         """Give the tenant its own quotas (every field; ``None`` fields are unlimited), or
         with ``quotas=None`` drop them so the defaults apply again. Returns the quotas in
-        effect; listeners hear ``quotas_changed``. Lowering a storage quota below the current usage deletes nothing; it only
-        refuses further uploads."""
+        effect; listeners hear ``quotas_changed``. Lowering a storage quota below the current
+        usage deletes nothing; it only refuses further uploads."""
         with self.db.session() as s:
-            tenant_id = self._tenant_id(s, tenant)
+            tenant_id = self.tenant_id(s, tenant)
             row = s.get(TenantQuota, tenant_id)
             if quotas is None:
                 if row is not None:
@@ -174,21 +186,20 @@ class TenantAccounts:
                 for name in QUOTA_FIELDS:
                     setattr(row, name, getattr(quotas, name))
                 row.updated_at = utcnow()
-        self._notify("quotas_changed", None)
+        self.bus.notify("quotas_changed", None)
         return self.default_quotas if quotas is None else quotas
 
     def get_usage(self, tenant: TenantRef) -> TenantUsage:
         """What the tenant stores now (adapter count, bytes of its versions' weights)."""
         with self.db.session() as s:
-            return self._usage(s, self._tenant_id(s, tenant))
+            return self.usage_in(s, self.tenant_id(s, tenant))
 
     @staticmethod
-    def _usage(s: Session, tenant_id: int) -> TenantUsage:
+    def usage_in(s: Session, tenant_id: int) -> TenantUsage:
+        """What the tenant stores, counted in the caller's session (an upload's checks)."""
         count = s.scalar(select(func.count(Adapter.id)).where(Adapter.tenant_id == tenant_id))
         objects = (select(AdapterVersion.object_key, AdapterVersion.size_bytes)
                    .join(Adapter, Adapter.id == AdapterVersion.adapter_id)
                    .where(Adapter.tenant_id == tenant_id).distinct().subquery())
         total = s.scalar(select(func.coalesce(func.sum(objects.c.size_bytes), 0)))
         return TenantUsage(int(count or 0), int(total or 0))
-
-    # -- adapters -------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Versions and rollouts of :class:`~loramux.registry.service.RegistryService` (a mixin):
-what requests resolve through (:meth:`AdapterReleases.release`), the listing of versions,
-deleting one, setting a rollout, following the latest again, rolling back, and the
-retention quota an upload applies (``max_versions_per_adapter``).
+"""Adapters as requests see them (:class:`AdapterReleases`, a part of ``RegistryService``):
+the handles of versions and what requests resolve through
+(:meth:`AdapterReleases.release`), the listings, deleting a version, setting a rollout,
+following the latest again, rolling back, and the retention quota an upload applies
+(``max_versions_per_adapter``).
 
 Versions are immutable: a version's weights and config never change; an upload adds a
 version. A version the rollout names cannot be deleted (:class:`VersionInUse`). A removed
@@ -15,6 +16,7 @@ it (``version_removed`` with the removed version's handle, ``rollout_changed`` /
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
@@ -28,7 +30,7 @@ from loramux.registry.errors import (
     VersionInUse,
     VersionNotFound,
 )
-from loramux.registry.gc import delete_if_unreferenced
+from loramux.registry.gc import Storage, delete_if_unreferenced
 from loramux.registry.handles import AdapterHandle, Release
 from loramux.registry.models import Adapter, AdapterVersion, utcnow
 from loramux.registry.rollouts import (
@@ -41,7 +43,9 @@ from loramux.registry.rollouts import (
 from loramux.registry.tenants import TenantRef
 
 if TYPE_CHECKING:
-    from loramux.registry.service import RegistryService
+    from loramux.registry.audit import AdapterAudit
+    from loramux.registry.events import EventBus
+    from loramux.registry.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +72,29 @@ def describe(rollout: Rollout) -> str:
 
 
 class AdapterReleases:
-    """Mixed into :class:`~loramux.registry.service.RegistryService`."""
+    """Versions, rollouts and the handles of adapters, over the registry's storage (the
+    database; the store and the cache a handle fetches through and a removed version's
+    weights leave). Changes are announced on ``bus`` once committed."""
 
-    # --- reading -----------------------------------------------------------------------
-    def _handle(self: RegistryService, row: Adapter, v: AdapterVersion) -> AdapterHandle:
+    def __init__(self, storage: Storage, tenants: Tenants, audit: AdapterAudit,
+                 bus: EventBus) -> None:
+        self.storage = storage
+        self.db = storage.db
+        self.tenants = tenants
+        self.audit = audit
+        self.bus = bus
+
+    # --- handles -----------------------------------------------------------------------
+    def _fetch(self, handle: AdapterHandle) -> Path:
+        return self.storage.cache.fetch(self.storage.store, handle.object_key, handle.sha256,
+                                        handle.config)
+
+    def cached_path(self, handle: AdapterHandle) -> Path | None:
+        """The adapter's local folder when the disk cache holds it (no store call), else None."""
+        return self.storage.cache.lookup(handle.sha256, handle.config)
+
+    def handle(self, row: Adapter, v: AdapterVersion) -> AdapterHandle:
+        """The handle of version ``v`` of adapter ``row`` (its weights one call away)."""
         return AdapterHandle(
             id=row.id, tenant_id=row.tenant_id, name=row.name, version=v.number,
             base_model=v.base_model, rank=v.rank, alpha=v.alpha,
@@ -82,37 +105,87 @@ class AdapterReleases:
         )
 
     @staticmethod
-    def _versions(s: Session, adapter_id: int) -> list[AdapterVersion]:
+    def versions(s: Session, adapter_id: int) -> list[AdapterVersion]:
+        """The adapter's version rows, oldest first, in the caller's session."""
         return list(s.scalars(select(AdapterVersion).where(AdapterVersion.adapter_id == adapter_id)
                               .order_by(AdapterVersion.number)))
 
-    def _row(self: RegistryService, s: Session, tenant_id: int, name: str) -> Adapter:
+    def row(self, s: Session, tenant_id: int, name: str) -> Adapter:
+        """The tenant's adapter row by name (:class:`AdapterNotFound` if absent)."""
         row = s.scalar(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name))
         if row is None:
             raise _not_found(name)
         return row
 
-    def _locked_row(self: RegistryService, s: Session, tenant: TenantRef, name: str) -> Adapter:
+    def locked_row(self, s: Session, tenant: TenantRef, name: str) -> Adapter:
         """The adapter's row, locked for the rest of the transaction: a no-op write takes
         the row lock (PostgreSQL) or the database's write lock (SQLite) before the read, so
         two concurrent changes of one rollout cannot both build on the same state."""
-        tenant_id = self._tenant_id(s, tenant)
+        tenant_id = self.tenants.tenant_id(s, tenant)
         s.execute(update(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name)
                   .values(last_version=Adapter.last_version))
-        return self._row(s, tenant_id, name)
+        return self.row(s, tenant_id, name)
 
-    def _release(self: RegistryService, row: Adapter, versions: list[AdapterVersion]) -> Release:
-        return Release({v.number: self._handle(row, v) for v in versions},
+    def newest(self, s: Session, rows) -> list[AdapterHandle]:
+        """One handle per adapter row: its newest version."""
+        rows = list(rows)
+        if not rows:
+            return []
+        newest: dict[int, AdapterVersion] = {}
+        for v in s.scalars(select(AdapterVersion).where(
+                AdapterVersion.adapter_id.in_([r.id for r in rows]))):
+            if v.adapter_id not in newest or v.number > newest[v.adapter_id].number:
+                newest[v.adapter_id] = v
+        return [self.handle(r, newest[r.id]) for r in rows if r.id in newest]
+
+    def _release(self, row: Adapter, versions: list[AdapterVersion]) -> Release:
+        return Release({v.number: self.handle(row, v) for v in versions},
                        rollout_of(row, [v.number for v in versions]))
 
-    def release(self: RegistryService, tenant: TenantRef, name: str) -> Release:
+    # --- reading -----------------------------------------------------------------------
+    def list(self, tenant: TenantRef) -> list[AdapterHandle]:
+        """The tenant's adapters by name, each as its newest version."""
+        with self.db.session() as s:
+            tenant_id = self.tenants.tenant_id(s, tenant)
+            return self.newest(s, s.scalars(
+                select(Adapter).where(Adapter.tenant_id == tenant_id).order_by(Adapter.name)))
+
+    def list_all(self) -> list[AdapterHandle]:
+        """Every tenant's adapters, each as its newest version (admin dashboard)."""
+        with self.db.session() as s:
+            return self.newest(s, s.scalars(select(Adapter).order_by(Adapter.tenant_id,
+                                                                      Adapter.name)))
+
+    def get(self, tenant: TenantRef, name: str) -> AdapterHandle:
+        """One of the tenant's adapters as its newest version; :class:`AdapterNotFound` if
+        it has none by that name."""
+        with self.db.session() as s:
+            return self.newest(s, [self.row(s, self.tenants.tenant_id(s, tenant), name)])[0]
+
+    def get_by_id(self, adapter_id: int, version: int | None = None) -> AdapterHandle:
+        """Any tenant's adapter by id (admin and engine use only): one version, default
+        the newest."""
+        with self.db.session() as s:
+            row = s.get(Adapter, adapter_id)
+            versions = self.versions(s, adapter_id) if row is not None else []
+            if version is not None:
+                versions = [v for v in versions if v.number == version]
+            if not versions:
+                raise AdapterNotFound(f"adapter id {adapter_id} (version {version}) not found")
+            return self.handle(row, versions[-1])
+
+    def fetch_by_id(self, adapter_id: int, version: int | None = None) -> Path:
+        """Adapter source for engines: the local PEFT folder of an adapter id's version."""
+        return self.get_by_id(adapter_id, version).local_path()
+
+    def release(self, tenant: TenantRef, name: str) -> Release:
         """The adapter's retained versions and its rollout; :class:`AdapterNotFound` if
         the tenant has no adapter by that name (another tenant's looks the same)."""
         with self.db.session() as s:
-            row = self._row(s, self._tenant_id(s, tenant), name)
-            return self._release(row, self._versions(s, row.id))
+            row = self.row(s, self.tenants.tenant_id(s, tenant), name)
+            return self._release(row, self.versions(s, row.id))
 
-    def resolve(self: RegistryService, tenant: TenantRef, name: str) -> Release:
+    def resolve(self, tenant: TenantRef, name: str) -> Release:
         """What a request's ``model`` names, for serving: :meth:`release` of a ready
         adapter. Another tenant's adapter and a disabled one resolve like a missing one."""
         found = self.release(tenant, name)
@@ -120,7 +193,7 @@ class AdapterReleases:
             raise _not_found(name)
         return found
 
-    def get_version(self: RegistryService, tenant: TenantRef, name: str, number: int) -> AdapterHandle:
+    def get_version(self, tenant: TenantRef, name: str, number: int) -> AdapterHandle:
         """One version of one of the tenant's adapters (:class:`VersionNotFound` if absent)."""
         found = self.release(tenant, name)
         if number not in found.versions:
@@ -129,15 +202,15 @@ class AdapterReleases:
                 f"{', '.join(map(str, found.versions))}")
         return found.versions[number]
 
-    def list_all_versions(self: RegistryService) -> list[AdapterHandle]:
+    def list_all_versions(self) -> list[AdapterHandle]:
         """Every retained version of every tenant's adapters (admin, gc)."""
         with self.db.session() as s:
             rows = s.execute(select(Adapter, AdapterVersion)
                              .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
                              .order_by(Adapter.tenant_id, Adapter.name, AdapterVersion.number))
-            return [self._handle(a, v) for a, v in rows]
+            return [self.handle(a, v) for a, v in rows]
 
-    def releases(self: RegistryService) -> list[Release]:
+    def releases(self) -> list[Release]:
         """Every adapter of every tenant with its versions and rollout (the dashboard)."""
         with self.db.session() as s:
             rows = list(s.scalars(select(Adapter).order_by(Adapter.tenant_id, Adapter.name)))
@@ -147,7 +220,7 @@ class AdapterReleases:
             return [self._release(r, by_adapter[r.id]) for r in rows if by_adapter[r.id]]
 
     # --- changing the rollout ----------------------------------------------------------
-    def set_rollout(self: RegistryService, tenant: TenantRef, name: str, weights: Any,
+    def set_rollout(self, tenant: TenantRef, name: str, weights: Any,
                     sticky: Any = "user", *, actor: str | None = None) -> Release:
         """Spread the plain name over versions by ``weights`` (``{"3": 90, "4": 10}``),
         ``sticky`` per ``user``, ``key`` or ``none``. Every version named must exist.
@@ -156,23 +229,23 @@ class AdapterReleases:
         sticky = check_sticky(sticky)
         return self._change_rollout(tenant, name, parsed, sticky, "rollout_changed", actor)
 
-    def follow_latest(self: RegistryService, tenant: TenantRef, name: str, *,
+    def follow_latest(self, tenant: TenantRef, name: str, *,
                       actor: str | None = None) -> Release:
         """Drop the explicit rollout: the newest version takes every request, and each
         upload moves there (the default of a new adapter)."""
         return self._change_rollout(tenant, name, None, None, "rollout_changed", actor)
 
-    def rollback(self: RegistryService, tenant: TenantRef, name: str, *,
+    def rollback(self, tenant: TenantRef, name: str, *,
                  actor: str | None = None) -> Release:
         """Every request to the previous live version, in one step
         (:class:`NoPreviousVersion` when there is none)."""
         return self._change_rollout(tenant, name, "previous", None, "rolled_back", actor)
 
-    def _change_rollout(self: RegistryService, tenant: TenantRef, name: str, weights: Any,
+    def _change_rollout(self, tenant: TenantRef, name: str, weights: Any,
                         sticky: str | None, kind: str, actor: str | None) -> Release:
         with self.db.session() as s:
-            row = self._locked_row(s, tenant, name)
-            versions = self._versions(s, row.id)
+            row = self.locked_row(s, tenant, name)
+            versions = self.versions(s, row.id)
             numbers = [v.number for v in versions]
             old = rollout_of(row, numbers)
             if weights == "previous":
@@ -198,21 +271,21 @@ class AdapterReleases:
             row.previous_live = next_previous_live(old, weights)
             row.updated_at = utcnow()
             new = rollout_of(row, numbers)
-            s.add(self._event(row, kind, actor, {"from": old.to_dict(), "to": new.to_dict()}))
+            s.add(self.audit.event(row, kind, actor, {"from": old.to_dict(), "to": new.to_dict()}))
             s.flush()
             release = self._release(row, versions)
-        self._notify(kind, release.newest)
+        self.bus.notify(kind, release.newest)
         return release
 
     # --- removing versions -------------------------------------------------------------
-    def delete_version(self: RegistryService, tenant: TenantRef, name: str, number: int, *,
+    def delete_version(self, tenant: TenantRef, name: str, number: int, *,
                        actor: str | None = None) -> AdapterHandle:
         """Remove one version (its weights go at once unless another version uses them).
         :class:`VersionInUse` for a version the rollout names (409: change the rollout
         first), :class:`VersionNotFound` for one that does not exist."""
         with self.db.session() as s:
-            row = self._locked_row(s, tenant, name)
-            versions = self._versions(s, row.id)
+            row = self.locked_row(s, tenant, name)
+            versions = self.versions(s, row.id)
             rollout = rollout_of(row, [v.number for v in versions])
             target = next((v for v in versions if v.number == number), None)
             if target is None:
@@ -225,30 +298,30 @@ class AdapterReleases:
                     f"version {number} of {name!r} is in its rollout ({describe(rollout)})"
                     f"{follows}; move its weight to other versions with PUT "
                     f"/v1/adapters/{name}/rollout first")
-            removed = [self._remove_version(s, row, target, "deleted", actor)]
-        self._after_removal(removed)
+            removed = [self.remove_version(s, row, target, "deleted", actor)]
+        self.after_removal(removed)
         return removed[0]
 
-    def _remove_version(self: RegistryService, s: Session, row: Adapter, v: AdapterVersion,
-                        reason: str, actor: str | None) -> AdapterHandle:
+    def remove_version(self, s: Session, row: Adapter, v: AdapterVersion,
+                       reason: str, actor: str | None) -> AdapterHandle:
         """Delete one version row in the caller's transaction (with its audit event)."""
-        handle = self._handle(row, v)
+        handle = self.handle(row, v)
         if row.previous_live == v.number:
             row.previous_live = None
-        s.add(self._event(row, "version_removed", actor,
-                          {"version": v.number, "sha256": v.sha256, "reason": reason}))
+        s.add(self.audit.event(row, "version_removed", actor,
+                               {"version": v.number, "sha256": v.sha256, "reason": reason}))
         s.delete(v)
         row.updated_at = utcnow()
         return handle
 
-    def _retain(self: RegistryService, s: Session, row: Adapter, limit: int | None,
-                keep: int, actor: str | None) -> list[AdapterHandle]:
+    def retain(self, s: Session, row: Adapter, limit: int | None,
+               keep: int, actor: str | None) -> list[AdapterHandle]:
         """Apply ``max_versions_per_adapter`` after an upload added version ``keep``: remove
         the oldest versions the rollout does not name (the rollback target last); raise
         :class:`QuotaExceeded` when too few are free to go."""
         if limit is None:
             return []
-        versions = self._versions(s, row.id)
+        versions = self.versions(s, row.id)
         excess = len(versions) - limit
         if excess <= 0:
             return []
@@ -259,16 +332,16 @@ class AdapterReleases:
         if len(free) < excess:
             raise QuotaExceeded("max_versions_per_adapter", limit, len(versions) - 1, 1,
                                 f"versions of {row.name!r} (every older one is in its rollout)")
-        return [self._remove_version(s, row, v, "retention", actor) for v in free[:excess]]
+        return [self.remove_version(s, row, v, "retention", actor) for v in free[:excess]]
 
-    def _after_removal(self: RegistryService, removed: list[AdapterHandle]) -> None:
+    def after_removal(self, removed: list[AdapterHandle]) -> None:
         """Once the removal is committed: listeners hear it, and weights nothing else uses
         leave the store (a failure there is left to ``gc``)."""
         for handle in removed:
-            self._notify("version_removed", handle)
+            self.bus.notify("version_removed", handle)
         for handle in removed:
             try:
-                delete_if_unreferenced(self, handle.object_key)
+                delete_if_unreferenced(self.storage, handle.object_key)
             except Exception as e:  # gc removes it later
                 logger.warning("could not remove the weights of %s v%d now: %s",
                                handle.name, handle.version, e)

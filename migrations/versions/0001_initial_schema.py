@@ -23,6 +23,14 @@ def _ts(name: str, nullable: bool = False) -> sa.Column:
 
 
 def upgrade() -> None:
+    _create_tenants()
+    _create_api_keys()
+    _create_adapters()
+    _create_adapter_events()
+
+
+def _create_tenants() -> None:
+    """``tenants``: one row per tenant, unique by name."""
     op.create_table(
         "tenants",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -31,6 +39,10 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_tenants")),
         sa.UniqueConstraint("name", name=op.f("uq_tenants_name")),
     )
+
+
+def _create_api_keys() -> None:
+    """``api_keys``: hashed keys of a tenant (unique prefix), indexed by tenant."""
     op.create_table(
         "api_keys",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -52,6 +64,11 @@ def upgrade() -> None:
         sa.UniqueConstraint("prefix", name=op.f("uq_api_keys_prefix")),
     )
     op.create_index(op.f("ix_api_keys_tenant_id"), "api_keys", ["tenant_id"])
+
+
+def _create_adapters() -> None:
+    """``adapters``: one row per tenant adapter (unique name per tenant), indexed by object
+    key and sha256."""
     op.create_table(
         "adapters",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -81,6 +98,10 @@ def upgrade() -> None:
     )
     op.create_index(op.f("ix_adapters_object_key"), "adapters", ["object_key"])
     op.create_index(op.f("ix_adapters_sha256"), "adapters", ["sha256"])
+
+
+def _create_adapter_events() -> None:
+    """``adapter_events``: the audit log, indexed by adapter and by tenant and time."""
     op.create_table(
         "adapter_events",
         sa.Column("id", sa.Integer(), nullable=False),

@@ -234,7 +234,7 @@ def _as_prefix(uri: str) -> str:
 
 
 def _put_folder(store: ObjectStore, folder: Path, prefix: str) -> list[str]:
-    from loramux.registry.store import sha256_file
+    from loramux.registry.files import sha256_file
 
     keys = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):

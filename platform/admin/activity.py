@@ -4,7 +4,8 @@ the sparklines), when each adapter was last used, and recent 429s per tenant.
 
 In-process and bounded: one ``Activity`` per server, fed by the request path
 (:meth:`Activity.begin` / :meth:`Activity.end` in ``openai/serving.py``) and by the
-error handler (:meth:`Activity.rejected` for every 429). Thread-safe; O(1) per call.
+error handler (:meth:`Activity.rejected` for every 429, through ``app.record_rejection``).
+Thread-safe; O(1) per call.
 """
 
 from __future__ import annotations
@@ -13,14 +14,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from loramux.platform.server import app_of
-
-if TYPE_CHECKING:
-    from fastapi import Request
-
-    from loramux.platform.errors import APIError
+from typing import Any
 
 BUCKET_S = 2
 """Width of one sparkline bucket, in seconds."""
@@ -152,16 +146,3 @@ class Activity:
         now = self._clock()
         with self._lock:
             return [r for r in reversed(self._rejections.get(tenant_id, ())) if r.at > now - since_s]
-
-
-def record_rejection(request: Request, err: APIError) -> None:
-    """The app's 429 listener (``install_error_handlers``' ``on_rejection``): counts the
-    rejection by code (``loramux_requests_rejected_total{reason}``) and notes it under the
-    caller's tenant when the request got as far as authentication."""
-    state = app_of(request).services
-    if state is None:
-        return
-    caller = getattr(request.state, "caller", None)  # set by deps.get_caller
-    tenant_id = caller.tenant_id if caller is not None else None
-    state.metrics.rejected.labels(err.code or "rate_limited").inc()
-    state.metrics.activity.rejected(tenant_id, err.code, err.message)

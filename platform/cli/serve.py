@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.role != "all":
         from loramux.platform.cluster.roles import build_role_app
 
-        app = build_role_app(settings)
+        app = build_role_app(settings, create_app)
     else:
         app = create_app(settings)
         app.on_ready = lambda state: bootstrap(state, out=sys.stdout)

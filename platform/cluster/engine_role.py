@@ -30,15 +30,14 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from loramux.platform.admin.actions import ACTIONS
-from loramux.platform.auth import KEY_CACHE_TTL_S, Authenticator
-from loramux.platform.bulkheads import Dependencies
 from loramux.platform.cluster.heartbeat import (
     EngineHeartbeat,
-    EventSubscription,
+    HeartbeatSource,
     RecentPrefixes,
     read_record,
 )
@@ -48,48 +47,28 @@ from loramux.platform.cluster.protocol import (
     SECRET_HEADER,
     ActionReply,
     ClusterEvent,
-    read_identity,
 )
-from loramux.platform.identity import Caller, EngineKey
-from loramux.platform.ttl_cache import TTLCache
+from loramux.platform.identity import EngineKey
 
 if TYPE_CHECKING:
-    from loramux.platform.cluster.redis_state import ClusterState
-    from loramux.platform.state import AppState
+    from loramux.platform.admin.service import AdminService
+    from loramux.platform.auth import Authenticator
+    from loramux.platform.cluster.redis_state import ClusterState, EventSubscription
+    from loramux.registry.service import RegistryService
 
 logger = logging.getLogger(__name__)
 
 
-class GatewayIdentityAuthenticator(Authenticator):
-    """Engine role: the caller is whoever the gateway vouched for with :func:`identity_token`.
-    Tenants are looked up by id (cached ``ttl`` seconds); anything else is no caller."""
+class EngineRoleState(HeartbeatSource, Protocol):
+    """What the engine role reads and wires of a built server (an all-in-one app's state):
+    the heartbeat's sources, the admin actions it applies, the caches it empties, and where
+    its subscriptions are undone."""
 
-    def __init__(self, registry, secret: str, *, allow_anonymous: bool,
-                 ttl: float = KEY_CACHE_TTL_S, deps: Dependencies | None = None):
-        super().__init__(registry, admin_key=None, allow_anonymous=allow_anonymous, ttl=ttl,
-                         deps=deps)
-        self.secret = secret
-        self._tenants: TTLCache[int, object] = self.deps.stale_cache(ttl)
+    auth: Authenticator
+    admin: AdminService
+    registry: RegistryService | None
+    cleanups: list[Callable[[], None]]
 
-    async def lookup(self, key: str | None) -> Caller | None:
-        identity = read_identity(self.secret, key)
-        if identity is None:
-            return None
-        tid, is_admin, key_prefix = identity
-        if tid is None:
-            return Caller(None, is_admin=is_admin)
-        if self.registry is None:
-            return None
-        try:  # a database outage is the error table's 503, not "no caller"
-            tenant = await self.deps.read_through(
-                self._tenants, tid, lambda: self.deps.db.call(self.registry.get_tenant, tid))
-        except LookupError:  # a deleted tenant (TenantNotFound)
-            return None
-        return Caller(tenant, is_admin=is_admin, key_prefix=key_prefix)
-
-    def forget(self) -> None:
-        super().forget()
-        self._tenants.clear()
 
 
 class ClusterSecretMiddleware:
@@ -141,7 +120,7 @@ class EngineRole:
         self.heartbeat.stop(engine_id=self.engine_id)
 
 
-def attach_engine_role(state: AppState, cluster: ClusterState, *, engine_id: str, url: str,
+def attach_engine_role(state: EngineRoleState, cluster: ClusterState, *, engine_id: str, url: str,
                        interval: float,
                        prefixes: RecentPrefixes | None = None) -> EngineRole:
     """Register the engine and wire the fan-out (called once the app's state is built).

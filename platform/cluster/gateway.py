@@ -60,7 +60,7 @@ from loramux.platform.limits.tenant import (
     QuotaHold,
     TenantLimiter,
 )
-from loramux.platform.openai.resolver import VERSION_HEADER, choose_version, split_version
+from loramux.platform.openai.versions import VERSION_HEADER, choose_version, split_version
 from loramux.platform.probes import probe
 from loramux.platform.settings import setting_default
 from loramux.platform.ttl_cache import TTLCache

@@ -1,6 +1,6 @@
 """The gateway's HTTP app: the routes around a built :class:`~.gateway.Gateway` (inference
-with the tenant's quota held for the answer's life, the admin dashboard and API over every engine, probes, metrics,
-and a pass-through of every other route to one engine)."""
+with the tenant's quota held for the answer's life, the admin dashboard and API over every
+engine, probes, metrics, and a pass-through of every other route to one engine)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from loramux.platform.cluster.routing import prefix_hashes
 from loramux.platform.cluster.schemas import GatewayReadiness
 from loramux.platform.error_handlers import install_error_handlers
 from loramux.platform.errors import DEFAULT_CONTEXT, BadRequest, ErrorContext, PayloadTooLarge
-from loramux.platform.openai.resolver import pinned_version
+from loramux.platform.openai.versions import pinned_version
 from loramux.platform.probes import PROBE_TIMEOUT_S
 from loramux.platform.server import LoramuxApp
 
@@ -30,6 +30,33 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
     """The gateway's HTTP app around a built :class:`Gateway`; with ``admin`` (a
     :class:`~.gateway_admin.GatewayAdminState`) it serves the dashboard and admin API.
     ``errors``: the Retry-After values of error answers."""
+    app = LoramuxApp(title="loramux gateway", lifespan=_lifespan(gw, on_shutdown))
+    install_error_handlers(app, errors)
+    app.gateway = gw
+    inference = _inference(gw)
+    app.add_api_route("/v1/completions", inference, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
+
+    if admin is not None:  # the dashboard and admin API over every engine
+        app.admin_state = admin
+        app.include_router(admin_routes.router)
+        app.include_router(admin_pages.router)
+    _add_probes(app, gw)
+
+    async def passthrough(path: str, request: Request) -> Response:
+        """Adapter API, model list, admin views: any engine answers (shared registry)."""
+        caller = await gw.optional_caller(request)
+        return await gw.forward(request, await _read_body(gw, request), caller=caller,
+                                adapter_id=None)
+
+    app.add_api_route("/{path:path}", passthrough,
+                      methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    return app
+
+
+def _lifespan(gw: Gateway, on_shutdown):
+    """At shutdown: ``on_shutdown`` (the view's ticker, the event subscription, the
+    bulkheads), then the gateway's HTTP client and limiter."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: LoramuxApp):
@@ -43,18 +70,22 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
             if gw.limiter is not None:
                 await gw.limiter.aclose()
 
-    app = LoramuxApp(title="loramux gateway", lifespan=lifespan)
-    install_error_handlers(app, errors)
-    app.gateway = gw
+    return lifespan
 
-    async def read_body(request: Request) -> bytes:
-        body = await request.body()
-        if len(body) > gw.max_request_bytes and not request.url.path.startswith("/v1/adapters"):
-            raise PayloadTooLarge(f"request body over {gw.max_request_bytes} bytes")
-        return body
+
+async def _read_body(gw: Gateway, request: Request) -> bytes:
+    body = await request.body()
+    if len(body) > gw.max_request_bytes and not request.url.path.startswith("/v1/adapters"):
+        raise PayloadTooLarge(f"request body over {gw.max_request_bytes} bytes")
+    return body
+
+
+def _inference(gw: Gateway):
+    """The completions and chat route: authenticate, hold the tenant's quota, resolve the
+    adapter (version), route by prefix and forward to one engine."""
 
     async def inference(request: Request) -> Response:
-        body = await read_body(request)
+        body = await _read_body(gw, request)
         try:
             parsed = json.loads(body)
         except ValueError:
@@ -82,13 +113,11 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
             if not relayed:
                 await stack.aclose()
 
-    app.add_api_route("/v1/completions", inference, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
+    return inference
 
-    if admin is not None:  # the dashboard and admin API over every engine
-        app.admin_state = admin
-        app.include_router(admin_routes.router)
-        app.include_router(admin_pages.router)
+
+def _add_probes(app: LoramuxApp, gw: Gateway) -> None:
+    """``/health``, ``/ready`` (the view, Redis, the database) and ``/metrics``."""
 
     @app.get("/health")
     async def health():
@@ -104,12 +133,3 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
     async def metrics():
         gw.ready()
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def passthrough(path: str, request: Request) -> Response:
-        """Adapter API, model list, admin views: any engine answers (shared registry)."""
-        caller = await gw.optional_caller(request)
-        return await gw.forward(request, await read_body(request), caller=caller, adapter_id=None)
-
-    app.add_api_route("/{path:path}", passthrough,
-                      methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
-    return app

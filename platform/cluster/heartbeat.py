@@ -1,9 +1,11 @@
-"""The cluster's background threads: an engine's heartbeat (what it publishes, and when),
-the event subscription every role runs, and :class:`Periodic`, the ticker under both.
+"""An engine's heartbeat (what it publishes, and when) and :class:`Periodic`, the ticker
+under it and the gateway's view (the event subscription every role runs is
+:class:`~.redis_state.EventSubscription`).
 
-:func:`read_record` builds an engine's :class:`~.protocol.EngineRecord` from its app state
-(public engine seams only); :class:`RecentPrefixes` remembers the prompt-prefix hashes of
-the requests a gateway sent, so the record tells routers where a prefix is cached.
+:func:`read_record` builds an engine's :class:`~.protocol.EngineRecord` from what it
+serves (a :class:`HeartbeatSource`: public engine seams only); :class:`RecentPrefixes`
+remembers the prompt-prefix hashes of the requests a gateway sent, so the record tells
+routers where a prefix is cached.
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import redis
 
-from loramux.platform.cluster.protocol import ClusterEvent, EngineRecord
+from loramux.platform.cluster.protocol import EngineRecord
 from loramux.platform.settings import setting_default
 
 if TYPE_CHECKING:
+    from loramux.engine.async_engine import AsyncEngine
     from loramux.platform.cluster.redis_state import ClusterState
-    from loramux.platform.state import AppState
+    from loramux.platform.openai.resolver import ModelResolver
+    from loramux.platform.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +47,17 @@ class RecentPrefixes:
         return tuple(dict.fromkeys(reversed(self._hashes)))[::-1]
 
 
-def read_record(state: AppState, *, engine_id: str, url: str, started_at: float,
+class HeartbeatSource(Protocol):
+    """What a heartbeat reads of the server it describes (an all-in-one app's state)."""
+
+    settings: Settings
+    engine: AsyncEngine
+    resolver: ModelResolver
+
+
+def read_record(state: HeartbeatSource, *, engine_id: str, url: str, started_at: float,
                 prefixes: tuple[str, ...] = ()) -> EngineRecord:
-    """The heartbeat of one engine, read from its AppState (called from the heartbeat
+    """The heartbeat of one engine, read from its app state (called from the heartbeat
     thread): load from ``AsyncEngine.stats``, residency from ``AsyncEngine.lora_snapshot``
     (taken on the engine thread)."""
     eng = state.engine
@@ -64,66 +76,6 @@ def read_record(state: AppState, *, engine_id: str, url: str, started_at: float,
         resident=resident, cpu_resident=cpu, models=(*state.resolver.base_names, *static),
         static=static, prefixes=frozenset(prefixes),
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate, started_at=started_at)
-
-
-@dataclass
-class EventSubscription:
-    """A daemon thread delivering :class:`ClusterEvent` s to ``handler``; reconnects after
-    Redis errors. ``ready`` is set once subscribed (events published before are not seen);
-    ``on_resubscribe`` runs each time it subscribes again after a failure (events of the
-    outage were missed: what was cached on their strength must be forgotten)."""
-
-    state: ClusterState
-    handler: Callable[[ClusterEvent], None]
-    name: str = "cluster-events"
-    on_resubscribe: Callable[[], None] | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
-
-    def close(self, timeout: float = 2.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        backoff = 0.1
-        failed = False
-        while not self._stop.is_set():
-            pubsub = self.state.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                pubsub.subscribe(self.state.channel)
-                self.ready.set()
-                backoff = 0.1
-                if failed and self.on_resubscribe is not None:
-                    try:
-                        self.on_resubscribe()
-                    except Exception:
-                        logger.exception("cluster events: the resubscribe hook failed")
-                failed = False
-                while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=0.2)
-                    if msg is None or msg.get("type") != "message":
-                        continue
-                    try:
-                        self.handler(ClusterEvent.from_json(msg["data"]))
-                    except Exception:
-                        logger.exception("cluster event handler failed")
-            except redis.RedisError as e:
-                self.ready.clear()
-                failed = True
-                logger.warning("cluster events: Redis unavailable (%s); retrying", e)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
-            finally:
-                try:
-                    pubsub.close()
-                except Exception:
-                    pass
 
 
 @dataclass

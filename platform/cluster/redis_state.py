@@ -19,15 +19,18 @@ routing on its last known view and reports itself degraded.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
-from loramux.platform.cluster.heartbeat import EventSubscription
 from loramux.platform.cluster.protocol import REPLY_TTL_S, ActionReply, ClusterEvent, EngineRecord
 from loramux.platform.settings import setting_default
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,3 +106,63 @@ class ClusterState:
         sub = EventSubscription(self, handler, name=name, on_resubscribe=on_resubscribe)
         sub.start()
         return sub
+
+
+@dataclass
+class EventSubscription:
+    """A daemon thread delivering :class:`ClusterEvent` s to ``handler``; reconnects after
+    Redis errors. ``ready`` is set once subscribed (events published before are not seen);
+    ``on_resubscribe`` runs each time it subscribes again after a failure (events of the
+    outage were missed: what was cached on their strength must be forgotten)."""
+
+    state: ClusterState
+    handler: Callable[[ClusterEvent], None]
+    name: str = "cluster-events"
+    on_resubscribe: Callable[[], None] | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        failed = False
+        while not self._stop.is_set():
+            pubsub = self.state.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.state.channel)
+                self.ready.set()
+                backoff = 0.1
+                if failed and self.on_resubscribe is not None:
+                    try:
+                        self.on_resubscribe()
+                    except Exception:
+                        logger.exception("cluster events: the resubscribe hook failed")
+                failed = False
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=0.2)
+                    if msg is None or msg.get("type") != "message":
+                        continue
+                    try:
+                        self.handler(ClusterEvent.from_json(msg["data"]))
+                    except Exception:
+                        logger.exception("cluster event handler failed")
+            except redis.RedisError as e:
+                self.ready.clear()
+                failed = True
+                logger.warning("cluster events: Redis unavailable (%s); retrying", e)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                try:
+                    pubsub.close()
+                except Exception:
+                    pass

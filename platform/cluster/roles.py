@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from loramux.platform.errors import RoleConfigError
 from loramux.platform.settings import Settings
 
+if TYPE_CHECKING:
+    from loramux.platform.server import LoramuxApp
+
+AppFactory = Callable[[Settings], "LoramuxApp"]
+"""The all-in-one app factory (``loramux.platform.app.create_app``)."""
+
 logger = logging.getLogger(__name__)
-
-
-class RoleConfigError(ValueError):
-    """A cluster role was asked for without what it needs."""
 
 
 def _require(settings: Settings) -> str:
@@ -43,9 +48,9 @@ def node_id(settings: Settings) -> str:
     return f"{socket.gethostname()}:{settings.port}"
 
 
-def build_engine_app(settings: Settings):
-    """Today's app, behind the cluster secret, registered in Redis once its engine is up."""
-    from loramux.platform.app import create_app
+def build_engine_app(settings: Settings, create_app: AppFactory) -> LoramuxApp:
+    """Today's app (``create_app(settings)``: the all-in-one factory, handed in by
+    ``loramux serve``), behind the cluster secret, registered in Redis once its engine is up."""
     from loramux.platform.cluster.engine_role import attach_engine_role, secure_app
 
     secret = _require(settings)
@@ -64,7 +69,7 @@ def build_engine_app(settings: Settings):
     return app
 
 
-def build_gateway_app(settings: Settings):
+def build_gateway_app(settings: Settings) -> LoramuxApp:
     """A gateway: registry (keys, adapter names, quotas), Redis view, router, the tenant
     limiter over the same Redis, HTTP client."""
     import httpx
@@ -117,10 +122,11 @@ def build_gateway_app(settings: Settings):
                               errors=error_context(settings))
 
 
-def build_role_app(settings: Settings):
-    """The app ``loramux serve`` runs for ``settings.role`` (gateway or engine)."""
+def build_role_app(settings: Settings, create_app: AppFactory) -> LoramuxApp:
+    """The app ``loramux serve`` runs for ``settings.role`` (gateway or engine);
+    ``create_app``: the all-in-one app factory an engine role wraps."""
     if settings.role == "engine":
-        return build_engine_app(settings)
+        return build_engine_app(settings, create_app)
     if settings.role == "gateway":
         return build_gateway_app(settings)
     raise RoleConfigError(f"--role {settings.role} is served by the all-in-one app")

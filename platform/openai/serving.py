@@ -27,24 +27,19 @@ from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.outputs import RequestOutput
-from loramux.platform.errors import (
-    DEFAULT_CONTEXT,
-    BadRequest,
-    ErrorContext,
-    ServiceUnavailable,
-    metric_label,
-    to_api_error,
-)
+from loramux.platform.error_handlers import metric_label, to_api_error
+from loramux.platform.errors import DEFAULT_CONTEXT, BadRequest, ErrorContext, ServiceUnavailable
 from loramux.platform.identity import Caller
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.gate import RequestGate
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.openai.resolver import VERSION_HEADER, ModelResolver, pinned_version
+from loramux.platform.openai.resolver import ModelResolver
 from loramux.platform.openai.responses import RequestContext, ResponseRenderer, StreamState
 from loramux.platform.openai.streaming import Pump, SSEResponse, dumps, sse, until_disconnect
 from loramux.platform.openai.timing import PHASES, TIMING_HEADER, timing_header
+from loramux.platform.openai.versions import VERSION_HEADER, pinned_version
 from loramux.platform.usage.recorder import UsageRecorder
 from loramux.platform.usage.records import usage_record
 

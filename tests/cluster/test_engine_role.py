@@ -59,7 +59,7 @@ class FakeRegistry:
 
 
 async def test_engines_take_the_caller_from_the_gateways_signed_identity():
-    from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator
+    from loramux.platform.auth import GatewayIdentityAuthenticator
     from loramux.platform.cluster.protocol import identity_token
 
     reg = FakeRegistry()
@@ -81,10 +81,9 @@ async def test_engines_take_the_caller_from_the_gateways_signed_identity():
 def test_the_engine_role_builds_its_authenticator_once():
     """Role engine: the state is built with the identity authenticator (no swap that
     would leave a client-key authenticator subscribed to the registry)."""
-    from loramux.platform.auth import Authenticator
-    from loramux.platform.cluster.engine_role import GatewayIdentityAuthenticator
+    from loramux.platform.auth import Authenticator, GatewayIdentityAuthenticator
+    from loramux.platform.builders import build_authenticator
     from loramux.platform.settings import Settings
-    from loramux.platform.state import build_authenticator
 
     engine = build_authenticator(Settings(role="engine", cluster_secret="s3cret"), None)
     assert isinstance(engine, GatewayIdentityAuthenticator) and engine.secret == "s3cret"

@@ -14,16 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.platform_settings import ADMIN_KEY, BASE
 
-from loramux.platform.errors import (
-    METRIC_LABELS,
-    APIError,
-    BadRequest,
-    ErrorContext,
-    error_table,
-    metric_label,
-    row_of,
-    to_api_error,
-)
+from loramux.platform.error_handlers import error_table, metric_label, row_of, to_api_error
+from loramux.platform.errors import METRIC_LABELS, APIError, BadRequest, ErrorContext
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"engine": "loramux.engine", "adapters": "loramux.adapters",
@@ -57,7 +49,7 @@ def test_every_product_exception_has_its_own_row():
     assert len(classes) > 40  # the walk found them (engine, adapters, registry, platform)
     table = error_table()
     missing = sorted(f"{c.__module__}.{c.__qualname__}" for c in classes if c not in table)
-    assert not missing, f"add a row to platform/errors.py error_table() for {missing}"
+    assert not missing, f"add a row to platform/error_handlers.py error_table() for {missing}"
     for cls in classes:
         row = table[cls]
         assert 400 <= row.status < 600 and row.type in OPENAI_TYPES, (cls, row)

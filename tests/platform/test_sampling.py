@@ -7,7 +7,8 @@ import json
 import pytest
 
 from loramux.engine.errors import SamplingParamError
-from loramux.platform.errors import BadRequest, to_api_error
+from loramux.platform.error_handlers import to_api_error
+from loramux.platform.errors import BadRequest
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.presets import validate_preset
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest

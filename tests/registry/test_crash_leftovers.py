@@ -9,8 +9,8 @@ import os
 import time
 from pathlib import Path
 
+from loramux.registry.files import sha256_file
 from loramux.registry.gc import OBJECT_PREFIX, PENDING_PREFIX, pending_marker
-from loramux.registry.store import sha256_file
 
 OLD = time.time() - 3600
 
@@ -81,7 +81,7 @@ def test_orphan_without_marker_goes_after_the_short_grace(registry, make_adapter
     def boom(*_a, **_k):
         raise RuntimeError("killed before commit")
 
-    monkeypatch.setattr(registry, "_commit_upload", boom)
+    monkeypatch.setattr(registry.uploads, "commit", boom)
     try:
         registry.upload("acme", "doomed", make_adapter())
     except RuntimeError:

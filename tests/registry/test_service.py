@@ -170,13 +170,13 @@ def test_two_concurrent_uploads_of_one_name(registry, make_adapter, monkeypatch)
     registry.create_tenant("acme")
     sources = [make_adapter("one", seed=1), make_adapter("two", seed=2)]
     barrier = threading.Barrier(2, timeout=30)
-    original = registry._commit_upload
+    original = registry.uploads.commit
 
     def commit_together(*args, **kwargs):
         barrier.wait()  # both uploads passed the early check and stored their object
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(registry, "_commit_upload", commit_together)
+    monkeypatch.setattr(registry.uploads, "commit", commit_together)
     results: list[object] = [None, None]
 
     def run(i):
@@ -203,7 +203,7 @@ def test_failure_between_object_write_and_commit(registry, make_adapter, monkeyp
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure before commit")
 
-    monkeypatch.setattr(registry, "_commit_upload", boom)
+    monkeypatch.setattr(registry.uploads, "commit", boom)
     with pytest.raises(RuntimeError, match="injected"):
         registry.upload("acme", "doomed", make_adapter())
     assert count_rows(registry) == 0 and count_rows(registry, AdapterEvent) == 0
