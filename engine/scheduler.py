@@ -10,13 +10,8 @@ allow; the policy also picks whom to preempt and is charged every scheduled toke
 chunked prefill a prompt longer than what is left of the budget takes what is left and
 continues next step.
 
-Adapters under slot pressure (:class:`~loramux.engine.lora.admission.SlotAdmission`):
-an adapter with running or queued sequences keeps its slot; free slots go to the waiting
-adapters with the most queued sequences (resident ones first, loading ones do not hold up
-the batch, the next ones are prefetched); an adapter skipped ``starvation_steps`` steps is
-starving and ranks first, and when no slot is free the busy adapter with the least queued
-work stops admitting, then is preempted ``starvation_steps`` later: a sequence whose adapter
-is loaded starts within ``2 * starvation_steps + 2`` steps of its first skip. A waiting
+Adapters under slot pressure follow :class:`~loramux.engine.lora.admission.SlotAdmission`
+(its docstring holds the policy and the bound on a sequence's wait for a slot). A waiting
 sequence starts after its longest prefix found in the KV cache's prefix cache.
 It knows nothing of the model, logits, grammars or text: it hands a plain-data
 :class:`SchedulerOutput` to the runner and takes the sample phase's :class:`SampledOutput`
@@ -147,7 +142,7 @@ class Scheduler:
         part-way through their prefill, then waiting sequences in the order the
         admission policy gives, each taking as much of the remaining token budget as
         it needs (a chunk of it when chunked prefill is on)."""
-        plan = StepPlan(self._limits())
+        plan = StepPlan(self._limits(), self.max_num_batched_tokens, self.config.enable_chunked_prefill)
         self._schedule_running(plan)
         self._continue_prefills(plan)
         if not plan.preempted:
@@ -224,10 +219,6 @@ class Scheduler:
             return []
         return drafts
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of ``seq``'s uncomputed prompt to compute now (0 = not this step)."""
-        return self._chunk_of(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-
     def _schedule_running(self, plan: StepPlan) -> None:
         """Decode every running sequence that has its prompt computed (oldest first),
         preempting the policy's victims (FIFO: the newest) when blocks run out."""
@@ -275,10 +266,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below for an older prompt
-            budget = self._budget(plan, seq)
+            budget = plan.room(seq)
             if seq.num_computed_tokens >= seq.num_tokens - 1 or budget <= 0:
                 continue
-            n = self._chunk(seq, budget)
+            n = plan.chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             # partial prefills could hold every block between them: the newest make room
             while n and not self.kv.can_allocate(seq, n) and self.running[-1] is not seq:
                 victim = self.running.pop()
@@ -323,7 +314,7 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
 
         def has_place(seq: Sequence) -> bool:
-            return len(self.running) + len(admitted) < max_seqs and self._budget(plan, seq) > 0
+            return len(self.running) + len(admitted) < max_seqs and plan.room(seq) > 0
 
         for seq in order:
             if not self._make_room(seq, plan, lambda s=seq: has_place(s)):
@@ -334,8 +325,8 @@ class Scheduler:
             cached = self.kv.lookup_prefix(seq)
             need = seq.num_tokens - len(cached) * self.kv.block_size
             want = min(need, self.max_num_batched_tokens)
-            self._make_room(seq, plan, lambda w=want, s=seq: self._budget(plan, s) >= w)  # else a chunk
-            n = self._chunk_of(seq, need, self._budget(plan, seq))
+            self._make_room(seq, plan, lambda w=want, s=seq: plan.room(s) >= w)  # else a chunk
+            n = plan.chunk(seq, need, plan.room(seq))
             # a preempted sequence that grew past the token budget is recomputed alone
             if n == 0 and not plan.items and need > self.max_num_batched_tokens:
                 n = need
@@ -353,19 +344,6 @@ class Scheduler:
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
-
-    def _budget(self, plan: StepPlan, seq: Sequence | None = None) -> int:
-        """Tokens of the step's budget not yet planned; for a prompt (``seq``) that can be
-        chunked, also within the step-time budget's prompt tokens."""
-        left = self.max_num_batched_tokens - plan.num_tokens
-        cap = plan.limits.prefill_tokens
-        if cap is None or (seq is not None and not self._chunkable(seq)):
-            return left
-        drafts = int(plan.num_draft_tokens * plan.limits.draft_weight + 0.999)  # in prompt tokens
-        return min(left, cap - plan.num_prefill_tokens - drafts)
-
-    def _chunkable(self, seq: Sequence) -> bool:
-        return self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None
 
     # --- step-time budget --------------------------------------------------------------
     def _limits(self) -> StepLimits:
@@ -416,12 +394,3 @@ class Scheduler:
             plan.drop(victim)
             self._preempt(victim, plan, fair_share=True)
         return True
-
-    def _chunk_of(self, seq: Sequence, need: int, budget: int) -> int:
-        """All ``need`` tokens when they fit ``budget``; a chunk of it when chunked prefill is on
-        (never for prompt logprobs, which need the whole prompt in one step); else 0."""
-        if need <= budget:
-            return need
-        if self.config.enable_chunked_prefill and seq.params.prompt_logprobs is None:
-            return budget
-        return 0

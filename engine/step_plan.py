@@ -38,8 +38,11 @@ class StepPlan:
     """The step being planned under ``limits``: live sequences, counted as they are added
     and dropped."""
 
-    def __init__(self, limits: StepLimits | None = None) -> None:
+    def __init__(self, limits: StepLimits | None = None, max_num_batched_tokens: int = 1 << 30,
+                 chunked_prefill: bool = True) -> None:
         self.limits = limits or StepLimits()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         self.items: list[PlannedRow] = []
         self.preempted: list[Sequence] = []
         self.copies: list[tuple[int, int]] = []
@@ -54,6 +57,28 @@ class StepPlan:
         self.num_draft_tokens += len(item.drafts)
         if item.is_prefill:
             self.num_prefill_tokens += num_new_tokens
+
+    def room(self, seq: Sequence | None = None) -> int:
+        """Tokens of the step's budget not yet planned; for a prompt (``seq``) that can be
+        chunked, also within the step budget's prompt-token cap (drafts counted at their
+        weight in prompt tokens)."""
+        left = self.max_num_batched_tokens - self.num_tokens
+        cap = self.limits.prefill_tokens
+        if cap is None or (seq is not None and not self.chunkable(seq)):
+            return left
+        drafts = int(self.num_draft_tokens * self.limits.draft_weight + 0.999)
+        return min(left, cap - self.num_prefill_tokens - drafts)
+
+    def chunkable(self, seq: Sequence) -> bool:
+        """True when ``seq``'s prompt may be computed in chunks (prompt logprobs need it whole)."""
+        return self.chunked_prefill and seq.params.prompt_logprobs is None
+
+    def chunk(self, seq: Sequence, need: int, budget: int) -> int:
+        """All ``need`` tokens when they fit ``budget``; a chunk of it when ``seq`` is
+        :meth:`chunkable`; else 0 (not this step)."""
+        if need <= budget:
+            return need
+        return budget if self.chunkable(seq) else 0
 
     def drop(self, seq: Sequence) -> None:
         """Take a preempted sequence's row out of the step."""
