@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench lint clean gpu-check
+.PHONY: install serve test test-fast bench lint clean gpu-check
 
 # A C and a C++ compiler on PATH: the CPU kernels must build and load (else install fails).
 HAVE_COMPILER := $(and $(shell command -v cc || command -v gcc),$(shell command -v c++ || command -v g++))
@@ -28,8 +28,23 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/loramux serve
 
+# Test tiers (markers in pyproject.toml). `make test` is the whole suite: everything but the
+# wall-clock (`latency`) tests, then those alone in a pass of their own, so the rest of the
+# suite does not disturb their bounds. `make test-fast` is the loop a developer runs on every
+# change: no `e2e`, `slow` or `latency` tests, the registry on SQLite + the file store
+# (LORAMUX_TEST_BACKENDS=all runs its four backends, as CI does). PYTEST_ARGS are passed on.
+# pytest's exit code 5 (no test collected, e.g. a pass that selects nothing) is no failure.
+PYTEST := $(BIN)/python -m pytest $(PYTEST_ARGS)
+FAST_TIER := not e2e and not slow and not latency
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	@rc=0; \
+	$(PYTEST) -m "not latency" || [ $$? -eq 5 ] || rc=1; \
+	$(PYTEST) -m latency || [ $$? -eq 5 ] || rc=1; \
+	exit $$rc
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "$(FAST_TIER)" || [ $$? -eq 5 ]
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_throughput.py

@@ -45,6 +45,7 @@ def wait_idle(url: str, timeout: float = 5.0) -> float:
     return metric(url, "loramux_kv_cache_usage_perc")
 
 
+@pytest.mark.latency
 def test_stream_disconnect_frees_blocks(server):
     url, engine = server
     idle = wait_idle(url)
