@@ -46,17 +46,18 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "$(FAST_TIER)" || [ $$? -eq 5 ]
 
+# Benchmarks run from the repository root as modules (python -m bench.<name>).
 bench: $(STAMP)
-	$(BIN)/python bench/engine_throughput.py
-	$(BIN)/python bench/lora_throughput.py
-	$(BIN)/python bench/lora_kernels.py
+	$(BIN)/python -m bench.engine_throughput
+	$(BIN)/python -m bench.lora_throughput
+	$(BIN)/python -m bench.lora_kernels
 
 # The CUDA path on a GPU machine, with that machine's own python3 and packages (no
-# install; .venv's python where there is one): bench/gpu_check.py, ~8 min on an H200.
+# install; .venv's python where there is one): python -m bench.gpu_check, ~8 min on an H200.
 # On the CPU: make gpu-check GPU_CHECK_ARGS=--dry-run
 GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 gpu-check:
-	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+	$(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
