@@ -164,6 +164,7 @@ def steps_until_quiet_finishes(model_dir, policy: str) -> int:
     raise AssertionError("the quiet request never finished")
 
 
+@pytest.mark.slow
 def test_a_flooding_key_does_not_starve_a_quiet_one(tiny_model_dir):
     fair = steps_until_quiet_finishes(tiny_model_dir, "vtc")
     fifo = steps_until_quiet_finishes(tiny_model_dir, "fcfs")
