@@ -74,6 +74,7 @@ def test_stream_disconnect_frees_blocks(server):
     assert 0 < generated < MAX_TOKENS
 
 
+@pytest.mark.latency  # a 0.15 s read timeout; counts the stream test's cancel before its own
 def test_non_stream_disconnect_frees_blocks(server):
     url, engine = server
     body = {"model": BASE, "prompt": "Another long story", "max_tokens": MAX_TOKENS, "ignore_eos": True}
