@@ -36,12 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
-
-from loramux.platform.cluster.pool import EnginePool  # noqa: E402
-from loramux.platform.cluster.protocol import EngineRecord  # noqa: E402
-from loramux.platform.cluster.routing import (  # noqa: E402
+from bench.common import RESULTS, write_json
+from loramux.platform.cluster.pool import EnginePool
+from loramux.platform.cluster.protocol import EngineRecord
+from loramux.platform.cluster.routing import (
     AffinityRouter,
     LeastLoadedRouter,
     RoundRobinRouter,

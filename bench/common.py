@@ -1,4 +1,6 @@
-"""Shared helpers of the benchmarks: workload, timing, peak RSS, JSON output."""
+"""Shared helpers of the benchmarks: the flags they share and their set-up, workload,
+timing, peak RSS, JSON output. Every benchmark runs from the repository root as a module,
+``python -m bench.<name>``."""
 
 from __future__ import annotations
 
@@ -6,33 +8,86 @@ import argparse
 import json
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 
 
-def workload_parser(doc: str | None) -> argparse.ArgumentParser:
-    """The shared workload flags: 32 prompts of 32 tokens, 64 new tokens, 2 threads."""
+def bench_parser(doc: str | None, *, dtype: str | None = "bfloat16", threads: int = 2,
+                 threads_help: str | None = None, quick: str | None = None,
+                 out: str | None = None) -> argparse.ArgumentParser:
+    """A benchmark's parser (``doc`` as its help) with the flags they share: ``--dtype``
+    (unless ``dtype`` is None), ``--threads`` (torch threads; :func:`setup` sets them),
+    ``--quick`` where ``quick`` says what it shortens, ``--out`` (the results' name in
+    bench/results/) where ``out`` is its default."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    if dtype is not None:
+        ap.add_argument("--dtype", default=dtype)
+    ap.add_argument("--threads", type=int, default=threads, help=threads_help)
+    if quick is not None:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    if out is not None:
+        ap.add_argument("--out", default=out, help=f"results name (bench/results/<out>.*, default {out})")
     return ap
 
 
-def default_workload(args) -> tuple[Path, object, list[list[int]]]:
-    """Set the thread count; return (default model folder, its tokenizer, the prompts)."""
+def add_random_model_flags(ap: argparse.ArgumentParser, *, layers: int = 8) -> None:
+    """``--hidden`` and ``--layers`` of the random models a benchmark builds."""
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=layers)
+
+
+def setup(args) -> tuple[Path, object]:
+    """Called first in a benchmark's ``main`` once its flags are parsed: sets torch's thread
+    count (``--threads``); returns the default model's folder and its tokenizer."""
     from transformers import AutoTokenizer
 
     from loramux.engine.default_model import default_model_path
 
     torch.set_num_threads(args.threads)
     path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path)
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def make_engine(**options):
+    """An ``LLMEngine`` of flat vLLM-style engine options (``EngineConfig.from_options``:
+    ``model=..., max_num_seqs=8, enable_lora=True, max_loras=2``)."""
+    from loramux.engine.config import EngineConfig
+    from loramux.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_options(**options))
+
+
+def make_async_engine(**options):
+    """:func:`make_engine` behind an ``AsyncEngine`` (its own engine thread)."""
+    from loramux.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(make_engine(**options))
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command that runs ``bench.<module>`` with ``args`` in a new interpreter (this
+    one); run it with ``cwd=ROOT``."""
+    return [sys.executable, "-m", f"bench.{module}", *args]
+
+
+def workload_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The shared workload flags: 32 prompts of 32 tokens, 64 new tokens, 2 threads."""
+    ap = bench_parser(doc, dtype=None)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    return ap
+
+
+def default_workload(args) -> tuple[Path, object, list[list[int]]]:
+    """:func:`setup`, then the prompts too: (default model folder, its tokenizer, the prompts)."""
+    path, tok = setup(args)
     return path, tok, make_prompts(tok, args.num_prompts, args.prompt_len)
 
 

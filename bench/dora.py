@@ -2,7 +2,7 @@
 
 Four adapters (ranks 8/16, all 7 projections, round-robin over the requests), once as plain
 LoRA and once as DoRA with the same A and B plus a magnitude per output feature (the base's
-``‖W0 + s·BA‖`` moved by a few percent), on ``bench/model_families.py``'s two shapes:
+``‖W0 + s·BA‖`` moved by a few percent), on ``bench/sweep.py``'s two shapes:
 ``uniform`` (all requests at once, 32-token prompts) and ``serving`` (Poisson arrivals, a
 shared prefix, longer prompts). The default model on the engine's default path; with
 ``--models default,qwen3`` a random Qwen3 too. LoRA and DoRA runs alternate (``--repeats``
@@ -14,27 +14,31 @@ adapters, the minimum over ``--step-repeats`` alternating measurements of 8 step
 
 Writes bench/results/dora.json and .png.
 
-    python bench/dora.py                 # ~4 minutes on 2 busy cores
-    python bench/dora.py --quick --threads 1
+    python -m bench.dora                 # ~4 minutes on 2 busy cores
+    python -m bench.dora --quick --threads 1
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
-from fast_step import make_workload, run  # noqa: E402
-from lora_throughput import make_adapters  # noqa: E402
-from model_families import SHAPES, make_family_model  # noqa: E402
+from bench.common import (
+    RESULTS,
+    add_random_model_flags,
+    bench_parser,
+    make_engine,
+    setup,
+    write_json,
+)
+from bench.lora_throughput import make_adapters
+from bench.model_families import make_family_model
+from bench.sweep import sweep
 
 
 def _base_weights(model: Path):
@@ -79,15 +83,11 @@ def decode_step_ms(model, kinds: dict, dtype: str, repeats: int) -> dict[str, fl
     the kinds measured alternately ``repeats`` times."""
     import time
 
-    from loramux.engine.config import EngineConfig
-    from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams
 
-    engines = {}
-    for kind, loras in kinds.items():
-        cfg = EngineConfig.from_options(model=str(model), dtype=dtype, max_model_len=512, max_num_seqs=64,
-                                        enable_lora=True, max_loras=len(loras))
-        engines[kind] = LLMEngine(cfg)
+    engines = {kind: make_engine(model=str(model), dtype=dtype, max_model_len=512, max_num_seqs=64,
+                                 enable_lora=True, max_loras=len(loras))
+               for kind, loras in kinds.items()}
     best = dict.fromkeys(kinds, float("inf"))
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, ignore_eos=True)
     for rep in range(repeats + 1):  # the first round warms up (loads, oneDNN primitives)
@@ -109,27 +109,17 @@ def decode_step_ms(model, kinds: dict, dtype: str, repeats: int) -> dict[str, fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, quick="half the requests, 16 new tokens", out="dora")
     ap.add_argument("--models", default="default")
     ap.add_argument("--shapes", default="uniform,serving")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="LoRA/DoRA run pairs per shape")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
+    add_random_model_flags(ap)
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="half the requests, 16 new tokens")
     ap.add_argument("--step-repeats", type=int, default=5)
-    ap.add_argument("--out", default="dora", help="results name (bench/results/<out>.*)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from loramux.engine.default_model import default_model_path
+    default, tok = setup(args)
     from loramux.engine.lora_request import LoRARequest
 
-    default = default_model_path()
-    tok = AutoTokenizer.from_pretrained(default)
     results: dict[str, dict] = {}
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,26 +131,9 @@ def main() -> None:
                 "lora": [LoRARequest(f"{name}-l{i}", i + 1, str(p)) for i, p in enumerate(plain)],
                 "dora": [LoRARequest(f"{name}-d{i}", i + 1, str(p)) for i, p in enumerate(dora)],
             }
-            warm = argparse.Namespace(**SHAPES["uniform"], dtype=args.dtype)
-            warm.num_prompts, warm.new_tokens = 4, 4
-            for loras in kinds.values():
-                run(model, *make_workload(tok, warm), loras, warm, False)  # oneDNN primitives, kernels
-            for shape in args.shapes.split(","):
-                wl = argparse.Namespace(**SHAPES[shape], dtype=args.dtype)
-                if args.quick:
-                    wl.num_prompts, wl.new_tokens = max(4, wl.num_prompts // 2), 16
-                prompts, arrivals = make_workload(tok, wl)
-                pairs = []
-                for rep in range(args.repeats):
-                    pair = {}
-                    order = list(kinds.items())
-                    for kind, loras in order if rep % 2 == 0 else order[::-1]:
-                        key = f"{name}/{shape}/{kind}/{rep}"
-                        results[key] = r = pair[kind] = run(model, prompts, arrivals, loras, wl, False)
-                        print(f"{key:26s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                              f"TPOT p50 {r['tpot_p50_ms']:6.1f} ms  {r['tok_per_cpu_s']:6.1f} tok/cpu-s",
-                              flush=True)
-                    pairs.append(pair)
+            runs = sweep(model, tok, kinds, args.shapes.split(","), results, dtype=args.dtype,
+                         quick=args.quick, label=f"{name}/", pairs=args.repeats)
+            for shape, pairs in runs.items():
                 for metric in ("tok_s", "tok_per_cpu_s"):
                     ratios[f"{name}/{shape}: dora/lora {metric}"] = statistics.median(
                         p["dora"][metric] / p["lora"][metric] for p in pairs)

@@ -5,19 +5,16 @@ greedy, the default model, 2 threads; float32 and bfloat16. Prints tokens/s of b
 and the ratio (goal: loramux >= 1.4x transformers), peak RSS, and writes
 bench/results/engine_throughput.json.
 
-    python bench/engine_throughput.py [--num-prompts 32] [--prompt-len 32] [--new-tokens 64]
+    python -m bench.engine_throughput [--num-prompts 32] [--prompt-len 32] [--new-tokens 64]
 """
 
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_workload, peak_rss_mb, timed, workload_parser, write_json  # noqa: E402
+from bench.common import default_workload, peak_rss_mb, timed, workload_parser, write_json
 
 
 def run_loramux(model_path, dtype, prompts, new_tokens) -> float:

@@ -10,28 +10,24 @@ TTFT). Reports each key's share of the output tokens served in the window, the q
 TTFT p50/p99 (a request with no token by the end counts with its wait so far) and total
 output tokens/s, with ratios vtc ÷ fcfs. Writes bench/results/fairness.json and .png.
 
-    python bench/fairness.py [--window 30] [--quiet-rate 0.6] [--ratio 10] [--max-num-seqs 16]
+    python -m bench.fairness [--window 30] [--quiet-rate 0.6] [--ratio 10] [--max-num-seqs 16]
 
 ``--flood``: the flood-with-256-sequences case instead (``bench/fairness_flood.py``): one
 key keeps ``--flood-streams`` × ``--flood-n`` sequences running, the quiet key's 8-token
 request p99 ÷ its idle latency, step budget on ÷ off. Writes bench/results/fairness_flood.json.
 
-    python bench/fairness.py --flood [--flood-streams 8] [--flood-n 32] [--flood-tokens 400]
+    python -m bench.fairness --flood [--flood-streams 8] [--flood-n 32] [--flood-tokens 400]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
+from bench.common import RESULTS, bench_parser, make_engine, write_json
 
 
 def arrivals(rng: random.Random, rate: float, window: float) -> list[float]:
@@ -87,14 +83,13 @@ async def run(engine, schedule: list[tuple[float, str, list[int]]], params, wind
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, dtype=None)
     ap.add_argument("--window", type=float, default=30.0, help="seconds of arrivals per policy")
     ap.add_argument("--quiet-rate", type=float, default=0.6, help="quiet key requests/s")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--ratio", type=float, default=10.0, help="flood rate ÷ quiet rate")
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--flood", action="store_true", help="the flood case (step budget on ÷ off)")
     ap.add_argument("--flood-streams", type=int, default=8)
@@ -105,22 +100,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.flood:
-        from fairness_flood import flood_case
+        from bench.fairness_flood import flood_case
 
         write_json("fairness_flood", {"args": vars(args), **flood_case(args)})
         return
 
     from loramux.engine.async_engine import AsyncEngine
-    from loramux.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from loramux.engine.engine import LLMEngine
     from loramux.engine.fairness import make_policy
     from loramux.engine.sampling_params import SamplingParams
 
-    core = LLMEngine(EngineConfig(
-        model=ModelConfig(None, max_model_len=512),
-        cache=CacheConfig(enable_prefix_caching=True),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256),
-    ))
+    core = make_engine(max_model_len=512, enable_prefix_caching=True,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256)
     engine = AsyncEngine(core)
     rng = random.Random(args.seed)
     vocab = core.model.dims.vocab_size

@@ -1,4 +1,4 @@
-"""The flood case of ``bench/fairness.py --flood``: one key keeps ``streams × n``
+"""The flood case of ``python -m bench.fairness --flood``: one key keeps ``streams × n``
 sequences running (8 × 32 = 256 by default), another key sends an 8-token greedy request
 now and then; step budget on ÷ off on the same engine (swapped between runs).
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+
+from bench.common import make_engine
 
 
 async def _quiet(engine, params, tag: str) -> float:
@@ -51,16 +53,11 @@ async def _flood_run(engine, core, args, flood_params, quiet_params, label: str)
 def flood_case(args) -> dict:
     """Run the flood case; returns the results (the caller writes them)."""
     from loramux.engine.async_engine import AsyncEngine
-    from loramux.engine.config import EngineConfig, ModelConfig, SchedulerConfig
-    from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams
     from loramux.engine.step_budget import StepBudget
 
     want = args.flood_streams * args.flood_n
-    core = LLMEngine(EngineConfig(
-        model=ModelConfig(args.model, max_model_len=args.flood_tokens + 64),
-        scheduler=SchedulerConfig(max_num_seqs=want + 8),
-    ))
+    core = make_engine(model=args.model, max_model_len=args.flood_tokens + 64, max_num_seqs=want + 8)
     engine = AsyncEngine(core)
     quiet_params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     flood_params = SamplingParams(n=args.flood_n, temperature=1.0, max_tokens=args.flood_tokens,

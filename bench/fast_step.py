@@ -16,26 +16,23 @@ the ratios new ÷ old and LoRA ÷ base. ``--profile`` adds a torch.profiler
 breakdown of steps 3-8 of each run. Writes bench/results/fast_step.json and .png
 (``--uniform``: fast_step_uniform_<dtype>.*).
 
-    python bench/fast_step.py                 # default model, bf16, ~2-3 minutes
-    python bench/fast_step.py --quick         # fewer, shorter requests
-    python bench/fast_step.py --uniform --dtype float32   # the uniform shape, no regression
+    python -m bench.fast_step                 # default model, bf16, ~2-3 minutes
+    python -m bench.fast_step --quick         # fewer, shorter requests
+    python -m bench.fast_step --uniform --dtype float32   # the uniform shape, no regression
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
-from lora_throughput import make_adapters  # noqa: E402
+from bench.common import RESULTS, bench_parser, make_engine, setup, write_json
+from bench.lora_throughput import make_adapters
 
 # old: every part of the step on torch ops (eager small ops, gather + SDPA attention, LoRA
 # GEMMs; LORAMUX_CPU_KERNELS=0 turns off the C kernels); new: the defaults; nobudget: the
@@ -60,14 +57,10 @@ def make_workload(tok, args) -> tuple[list[list[int]], list[float]]:
 
 def run(model, prompts, arrivals, loras, args, profile: bool, cpu_kernels: str = "1", **options) -> dict:
     os.environ["LORAMUX_CPU_KERNELS"] = cpu_kernels  # read when the engine picks its paths
-    from loramux.engine.config import EngineConfig
-    from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams
 
-    cfg = EngineConfig.from_options(
-        model=str(model), dtype=args.dtype, max_model_len=1024, max_num_seqs=64,
-        enable_lora=bool(loras), **({"max_loras": 4} if loras else {}), **options)
-    eng = LLMEngine(cfg)
+    eng = make_engine(model=str(model), dtype=args.dtype, max_model_len=1024, max_num_seqs=64,
+                      enable_lora=bool(loras), **({"max_loras": 4} if loras else {}), **options)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
                             ignore_eos=True)
     for i, lr in enumerate(loras or [None]):  # warm-up: adapters resident, prefix cached
@@ -120,18 +113,15 @@ def run(model, prompts, arrivals, loras, args, profile: bool, cpu_kernels: str =
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, quick="8 prompts, 16 new tokens")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--rate", type=float, default=1.5)
     ap.add_argument("--prefix-len", type=int, default=128)
     ap.add_argument("--min-len", type=int, default=150)
     ap.add_argument("--max-len", type=int, default=300)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--paths", default="old,new")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens")
     ap.add_argument("--uniform", action="store_true",
                     help="the uniform offline shape instead: all arrive at once, no shared prefix, "
                          "32-token prompts, 32 new tokens (results in fast_step_uniform_<dtype>.*)")
@@ -142,14 +132,9 @@ def main() -> None:
     if args.uniform:
         args.rate, args.prefix_len, args.min_len, args.max_len, args.new_tokens = 1e9, 0, 32, 32, 32
         name = f"fast_step_uniform_{args.dtype}"
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from loramux.engine.default_model import default_model_path
+    model, tok = setup(args)
     from loramux.engine.lora_request import LoRARequest
 
-    model = default_model_path()
-    tok = AutoTokenizer.from_pretrained(model)
     prompts, arrivals = make_workload(tok, args)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

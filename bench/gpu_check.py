@@ -23,11 +23,11 @@ model; every kernel within bf16 tolerance (``gpu_check_kernels``); greedy output
 Runs from the repository root with the machine's own ``python3`` (no install: see
 ``source_tree.py``) in about 8 minutes on an H200, cases past ``--budget-s`` skipped:
 
-    python3 bench/gpu_check.py [--out bench/results/gpu_check.json] [--parts ...]
-    python3 bench/gpu_check.py --dry-run   # CPU, toy sizes, Triton interpreted (CI)
+    python3 -m bench.gpu_check [--out bench/results/gpu_check.json] [--parts ...]
+    python3 -m bench.gpu_check --dry-run   # CPU, toy sizes, Triton interpreted (CI)
     make gpu-check
 
-On a lent machine (device tool): ``PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out
+On a lent machine (device tool): ``PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out
 "$OUT/gpu_check.json"`` with a 560 s timeout, then copy the JSON to bench/results/ and commit.
 Nothing needs carrying: the engine imports only torch, triton, transformers, tokenizers,
 safetensors, numpy, tqdm (and peft for the greedy reference), all in that machine's image.
@@ -100,7 +100,8 @@ class Check:
 
     def __init__(self, args, plan: dict) -> None:
         import torch
-        from gpu_check_kernels import Timer
+
+        from bench.gpu_check_kernels import Timer
 
         self.args, self.plan = args, plan
         self.t0 = T_START
@@ -136,7 +137,7 @@ class Check:
             self.save()
 
     def copy(self) -> dict:
-        from gpu_check_kernels import copy_rate
+        from bench.gpu_check_kernels import copy_rate
 
         return copy_rate(self.device, self.plan["copy_bytes"], self.timer)
 
@@ -158,7 +159,7 @@ class Check:
         return {"cases": cases, "skipped": skipped, "failed": failed}
 
     def sgmv(self) -> dict:
-        from gpu_check_kernels import sgmv_case
+        from bench.gpu_check_kernels import sgmv_case
 
         copy_bps = (self.report.get("copy") or {}).get("bytes_per_s") or float("nan")
         p = self.plan
@@ -178,7 +179,7 @@ class Check:
         return self._cases("sgmv", case, grid)
 
     def attention(self) -> dict:
-        from gpu_check_kernels import attention_case
+        from bench.gpu_check_kernels import attention_case
 
         grid = [
             (mode, heads, kv, d, batch, prefix, chunk, dtype, self.device, self.timer)
@@ -192,7 +193,8 @@ class Check:
         import shutil
 
         import torch
-        from gpu_check_engine import (
+
+        from bench.gpu_check_engine import (
             TINY,
             greedy_check,
             random_prompts,
@@ -233,7 +235,8 @@ class Check:
         import shutil
 
         import torch
-        from gpu_check_engine import (
+
+        from bench.gpu_check_engine import (
             COMMON,
             SHAPES,
             TOY_SHAPES,
@@ -366,8 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; the GPU machine has no network
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-    sys.path.insert(0, str(BENCH))
-    from source_tree import use_source_tree
+    from bench.source_tree import use_source_tree
 
     source = use_source_tree()
     import torch

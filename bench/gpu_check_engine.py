@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from source_tree import load_test_support
+
+from bench.source_tree import load_test_support
 
 COMMON = dict(max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1)
 SHAPES = {  # Llama-3.2-1B and Llama-2-7B

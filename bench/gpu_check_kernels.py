@@ -14,7 +14,8 @@ import random
 import time
 
 import torch
-from source_tree import load_test_support
+
+from bench.source_tree import load_test_support
 
 
 def token_slots(num_tokens: int, num_adapters: int, seed: int = 0) -> list[int]:

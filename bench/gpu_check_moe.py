@@ -8,8 +8,8 @@ bf16 at 1 / 16 / 256 / 2048 tokens. ``--dry-run`` runs toy sizes on the CPU (the
 ``TRITON_INTERPRET=1``, the engine on the torch path) to check the script itself.
 Writes bench/results/gpu_check_moe.json.
 
-    python3 bench/gpu_check_moe.py            # on the GPU machine, ~2 minutes
-    python3 bench/gpu_check_moe.py --dry-run
+    python3 -m bench.gpu_check_moe            # on the GPU machine, ~2 minutes
+    python3 -m bench.gpu_check_moe --dry-run
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
 
 
 def gemm_timing(device, dry: bool) -> list[dict]:
@@ -74,7 +72,8 @@ def gemm_timing(device, dry: bool) -> list[dict]:
 def make_base(family: str, root: Path) -> Path:
     import torch
     import transformers
-    from gpu_check_engine import write_tokenizer
+
+    from bench.gpu_check_engine import write_tokenizer
 
     vocab = 512
     common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -106,10 +105,10 @@ def main() -> None:
 
     if args.dry_run and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from source_tree import load_test_support, use_source_tree
+    from bench.source_tree import load_test_support, use_source_tree
 
     use_source_tree()
-    from gpu_check_engine import greedy_check, random_prompts
+    from bench.gpu_check_engine import greedy_check, random_prompts
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     report = {"device": str(device), "gemm": gemm_timing(device, args.dry_run), "greedy": {}}

@@ -10,7 +10,7 @@ For every (mode, rank, adapters) it prints ``time(shrink + expand) / time(x @ W.
 projection and for the whole layer (sum over projections), and writes
 ``bench/results/lora_kernels.json`` (one entry per device) and ``lora_kernels.png``.
 
-    python bench/lora_kernels.py [--device cpu|cuda] [--dtype bf16|fp32] [--clock wall|cpu] [--quick]
+    python -m bench.lora_kernels [--device cpu|cuda] [--dtype bf16|fp32] [--clock wall|cpu] [--quick]
 """
 
 from __future__ import annotations

@@ -10,28 +10,25 @@ CPU clock (robust on a shared machine). The ratio base ÷ lora of the step's CPU
 the throughput ratio the engine sees on that step. ``--profile`` prints a torch.profiler
 breakdown of the LoRA replays (kernels by name) and a cProfile of the hook's Python side.
 
-    python bench/lora_step.py --dtype float32        # ~1 minute, writes results/lora_step_<dtype>.json + .png
-    LORAMUX_CPU_ISA=avx2 python bench/lora_step.py   # the CI machines' kernel variant
+    python -m bench.lora_step --dtype float32        # ~1 minute, writes results/lora_step_<dtype>.json + .png
+    LORAMUX_CPU_ISA=avx2 python -m bench.lora_step   # the CI machines' kernel variant
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import os
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
-from lora_throughput import make_adapters  # noqa: E402
+from bench.common import RESULTS, bench_parser, make_engine, setup, write_json
+from bench.lora_throughput import make_adapters
 
 
 def capture_steps(eng, loras, args) -> dict:
@@ -108,30 +105,22 @@ def profile(eng, plan) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="float32")
+    ap = bench_parser(__doc__, dtype="float32", threads=1)
     ap.add_argument("--decodes", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from loramux.engine.config import EngineConfig
-    from loramux.engine.default_model import default_model_path
-    from loramux.engine.engine import LLMEngine
+    model, _ = setup(args)
     from loramux.engine.lora_request import LoRARequest
 
-    model = default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(model, Path(tmp), 4)
         loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
-        cfg = EngineConfig.from_options(model=str(model), dtype=args.dtype, max_model_len=2048,
-                                        max_num_seqs=64, enable_lora=True, max_loras=4,
-                                        enable_step_budget=False,
-                                        max_num_batched_tokens=args.decodes + args.chunk)
-        eng = LLMEngine(cfg)
+        eng = make_engine(model=str(model), dtype=args.dtype, max_model_len=2048, max_num_seqs=64,
+                          enable_lora=True, max_loras=4, enable_step_budget=False,
+                          max_num_batched_tokens=args.decodes + args.chunk)
         plans = capture_steps(eng, loras, args)
         results = {}
         for name, plan in plans.items():

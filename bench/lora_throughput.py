@@ -18,15 +18,13 @@ Writes bench/results/lora_throughput.json.
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from bench.common import (
     default_workload,
     make_prompts,
     peak_rss_mb,

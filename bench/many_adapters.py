@@ -17,27 +17,24 @@ per tier (store / disk → CPU / CPU → slot), and the ratios to ``N4`` against
 goals. Writes bench/results/many_adapters.json and .png. Runs through the AsyncEngine (no
 HTTP), on the default model in bfloat16; ``--quick`` uses a tiny random model (seconds).
 
-    python bench/many_adapters.py                                  # the issue's sizes
-    python bench/many_adapters.py --requests 24 --rate 2 --max-out 48   # a shorter run
+    python -m bench.many_adapters                                  # the issue's sizes
+    python -m bench.many_adapters --requests 24 --rate 2 --max-out 48   # a shorter run
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import peak_rss_mb, write_json  # noqa: E402
+from bench.common import bench_parser, make_async_engine, peak_rss_mb, setup, write_json
+from bench.source_tree import load_test_support
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = (8, 16, 32)
@@ -89,8 +86,7 @@ def pick(u: float, n: int, skew: bool, alpha: float) -> int:
 
 def make_adapters(model: Path, root: Path, count: int) -> list[Path]:
     """``count`` random adapters under ``root``, reusing the ones a previous run wrote."""
-    from support.adapters import write_random_adapter
-
+    write_random_adapter = load_test_support("adapters").write_random_adapter
     paths = []
     for i in range(count):
         path = root / f"a{i}"
@@ -203,28 +199,14 @@ def measure(engine, reqs: list[dict], adapters: list[Path], cfg: dict, alpha: fl
 
 
 def engine_for(args, model: Path, lora: dict):
-    from loramux.engine.async_engine import AsyncEngine
-    from loramux.engine.config import (
-        CacheConfig,
-        EngineConfig,
-        LoRAConfig,
-        ModelConfig,
-        SchedulerConfig,
-    )
-    from loramux.engine.engine import LLMEngine
-
-    config = EngineConfig(
-        model=ModelConfig(str(model), dtype=args.dtype, device="cpu",
-                          max_model_len=args.max_prompt + args.max_out + 16),
-        cache=CacheConfig(kv_cache_memory=1 << 30),
-        scheduler=SchedulerConfig(max_num_seqs=64),
-        lora=LoRAConfig(max_lora_rank=max(RANKS), **lora),
-    )
-    return AsyncEngine(LLMEngine(config))
+    return make_async_engine(model=str(model), dtype=args.dtype, device="cpu",
+                             max_model_len=args.max_prompt + args.max_out + 16,
+                             kv_cache_memory=1 << 30, max_num_seqs=64, enable_lora=True,
+                             max_lora_rank=max(RANKS), **lora)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__.splitlines()[0], quick="a tiny random model (seconds)")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     ap.add_argument("--min-prompt", type=int, default=128)
@@ -232,27 +214,20 @@ def main() -> None:
     ap.add_argument("--min-out", type=int, default=32)
     ap.add_argument("--max-out", type=int, default=96)
     ap.add_argument("--alpha", type=float, default=1.0, help="power-law skew of N128-zipf")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--repeat", type=int, default=1,
                     help="alternate the configurations this many times; ratios are medians")
-    ap.add_argument("--quick", action="store_true", help="a tiny random model (seconds)")
     ap.add_argument("--adapter-dir", default=str(Path.home() / ".cache/loramux/bench-adapters"),
                     help="where the random adapters are kept between runs ('' = a temp dir)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from loramux.engine.default_model import default_model_path
-
+    model, _ = setup(args)
     names = args.configs.split(",")
     if "N4" not in names:
         names.insert(0, "N4")  # the baseline is always measured in the same run
     with tempfile.TemporaryDirectory() as tmp:
-        model = default_model_path()
         if args.quick:
-            from support.tiny_models import make_tiny_llama
-
+            make_tiny_llama = load_test_support("tiny_models").make_tiny_llama
             model = make_tiny_llama(Path(tmp) / "tiny", model)
         root = Path(args.adapter_dir) if args.adapter_dir and not args.quick else Path(tmp)
         adapters = make_adapters(model, root, max(CONFIGS[n]["adapters"] for n in names))

@@ -1,6 +1,6 @@
 """Model families side by side: the default model (Llama), a tiny Qwen3 and a tiny Gemma 3.
 
-For each model, two shapes (``bench/fast_step.py``'s): ``uniform`` (all requests at once,
+For each model, two shapes (``bench/sweep.py``'s): ``uniform`` (all requests at once,
 32-token prompts, 32 new tokens) and ``serving`` (Poisson arrivals, a shared prefix, longer
 prompts), each with the base model and over 4 adapters (ranks 8/16, all 7 projections,
 round-robin), on the engine's default path (fused small ops, the C attention kernel, the
@@ -17,28 +17,20 @@ and the engine's public API are all it uses there).
 
 Writes bench/results/model_families.json and .png.
 
-    python bench/model_families.py                      # ~5 minutes on 2 busy cores
-    python bench/model_families.py --quick --models default,qwen3
+    python -m bench.model_families                      # ~5 minutes on 2 busy cores
+    python -m bench.model_families --quick --models default,qwen3
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
-from fast_step import make_workload, run  # noqa: E402
-from lora_throughput import make_adapters  # noqa: E402
-
-SHAPES = {
-    "uniform": dict(num_prompts=16, rate=1e9, prefix_len=0, min_len=32, max_len=32, new_tokens=32),
-    "serving": dict(num_prompts=12, rate=1.5, prefix_len=96, min_len=100, max_len=200, new_tokens=24),
-}
+from bench.common import RESULTS, add_random_model_flags, bench_parser, setup, write_json
+from bench.lora_throughput import make_adapters
+from bench.sweep import sweep
 
 
 def make_family_model(family: str, path: Path, tokenizer_dir: Path, args) -> Path:
@@ -71,25 +63,15 @@ def make_family_model(family: str, path: Path, tokenizer_dir: Path, args) -> Pat
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, quick="half the requests, 16 new tokens", out="model_families")
     ap.add_argument("--models", default="default,qwen3,gemma3")
     ap.add_argument("--shapes", default="uniform,serving")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
+    add_random_model_flags(ap)
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="half the requests, 16 new tokens")
-    ap.add_argument("--out", default="model_families", help="results name (bench/results/<out>.*)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from loramux.engine.default_model import default_model_path
+    default, tok = setup(args)
     from loramux.engine.lora_request import LoRARequest
 
-    default = default_model_path()
-    tok = AutoTokenizer.from_pretrained(default)
     results: dict[str, dict] = {}
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,20 +79,10 @@ def main() -> None:
             model = default if name == "default" else make_family_model(name, Path(tmp) / name, default, args)
             adapters = make_adapters(model, Path(tmp) / f"{name}-adapters", 4)
             loras = [LoRARequest(f"{name}-a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
-            warm = argparse.Namespace(**SHAPES["uniform"], dtype=args.dtype)
-            warm.num_prompts, warm.new_tokens = 4, 4
-            run(model, *make_workload(tok, warm), loras, warm, False)  # oneDNN primitives, kernels
-            for shape in args.shapes.split(","):
-                wl = argparse.Namespace(**SHAPES[shape], dtype=args.dtype)
-                if args.quick:
-                    wl.num_prompts, wl.new_tokens = max(4, wl.num_prompts // 2), 16
-                prompts, arrivals = make_workload(tok, wl)
-                for kind, lr in (("base", None), ("lora", loras)):
-                    key = f"{name}/{shape}/{kind}"
-                    results[key] = r = run(model, prompts, arrivals, lr, wl, False)
-                    print(f"{key:24s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                          f"TPOT p50 {r['tpot_p50_ms']:6.1f} ms  {r['tok_per_cpu_s']:6.1f} tok/cpu-s", flush=True)
-                b, lo = results[f"{name}/{shape}/base"], results[f"{name}/{shape}/lora"]
+            runs = sweep(model, tok, {"base": None, "lora": loras}, args.shapes.split(","), results,
+                         dtype=args.dtype, quick=args.quick, label=f"{name}/")
+            for shape, [r] in runs.items():
+                b, lo = r["base"], r["lora"]
                 ratios[f"{name}/{shape}: lora/base tok_s"] = lo["tok_s"] / b["tok_s"]
                 ratios[f"{name}/{shape}: lora/base tok/cpu-s"] = lo["tok_per_cpu_s"] / b["tok_per_cpu_s"]
     for k, v in ratios.items():

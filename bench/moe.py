@@ -1,6 +1,6 @@
 """A tiny mixture-of-experts base (random Qwen3-MoE) with LoRA on attention and on the experts.
 
-Three runs of the same workload (``bench/fast_step.py``'s ``uniform`` and ``serving`` shapes,
+Three runs of the same workload (``bench/sweep.py``'s ``uniform`` and ``serving`` shapes,
 after one warm-up run): the base model; 4 attention-only adapters (q/k/v/o, ranks 8/16,
 round-robin); 4 adapters with the same attention LoRA plus LoRA on every expert's
 ``gate_up_proj`` and ``down_proj`` (PEFT's ``target_parameters``). Reports output tok/s,
@@ -11,27 +11,20 @@ number to watch is ``experts/base`` (the issue's goal: ≥ 0.75 on the CPU).
 The model's tokens are noise (random weights, the default tokenizer): only its speed means
 something. Writes bench/results/moe.json and .png.
 
-    python bench/moe.py                 # a few minutes on 2 busy cores
-    python bench/moe.py --quick --threads 1
+    python -m bench.moe                 # a few minutes on 2 busy cores
+    python -m bench.moe --quick --threads 1
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
-from fast_step import make_workload, run  # noqa: E402
+from bench.common import RESULTS, add_random_model_flags, bench_parser, setup, write_json
+from bench.sweep import sweep
 
-SHAPES = {
-    "uniform": dict(num_prompts=16, rate=1e9, prefix_len=0, min_len=32, max_len=32, new_tokens=32),
-    "serving": dict(num_prompts=12, rate=1.5, prefix_len=96, min_len=100, max_len=200, new_tokens=24),
-}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -88,26 +81,16 @@ def make_adapters(base_dir: Path, root: Path, count: int, *, experts: bool) -> l
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, quick="the uniform shape only, 8 requests, 16 new tokens", out="moe")
     ap.add_argument("--shapes", default="uniform,serving")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
+    add_random_model_flags(ap, layers=6)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--expert-size", type=int, default=384)
-    ap.add_argument("--quick", action="store_true", help="the uniform shape only, 8 requests, 16 new tokens")
-    ap.add_argument("--out", default="moe", help="results name (bench/results/<out>.*)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from loramux.engine.default_model import default_model_path
+    default, tok = setup(args)
     from loramux.engine.lora_request import LoRARequest
 
-    default = default_model_path()
-    tok = AutoTokenizer.from_pretrained(default)
     results: dict[str, dict] = {}
     ratios: dict[str, float] = {}
     shapes = ["uniform"] if args.quick else args.shapes.split(",")
@@ -117,24 +100,12 @@ def main() -> None:
         for kind, experts in (("attention", False), ("experts", True)):
             paths = make_adapters(model, Path(tmp) / kind, 4, experts=experts)
             kinds[kind] = [LoRARequest(f"{kind}-{i}", 10 * experts + i + 1, str(p)) for i, p in enumerate(paths)]
-        warm = argparse.Namespace(**SHAPES["uniform"], dtype=args.dtype)
-        warm.num_prompts, warm.new_tokens = 4, 4
-        run(model, *make_workload(tok, warm), kinds["experts"], warm, False)  # oneDNN primitives, kernels
-        for shape in shapes:
-            wl = argparse.Namespace(**SHAPES[shape], dtype=args.dtype)
-            if args.quick:
-                wl.num_prompts, wl.new_tokens = 8, 16
-            prompts, arrivals = make_workload(tok, wl)
-            for kind, loras in kinds.items():
-                key = f"{shape}/{kind}"
-                results[key] = r = run(model, prompts, arrivals, loras, wl, False)
-                print(f"{key:20s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
-                      f"TPOT p50 {r['tpot_p50_ms']:6.1f} ms  {r['tok_per_cpu_s']:6.1f} tok/cpu-s", flush=True)
-            b = results[f"{shape}/base"]
+        runs = sweep(model, tok, kinds, shapes, results, dtype=args.dtype, quick=args.quick,
+                     warm=["experts"])
+        for shape, [r] in runs.items():
             for kind in ("attention", "experts"):
-                lo = results[f"{shape}/{kind}"]
-                ratios[f"{shape}: {kind}/base tok_s"] = lo["tok_s"] / b["tok_s"]
-                ratios[f"{shape}: {kind}/base tok/cpu-s"] = lo["tok_per_cpu_s"] / b["tok_per_cpu_s"]
+                ratios[f"{shape}: {kind}/base tok_s"] = r[kind]["tok_s"] / r["base"]["tok_s"]
+                ratios[f"{shape}: {kind}/base tok/cpu-s"] = r[kind]["tok_per_cpu_s"] / r["base"]["tok_per_cpu_s"]
     for k, v in ratios.items():
         print(f"{k:36s} {v:5.2f}")
     out = write_json(args.out, {"args": vars(args), "results": results, "ratios": ratios})

@@ -13,9 +13,9 @@ Targets: ``loramux`` (the defaults), ``loramux-eager`` (every part on torch ops:
 Prints and writes (bench/results/peer_serving.json, .png) per target and run: output tok/s,
 TTFT and TPOT p50/p99, and the ratios loramux ÷ vLLM, LoRA ÷ base, new ÷ eager.
 
-    python bench/peer_serving.py                          # bf16, all targets (~15-30 min)
-    python bench/peer_serving.py --dtype float32 --num-prompts 24
-    python bench/peer_serving.py --targets loramux,loramux-eager   # no peer installed
+    python -m bench.peer_serving                          # bf16, all targets (~15-30 min)
+    python -m bench.peer_serving --dtype float32 --num-prompts 24
+    python -m bench.peer_serving --targets loramux,loramux-eager   # no peer installed
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
-from lora_throughput import make_adapters  # noqa: E402
+from bench.common import RESULTS, write_json
+from bench.lora_throughput import make_adapters
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "bench" / "vllm_client.py"

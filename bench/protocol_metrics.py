@@ -18,7 +18,7 @@ Reports p50 / p99 / max per phase, tokens/s of the load, and the ratios
 ``server_metrics_busy p99 / listener_busy p99`` and ``listener_busy p99 / listener_idle
 p99``. Writes bench/results/protocol_metrics.json and .png.
 
-    python bench/protocol_metrics.py [--seconds 20] [--streams 8] [--model default]
+    python -m bench.protocol_metrics [--seconds 20] [--streams 8] [--model default]
 """
 
 from __future__ import annotations
@@ -28,17 +28,16 @@ import asyncio
 import http.client
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.common import RESULTS, ROOT, module_command, write_json
+
 # the test helpers (tests/support: engine, registry and server makers) are not in the wheel
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import RESULTS, write_json  # noqa: E402
+from bench.source_tree import load_test_support
 
 ADMIN_KEY = "bench-admin-key"
 
@@ -74,9 +73,9 @@ def scraper(url: str, seconds: float, interval: float, key: str | None) -> None:
 
 def scrape(url: str, seconds: float, interval: float, key: str | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--scraper", url, "--seconds", str(seconds),
-         "--interval", str(interval), *(["--key", key] if key else [])],
-        capture_output=True, text=True, check=True, timeout=seconds + 60)
+        module_command("protocol_metrics", "--scraper", url, "--seconds", str(seconds),
+                       "--interval", str(interval), *(["--key", key] if key else [])),
+        cwd=ROOT, capture_output=True, text=True, check=True, timeout=seconds + 60)
     data = json.loads(out.stdout)
     ms = data["ms"]
     return {"scrapes": len(ms), "errors": data["errors"], "p50_ms": percentile(ms, 50),
@@ -147,18 +146,20 @@ def main() -> None:
         scraper(args.scraper, args.seconds, args.interval, args.key)
         return
 
-    from support.adapters import write_random_adapter
-    from support.platform_settings import settings
-    from support.server import free_port, make_engine, make_registry, serve_in_thread
-
+    write_random_adapter = load_test_support("adapters").write_random_adapter
+    settings = load_test_support("platform_settings").settings
+    _server = load_test_support("server")
+    free_port = _server.free_port
+    make_engine = _server.make_engine
+    make_registry = _server.make_registry
+    serve_in_thread = _server.serve_in_thread
     from loramux.engine.default_model import default_model_path
     from loramux.platform.app import create_app
     from loramux.platform.state import close_state
 
     work = Path(tempfile.mkdtemp(prefix="bench-protocol-"))
     if args.model == "tiny":
-        from support.tiny_models import make_tiny_llama
-
+        make_tiny_llama = load_test_support("tiny_models").make_tiny_llama
         model = make_tiny_llama(work / "tiny", default_model_path())
     else:
         model = default_model_path()

@@ -16,9 +16,9 @@ i mod 9, the 9th being the base model), text prompts of ``--prompt-len`` tokens,
    load hits both sides alike (goal >= 0.9). Writes bench/results/serve_load.json and
    serve_load.png.
 
-    python bench/serve_load.py                       # default model, bfloat16, 1 thread each
-    python bench/serve_load.py --quick               # a tiny random model: seconds
-    python bench/serve_load.py --concurrency 1,8,32 --requests 64 --new-tokens 32
+    python -m bench.serve_load                       # default model, bfloat16, 1 thread each
+    python -m bench.serve_load --quick               # a tiny random model: seconds
+    python -m bench.serve_load --concurrency 1,8,32 --requests 64 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -30,17 +30,15 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the test helpers (tests/support: engine, registry and server makers) are not in the wheel
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import RESULTS, make_prompts, write_json  # noqa: E402
+from bench.common import RESULTS, ROOT, bench_parser, make_prompts, module_command, write_json
+from bench.source_tree import load_test_support
 
 BASE = "base"
 
@@ -65,14 +63,13 @@ def percentile(values: list[float], q: float) -> float:
 # --- setup ---------------------------------------------------------------------------------
 def prepare(args, work: Path) -> dict:
     """Model folder, adapter folders and prompts shared by both runs."""
-    from support.adapters import write_random_adapter
+    write_random_adapter = load_test_support("adapters").write_random_adapter
     from transformers import AutoTokenizer
 
     from loramux.engine.default_model import default_model_path
 
     if args.quick:
-        from support.tiny_models import make_tiny_llama
-
+        make_tiny_llama = load_test_support("tiny_models").make_tiny_llama
         model = make_tiny_llama(work / "tiny", default_model_path())
     else:
         model = Path(args.model) if args.model else default_model_path()
@@ -119,8 +116,7 @@ class Offline:
 # --- server child ------------------------------------------------------------------------------
 def child(config_path: str) -> None:
     import uvicorn
-    from support.server import make_engine
-
+    make_engine = load_test_support("server").make_engine
     from loramux.platform.app import create_app
     from loramux.platform.logs import configure_logging
     from loramux.platform.settings import Settings
@@ -141,8 +137,7 @@ def child(config_path: str) -> None:
 
 
 def start_server(args, setup: dict, work: Path, max_num_seqs: int):
-    from support.server import free_port
-
+    free_port = load_test_support("server").free_port
     port = free_port()
     kw = engine_kwargs(args, max_num_seqs)
     cfg = {"model": setup["model"], "adapters": setup["adapters"], "port": port,
@@ -150,7 +145,7 @@ def start_server(args, setup: dict, work: Path, max_num_seqs: int):
     cfg_path = work / "server.json"
     cfg_path.write_text(json.dumps(cfg))
     log = open(work / "server.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(cfg_path)],
+    proc = subprocess.Popen(module_command("serve_load", "--child", str(cfg_path)), cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     import httpx
 
@@ -260,15 +255,12 @@ def plot(levels: list[dict], offline: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, threads=1, quick="a tiny random model instead",
+                      threads_help="torch threads of each engine (1 leaves a core for HTTP and the "
+                                   "client; on a shared machine more threads make OpenMP barriers stall)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--quick", action="store_true", help="a tiny random model instead")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads of each engine (1 leaves a core for HTTP and the client; "
-                    "on a shared machine more threads make OpenMP barriers stall)")
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--max-loras", type=int, default=8)

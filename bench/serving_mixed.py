@@ -8,27 +8,22 @@ latency p50/p90/p99 (and ITL p99 ÷ TPOT p50) and output tokens/s per configurat
 TTFT of requests whose system prompt was already cached against uncached ones. Writes
 bench/results/serving_mixed.json and .png.
 
-    python bench/serving_mixed.py [--requests 12] [--rate 0.3] [--adapters 4] [--budget 128]
+    python -m bench.serving_mixed [--requests 12] [--rate 0.3] [--adapters 4] [--budget 128]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import gc
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_rss_mb, write_json  # noqa: E402
-from lora_throughput import make_adapters  # noqa: E402
+from bench.common import bench_parser, make_async_engine, peak_rss_mb, setup, write_json
+from bench.lora_throughput import make_adapters
 
 CONFIGS = {
     "chunked+prefix": dict(enable_chunked_prefill=True, enable_prefix_caching=True),
@@ -133,7 +128,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second")
     ap.add_argument("--adapters", type=int, default=4)
@@ -144,25 +139,10 @@ def main() -> None:
     ap.add_argument("--min-out", type=int, default=64)
     ap.add_argument("--max-out", type=int, default=256)
     ap.add_argument("--budget", type=int, default=128, help="max_num_batched_tokens with chunking on")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    from loramux.engine.async_engine import AsyncEngine
-    from loramux.engine.config import (
-        CacheConfig,
-        EngineConfig,
-        LoRAConfig,
-        ModelConfig,
-        SchedulerConfig,
-    )
-    from loramux.engine.default_model import default_model_path
-    from loramux.engine.engine import LLMEngine
-
-    model = default_model_path()
+    model, _ = setup(args)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(model, Path(tmp), args.adapters)
@@ -170,14 +150,12 @@ def main() -> None:
         for name in args.configs.split(","):
             cfg = CONFIGS[name]
             budget = args.budget if cfg["enable_chunked_prefill"] else max(2048, args.max_prompt)
-            config = EngineConfig(
-                model=ModelConfig(str(model), dtype=args.dtype, device="cpu", max_model_len=2048),
-                cache=CacheConfig(enable_prefix_caching=cfg["enable_prefix_caching"], kv_cache_memory=1 << 30),
-                scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=budget,
-                                          enable_chunked_prefill=cfg["enable_chunked_prefill"]),
-                lora=LoRAConfig(max_loras=args.adapters, max_lora_rank=16),
-            )
-            engine = AsyncEngine(LLMEngine(config))
+            engine = make_async_engine(
+                model=str(model), dtype=args.dtype, device="cpu", max_model_len=2048,
+                enable_prefix_caching=cfg["enable_prefix_caching"], kv_cache_memory=1 << 30,
+                max_num_seqs=64, max_num_batched_tokens=budget,
+                enable_chunked_prefill=cfg["enable_chunked_prefill"],
+                enable_lora=True, max_loras=args.adapters, max_lora_rank=16)
             reqs = reqs or workload(args, engine.engine.model.dims.vocab_size)
             for i, a in enumerate(adapters):  # resident adapters: cold loads are another benchmark
                 asyncio.run(_drain(engine, [100 + i] * 8, a, i + 1))

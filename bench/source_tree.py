@@ -8,8 +8,7 @@ module maps ``loramux.<name>`` to the top-level folders exactly as
 parent's ``__path__`` as usual. Where loramux is installed (``make install``), the
 installed package is used and nothing changes.
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from source_tree import use_source_tree
+    from bench.source_tree import use_source_tree
     use_source_tree()  # before the first ``import loramux``
 """
 

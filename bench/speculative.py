@@ -16,21 +16,18 @@ Both engines run the same requests in the same process, alternating, each after 
 the outputs are checked token-identical. Writes bench/results/speculative.json and .png
 (``speculative_<dtype>.*`` with ``--dtype``).
 
-    python bench/speculative.py [--quick] [--k 4] [--lookup-max 4] [--lookup-min 2]
+    python -m bench.speculative [--quick] [--k 4] [--lookup-max 4] [--lookup-min 2]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_json  # noqa: E402
+from bench.common import RESULTS, bench_parser, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = """CREATE TABLE customers (customer_id INTEGER PRIMARY KEY, customer_name TEXT, city TEXT, signup_date DATE);
@@ -97,16 +94,13 @@ def run(llm, prompts, params, lora) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="batch 1 and 4, 48 tokens")
+    ap = bench_parser(__doc__, dtype="auto", quick="batch 1 and 4, 48 tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,2,3,4")
     ap.add_argument("--repeats", type=int, default=2, help="runs per engine (the fastest counts)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.batches = 48, "1,4"

@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py --dry-run``: every part of the GPU check at toy sizes on the CPU
+"""``python -m bench.gpu_check --dry-run``: every part of the GPU check at toy sizes on the CPU
 (Triton interpreted), so the script that runs on a lent GPU keeps working."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), *args], cwd=ROOT, env=env,
+        [sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
@@ -87,8 +87,8 @@ def test_unknown_part_is_refused():
 def test_a_failing_case_is_recorded_and_the_others_run(tmp_path, monkeypatch):
     import argparse
 
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import gpu_check
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import gpu_check
 
     args = argparse.Namespace(dry_run=True, budget_s=None, out=tmp_path / "r.json")
     check = gpu_check.Check(args, gpu_check.DRY_PLAN)

@@ -220,6 +220,7 @@ def test_gateway_dashboard_shows_and_acts_on_each_engine(cluster):
     assert httpx.get(f"{cluster.gateways[1]}/admin/overview", timeout=10).status_code == 401
 
 
+@pytest.mark.latency
 def test_deleted_adapter_is_refused_by_every_gateway_at_once(cluster):
     for gw in cluster.gateways:  # both gateways have the resolution cached (TTL 60 s)
         assert chat(cluster, gw, "doomed").status_code == 200
@@ -289,6 +290,7 @@ def _agree_after(cluster: Cluster, want: str, model: str = "canary") -> float:
     return float("inf")
 
 
+@pytest.mark.latency
 def test_a_rollout_change_reaches_both_gateways_within_a_second(cluster, tmp_path):
     """Gateways choose the version (their resolutions are cached for 60 s: only the
     fan-out can move them) and pin it for the engine; both pick alike per user."""

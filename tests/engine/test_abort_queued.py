@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from support.adapters import write_random_adapter
 from support.server import make_engine
 
@@ -20,6 +21,7 @@ async def _last(agen):
     return outs[-1]
 
 
+@pytest.mark.latency
 def test_abort_queued_fails_only_queued_requests(tiny_model_dir, tmp_path):
     eng = make_engine(tiny_model_dir, max_model_len=256, max_num_seqs=1, max_loras=2)
     x = LoRARequest("x", 1, str(write_random_adapter(tiny_model_dir, tmp_path / "x", seed=1)))

@@ -93,6 +93,7 @@ def test_a_request_failing_in_sampling_fails_alone(engine):
     assert_no_leak(engine)
 
 
+@pytest.mark.latency
 def test_a_dead_loop_fails_every_caller_at_once_and_restarts(engine):
     from loramux.engine.async_engine import AsyncEngine, EngineDeadError
 
@@ -163,6 +164,7 @@ def steps_until_quiet_finishes(model_dir, policy: str) -> int:
     raise AssertionError("the quiet request never finished")
 
 
+@pytest.mark.slow
 def test_a_flooding_key_does_not_starve_a_quiet_one(tiny_model_dir):
     fair = steps_until_quiet_finishes(tiny_model_dir, "vtc")
     fifo = steps_until_quiet_finishes(tiny_model_dir, "fcfs")
@@ -171,6 +173,7 @@ def test_a_flooding_key_does_not_starve_a_quiet_one(tiny_model_dir):
     assert fifo > 3 * fair, (fair, fifo)
 
 
+@pytest.mark.latency
 def test_a_slow_grammar_times_out_off_the_engine_thread(engine):
     from loramux.engine.async_engine import AsyncEngine
     from loramux.engine.structured_output import GrammarTimeoutError

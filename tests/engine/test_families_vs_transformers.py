@@ -15,7 +15,13 @@ import math
 
 import pytest
 import torch
-from support.greedy_reference import check_greedy, teacher_forced_logits
+from support.greedy_reference import (
+    check_greedy,
+    check_greedy_outputs,
+    hf_model,
+    reference_prompts,
+    teacher_forced_logits,
+)
 from support.tiny_models import make_tiny_model
 
 from loramux.engine import LLM, SamplingParams
@@ -45,38 +51,10 @@ CONFIGS = {  # name: (family, overrides)
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    long = (
-        "Paged attention stores the keys and values of every sequence in fixed-size blocks, "
-        "so that memory is allocated on demand and shared between sequences; the scheduler "
-        "admits new requests while others decode, and preempts the newest when blocks run out."
-    )
-    ids = [
-        tok(long).input_ids,  # ~50 tokens: longer than every window and than LongRoPE's 32
-        [tok("Hello").input_ids[0]],  # a single-token prompt
-        tok("The capital of France").input_ids,
-        tok("def fibonacci(n):\n    if n < 2:").input_ids,
-    ]
+    ids = reference_prompts(default_model_dir)  # the long one: longer than every window and LongRoPE's 32
     assert len(ids[0]) > 40 and len(ids[1]) == 1
     assert all(len(p) + MAX_TOKENS <= 32 for p in ids[1:]), "LongRoPE: short stays short"
     return ids
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    model.generation_config.eos_token_id = None  # match ignore_eos
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt_ids, n):
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -94,16 +72,7 @@ def family_dir(tmp_path_factory, default_model_dir):
 
 
 def _check_against_reference(ref, prompts, outs, distinct=True):
-    for prompt, out in zip(prompts, outs, strict=True):
-        comp = out.outputs[0]
-        assert len(comp.token_ids) == MAX_TOKENS and comp.finish_reason == "length"
-        logits = check_greedy(ref, prompt, comp.token_ids, reference_ids=hf_greedy(ref, prompt, MAX_TOKENS))
-        ref_lp = torch.log_softmax(logits.double(), dim=-1)
-        for pos, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
-            assert entry[tok].logprob == pytest.approx(ref_lp[pos, tok].item(), abs=1e-4)
-            assert entry[tok].rank == 1
-    if distinct:
-        assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1, "a degenerate model tests nothing"
+    check_greedy_outputs(ref, prompts, outs, MAX_TOKENS, distinct=distinct)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -15,18 +15,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.lora_fixtures import (
-    ALL_MODULES,
-    make_dora_adapter,
-    make_peft_adapter,
-    peft_reference,
-    teacher_forcing_gaps,
-)
+from support.lora_fixtures import ALL_MODULES, make_dora_adapter, make_peft_adapter, peft_reference
+from support.peft_harness import check_rows_match_peft, peft_prompts
 from support.tiny_models import make_tiny_llama, make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
 
-TIE = 2e-3
 MAX_TOKENS = 6
 # per family: [(kind, rank, targets, rslora, extra LoraConfig)]
 ADAPTERS = [
@@ -68,26 +62,11 @@ def _adapters(base, tmp_path, specs=ADAPTERS):
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    texts = ["Write a SQL query that lists all customers.", "The history of the Roman Empire",
-             "def quicksort(arr):", "My favourite fruit is", "1, 2, 3, 4,", "Explain photosynthesis:"]
-    ids = [tok(t).input_ids for t in texts]
-    ids[1] = ids[1] + list(range(200, 260))  # longer than a step's budget: chunked prefill
-    return ids
+    return peft_prompts(default_model_dir, 60)  # longer than a step's budget: chunked prefill
 
 
 def _check(outs, prompts, choice, adapters, base, refs):
-    for prompt, c, out in zip(prompts, choice, outs, strict=True):
-        if c not in refs:
-            refs[c] = peft_reference(base, adapters[c] if c is not None else None)
-        comp = out.outputs[0]
-        gaps, ref_lp = teacher_forcing_gaps(refs[c], prompt, comp.token_ids)
-        assert max(gaps) <= TIE, (c, gaps)
-        for j, entry in enumerate(comp.logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref_lp[j, tid].item(), abs=1e-4, rel=1e-4), (c, j)
+    check_rows_match_peft(base, adapters, prompts, choice, outs, refs=refs, against_base=False)
 
 
 CASES = {  # name: (family, slice_runs (None: the default), LoRA backend)

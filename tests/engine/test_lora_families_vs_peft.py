@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.lora_fixtures import (
-    ALL_MODULES,
-    make_peft_adapter,
-    peft_reference,
-    teacher_forcing_gaps,
-)
+from support.lora_fixtures import ALL_MODULES, make_peft_adapter
+from support.peft_harness import check_rows_match_peft, peft_prompts
 from support.tiny_models import make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
 
-TIE = 2e-3
 MAX_TOKENS = 8
 FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 FAMILIES = {  # name: (family, model overrides, [(rank, targets, rslora, extra LoraConfig)])
@@ -51,14 +46,7 @@ FAMILIES = {  # name: (family, model overrides, [(rank, targets, rslora, extra L
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    texts = ["Write a SQL query that lists all customers.", "The history of the Roman Empire",
-             "def quicksort(arr):", "My favourite fruit is", "1, 2, 3, 4,", "Explain photosynthesis:"]
-    ids = [tok(t).input_ids for t in texts]
-    ids[1] = ids[1] + list(range(200, 270))  # a run longer than the SGMV kernel's: rank-only GEMMs
-    return ids
+    return peft_prompts(default_model_dir, 70)  # a run longer than the SGMV kernel's: rank-only GEMMs
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -78,22 +66,8 @@ def test_mixed_adapters_and_base_rows_match_peft(name, tmp_path, default_model_d
     loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
-    refs: dict[int | None, object] = {}
-    moved = 0
-    for prompt, c, out in zip(prompts, choice, outs, strict=True):
-        if c not in refs:
-            refs[c] = peft_reference(base, adapters[c] if c is not None else None)
-        comp = out.outputs[0]
-        gaps, ref_lp = teacher_forcing_gaps(refs[c], prompt, comp.token_ids)
-        assert max(gaps) <= TIE, (name, c, gaps)
-        for j, entry in enumerate(comp.logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref_lp[j, tid].item(), abs=1e-4, rel=1e-4), (name, c, j)
-        if c is not None:  # the adapter changes this row's numbers (so the test can fail)
-            _, base_lp = teacher_forcing_gaps(refs.setdefault(None, peft_reference(base, None)),
-                                              prompt, comp.token_ids)
-            moved += bool((base_lp - ref_lp).abs().max() > 1e-2)
-    assert moved >= len(adapters) - 1
+    moved = check_rows_match_peft(base, adapters, prompts, choice, outs)
+    assert len(moved) >= len(adapters) - 1
 
 
 def test_fused_lora_fills_every_slice_of_the_slot(tmp_path, default_model_dir):

@@ -7,7 +7,12 @@ import math
 
 import pytest
 import torch
-from support.greedy_reference import check_greedy, teacher_forced_logits
+from support.greedy_reference import (
+    check_greedy_outputs,
+    hf_model,
+    reference_prompts,
+    teacher_forced_logits,
+)
 from support.tiny_models import make_tiny_llama
 
 from loramux.engine import LLM, SamplingParams
@@ -36,38 +41,10 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    long = (
-        "Paged attention stores the keys and values of every sequence in fixed-size blocks, "
-        "so that memory is allocated on demand and shared between sequences; the scheduler "
-        "admits new requests while others decode, and preempts the newest when blocks run out."
-    )
-    ids = [
-        tok(long).input_ids,  # ~50 tokens: longer than the mistral window
-        [tok("Hello").input_ids[0]],  # a single-token prompt
-        tok("The capital of France").input_ids,
-        tok("def fibonacci(n):\n    if n < 2:\n        return n").input_ids,
-    ]
-    assert len(ids[0]) > 40 and len(ids[1]) == 1
+    ids = reference_prompts(default_model_dir, "def fibonacci(n):\n    if n < 2:\n        return n")
+    assert len(ids[0]) > 40 and len(ids[1]) == 1  # the long one: longer than the mistral window
     assert len({len(p) for p in ids}) == 4
     return ids
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    model.generation_config.eos_token_id = None  # match ignore_eos
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt_ids, n):
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -77,18 +54,9 @@ def test_greedy_equals_transformers_by_teacher_forcing(name, tmp_path, default_m
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    ref = hf_model(path)
-    for prompt, out in zip(prompts, outs, strict=True):
-        comp = out.outputs[0]
-        assert len(comp.token_ids) == MAX_TOKENS and comp.finish_reason == "length"
-        logits = check_greedy(ref, prompt, comp.token_ids, reference_ids=hf_greedy(ref, prompt, MAX_TOKENS))
-        # logprobs of the chosen tokens are those of the reference's distribution
-        ref_lp = torch.log_softmax(logits.double(), dim=-1)
-        for pos, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
-            assert entry[tok].logprob == pytest.approx(ref_lp[pos, tok].item(), abs=1e-4)
-            assert entry[tok].rank == 1
-    # the model is not degenerate: different prompts lead to different continuations
-    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1
+    # logprobs of the chosen tokens are those of the reference's distribution; the model is
+    # not degenerate: different prompts lead to different continuations
+    check_greedy_outputs(hf_model(path), prompts, outs, MAX_TOKENS)
 
 
 def test_tiny_model_outputs_survive_preemption(tmp_path, default_model_dir, prompts):

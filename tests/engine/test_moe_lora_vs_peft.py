@@ -13,7 +13,8 @@ import shutil
 
 import pytest
 import torch
-from support.lora_fixtures import make_peft_adapter, peft_reference, teacher_forcing_gaps
+from support.lora_fixtures import make_peft_adapter
+from support.peft_harness import check_rows_match_peft, peft_prompts
 from support.tiny_models import make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
@@ -38,14 +39,7 @@ BASES = {  # name: (family, overrides, [(rank, target_modules, target_parameters
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    texts = ["Write a SQL query that lists all customers.", "The history of the Roman Empire",
-             "def quicksort(arr):", "My favourite fruit is", "1, 2, 3, 4,", "Explain photosynthesis:"]
-    ids = [tok(t).input_ids for t in texts]
-    ids[1] = ids[1] + list(range(200, 250))  # a long prompt: several prefill chunks
-    return ids
+    return peft_prompts(default_model_dir, 50)  # a long prompt: several prefill chunks
 
 
 def _adapters(base, tmp_path, specs):
@@ -60,22 +54,7 @@ def _adapters(base, tmp_path, specs):
 
 
 def _check_rows(base, adapters, rows, choice, outs):
-    refs: dict = {None: peft_reference(base, None)}
-    moved = set()
-    for prompt, c, out in zip(rows, choice, outs, strict=True):
-        if c not in refs:
-            refs[c] = peft_reference(base, adapters[c])
-        comp = out.outputs[0]
-        gaps, ref_lp = teacher_forcing_gaps(refs[c], prompt, comp.token_ids)
-        assert max(gaps) <= 2e-3, (c, gaps)
-        for j, entry in enumerate(comp.logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref_lp[j, tid].item(), abs=1e-4, rel=1e-4), (c, j)
-        if c is not None:
-            _, base_lp = teacher_forcing_gaps(refs[None], prompt, comp.token_ids)
-            if (base_lp - ref_lp).abs().max() > 1e-2:
-                moved.add(c)
-    return moved
+    return set(check_rows_match_peft(base, adapters, rows, choice, outs))
 
 
 @pytest.mark.parametrize("name", list(BASES))

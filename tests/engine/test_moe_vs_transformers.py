@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.greedy_reference import check_greedy
-from support.lora_fixtures import make_peft_adapter, peft_reference, teacher_forcing_gaps
+from support.greedy_reference import check_greedy, check_greedy_outputs, hf_model, reference_prompts
+from support.lora_fixtures import make_peft_adapter
+from support.peft_harness import check_rows_match_peft
 from support.tiny_models import make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
@@ -34,16 +35,7 @@ CONFIGS = {  # name: (family, overrides)
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    long = (
-        "Paged attention stores the keys and values of every sequence in fixed-size blocks, "
-        "so that memory is allocated on demand and shared between sequences; the scheduler "
-        "admits new requests while others decode, and preempts the newest when blocks run out."
-    )
-    ids = [tok(long).input_ids, [tok("Hello").input_ids[0]], tok("The capital of France").input_ids,
-           tok("def fibonacci(n):\n    if n < 2:").input_ids]
+    ids = reference_prompts(default_model_dir)
     assert len(ids[0]) > 40
     return ids
 
@@ -62,21 +54,6 @@ def moe_dir(tmp_path_factory, default_model_dir):
     return make
 
 
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt_ids, n):
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def _generate(path, prompts, **kw):
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=64, **kw)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -84,15 +61,7 @@ def _generate(path, prompts, **kw):
 
 
 def _check(ref, prompts, outs, *, distinct=True):
-    for prompt, out in zip(prompts, outs, strict=True):
-        comp = out.outputs[0]
-        assert len(comp.token_ids) == MAX_TOKENS
-        logits = check_greedy(ref, prompt, comp.token_ids, reference_ids=hf_greedy(ref, prompt, MAX_TOKENS))
-        ref_lp = torch.log_softmax(logits.double(), dim=-1)
-        for pos, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
-            assert entry[tok].logprob == pytest.approx(ref_lp[pos, tok].item(), abs=1e-4)
-    if distinct:
-        assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1, "a degenerate model tests nothing"
+    check_greedy_outputs(ref, prompts, outs, MAX_TOKENS, distinct=distinct)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -186,21 +155,8 @@ def test_attention_only_adapters_on_moe_bases_match_peft(name, moe_dir, prompts,
     loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
-    refs = {}
-    base_ref = peft_reference(base, None)
-    moved = 0
-    for prompt, c, out in zip(rows, choice, outs, strict=True):
-        ref = refs.setdefault(c, peft_reference(base, adapters[c]) if c is not None else base_ref)
-        comp = out.outputs[0]
-        gaps, ref_lp = teacher_forcing_gaps(ref, prompt, comp.token_ids)
-        assert max(gaps) <= 2e-3, (name, c, gaps)
-        for j, entry in enumerate(comp.logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref_lp[j, tid].item(), abs=1e-4, rel=1e-4)
-        if c is not None:
-            _, base_lp = teacher_forcing_gaps(base_ref, prompt, comp.token_ids)
-            moved += bool((base_lp - ref_lp).abs().max() > 1e-2)
-    assert moved >= len(adapters) - 1
+    moved = check_rows_match_peft(base, adapters, rows, choice, outs)
+    assert len(moved) >= len(adapters) - 1
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])

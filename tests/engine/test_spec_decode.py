@@ -191,6 +191,7 @@ def _two_sample_pvalue(a: dict, b: dict) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+@pytest.mark.slow
 def test_unseeded_sampling_has_the_same_distribution_chi_square(tiny_model_dir):
     """The engine's own sampled tokens (unseeded, temperature 1, four allowed tokens that the
     prompt repeats, so nearly every step drafts, skewed) at output positions 2-5, with and without

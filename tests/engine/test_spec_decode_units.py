@@ -167,6 +167,7 @@ def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)],
                          ids=["t1", "t0.7-top_p"])
 def test_verified_sampling_is_exact_in_distribution(params):

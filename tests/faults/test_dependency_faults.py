@@ -117,6 +117,7 @@ def _snapshot(registry, tenant="free"):
     return listing, audit
 
 
+@pytest.mark.latency
 def test_stalled_and_killed_store(stack):
     c, h = stack["client"], stack["free"]
     s3 = stack["services"]["s3"]
@@ -147,6 +148,7 @@ def test_stalled_and_killed_store(stack):
     assert _snapshot(stack["registry"]) == before
 
 
+@pytest.mark.latency
 def test_stalled_and_killed_database(stack):
     c, h, reg = stack["client"], stack["free"], stack["registry"]
     pg = stack["services"]["pg"]
@@ -191,6 +193,7 @@ def test_stalled_and_killed_database(stack):
     assert _snapshot(reg) == before  # nothing lost, nothing half-made
 
 
+@pytest.mark.latency
 def test_stalled_and_killed_redis(stack):
     c, lim, free = stack["client"], stack["limited"], stack["free"]
     redis = stack["services"]["redis"]

@@ -176,6 +176,7 @@ def test_engine_restart_clears_the_index(tiny_model_dir):
         engine.shutdown()
 
 
+@pytest.mark.latency
 def test_a_full_queue_drops_and_counts_without_blocking():
     port = free_port()
     publisher = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@p@m",

@@ -45,6 +45,7 @@ def wait_idle(url: str, timeout: float = 5.0) -> float:
     return metric(url, "loramux_kv_cache_usage_perc")
 
 
+@pytest.mark.latency
 def test_stream_disconnect_frees_blocks(server):
     url, engine = server
     idle = wait_idle(url)
@@ -73,6 +74,7 @@ def test_stream_disconnect_frees_blocks(server):
     assert 0 < generated < MAX_TOKENS
 
 
+@pytest.mark.latency  # a 0.15 s read timeout; counts the stream test's cancel before its own
 def test_non_stream_disconnect_frees_blocks(server):
     url, engine = server
     body = {"model": BASE, "prompt": "Another long story", "max_tokens": MAX_TOKENS, "ignore_eos": True}

@@ -26,6 +26,7 @@ def _bulkhead(**kw) -> Bulkhead:
     return Bulkhead("database", **args)
 
 
+@pytest.mark.latency
 async def test_stalled_calls_time_out_then_fail_fast():
     release = threading.Event()
     b = _bulkhead()
@@ -48,6 +49,7 @@ async def test_stalled_calls_time_out_then_fail_fast():
     b.shutdown()
 
 
+@pytest.mark.latency
 async def test_full_pool_refuses_at_once_and_other_bulkheads_serve():
     release = threading.Event()
     deps = Dependencies(DependencyPolicy(db_workers=1, db_call_timeout=5.0, breaker_failures=99))
@@ -79,6 +81,7 @@ async def test_dependency_errors_count_and_others_do_not():
     b.shutdown()
 
 
+@pytest.mark.latency
 def test_call_sync_deadline():
     b = _bulkhead(timeout=0.2)
     release = threading.Event()
@@ -116,6 +119,7 @@ def test_policy_and_budgets_are_settings():
         DependencyPolicy(db_call_timeout=0)
 
 
+@pytest.mark.latency
 async def test_read_through_answers_stale_at_once_while_the_database_fails():
     deps = Dependencies(DependencyPolicy(outage_staleness=60, breaker_failures=99))
     cache = deps.stale_cache(0.0)  # every entry is expired at once
@@ -153,6 +157,7 @@ def _raise_unavailable():
     raise DependencyUnavailable("database", "down", 5)
 
 
+@pytest.mark.latency
 async def test_read_through_hedges_a_slow_refresh():
     deps = Dependencies(DependencyPolicy(stale_hedge=0.2, breaker_failures=99))
     cache = deps.stale_cache(0.0)

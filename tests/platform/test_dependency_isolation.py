@@ -35,6 +35,7 @@ def _stall(monkeypatch, obj, name, release: threading.Event):
     monkeypatch.setattr(obj, name, stalled)
 
 
+@pytest.mark.latency
 async def test_stalled_store_fails_cold_adapters_fast_and_spares_the_base_model(
         fast_client, env, monkeypatch):
     client, _ = fast_client
@@ -87,6 +88,7 @@ async def test_cached_key_survives_a_database_outage(fast_client, env, monkeypat
     assert "10.9.8.7" not in r.text
 
 
+@pytest.mark.latency
 async def test_ready_names_the_stalled_database(fast_client, env, monkeypatch):
     client, _ = fast_client
     release = threading.Event()

@@ -67,6 +67,7 @@ def _stream(url, headers, max_tokens, out: list):
                 out.append(line[6:])
 
 
+@pytest.mark.latency
 def test_sigterm_drains_with_503_then_times_out_with_an_error_event(slow_server):
     server, thread, url, headers = slow_server
     short, long = [], []
@@ -100,6 +101,7 @@ def test_sigterm_drains_with_503_then_times_out_with_an_error_event(slow_server)
     assert len(long) < 480
 
 
+@pytest.mark.latency
 def test_sigterm_with_nothing_in_flight_stops_at_once(slow_server):
     server, thread, url, _ = slow_server
     t0 = time.monotonic()

@@ -1,5 +1,7 @@
-"""Registry fixtures: every registry test runs on SQLite and PostgreSQL, and with the
-FileStore and an S3Store against a moto S3 server on loopback.
+"""Registry fixtures: the registry tests run over a backend matrix, a database (SQLite,
+PostgreSQL) times an object store (the FileStore, an S3Store against a moto S3 server on
+loopback). By default only SQLite with the FileStore; ``LORAMUX_TEST_BACKENDS=all`` (set
+by ``.ci/run``) runs all four (:data:`DATABASES`, :data:`STORES`).
 
 PostgreSQL: ``LORAMUX_TEST_POSTGRES_URL`` (default
 ``postgresql+psycopg://postgres@127.0.0.1:5432/test``); each test gets its own schema
@@ -21,6 +23,12 @@ from support.services import require_service
 PG_URL = os.environ.get(
     "LORAMUX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+
+ALL_BACKENDS = os.environ.get("LORAMUX_TEST_BACKENDS", "").strip().lower() == "all"
+DATABASES = ["sqlite", "postgresql"] if ALL_BACKENDS else ["sqlite"]
+"""The databases the ``database_url`` fixture (and so ``registry``) is parametrized over."""
+STORES = ["file", "s3"] if ALL_BACKENDS else ["file"]
+"""The object stores the ``object_store`` fixture (and so ``registry``) is parametrized over."""
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -67,7 +75,7 @@ def postgres_url(postgres_available):
     admin.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=DATABASES)
 def database_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'registry.db'}"
@@ -117,7 +125,7 @@ def make_s3_store(moto_endpoint):
     return make
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=STORES)
 def object_store(request, tmp_path):
     if request.param == "file":
         from loramux.registry.store import FileStore

@@ -14,6 +14,7 @@ from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.db import Database
 
 
+@pytest.mark.latency
 def test_postgres_statement_timeout(postgres_url):
     db = Database(postgres_url, budgets=DependencyBudgets(db_statement_timeout=0.5))
     try:
@@ -31,6 +32,7 @@ def test_postgres_statement_timeout(postgres_url):
         db.dispose()
 
 
+@pytest.mark.latency
 def test_postgres_connect_timeout_is_bounded():
     """A address that never answers (TEST-NET-1) fails within the connect budget."""
     db = Database("postgresql+psycopg://u@192.0.2.1:5432/x",
@@ -42,6 +44,7 @@ def test_postgres_connect_timeout_is_bounded():
     db.dispose()
 
 
+@pytest.mark.latency
 def test_s3_client_budgets():
     from loramux.registry.s3 import S3Store
 

@@ -5,7 +5,41 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from loramux.registry.rollouts import Rollout, bucket, next_previous_live, parse_weights
+import pytest
+
+from loramux.registry.errors import InvalidRollout
+from loramux.registry.rollouts import (
+    Rollout,
+    bucket,
+    check_sticky,
+    next_previous_live,
+    parse_weights,
+)
+
+
+@pytest.mark.parametrize("weights, match", [
+    ({"1": 90, "2": 20}, "sum to 100"),
+    ({"1": 110, "2": -10}, "between 0 and 100"),
+    ({"1": 90.0, "2": 10}, "integer percent"),
+    ({"1": 50.5, "2": 49.5}, "integer percent"),
+    ({"1": True, "2": 99}, "integer percent"),
+    ({"1": "90", "2": 10}, "integer percent"),
+    ({"one": 100}, "not a version number"),
+    ({"0": 100}, "not a version number"),
+    ({}, "non-empty"),
+    ([1, 2], "non-empty"),
+])
+def test_bad_weights_are_refused(weights, match):
+    """The checks behind ``RegistryService.set_rollout`` (which changes nothing on a refusal:
+    tests/registry/test_versions.py runs a few of these through every backend)."""
+    with pytest.raises(InvalidRollout, match=match):
+        parse_weights(weights)
+
+
+def test_an_unknown_sticky_mode_is_refused():
+    with pytest.raises(InvalidRollout, match="sticky must be one of"):
+        check_sticky("random")
+    assert check_sticky("user") == "user"
 
 
 def test_a_thousand_users_split_within_three_points_and_stick():

@@ -39,6 +39,7 @@ def _post(url, key, model, **extra):
     return r, time.monotonic() - start, time.monotonic()
 
 
+@pytest.mark.latency
 def test_delete_while_queued_fails_the_queued_request_at_once(live, tenants, one_slot_engine):
     reg = tenants.registry
     reg.upload(tenants.attacker.id, "doomed-lora", tenants.adapter_dirs[2])

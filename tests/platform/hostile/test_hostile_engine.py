@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 
 
 def _attack(url, tenants, body, timeout=60):
@@ -13,6 +14,7 @@ def _attack(url, tenants, body, timeout=60):
                       timeout=timeout, json={"model": "attacker-lora", **body})
 
 
+@pytest.mark.latency
 def test_n_flood_leaves_the_neighbour_within_bound(live, tenants):
     url, canary = live()
     body = {"prompt": "flood", "n": 32, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
@@ -27,6 +29,7 @@ def test_n_flood_leaves_the_neighbour_within_bound(live, tenants):
     assert codes and all(c in (200, 429) for c in codes), codes
 
 
+@pytest.mark.latency
 def test_a_failing_step_fails_its_request_and_the_neighbour_goes_on(live, tenants, engine,
                                                                       monkeypatch):
     url, canary = live()
@@ -49,6 +52,7 @@ def test_a_failing_step_fails_its_request_and_the_neighbour_goes_on(live, tenant
     assert _attack(url, tenants, {"prompt": "again", "max_tokens": 4}).status_code == 200
 
 
+@pytest.mark.latency
 def test_a_dead_loop_gives_503_and_the_engine_serves_again(live, tenants, engine, monkeypatch):
     url, canary = live()
     original = engine.engine.scheduler.schedule
@@ -73,6 +77,7 @@ def test_a_dead_loop_gives_503_and_the_engine_serves_again(live, tenants, engine
     assert _attack(url, tenants, {"prompt": "alive", "max_tokens": 4}).status_code == 200
 
 
+@pytest.mark.latency
 def test_one_long_prompt_among_short_ones_finishes(live, tenants, engine):
     url, canary = live()
     long_ids = [7] * (engine.engine.max_model_len - 8)

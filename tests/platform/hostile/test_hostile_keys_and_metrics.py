@@ -5,9 +5,11 @@ in the HTTP path must match in full."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from support.platform_settings import ADMIN_KEY
 
 
+@pytest.mark.latency
 def test_metrics_needs_the_admin_key(live, tenants):
     url, canary = live()
     with canary.beside():
@@ -23,6 +25,7 @@ def test_metrics_public_when_the_operator_says_so(live):
     assert httpx.get(f"{url}/metrics", timeout=30).status_code == 200
 
 
+@pytest.mark.latency
 def test_revoked_key_refused_on_the_next_request(live, tenants):
     url, canary = live()
     key = tenants.registry.create_api_key(tenants.attacker.id)

@@ -24,6 +24,7 @@ def _complete(url, key, model, prompt="hello"):
                       json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
 
 
+@pytest.mark.latency
 def test_poisoned_adapter_refused_at_upload_and_isolated_when_forced_in(
         live, tenants, tiny_model_dir, tmp_path, monkeypatch):
     bad = _poisoned(tiny_model_dir, tmp_path / "poison")

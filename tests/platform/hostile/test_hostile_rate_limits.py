@@ -37,6 +37,7 @@ def backend(request, tenants):
     return overrides
 
 
+@pytest.mark.latency
 def test_rate_limited_tenant_gets_429_with_retry_after(live, tenants, backend):
     url, canary = live(**backend)
     h = tenants.auth(tenants.attacker_key)
@@ -80,6 +81,7 @@ def test_quotas_api_shows_quotas_and_usage(live, tenants, backend):
     assert httpx.get(f"{url}/v1/quotas", timeout=30).status_code == 401
 
 
+@pytest.mark.latency
 def test_a_stream_holds_its_concurrency_slot_until_it_ends(live, tenants, backend):
     url, canary = live(**backend)
     h = tenants.auth(tenants.attacker_key)

@@ -11,6 +11,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import httpx
+import pytest
 
 NEIGHBOUR_BODY = {"model": "neighbour-lora", "prompt": "The capital of", "max_tokens": 6,
                   "temperature": 0}
@@ -30,6 +31,7 @@ def _history(tenant_id: int, n: int) -> list[dict]:
     return out
 
 
+@pytest.mark.latency
 def test_usage_and_rollout_floods_leave_the_neighbour_alone(live, tenants):
     reg = tenants.registry
     history = _history(tenants.attacker.id, 30_000)

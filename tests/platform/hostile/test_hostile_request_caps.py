@@ -16,6 +16,7 @@ CASES = [
 ]
 
 
+@pytest.mark.latency
 @pytest.mark.parametrize("param,extra", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
 def test_oversized_request_names_the_field(live, tenants, param, extra):
     url, canary = live(max_request_work=1024)

@@ -10,6 +10,7 @@ import shutil
 import time
 
 import httpx
+import pytest
 
 MAX_UPLOAD = 2 * 1024 * 1024
 
@@ -22,6 +23,7 @@ def _greedy(url: str, key: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
+@pytest.mark.latency
 def test_runtime_lora_abuse_beside_the_canary(live, tenants, tmp_path):
     root = tmp_path / "loras"
     mine = root / "attacker"

@@ -52,6 +52,7 @@ def spray(url: str, key: str, adapters: list[str]) -> Attack:
     return Attack(url, key, bodies, workers=SPRAY_CONCURRENCY, repeat=True)
 
 
+@pytest.mark.latency
 def test_a_tenant_spraying_its_adapters_leaves_the_neighbour_within_3x_idle(
         live, tenants, spray_adapters, spray_engine):
     url, _ = live(engine=spray_engine, model_cache_ttl=5.0)

@@ -100,6 +100,7 @@ def _attacker(engine) -> tuple[int, int]:
     return sum(c.num_draft_tokens for c in counts), sum(c.num_accepted_tokens for c in counts)
 
 
+@pytest.mark.latency
 def test_draftable_flood_is_bounded_and_leaves_the_neighbour_within_3x_idle(
         live, tenants, spec_engine):
     url, _ = live(engine=spec_engine)

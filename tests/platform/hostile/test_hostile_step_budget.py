@@ -42,6 +42,7 @@ def flood(url: str, key: str) -> Attack:
     return Attack(url, key, [body], workers=FLOOD_STREAMS, repeat=False)
 
 
+@pytest.mark.latency
 def test_flood_of_256_sequences_leaves_the_neighbour_within_3x_idle(live, tenants, flood_engine):
     url, _ = live(engine=flood_engine)
     _quiet(url, tenants.neighbour_key)  # warm: loads the adapter

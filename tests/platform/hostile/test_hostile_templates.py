@@ -8,6 +8,7 @@ import concurrent.futures
 import time
 
 import httpx
+import pytest
 
 NESTED_LOOP = ("{% for a in range(100000) %}{% for b in range(100000) %}"
                "{% endfor %}{% endfor %}")  # pure CPU: 10^10 iterations, no output
@@ -20,6 +21,7 @@ def _chat(url, key, **body):
                             **body}, timeout=30)
 
 
+@pytest.mark.latency
 def test_caller_template_refused_by_default(live, tenants):
     url, canary = live()
     with canary.beside():
@@ -43,6 +45,7 @@ def test_trusted_template_renders_like_transformers(live, tenants, tiny_model_di
     assert r.json()["usage"]["prompt_tokens"] == len(tok(text, add_special_tokens=False).input_ids)
 
 
+@pytest.mark.latency
 def test_trusted_nested_loop_template_keeps_health_and_neighbour(live, tenants):
     url, canary = live(trust_request_chat_template=True, chat_template_render_timeout_s=1.5)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, canary.beside():

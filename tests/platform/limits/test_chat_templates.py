@@ -56,6 +56,7 @@ async def test_same_text_as_transformers(renderer, tokenizer, add_generation_pro
     )
 
 
+@pytest.mark.latency
 async def test_nested_loop_is_killed_and_the_loop_stays_responsive(renderer):
     await renderer.render("warm {{ messages | length }}", CONVERSATION)  # worker started
     [worker] = renderer._idle
