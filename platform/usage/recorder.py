@@ -144,12 +144,13 @@ class UsageRecorder:
         markers: list[threading.Event] = []
         deadline = time.monotonic() + self.policy.usage_flush_interval
         while len(records) < self.policy.usage_batch_size:
-            left = deadline - time.monotonic()
+            # stopping: take what is queued, wait for nothing more (close() waits on us)
+            left = 0.0 if self._stop.is_set() else deadline - time.monotonic()
             try:
                 item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is None:
+            if item is None:  # close()'s wake-up
                 continue
             if isinstance(item, threading.Event):
                 markers.append(item)
