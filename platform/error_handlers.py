@@ -261,12 +261,30 @@ def _deployment_rows() -> Rows:
     }
 
 
+def _parser_rows() -> Rows:
+    """The tool-call and reasoning parsers': a start-up refusal, and the parse errors their
+    ``safe_*`` methods turn into content (a row all the same, should one ever escape)."""
+    from loramux.platform.openai.parsers.partial_json import MalformedJSON, _Incomplete
+    from loramux.platform.openai.parsers.pythonic_ast import UnexpectedAstError
+    from loramux.platform.openai.parsers.registry import ParserStartupError
+
+    failed = _logged("the model's output could not be parsed; retry the request")
+    return {
+        ParserStartupError: ErrorRow(500, _SERVER, "misconfigured", log=True,
+                                     detail=_logged("the server is misconfigured")),
+        MalformedJSON: ErrorRow(500, _SERVER, log=True, detail=failed),
+        _Incomplete: ErrorRow(500, _SERVER, log=True, detail=failed),
+        UnexpectedAstError: ErrorRow(500, _SERVER, log=True, detail=failed),
+    }
+
+
 @functools.cache
 def error_table() -> dict[type[BaseException], ErrorRow]:
     """The one map from exception classes to answers (built once, on first use). The
     client hears what to do, the log hears what happened."""
     return {**API_ERROR_ROWS, **_request_rows(), **_engine_rows(), **_adapter_rows(),
-            **_limit_rows(), **_dependency_rows(), **_registry_rows(), **_deployment_rows()}
+            **_limit_rows(), **_dependency_rows(), **_registry_rows(), **_deployment_rows(),
+            **_parser_rows()}
 
 
 def row_of(cls: type[BaseException]) -> ErrorRow | None:

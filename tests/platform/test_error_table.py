@@ -147,7 +147,7 @@ async def test_context_length_answer_client_and_metric_agree(oai, env):
 async def test_queue_full_answer_client_and_metric_agree(oai, env, monkeypatch, stream):
     client, http = oai
     client = client.with_options(api_key=env.key_a)
-    monkeypatch.setattr(env.engine.engine, "_queue_full_for", lambda *_a: True)
+    monkeypatch.setattr("loramux.engine.engine.queue_full_for", lambda *_a: True)
     before = await _requests_total(http, "completions", "rejected")
     with pytest.raises(openai.RateLimitError) as e:
         await client.completions.create(model=BASE, prompt="hello", max_tokens=2, stream=stream)
