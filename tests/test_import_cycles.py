@@ -11,73 +11,9 @@ connected components of more than one module (or a module importing itself).
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "adapters", "registry", "platform", "migrations")
-
-
-def module_files(root: Path = ROOT) -> dict[str, Path]:
-    """Every module of the five packages: dotted name (``loramux.platform.app``) -> file."""
-    modules: dict[str, Path] = {}
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            modules[".".join(["loramux", *parts])] = path
-    return modules
-
-
-def _is_package(name: str, modules: Mapping[str, Path]) -> bool:
-    path = modules.get(name)
-    if path is not None and path.name == "__init__.py":
-        return True
-    return any(other.startswith(name + ".") for other in modules)
-
-
-def _resolve_relative(module: str, is_package: bool, level: int, target: str | None) -> str:
-    """The absolute name ``from <level dots><target> import ...`` in ``module`` means."""
-    base = module.split(".") if is_package else module.split(".")[:-1]
-    if level > 1:
-        base = base[: len(base) - (level - 1)]
-    return ".".join([*base, target] if target else base)
-
-
-def imports_of(module: str, source: str, modules: Mapping[str, Path]) -> set[str]:
-    """The loramux modules that ``module`` imports anywhere in ``source``."""
-    found: set[str] = set()
-    package = _is_package(module, modules)
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = (
-                _resolve_relative(module, package, node.level, node.module)
-                if node.level
-                else node.module or ""
-            )
-            targets = [
-                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                for alias in node.names
-            ]
-        else:
-            continue
-        for target in targets:
-            # `import loramux.a.b` binds loramux.a.b; the longest known prefix is the module
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != module:
-                found.add(target)
-    return found
-
-
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """module -> the loramux modules it imports (every import statement counted)."""
-    modules = module_files(root)
-    return {name: imports_of(name, path.read_text(), modules) for name, path in modules.items()}
+from support.import_graph import PACKAGES, import_graph
 
 
 def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:

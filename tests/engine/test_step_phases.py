@@ -4,9 +4,9 @@ alone changes a sequence's status."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from support import scheduler_harness as harness
+from support.import_graph import ROOT, imported_names, module_files
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
@@ -15,49 +15,13 @@ from loramux.engine.sequence import Sequence
 from loramux.engine.step_budget import StepLimits
 from loramux.engine.step_data import SampledOutput, SampledSeq
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"loramux.engine": ROOT / "engine", "loramux.adapters": ROOT / "adapters"}
-
-
-def _file(module: str) -> Path | None:
-    for prefix, folder in PACKAGES.items():
-        if module == prefix or module.startswith(prefix + "."):
-            base = folder.joinpath(*module[len(prefix) + 1:].split(".")) if module != prefix else folder
-            for p in (base / "__init__.py", base.with_suffix(".py")):
-                if p.is_file():
-                    return p
-    return None
-
-
-def _runtime_imports(module: str) -> set[str]:
-    """Modules ``module`` imports when it runs (function-local ones too; ``TYPE_CHECKING``
-    blocks aside), with ``from pkg import sub`` resolved to the submodule."""
-    path = _file(module)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.Import):
-                found.update(a.name for a in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
-                    base = ".".join([*parts, base] if base else parts)
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in child.names if _file(f"{base}.{a.name}"))
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    return found
+MODULES = module_files()
 
 
 def _closure(module: str) -> set[str]:
-    """Every module ``module`` needs at run time, through loramux's modules and the
-    subpackages' ``__init__`` (the ``loramux.engine`` façade aside: it is the public API)."""
+    """Every name ``module`` needs at run time, through loramux's modules and the
+    subpackages' ``__init__`` (the ``loramux.engine`` façade aside: it is the public API):
+    loramux modules and the third-party names they import."""
     seen, todo = set(), [module]
     while todo:
         m = todo.pop()
@@ -66,18 +30,19 @@ def _closure(module: str) -> set[str]:
         seen.add(m)
         parts = m.split(".")
         todo += [".".join(parts[:i]) for i in range(3, len(parts))]  # parent subpackages
-        if _file(m) is not None:
-            todo += _runtime_imports(m)
+        if m in MODULES:
+            todo += imported_names(m, MODULES[m].read_text(), MODULES, runtime_only=True)
     return seen
 
 
-def test_the_import_walker_sees_function_local_imports(tmp_path):
-    found = _runtime_imports("loramux.engine.engine")
-    assert "torch" in found and "loramux.engine.scheduler" in found
+def test_the_walk_reaches_torch_where_the_engine_needs_it():
+    names = _closure("loramux.engine.engine")
+    assert "torch" in names and "loramux.engine.scheduler" in names
 
 
 def test_the_scheduler_imports_no_torch():
-    third_party = {m.split(".")[0] for m in _closure("loramux.engine.scheduler") if _file(m) is None}
+    third_party = {m.split(".")[0] for m in _closure("loramux.engine.scheduler")
+                   if not m.startswith("loramux")}
     assert "torch" not in third_party, sorted(third_party)
     assert "transformers" not in third_party
 
