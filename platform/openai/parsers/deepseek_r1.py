@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from loramux.platform.openai.parsers.reasoning_parser import THINK_END, THINK_START
 from loramux.platform.openai.parsers.thinking import ThinkingTokensReasoningParser
 from loramux.platform.openai.parsers.types import DeltaMessage
 
 
 class DeepSeekR1ReasoningParser(ThinkingTokensReasoningParser):
-    start_token = "<think>"
-    end_token = "</think>"
+    start_token = THINK_START
+    end_token = THINK_END
 
     def extract_reasoning_streaming(
         self,

@@ -14,11 +14,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from loramux.platform.openai.parsers.reasoning_parser import ReasoningParser
+from loramux.platform.openai.parsers.reasoning_parser import THINK_END, THINK_START, ReasoningParser
 from loramux.platform.openai.parsers.types import DeltaMessage
-
-THINK_START = "<think>"
-THINK_END = "</think>"
 
 
 def _overlap(a: str, b: str) -> int | None:
@@ -75,6 +72,8 @@ class _ThinkBuffer:
 
 
 class Olmo3ReasoningParser(ReasoningParser):
+    start_token = THINK_START
+    end_token = THINK_END
     think_end_first_split = ("Ġ</", "</")
     think_end_rest_split = ("think", ">")
     _reasoning = re.compile(
@@ -92,14 +91,6 @@ class Olmo3ReasoningParser(ReasoningParser):
             raise KeyError(f"Olmo3ReasoningParser: tokens {missing} are not in the vocabulary")
         self.think_end_first_token_ids = [self.vocab[t] for t in self.think_end_first_split]
         self.think_end_rest_token_ids = [self.vocab[t] for t in self.think_end_rest_split]
-
-    @property
-    def reasoning_start_str(self) -> str:
-        return THINK_START
-
-    @property
-    def reasoning_end_str(self) -> str:
-        return THINK_END
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         rest = self.think_end_rest_token_ids

@@ -17,12 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loramux.platform.openai.parsers.reasoning_parser import ReasoningParser
+from loramux.platform.openai.parsers.reasoning_parser import THINK_END, THINK_START, ReasoningParser
 from loramux.platform.openai.parsers.text import longest_tag_overlap
 from loramux.platform.openai.parsers.types import DeltaMessage
 
-THINK_START = "<think>"
-THINK_END = "</think>"
 TOOL_CALL_START = "<tool_call>"
 TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")
 _MARKERS = (THINK_START, THINK_END, TOOL_CALL_START)
@@ -44,6 +42,8 @@ def split_thought(text: str, thinking: bool = True) -> tuple[str, str, bool]:
 
 
 class Qwen3ReasoningParser(ReasoningParser):
+    start_token = THINK_START
+    end_token = THINK_END
     engine_based_streaming = True
     keep_special_tokens = True
 
@@ -69,14 +69,6 @@ class Qwen3ReasoningParser(ReasoningParser):
         self._answer_has_text = False
         self._pending_ws = ""
         self._last_text = ""
-
-    @property
-    def reasoning_start_str(self) -> str:
-        return THINK_START
-
-    @property
-    def reasoning_end_str(self) -> str:
-        return THINK_END
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         for token_id in reversed(input_ids):

@@ -21,6 +21,10 @@ from typing import Any, ClassVar
 
 from loramux.platform.openai.parsers.types import DeltaMessage
 
+THINK_START = "<think>"
+THINK_END = "</think>"
+"""The thought markers of the ``<think>`` formats (DeepSeek-R1, Qwen3, OLMo 3)."""
+
 
 class ReasoningParser(ABC):
     """Base class of every reasoning parser; subclasses register by name with
@@ -31,6 +35,9 @@ class ReasoningParser(ABC):
     engine_based_streaming: ClassVar[bool] = False
     #: The output must be detokenized with special tokens kept.
     keep_special_tokens: ClassVar[bool] = False
+    #: The text that opens a thought and the one that closes it (None: the format has none).
+    start_token: ClassVar[str | None] = None
+    end_token: ClassVar[str | None] = None
 
     def __init__(self, tokenizer: Any, *args: Any, **kwargs: Any) -> None:
         self.model_tokenizer = tokenizer
@@ -43,12 +50,12 @@ class ReasoningParser(ABC):
     @property
     def reasoning_start_str(self) -> str | None:
         """The text that opens a thought, if the format has one."""
-        return None
+        return self.start_token
 
     @property
     def reasoning_end_str(self) -> str | None:
         """The text that closes a thought."""
-        return None
+        return self.end_token
 
     @abstractmethod
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:

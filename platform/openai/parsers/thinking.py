@@ -17,7 +17,7 @@ from loramux.platform.openai.parsers.types import DeltaMessage
 class ThinkingTokensReasoningParser(ReasoningParser):
     """Subclasses set ``start_token`` and ``end_token``."""
 
-    start_token: ClassVar[str]
+    start_token: ClassVar[str]  # the thought's markers, each one token of the vocabulary
     end_token: ClassVar[str]
 
     def __init__(self, tokenizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -36,14 +36,6 @@ class ThinkingTokensReasoningParser(ReasoningParser):
             )
         self.start_token_id: int = start_id
         self.end_token_id: int = end_id
-
-    @property
-    def reasoning_start_str(self) -> str:
-        return self.start_token
-
-    @property
-    def reasoning_end_str(self) -> str:
-        return self.end_token
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         for token_id in reversed(input_ids):
