@@ -183,7 +183,7 @@ class LLMEngine:
 
     def step_requests(self) -> list[Request]:
         """Like ``step`` but returns the Request records (the async engine snapshots them)."""
-        started = time.perf_counter()
+        started = time.monotonic()  # the cycle's start and the rows' first-scheduled time
         self._end_cycle(started)
         failed = self._adapter_events()
         plan = self.scheduler.schedule()
@@ -226,11 +226,10 @@ class LLMEngine:
         inter-token latencies, and finished ones leave the table. Returns the requests that
         changed."""
         self.num_steps += 1
-        scheduled_at = time.monotonic() - (time.perf_counter() - started)
         for row in plan.scheduled:
             req = self.requests.get(row.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = scheduled_at
+                req.metrics.first_scheduled_time = started
         touched = {rid: self.requests[rid] for rid in outcome.advanced if rid in self.requests}
         for req in self.fail_requests(outcome.failed):
             touched[req.request_id] = req
@@ -259,7 +258,7 @@ class LLMEngine:
     def _end_cycle_if_idle(self) -> None:
         """The engine went idle (its last request settled or was aborted): the cycle ends now."""
         if not self.requests:
-            self._end_cycle(time.perf_counter())
+            self._end_cycle(time.monotonic())
 
     def fail_requests(self, culprits: dict[str, Exception]) -> list[Request]:
         """End these requests (their blocks freed): an :class:`EngineStepError` as it is,
