@@ -106,11 +106,11 @@ class OutputProcessor:
             if row.num_draft_tokens:
                 verify_rows.append(i)
                 verify_seqs.append(seq)
+                before[seq.seq_id] = seq.num_tokens
             elif row.num_computed_tokens + row.num_new_tokens >= seq.num_tokens:
                 sample_rows.extend([i] * (1 + len(seq.pending_forks)))
                 sample_seqs.extend([seq, *seq.pending_forks])
-            for s in (seq, *seq.pending_forks):
-                before[s.seq_id] = s.num_tokens
+                before.update((s.seq_id, s.num_tokens) for s in (seq, *seq.pending_forks))
         took = []
         if sample_rows:
             took += [self._took(s, before[s.seq_id])
