@@ -16,6 +16,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -126,6 +127,14 @@ class Adapter(Base):
     previous_live: Mapped[int | None]
     """The version that alone took every request before the rollout now in effect (the
     target of a rollback); NULL when there is none."""
+    chat_template: Mapped[str | None] = mapped_column(Text, default=None)
+    """The adapter's own Jinja chat template (shipped as ``chat_template.jinja`` or in
+    ``tokenizer_config.json``, or set with PATCH); NULL = the base model's. Rendered
+    sandboxed, with a time and size bound."""
+    tool_call_parser: Mapped[str | None] = mapped_column(String(64), default=None)
+    """``--tool-call-parser`` name for this adapter's requests; NULL = the server's."""
+    reasoning_parser: Mapped[str | None] = mapped_column(String(64), default=None)
+    """``--reasoning-parser`` name for this adapter's requests; NULL = the server's."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -231,3 +240,22 @@ class UsageRecord(Base):
     """``YYYY-MM-DD`` (UTC) of ``created_at``: the ``group_by=day`` key on every backend."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     """When the request finished."""
+
+
+class StoredResponse(Base):
+    """One stored Responses API response (``store: true``), readable only by its tenant.
+    ``body`` is the response object as returned; ``conversation`` the chat messages it
+    continued plus its own output, so ``previous_response_id`` can pick the thread up."""
+
+    __tablename__ = "stored_responses"
+    __table_args__ = (Index(None, "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(80), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(256))
+    previous_response_id: Mapped[str | None] = mapped_column(String(80))
+    body: Mapped[dict[str, Any]]
+    conversation: Mapped[dict[str, Any]]
+    """``{"messages": [...]}``: the chat messages up to and including this response's output."""
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
