@@ -90,7 +90,11 @@ class OpenAIServing:
                              fairness_key=_fairness_key(caller), caller=caller)
         return await self._respond(ctx, req, request, caller)
 
-    async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request) -> Response:
+    async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request, *,
+                   endpoint: str = "chat") -> Response:
+        """A chat completion: a JSONResponse, or an SSEResponse when ``req.stream``. Errors
+        raised before the first byte are :class:`APIError`s. ``endpoint``: the metrics and
+        usage-record label (the Responses API passes ``responses``)."""
         served = await self.resolver.resolve(caller, req.model, user=req.user,
                                              pinned=pinned_version(request.headers))
         built = build_params(req, served.preset, default_max_tokens=None)
@@ -105,7 +109,7 @@ class OpenAIServing:
             prompt = await run_in_threadpool(self.prompts.chat_prompt, req)
         else:
             prompt = self.prompts.chat_prompt(req)
-        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", "chat",
+        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", endpoint,
                              fairness_key=_fairness_key(caller), caller=caller)
         return await self._respond(ctx, req, request, caller)
 
