@@ -159,12 +159,15 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def render_chat(tokenizer, conversation, add_generation_prompt=True, chat_template=None, kwargs=None) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template."""
+def render_chat(tokenizer, conversation, add_generation_prompt=True, chat_template=None, kwargs=None,
+                tools=None) -> list[int]:
+    """Token ids of a conversation rendered with the tokenizer's chat template (``tools``:
+    the function tools the template renders, OpenAI shape)."""
     if not conversation:
         raise ValueError("messages must not be empty")
     text = tokenizer.apply_chat_template(
         conversation,
+        tools=tools,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         chat_template=chat_template,

@@ -217,6 +217,8 @@ def _registry_rows() -> Rows:
         r.InvalidName: ErrorRow(400, _BAD, "invalid_name", "name"),
         r.InvalidPreset: ErrorRow(400, _BAD, "invalid_preset", "preset"),
         r.InvalidDescription: ErrorRow(400, _BAD, "invalid_description", "description"),
+        r.InvalidChatSettings: ErrorRow(422, _BAD, "invalid_chat_settings",
+                                        detail=_param("param")),
         r.InvalidQuota: ErrorRow(400, _BAD, "invalid_quota", "quotas"),
         r.QuotaExceeded: ErrorRow(403, "permission_error", "quota_exceeded",
                                   detail=_param("quota")),

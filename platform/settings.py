@@ -38,6 +38,7 @@ from loramux.platform.limits.request import RequestLimits
 from loramux.platform.usage.policy import UsagePolicy
 from loramux.registry.budgets import DependencyBudgets
 from loramux.registry.quotas import Quotas
+from loramux.registry.stored_responses import ResponseStoreLimits
 
 if TYPE_CHECKING:
     pass
@@ -72,6 +73,7 @@ _LimitSettings = create_model(  # caps, default quotas, dependency budgets, usag
     **_fields_of(DependencyBudgets),
     **_fields_of(DependencyPolicy),
     **_fields_of(UsagePolicy),
+    **_fields_of(ResponseStoreLimits),
 )
 
 
@@ -162,6 +164,35 @@ class Settings(_LimitSettings):
         "Cold adapters read from disk or the object store at once; more wait in fair order."))
     lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
         'Static adapters every caller may use: name=path or {"name": .., "path": ..}.'))
+
+    # --- tool calling and reasoning (vLLM's flags; see docs/tool-calling.md) -------------
+    enable_auto_tool_choice: bool = Field(False, description=(
+        "vLLM's flag: tool_choice \"auto\" (the default when a request has tools) parses the "
+        "model's tool calls with --tool-call-parser. Adapters that name their own parser get "
+        "it without this flag."))
+    tool_call_parser: str | None = Field(None, description=(
+        "Tool-call parser of the base model and of adapters without their own: hermes, "
+        "llama3_json, pythonic, mistral, qwen3_xml (and their vLLM aliases), or a plugin's."))
+    tool_parser_plugin: str = Field("", description=(
+        "A Python file (or module) that registers tool parsers (vLLM's plugin flag)."))
+    reasoning_parser: str | None = Field(None, description=(
+        "Reasoning parser (deepseek_r1, qwen3, olmo3, or a plugin's): the thought goes to "
+        "message.reasoning, the answer to content."))
+    reasoning_parser_plugin: str = Field("", description=(
+        "A Python file (or module) that registers reasoning parsers."))
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field("auto", description=(
+        "vLLM's --tool-strict-level. auto: tool_choice required / a named function constrain "
+        "the call's format, and arguments follow the parameters schema of tools marked "
+        "strict: true (auto also constrains calls when a tool is strict); function: calls "
+        "are constrained for every request with tools; parameter: also every tool's "
+        "arguments, as if all were strict."))
+    structured_outputs_config: str | None = Field(None, description=(
+        'vLLM\'s structured outputs config as JSON, e.g. {"enable_in_reasoning": true} (the '
+        "grammar constrains the thought too; by default only the answer after it); keys: "
+        "backend (auto | xgrammar), enable_in_reasoning, reasoning_parser."))
+    exclude_tools_when_tool_choice_none: bool = Field(False, description=(
+        "vLLM's flag: requests with tool_choice \"none\" render no tools into the prompt."))
+
 
     # --- HTTP --------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Bind address.")
@@ -258,6 +289,14 @@ class Settings(_LimitSettings):
     @classmethod
     def _speculative(cls, value: str | None) -> str | None:
         SpeculativeConfig.parse(value)  # a bad config stops the server at start, naming the key
+        return value
+
+    @field_validator("structured_outputs_config")
+    @classmethod
+    def _structured_config(cls, value: str | None) -> str | None:
+        from loramux.platform.openai.tool_config import parse_structured_outputs_config
+
+        parse_structured_outputs_config(value)  # refused at start, naming the key
         return value
 
     @field_validator("role")

@@ -36,7 +36,9 @@ from loramux.platform.limits.tenant import build_limiter
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.gate import RequestGate
 from loramux.platform.openai.resolver import ModelResolver, parse_lora_modules
+from loramux.platform.openai.responses_api.service import ResponsesService, store_limits
 from loramux.platform.openai.serving import OpenAIServing
+from loramux.platform.openai.tool_config import build_parsing_config
 from loramux.platform.probes import Report, dependency_report
 from loramux.platform.settings import DEFAULT_MODEL_ALIASES, Settings
 from loramux.platform.usage.recorder import UsageRecorder
@@ -82,6 +84,8 @@ class AppState:
     """The prefix-cache KV-event publisher (``--kv-events-endpoint``)."""
     runtime_lora: RuntimeLoRA | None = None
     """vLLM's load/unload API (``--allow-runtime-lora-updating``, with a registry)."""
+    responses: ResponsesService | None = None
+    """The Responses API (``/v1/responses``) over ``openai``'s chat completions."""
 
     async def dependency_report(self) -> Report:
         """Every dependency asked at once (``/ready``, the dashboard's overview)."""
@@ -113,7 +117,9 @@ def _own_s3_root(settings: Settings) -> str | None:
 def build_state(settings: Settings, engine: AsyncEngine,
                 registry: RegistryService | None) -> AppState:
     """Wire the services around one engine (and optionally a registry); subscribes to
-    the engine's adapter events and the registry's changes (undone by close_state)."""
+    the engine's adapter events and the registry's changes (undone by close_state). Bad
+    tool-call / reasoning parser flags raise ``ParserStartupError`` before anything starts."""
+    parsing = build_parsing_config(settings, engine.tokenizer, engine.model_path.name)
     metrics = Metrics(settings.goodput_ttft_ms / 1000, settings.goodput_tpot_ms / 1000)
 
     def drop_engine_key(key: str) -> None:
@@ -153,7 +159,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
     openai = OpenAIServing(
         engine, resolver, metrics, fingerprint=fingerprint, gate=gate,
         errors=error_context(settings), max_prompts=settings.max_prompts_per_request,
-        usage=usage,
+        usage=usage, parsing=parsing,
     )
     adapters = AdapterService(
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
@@ -168,7 +174,8 @@ def build_state(settings: Settings, engine: AsyncEngine,
     admin.goodput = metrics.goodput_report
     admin.flush_usage = usage.flush if usage is not None else None
     state = AppState(settings, engine, registry, metrics, resolver, auth, openai, admin,
-                     adapters, scratch, gate=gate, deps=deps, usage=usage)
+                     adapters, scratch, gate=gate, deps=deps, usage=usage,
+                     responses=ResponsesService(openai, registry, deps, store_limits(settings)))
     admin.health = state.dependency_report
     if registry is not None:
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))

@@ -19,6 +19,15 @@ class InvalidDescription(RegistryError, ValueError):
     """An adapter description is too long."""
 
 
+class InvalidChatSettings(RegistryError, ValueError):
+    """An adapter's chat template or parser name cannot be stored (``param`` names the
+    field: ``chat_template``, ``tool_call_parser``, ``reasoning_parser``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(message)
+
+
 class InvalidQuota(RegistryError, ValueError):
     """A quota value is not a positive integer (or ``None`` for unlimited)."""
 

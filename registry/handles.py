@@ -55,6 +55,12 @@ class AdapterHandle:
     created_at: datetime
     """When this version was uploaded."""
     updated_at: datetime
+    chat_template: str | None = None
+    """The adapter's own Jinja chat template (every version shares it); None: the server's."""
+    tool_call_parser: str | None = None
+    """The adapter's tool-call parser name; None: the server's ``--tool-call-parser``."""
+    reasoning_parser: str | None = None
+    """The adapter's reasoning parser name; None: the server's ``--reasoning-parser``."""
     _fetch: Callable[[AdapterHandle], Path] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -32,7 +32,7 @@ NAMING_CONVENTION = {
 
 ADAPTER_STATUSES = ("ready", "disabled")
 EVENT_KINDS = ("uploaded", "version_added", "version_removed", "rollout_changed", "rolled_back",
-               "deleted", "evicted", "exported", "preset_changed")
+               "deleted", "evicted", "exported", "preset_changed", "chat_changed")
 
 
 def utcnow() -> datetime:

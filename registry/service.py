@@ -6,10 +6,10 @@ The parts, each given what it uses: :class:`~.tenants.Tenants` (tenants, keys, q
 :class:`~.uploads.Uploads` (validate → store → commit), the :class:`~.events.EventBus`
 every part announces its committed changes on, and the :class:`~.gc.Storage` (database,
 object store, disk cache, scratch folder) gc works over. The service itself does what
-spans them: deleting an adapter, its preset and description, the outside events it logs,
-the export and gc. Every public method of the parts is reached through the service (the
-platform and the CLI hold one ``RegistryService``); no part calls another's private
-methods.
+spans them: deleting an adapter, its preset, description and chat settings, the outside
+events it logs, the export and gc. Every public method of the parts is reached through the
+service (the platform and the CLI hold one ``RegistryService``); no part calls another's
+private methods.
 
 Every adapter query is scoped to one tenant: another tenant's adapter is reported exactly
 like a missing one.
@@ -27,6 +27,7 @@ from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
 from loramux.registry.audit import AdapterAudit
 from loramux.registry.cache import AdapterCache
+from loramux.registry.chat import audit_details, check_chat
 from loramux.registry.db import Database
 from loramux.registry.errors import (
     AdapterNotFound,
@@ -129,8 +130,9 @@ class RegistryService:
 
     # -- events: ``subscribe(listener)`` calls ``listener(kind, handle)`` after each
     # committed change (uploaded, version_added, version_removed, rollout_changed,
-    # rolled_back, deleted, preset_changed, described, evicted, exported; ``key_revoked``
-    # and ``quotas_changed`` with handle None) and returns the unsubscribe function.
+    # rolled_back, deleted, preset_changed, described, chat_changed, evicted, exported;
+    # ``key_revoked`` and ``quotas_changed`` with handle None) and returns the unsubscribe
+    # function.
     subscribe = _Part("bus")
     unsubscribe = _Part("bus")
 
@@ -228,6 +230,19 @@ class RegistryService:
             )
         return self._change(tenant, name, "described", actor, None,
                             description=description or None)
+
+    def set_chat(self, tenant: TenantRef, name: str, *, actor: str | None = None,
+                 **changes: str | None) -> AdapterHandle:
+        """Change the adapter's chat settings (every version shares them): any of
+        ``chat_template``, ``tool_call_parser``, ``reasoning_parser``; ``None`` clears one
+        back to the server's. Only the stored shape is checked here (the platform checks
+        first that the template renders and the parsers work). Listeners hear
+        ``chat_changed``; the audit keeps the template's digest, never its text."""
+        values = check_chat(changes)
+        if not values:
+            return self.get(tenant, name)
+        return self._change(tenant, name, "chat_changed", actor, audit_details(values),
+                            **values)
 
     # -- events done elsewhere, and the export ------------------------------------------
     def record_event(self, adapter_id: int, kind: str, *, actor: str | None = None,

@@ -20,6 +20,7 @@ from loramux.adapters.archive import WEIGHTS_NAME, adapter_folder
 from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, validate_adapter
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK, MAX_CONFIG_BYTES
 from loramux.adapters.weights import LoraWeights
+from loramux.registry.chat import check_parser_name, check_template, read_chat_template
 from loramux.registry.errors import AdapterConflict, BaseModelNotConfigured
 from loramux.registry.files import sha256_file
 from loramux.registry.gc import Storage, pending_marker
@@ -91,6 +92,9 @@ class Uploads:
         actor: str | None = None,
         replace: bool = True,
         default_preset: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> AdapterHandle:
         """Validate an adapter folder or archive and register it as ``name``: version 1
         of a new adapter, or the next version of an existing one. An adapter that follows
@@ -100,12 +104,21 @@ class Uploads:
         does not name. ``replace=False`` refuses an existing name instead
         (:class:`AdapterConflict`).
 
+        Chat settings (shared by every version): ``chat_template``, else the one the
+        folder ships (:func:`~loramux.registry.chat.read_chat_template`), replaces the
+        adapter's; an upload with neither keeps it. ``tool_call_parser`` and
+        ``reasoning_parser`` replace the adapter's when given, else it keeps its own. Only
+        their stored shape is checked here (the platform checks that they work first).
+
         Raises AdapterValidationError (bad adapter), InvalidName, InvalidPreset,
-        TenantNotFound, QuotaExceeded (``max_adapters``, ``max_stored_bytes``,
+        InvalidChatSettings, TenantNotFound, QuotaExceeded (``max_adapters``, ``max_stored_bytes``,
         ``max_versions_per_adapter``), AdapterConflict, ObjectStoreError.
         """
         check_name(name)
         preset = check_preset(default_preset, self.checks.preset_check)
+        chat = {"chat_template": check_template(chat_template),
+                "tool_call_parser": check_parser_name("tool_call_parser", tool_call_parser),
+                "reasoning_parser": check_parser_name("reasoning_parser", reasoning_parser)}
         self._require_base()
         with self.db.session() as s:
             tenant_id = self.tenants.tenant_id(s, tenant)
@@ -120,6 +133,7 @@ class Uploads:
         with adapter_folder(source, max_bytes=self.checks.max_adapter_bytes + MAX_CONFIG_BYTES,
                             tmp_dir=self.storage.tmp_dir) as folder:
             weights = self.validate(folder)
+            chat["chat_template"] = chat["chat_template"] or read_chat_template(folder)
             spec = weights.spec
             del weights
             weights_path = folder / WEIGHTS_NAME
@@ -139,7 +153,8 @@ class Uploads:
                 # Always (re)write: it refreshes the object's age too.
                 self.storage.store.put_file(fields["object_key"], weights_path, sha256=digest)
                 handle, kind, removed = self.commit(
-                    tenant_id, name, fields, preset, actor, replace)
+                    tenant_id, name, fields, preset, actor, replace,
+                    {k: v for k, v in chat.items() if v is not None})
         self.bus.notify(kind, handle)
         self.adapters.after_removal(removed)
         return handle
@@ -159,9 +174,11 @@ class Uploads:
         preset: dict[str, Any] | None,
         actor: str | None,
         replace: bool,
+        settings: dict[str, Any] | None = None,
     ) -> tuple[AdapterHandle, str, list[AdapterHandle]]:
         """The one transaction of an upload (called once its weights are stored): the new
-        version, the quota checks, what the retention removes and the audit events."""
+        version, the adapter's ``settings`` it brings (chat template, parsers), the quota
+        checks, what the retention removes and the audit events."""
         quotas = self.tenants.get_quotas(tenant_id)
         try:
             with self.db.session() as s:
@@ -189,6 +206,8 @@ class Uploads:
                     numbers = [v.number for v in self.adapters.versions(s, row.id)]
                 if preset is not None:
                     row.default_preset = preset
+                for column, value in (settings or {}).items():
+                    setattr(row, column, value)
                 number = row.last_version + 1
                 version = AdapterVersion(adapter_id=row.id, number=number, **fields)
                 s.add(version)
@@ -204,8 +223,10 @@ class Uploads:
                 s.flush()
                 after = self.tenants.usage_in(s, tenant_id)
                 check_storage(quotas, before, 0, after.stored_bytes - before.stored_bytes)
-                s.add(self.audit.event(row, kind, actor,
-                                       {"version": number, "sha256": version.sha256}))
+                details = {"version": number, "sha256": version.sha256}
+                if settings:
+                    details["chat"] = sorted(settings)
+                s.add(self.audit.event(row, kind, actor, details))
                 s.flush()
                 handle = self.adapters.handle(row, version)
         except IntegrityError:

@@ -101,7 +101,9 @@ class AdapterReleases:
             target_modules=tuple(v.target_modules), sha256=v.sha256, size_bytes=v.size_bytes,
             object_key=v.object_key, status=row.status, default_preset=row.default_preset,
             config=dict(v.config), description=row.description, created_at=v.created_at,
-            updated_at=row.updated_at, _fetch=self._fetch,
+            updated_at=row.updated_at, chat_template=row.chat_template,
+            tool_call_parser=row.tool_call_parser, reasoning_parser=row.reasoning_parser,
+            _fetch=self._fetch,
         )
 
     @staticmethod

@@ -16,7 +16,8 @@ from loramux.registry.budgets import DependencyBudgets
 
 GROUPS = {"max_stop": "request limits", QUOTA_PREFIX + "max_concurrent_requests": "tenant quotas",
           "s3_connect_timeout": "dependencies (timeouts, bulkheads, breakers)",
-          "model": "engine (vLLM names)", "host": "HTTP", "database_url": "registry",
+          "model": "engine (vLLM names)", "host": "HTTP",
+          "enable_auto_tool_choice": "tool calling and reasoning (vLLM names)", "database_url": "registry",
           "role": "cluster (see loramux.platform.cluster)",
           "protocol_metrics_port": "behind an inference gateway (see loramux.platform.inference_gateway)",
           "quota_cache_ttl": "isolation"}

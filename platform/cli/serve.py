@@ -53,9 +53,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loramux.platform.app import create_app
     from loramux.platform.drain import AFTER_TIMEOUT_S, DrainingServer
     from loramux.platform.logs import configure_logging
+    from loramux.platform.openai.tool_config import check_parser_flags
 
     settings = serve_settings(args)
     configure_logging(settings.log_level, settings.log_format)
+    check_parser_flags(settings)  # vLLM refuses bad parser flags before loading the model
     if settings.role != "all":
         from loramux.platform.cluster.roles import build_role_app
 

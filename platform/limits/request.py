@@ -52,6 +52,9 @@ class RequestLimits:
         "Longest text a chat template may render.")})
     max_grammar_chars: int = field(default=65536, metadata={"doc": (
         "Longest structured-output spec (JSON schema, regex, choices or EBNF, serialized).")})
+    max_tools: int = field(default=128, metadata={"doc": (
+        "Most ``tools`` one chat request may declare (each is rendered into the prompt and "
+        "may be compiled into the request's grammar).")})
 
     def __post_init__(self) -> None:
         for f in fields(self):

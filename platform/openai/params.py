@@ -110,8 +110,11 @@ def build_params(
     preset: dict[str, Any] | None,
     *,
     default_max_tokens: int | None,
+    tool_constraint: StructuredOutputsParams | None = None,
 ) -> BuiltParams:
-    """Merge engine defaults, the adapter preset and the request's own fields."""
+    """Merge engine defaults, the adapter preset and the request's own fields.
+    ``tool_constraint``: the grammar a chat request's ``tool_choice`` imposes; it replaces
+    the request's own output constraint (reported as a warning), as in vLLM."""
     is_chat = isinstance(req, ChatCompletionRequest)
     given = {
         name: getattr(req, name)
@@ -132,6 +135,11 @@ def build_params(
         given["logprobs"] = req.logprobs
 
     structured = _structured_outputs(req)
+    if tool_constraint is not None:
+        if structured is not None:
+            warnings.append("the request's output constraint had no effect: tool_choice "
+                            "constrains the output to tool calls")
+        structured = tool_constraint
     if structured is not None:
         given["structured_outputs"] = structured
 
@@ -223,9 +231,6 @@ def _no_effect(req, params: SamplingParams, given: dict[str, Any], is_chat: bool
         out.append("stream_options had no effect: stream is false")
     if getattr(req, "suffix", None):
         out.append("suffix had no effect: insertion is not supported")
-    if is_chat:
-        if req.tools:
-            out.append("tools had no effect: tool calling is not supported")
     for name in sorted(req.model_extra or {}):
         out.append(f"{name} had no effect: it is not a recognized parameter")
     return out

@@ -4,6 +4,8 @@ tokenized off the event loop."""
 
 from __future__ import annotations
 
+import json
+
 from starlette.concurrency import run_in_threadpool
 
 from loramux.engine.llm import render_chat
@@ -50,7 +52,10 @@ class PromptBuilder:
 
     @staticmethod
     def conversation(req: ChatCompletionRequest) -> list[dict]:
-        """The messages as the chat template sees them (text parts joined)."""
+        """The messages as the chat template sees them: text parts joined; an assistant
+        turn's ``tool_calls`` with their ``arguments`` as objects (as Hugging Face tool
+        templates expect them), a tool turn's ``tool_call_id``, a thought as
+        ``reasoning_content``."""
         conversation = []
         for i, m in enumerate(req.messages):
             content = m.content
@@ -65,15 +70,27 @@ class PromptBuilder:
                         )
                     parts.append(part["text"])
                 content = "".join(parts)
-            conversation.append({"role": m.role, "content": content or ""})
+            message: dict = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(call, i, j)
+                                         for j, call in enumerate(m.tool_calls)]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+            if thought is not None:
+                message["reasoning_content"] = thought
+            conversation.append(message)
         return conversation
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> dict:
-        """The messages rendered with the model's own chat template, as token ids."""
+    def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> dict:
+        """The messages rendered with the model's own chat template (``tools`` passed to
+        it), as token ids."""
         try:
             ids = render_chat(
                 self.tokenizer, self.conversation(req), bool(req.add_generation_prompt), None,
-                req.chat_template_kwargs,
+                req.chat_template_kwargs, tools=tools,
             )
         except BadRequest:
             raise
@@ -90,3 +107,21 @@ class PromptBuilder:
         else:
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return {"prompt_token_ids": ids}
+
+
+def _template_call(call: dict, i: int, j: int) -> dict:
+    """One assistant ``tool_calls`` entry with its JSON ``arguments`` parsed (vLLM does the
+    same: templates render the arguments object)."""
+    param = f"messages.{i}.tool_calls.{j}"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadRequest(f"{param}: a tool call needs function.name", param=param)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise BadRequest(f"{param}.function.arguments is not JSON", param=param) from None
+    elif not isinstance(arguments, dict):
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -85,6 +85,33 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant turn's calls (OpenAI shape; ``arguments`` as JSON text)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+    reasoning: str | None = None
+    """An assistant turn's thought (vLLM's name; ``reasoning_content`` is accepted too)."""
+    reasoning_content: str | None = None
+
+
+class ToolFunction(BaseModel):
+    """A function tool's declaration."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object."""
+    strict: bool | None = None
+    """Constrain the arguments to ``parameters`` (see ``--tool-strict-level``)."""
+
+
+class ChatTool(BaseModel):
+    """One entry of ``tools``: only function tools are served."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -95,8 +122,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Int32 | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    """``none`` | ``auto`` (the default with tools) | ``required`` |
+    ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per answer (default: any number)."""
     add_generation_prompt: bool | None = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -129,6 +160,8 @@ class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: dict[str, int] | None = Field(None, exclude_if=_unset)
+    """``{"reasoning_tokens": n}`` when a reasoning parser is in effect."""
 
 
 class CompletionChoice(BaseModel):
@@ -162,7 +195,11 @@ class CompletionResponse(_ResponseHead):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning: str | None = None
+    """The thought, when a reasoning parser split it off (vLLM's name)."""
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    """``[{"id", "type": "function", "function": {"name", "arguments"}}]``."""
 
 
 class ChatChoice(BaseModel):

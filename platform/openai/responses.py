@@ -10,6 +10,7 @@ from typing import Any
 
 from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.platform.identity import Caller
+from loramux.platform.openai.chat_output import ChatParsing, ChoiceStream
 from loramux.platform.openai.logprobs import TokenRenderer
 from loramux.platform.openai.params import BuiltParams
 from loramux.platform.openai.protocol import (
@@ -79,6 +80,10 @@ class ResponseRenderer(TokenRenderer):
                     "finish_reason": finish,
                     "stop_reason": o.stop_reason if finish is not None else None,
                 }
+            elif ctx.parsing is not None:
+                chunks += self._parsed_chunks(ctx, state, index, o, first_chunk, finish,
+                                              new_ids, lp)
+                continue
             else:
                 d: dict[str, Any] = {}
                 if first_chunk:
@@ -94,6 +99,38 @@ class ResponseRenderer(TokenRenderer):
                 }
             chunks.append(choice)
         return chunks
+
+    def _parsed_chunks(self, ctx: RequestContext, state: StreamState, index: int,
+                       o: CompletionOutput, first_chunk: bool, finish: str | None,
+                       new_ids: list[int], lp) -> list[dict]:
+        """The chunks of a choice whose text goes through the reasoning / tool parsers:
+        one per delta the parsers produced (the first also says ``role``), the logprobs
+        on the first, the finish reason on the last."""
+        stream = state.streams.get(index)
+        if stream is None:
+            stream = state.streams[index] = ctx.parsing.stream()
+        deltas = stream.step(o.text, o.token_ids)
+        if finish is not None:
+            deltas += stream.finish()
+            state.reasoning_tokens[index] = stream.reasoning_tokens
+            state.tools_called |= stream.called
+            state.parse_failed |= stream.parse_failed
+            finish = ctx.parsing.finish_reason(stream.called, finish)
+        if first_chunk:
+            deltas = [{"role": "assistant", "content": ""}, *deltas]
+        if not deltas and (finish is not None or lp):
+            deltas = [{}]
+        out = []
+        for k, d in enumerate(deltas):
+            last = k == len(deltas) - 1
+            out.append({
+                "index": index, "delta": d,
+                "logprobs": self.chat_logprobs(new_ids, lp, ctx.built.params.logprobs or 0)
+                if lp and k == 0 else None,
+                "finish_reason": finish if last else None,
+                "stop_reason": o.stop_reason if finish is not None and last else None,
+            })
+        return out
 
     def usage(self, finals: list[RequestOutput]) -> CompletionUsage:
         prompt = sum(len(f.prompt_token_ids) for f in finals)
@@ -131,18 +168,32 @@ class ResponseRenderer(TokenRenderer):
     def chat_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> ChatCompletionResponse:
         final = finals[0]
         choices = []
+        reasoning_tokens = 0
         for o in sorted(final.outputs, key=lambda o: o.index):
+            message = AssistantMessage(content=o.text)
+            reason = finish_reason(o)
+            if ctx.parsing is not None:
+                parsed = ctx.parsing.message(o.text, o.token_ids)
+                message = AssistantMessage(content=parsed.content, reasoning=parsed.reasoning,
+                                           tool_calls=parsed.tool_calls)
+                reason = ctx.parsing.finish_reason(bool(parsed.tool_calls), reason)
+                reasoning_tokens += parsed.reasoning_tokens
+                ctx.tools_called |= bool(parsed.tool_calls)
+                ctx.parse_failed |= parsed.parse_failed
             choices.append(ChatChoice(
                 index=o.index,
-                message=AssistantMessage(content=o.text),
+                message=message,
                 logprobs=self.chat_logprobs(o.token_ids, o.logprobs, ctx.built.params.logprobs or 0)
                 if o.logprobs is not None else None,
-                finish_reason=finish_reason(o),
+                finish_reason=reason,
                 stop_reason=o.stop_reason,
             ))
         with_prompt = ctx.built.params.prompt_logprobs is not None
+        usage = self.usage(finals)
+        if ctx.parsing is not None and ctx.parsing.reasoning_cls is not None:
+            usage.completion_tokens_details = {"reasoning_tokens": reasoning_tokens}
         return ChatCompletionResponse(
-            **self.head(ctx, stream=False), choices=choices, usage=self.usage(finals),
+            **self.head(ctx, stream=False), choices=choices, usage=usage,
             prompt_logprobs=self.prompt_logprobs(final) if with_prompt else None,
         )
 
@@ -175,6 +226,12 @@ class RequestContext:
     recorded: bool = False
     handed_off: bool = False
     """The response streams: the stream, not the handler, releases the tenant's quota."""
+    parsing: ChatParsing | None = None
+    """A chat request's reasoning / tool parsing (None: the text is the content)."""
+    tools_called: bool = False
+    """Some choice answered with tool calls (for the per-adapter counter)."""
+    parse_failed: bool = False
+    """Some choice's text looked like a call but did not parse (served as content)."""
 
     def __post_init__(self) -> None:
         self.rid = f"{self.kind}-{uuid.uuid4().hex}"
@@ -186,8 +243,16 @@ class StreamState:
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: dict[int, int] = field(default_factory=dict)
+    streams: dict[int, ChoiceStream] = field(default_factory=dict)
+    """Each parsed choice's parser state."""
+    reasoning_tokens: dict[int, int] = field(default_factory=dict)
+    tools_called: bool = False
+    parse_failed: bool = False
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         p = sum(self.prompt_tokens.values())
         c = sum(self.completion_tokens.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if self.ctx.parsing is not None and self.ctx.parsing.reasoning_cls is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(self.reasoning_tokens.values())}
+        return out

@@ -30,15 +30,20 @@ from loramux.engine.outputs import RequestOutput
 from loramux.platform.error_handlers import metric_label, to_api_error
 from loramux.platform.errors import DEFAULT_CONTEXT, BadRequest, ErrorContext, ServiceUnavailable
 from loramux.platform.identity import Caller
+from loramux.platform.limits.templates import template_variables
 from loramux.platform.metrics import Metrics
+from loramux.platform.openai.chat_output import ChatParsing
 from loramux.platform.openai.gate import RequestGate
 from loramux.platform.openai.params import build_params
 from loramux.platform.openai.prompts import LONG_PROMPT_CHARS, PromptBuilder
 from loramux.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
-from loramux.platform.openai.resolver import ModelResolver
+from loramux.platform.openai.reasoning_gate import gate_after_thought
+from loramux.platform.openai.resolver import ModelResolver, ServedModel
 from loramux.platform.openai.responses import RequestContext, ResponseRenderer, StreamState
 from loramux.platform.openai.streaming import Pump, SSEResponse, dumps, sse, until_disconnect
 from loramux.platform.openai.timing import PHASES, TIMING_HEADER, timing_header
+from loramux.platform.openai.tool_config import ParsingConfig
+from loramux.platform.openai.tool_request import plan_tools
 from loramux.platform.openai.versions import VERSION_HEADER, pinned_version
 from loramux.platform.usage.recorder import UsageRecorder
 from loramux.platform.usage.records import usage_record
@@ -64,10 +69,13 @@ class OpenAIServing:
         errors: ErrorContext = DEFAULT_CONTEXT,
         max_prompts: int = 64,
         usage: UsageRecorder | None = None,
+        parsing: ParsingConfig | None = None,
     ) -> None:
         """``usage``: where each finished request's usage record goes (None: nowhere);
-        ``errors``: the server's Retry-After values for the error table's answers."""
+        ``errors``: the server's Retry-After values for the error table's answers;
+        ``parsing``: the server's tool-call and reasoning parsers (adapters may name their own)."""
         self.engine = engine
+        self.parsing = parsing or ParsingConfig()
         self.usage = usage
         self.max_model_len = engine.max_model_len
         self.resolver = resolver
@@ -97,21 +105,46 @@ class OpenAIServing:
         usage-record label (the Responses API passes ``responses``)."""
         served = await self.resolver.resolve(caller, req.model, user=req.user,
                                              pinned=pinned_version(request.headers))
-        built = build_params(req, served.preset, default_max_tokens=None)
+        config = self.parsing.for_model(getattr(served, "tool_call_parser", None),
+                                        getattr(served, "reasoning_parser", None))
+        plan = plan_tools(req, config, self.gate.limits.max_tools)
+        parsing = ChatParsing(plan, config.reasoning_parser_class(), self.engine.tokenizer,
+                              req.chat_template_kwargs)
+        built = build_params(req, served.preset, default_max_tokens=None,
+                             tool_constraint=plan.constraint)
+        if parsing.keep_special_tokens:  # the parsers' markers may be special tokens
+            built.params = built.params.clone(skip_special_tokens=False)
         self.gate.check_caps(built.params)
+        prompt = await self._chat_prompt(req, served, plan.template_tools(config))
+        if parsing.reasoning_cls is not None and not config.enable_in_reasoning:
+            built.params = gate_after_thought(built.params, parsing, prompt["prompt_token_ids"])
+        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", endpoint,
+                             fairness_key=_fairness_key(caller), caller=caller,
+                             parsing=parsing if parsing.active else None)
+        return await self._respond(ctx, req, request, caller)
+
+    async def _chat_prompt(self, req: ChatCompletionRequest, served: ServedModel,
+                           tools: list[dict] | None) -> dict:
+        """The conversation rendered with the caller's template (if trusted), else the
+        adapter's own (sandboxed: it is tenant input), else the model's."""
+        kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        conversation = self.prompts.conversation(req)
+        add_generation_prompt = bool(req.add_generation_prompt)
         if req.chat_template is not None:  # the caller's own: refused unless trusted
             text = await self.gate.render_template(
-                req.chat_template, self.prompts.conversation(req), self.engine.tokenizer,
-                bool(req.add_generation_prompt), req.chat_template_kwargs,
-            )
-            prompt = await self.prompts.rendered_prompt(text)
-        elif len(json.dumps([m.model_dump() for m in req.messages])) > LONG_PROMPT_CHARS:
-            prompt = await run_in_threadpool(self.prompts.chat_prompt, req)
-        else:
-            prompt = self.prompts.chat_prompt(req)
-        ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", endpoint,
-                             fairness_key=_fairness_key(caller), caller=caller)
-        return await self._respond(ctx, req, request, caller)
+                req.chat_template, conversation, self.engine.tokenizer, add_generation_prompt,
+                kwargs)
+            return await self.prompts.rendered_prompt(text)
+        template = getattr(served, "chat_template", None)
+        if template is not None:
+            text = await self.gate.renderer.render(
+                template, conversation, add_generation_prompt=add_generation_prompt,
+                variables=template_variables(self.engine.tokenizer, kwargs), param="model")
+            return await self.prompts.rendered_prompt(text)
+        size = len(json.dumps([m.model_dump() for m in req.messages])) + len(json.dumps(tools or []))
+        if size > LONG_PROMPT_CHARS:
+            return await run_in_threadpool(self.prompts.chat_prompt, req, tools)
+        return self.prompts.chat_prompt(req, tools)
 
     def _check_lengths(self, ctx: RequestContext) -> None:
         """min_tokens must fit in the context (the engine would not stop at max_model_len)."""
