@@ -45,6 +45,7 @@ class Metrics:
             "loramux_requests_rejected", "Requests refused before running.", ["reason"], registry=r
         )
         self._version_series(r)
+        self._parser_series(r)
         self.usage = UsageSeries(r)
         """The usage writer's counters (``loramux_usage_records_*``)."""
         self._lock = threading.Lock()
@@ -214,7 +215,29 @@ class Metrics:
             "loramux_adapter_version_time_per_output_token_seconds", "Mean time per output token "
             "per tenant adapter version.", version, buckets=_LATENCY_BUCKETS, registry=r)
 
+    def _parser_series(self, r: CollectorRegistry) -> None:
+        """Tool calls and reasoning (chat requests whose text the parsers read)."""
+        self.tool_call_requests = Counter(
+            "loramux_tool_call_requests", "Chat requests answered with tool calls.", ["adapter"],
+            registry=r)
+        self.parser_failures = Counter(
+            "loramux_tool_parser_failures", "Answers that looked like a tool call but did not "
+            "parse (served as content).", ["adapter", "parser"], registry=r)
+        self.reasoning_tokens = Counter(
+            "loramux_reasoning_tokens", "Generated tokens inside a thought.", ["adapter"],
+            registry=r)
+
     # --- recording --------------------------------------------------------------------
+    def observe_parsing(self, adapter: str, parser: str | None, *, tools_called: bool,
+                        parse_failed: bool, reasoning_tokens: int) -> None:
+        """Once per finished chat request whose text went through the parsers."""
+        if tools_called:
+            self.tool_call_requests.labels(adapter).inc()
+        if parse_failed:
+            self.parser_failures.labels(adapter, parser or "json").inc()
+        if reasoning_tokens:
+            self.reasoning_tokens.labels(adapter).inc(reasoning_tokens)
+
     def observe_request(
         self,
         adapter: str,

@@ -113,8 +113,9 @@ class ResponseRenderer(TokenRenderer):
         if finish is not None:
             deltas += stream.finish()
             state.reasoning_tokens[index] = stream.reasoning_tokens
-            state.tools_called |= stream.called
-            state.parse_failed |= stream.parse_failed
+            ctx.reasoning_tokens += stream.reasoning_tokens
+            ctx.tools_called |= stream.called
+            ctx.parse_failed |= stream.parse_failed
             finish = ctx.parsing.finish_reason(stream.called, finish)
         if first_chunk:
             deltas = [{"role": "assistant", "content": ""}, *deltas]
@@ -178,6 +179,7 @@ class ResponseRenderer(TokenRenderer):
                                            tool_calls=parsed.tool_calls)
                 reason = ctx.parsing.finish_reason(bool(parsed.tool_calls), reason)
                 reasoning_tokens += parsed.reasoning_tokens
+                ctx.reasoning_tokens += parsed.reasoning_tokens
                 ctx.tools_called |= bool(parsed.tool_calls)
                 ctx.parse_failed |= parsed.parse_failed
             choices.append(ChatChoice(
@@ -232,6 +234,7 @@ class RequestContext:
     """Some choice answered with tool calls (for the per-adapter counter)."""
     parse_failed: bool = False
     """Some choice's text looked like a call but did not parse (served as content)."""
+    reasoning_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.rid = f"{self.kind}-{uuid.uuid4().hex}"
@@ -246,8 +249,6 @@ class StreamState:
     streams: dict[int, ChoiceStream] = field(default_factory=dict)
     """Each parsed choice's parser state."""
     reasoning_tokens: dict[int, int] = field(default_factory=dict)
-    tools_called: bool = False
-    parse_failed: bool = False
 
     def usage(self) -> dict[str, Any]:
         p = sum(self.prompt_tokens.values())

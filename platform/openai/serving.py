@@ -271,6 +271,11 @@ class OpenAIServing:
             if t.engine is not None:
                 m = t.engine
                 self.metrics.observe_itl(label, m.inter_token_latencies, m.itl_misses, m.itl_target)
+        if ctx.parsing is not None:
+            self.metrics.observe_parsing(
+                label, ctx.parsing.plan.parser_name,
+                tools_called=ctx.tools_called, parse_failed=ctx.parse_failed,
+                reasoning_tokens=ctx.reasoning_tokens)
         caller = ctx.caller or Caller()
         record = usage_record(
             request_id=ctx.rid, tenant_id=caller.tenant_id, key_prefix=caller.key_prefix,

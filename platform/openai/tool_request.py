@@ -50,6 +50,8 @@ class ToolPlan:
     """required / named answered in vLLM's generic JSON (parsed here, not by a parser)."""
     constraint: StructuredOutputsParams | None = None
     """The grammar the tool choice imposes (replaces the request's own constraint)."""
+    parser_name: str | None = None
+    """The tool parser's registered name (metrics labels)."""
 
     @property
     def parses(self) -> bool:
@@ -83,6 +85,13 @@ def plan_tools(req: ChatCompletionRequest, config: ParsingConfig, max_tools: int
     if choice == "none" or not tools:
         return ToolPlan(choice, None, tools, parallel)
     parser = config.tool_parser_class()
+    plan = _plan_choice(choice, named, tools, parallel, parser, config)
+    plan.parser_name = config.tool_call_parser if plan.parser is not None else None
+    return plan
+
+
+def _plan_choice(choice: str, named: str | None, tools: list[ChatTool], parallel: bool,
+                 parser: type[ToolParser] | None, config: ParsingConfig) -> ToolPlan:
     if choice == "auto":
         if not config.auto_tools or parser is None:
             raise BadRequest(AUTO_NEEDS_PARSER, param="tool_choice")
