@@ -27,6 +27,24 @@ HERMES_TWO = ('Let me check.<tool_call>{"name": "get_weather", "arguments": {"ci
               '</tool_call>')
 
 
+UNIT = {"type": "function", "function": {
+    "name": "set_unit", "strict": True, "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+        "additionalProperties": False}}}
+MODE = {"type": "function", "function": {
+    "name": "set_mode", "strict": True, "parameters": {
+        "type": "object", "properties": {"mode": {"enum": ["fast", "slow"]}},
+        "required": ["mode"], "additionalProperties": False}}}
+
+
+def _no_whitespace(tokenizer) -> dict[str, float]:
+    """A logit bias that keeps a random model from padding constrained JSON with
+    whitespace (a real model writes compact JSON; this one would fill max_tokens)."""
+    ids = [i for tok, i in tokenizer.get_vocab().items()
+           if tokenizer.convert_tokens_to_string([tok]).isspace()]
+    return {str(i): -100.0 for i in ids[:300]}
+
+
 def _regex(text: str) -> str:
     import re
 
@@ -47,6 +65,20 @@ def engine(tiny_model_dir):
 def _serve(engine, **kw):
     settings = Settings(served_model_name=[BASE], allow_anonymous=True, **kw)
     return create_app(settings, engine=engine, registry=None)
+
+
+@pytest.fixture(scope="module")
+def bias(engine) -> dict[str, float]:
+    return _no_whitespace(engine.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    """No tool parser: required / named use vLLM's generic JSON."""
+    app = _serve(engine, trust_request_chat_template=True)
+    with serve_in_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    close_state(app.services)
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +150,120 @@ def test_reasoning_split_and_counted(hermes):
     assert out.usage.completion_tokens_details.reasoning_tokens > 0
     content, reasoning, calls, finish = _rebuild(_stream(hermes, text))
     assert (content, reasoning, calls, finish) == ("It is sunny.", "I should look it up.", [], "stop")
+
+
+def _both(client, bias, **kw):
+    base = dict(model=BASE, messages=[{"role": "user", "content": "Set it up."}], max_tokens=60,
+                temperature=0, extra_body={"logit_bias": bias})
+    base.update(kw)
+    out = client.chat.completions.create(**base)
+    chunks = list(client.chat.completions.create(**base, stream=True))
+    return out, _rebuild(chunks)
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def _streamed(calls) -> list[tuple[str, dict]]:
+    return [(c["name"], json.loads(c["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("server", ["plain", "hermes"])
+def test_required_calls_a_tool(server, request, bias):
+    client = request.getfixturevalue(server)
+    out, (content, _, calls, finish) = _both(client, bias, tools=[UNIT, MODE],
+                                             tool_choice="required")
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" == finish
+    assert _calls(msg) and all(name in ("set_unit", "set_mode") for name, _ in _calls(msg))
+    for name, args in _calls(msg):
+        assert args in ([{"unit": "c"}, {"unit": "f"}] if name == "set_unit" else
+                        [{"mode": "fast"}, {"mode": "slow"}])
+    assert _streamed(calls) == _calls(msg) and not msg.content and not content
+
+
+@pytest.mark.parametrize("server", ["plain", "hermes"])
+def test_named_function_ends_with_stop(server, request, bias):
+    client = request.getfixturevalue(server)
+    choice = {"type": "function", "function": {"name": "set_mode"}}
+    out, (_, _, calls, finish) = _both(client, bias, tools=[UNIT, MODE], tool_choice=choice)
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "stop" == finish
+    assert len(_calls(msg)) == 1 and _calls(msg)[0][0] == "set_mode"
+    assert _calls(msg)[0][1] in ({"mode": "fast"}, {"mode": "slow"})
+    assert _streamed(calls) == _calls(msg)
+
+
+def test_parallel_tool_calls_false_keeps_one(hermes):
+    out = _chat(hermes, HERMES_TWO, parallel_tool_calls=False)
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
+    _, _, calls, _ = _rebuild(_stream(hermes, HERMES_TWO, parallel_tool_calls=False))
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_tool_choice_none_is_plain_content(hermes):
+    out = _chat(hermes, "</think>" + HERMES_TWO, tool_choice="none")
+    msg = out.choices[0].message
+    assert not msg.tool_calls and msg.content == HERMES_TWO
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_malformed_call_is_content_and_counted(hermes):
+    text = '</think>Sure<tool_call>{"name": get_weather}</tool_call>'
+    out = _chat(hermes, text)
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "stop" and not msg.tool_calls
+    assert msg.content == text[len("</think>"):]
+    content, _, calls, finish = _rebuild(_stream(hermes, text))
+    assert finish == "stop" and not calls
+
+
+def test_auto_without_a_parser_is_refused(plain):
+    with pytest.raises(openai.BadRequestError) as info:
+        plain.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "x"}],
+                                      tools=[WEATHER], max_tokens=4)
+    err = info.value.body
+    assert err["param"] == "tool_choice" and "--enable-auto-tool-choice" in err["message"]
+
+
+@pytest.mark.parametrize("tools, choice, param", [
+    ([{"type": "code_interpreter"}], None, "tools"),
+    ([{"type": "function", "function": {"description": "no name"}}], None, "tools"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+])
+def test_bad_tools_are_400s_naming_the_field(plain, tools, choice, param):
+    kw = {"tool_choice": choice} if choice is not None else {}
+    with pytest.raises(openai.BadRequestError) as info:
+        plain.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "x"}],
+                                      tools=tools, max_tokens=4, **kw)
+    assert (info.value.body.get("param") or "").startswith(param)
+
+
+TOOL_TEMPLATE = (
+    "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments.city }}]"
+    "{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_follow_up_turns_render_calls_and_results(plain):
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    out = plain.chat.completions.create(
+        model=BASE, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=2,
+        extra_body={"chat_template": TOOL_TEMPLATE})
+    expected = ("[tool get_weather]<user>Weather in Paris?<assistant>[call get_weather Paris]"
+                "<tool>sunny[for call_1]<assistant>")
+    assert out.usage.prompt_tokens == _count(plain, expected)
+
+
+def _count(client, text: str) -> int:
+    out = client.completions.create(model=BASE, prompt=text, max_tokens=1)
+    return out.usage.prompt_tokens
