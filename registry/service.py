@@ -53,6 +53,7 @@ from loramux.registry.models import (
 from loramux.registry.presets import PresetCheck, check_preset
 from loramux.registry.quotas import Quotas
 from loramux.registry.store import ObjectStore
+from loramux.registry.stored_responses import StoredResponses
 from loramux.registry.tenants import TenantRef, Tenants
 from loramux.registry.uploads import UploadChecks, Uploads
 from loramux.registry.usage import UsageLedger
@@ -118,6 +119,8 @@ class RegistryService:
                                self.checks)
         self.usage = UsageLedger(db)
         """Finished requests' usage records (appended by the platform's usage writer)."""
+        self.stored_responses = StoredResponses(db)
+        """Stored Responses API responses (``store: true``), per tenant."""
 
     @property
     def default_quotas(self) -> Quotas:
@@ -148,6 +151,12 @@ class RegistryService:
     get_quotas = _Part("tenants")
     set_quotas = _Part("tenants")
     get_usage = _Part("tenants")
+
+    # -- stored Responses API responses (stored_responses.py)
+    store_response = _Part("stored_responses")
+    get_stored_response = _Part("stored_responses")
+    delete_stored_response = _Part("stored_responses")
+    stored_response_usage = _Part("stored_responses")
 
     # -- the audit log (audit.py)
     events = _Part("audit")
