@@ -27,6 +27,7 @@ from loramux.platform.errors import APIError
 from loramux.platform.inference_gateway import routes as runtime_lora_routes
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
+from loramux.platform.openai.responses_api import routes as responses_routes
 from loramux.platform.server import LoramuxApp, app_of
 from loramux.platform.settings import Settings
 from loramux.platform.state import VERSION, aclose_state, build_state
@@ -115,6 +116,7 @@ def create_app(
         drain=drain,
     )
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(adapter_routes.router)
     app.include_router(tenant_routes.router)
     app.include_router(usage_routes.router)

@@ -16,6 +16,7 @@ from loramux.platform.admin.service import AdminService
 from loramux.platform.admin.session import COOKIE, CSRF_HEADER
 from loramux.platform.errors import Forbidden, ServiceUnavailable, Unauthorized
 from loramux.platform.identity import Caller
+from loramux.platform.openai.responses_api.service import ResponsesService
 from loramux.platform.openai.serving import OpenAIServing
 from loramux.platform.server import AdminState, app_of
 from loramux.platform.state import AppState
@@ -90,6 +91,13 @@ async def get_openai(state: StateDep) -> OpenAIServing:
     return state.openai
 
 
+async def get_responses(state: StateDep) -> ResponsesService:
+    """The Responses API service (``/v1/responses``)."""
+    if state.responses is None:
+        raise ServiceUnavailable("the server is starting", code="not_ready")
+    return state.responses
+
+
 async def get_adapter_service(state: StateDep) -> AdapterService:
     if state.adapters is None:
         raise ServiceUnavailable("this server runs without an adapter registry", code="no_registry")
@@ -101,5 +109,6 @@ async def get_admin_service(state: AdminStateDep) -> AdminService:
 
 
 OpenAIDep = Annotated[OpenAIServing, Depends(get_openai)]
+ResponsesDep = Annotated[ResponsesService, Depends(get_responses)]
 AdaptersDep = Annotated[AdapterService, Depends(get_adapter_service)]
 AdminServiceDep = Annotated[AdminService, Depends(get_admin_service)]
