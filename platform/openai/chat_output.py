@@ -51,7 +51,8 @@ class ChatParsing:
         self.plan = plan
         self.reasoning_cls = reasoning
         self.tokenizer = tokenizer
-        self.request = {**plan.request_view(), "chat_template_kwargs": request_kwargs or {}}
+        self.template_kwargs = dict(request_kwargs or {})
+        self.request = {**plan.request_view(), "chat_template_kwargs": self.template_kwargs}
 
     @property
     def active(self) -> bool:
@@ -72,8 +73,12 @@ class ChatParsing:
             return "tool_calls"
         return reason
 
-    def _reasoner(self) -> ReasoningParser | None:
-        return self.reasoning_cls(self.tokenizer) if self.reasoning_cls is not None else None
+    def new_reasoner(self) -> ReasoningParser | None:
+        """A reasoning parser for one choice (it sees the request's template kwargs, e.g.
+        Qwen3's ``enable_thinking``), or None."""
+        if self.reasoning_cls is None:
+            return None
+        return self.reasoning_cls(self.tokenizer, chat_template_kwargs=self.template_kwargs)
 
     def _tool_parser(self) -> ToolParser | None:
         if self.plan.parser is None or self.plan.choice == "none":
@@ -82,7 +87,7 @@ class ChatParsing:
 
     def message(self, text: str, token_ids: Sequence[int]) -> ParsedMessage:
         """Parse a finished choice."""
-        reasoner = self._reasoner()
+        reasoner = self.new_reasoner()
         reasoning, content = None, text
         tokens = 0
         if reasoner is not None:
@@ -128,7 +133,7 @@ class ChoiceStream:
 
     def __init__(self, parsing: ChatParsing) -> None:
         self.parsing = parsing
-        self.reasoner = parsing._reasoner()
+        self.reasoner = parsing.new_reasoner()
         self.tool_parser = parsing._tool_parser()
         self.text = ""
         self.ids: list[int] = []
@@ -137,11 +142,12 @@ class ChoiceStream:
         self.called = False
         self.generic_sent = 0
         self.reasoning_tokens = 0
+        self._generic_failed = False
 
     @property
     def parse_failed(self) -> bool:
         return bool(self.tool_parser is not None and self.tool_parser.parse_failed) or \
-            getattr(self, "_generic_failed", False)
+            self._generic_failed
 
     def step(self, text: str, token_ids: Sequence[int]) -> list[dict[str, Any]]:
         delta_text, delta_ids = text[len(self.text):], list(token_ids[len(self.ids):])

@@ -42,7 +42,7 @@ def gate_after_thought(params: SamplingParams, parsing: Any,
     spec = params.structured_outputs
     if spec is None or parsing.reasoning_cls is None:
         return params
-    reasoner = parsing.reasoning_cls(parsing.tokenizer)
+    reasoner = parsing.new_reasoner()
     end = reasoner.reasoning_end_str
     if not end or reasoner.is_reasoning_end(list(prompt_ids)):
         return params

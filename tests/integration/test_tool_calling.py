@@ -267,3 +267,68 @@ def test_follow_up_turns_render_calls_and_results(plain):
 def _count(client, text: str) -> int:
     out = client.completions.create(model=BASE, prompt=text, max_tokens=1)
     return out.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def pythonic(engine):
+    app = _serve(engine, enable_auto_tool_choice=True, tool_call_parser="pythonic",
+                 reasoning_parser="olmo3",
+                 structured_outputs_config='{"enable_in_reasoning": true}')
+    with serve_in_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    close_state(app.services)
+
+
+@pytest.fixture(scope="module")
+def qwen_xml(engine):
+    app = _serve(engine, enable_auto_tool_choice=True, tool_call_parser="qwen3_xml")
+    with serve_in_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    close_state(app.services)
+
+
+def test_pythonic_calls_after_an_olmo3_thought(pythonic):
+    text = "<think>two calls</think>[get_weather(city='Paris', days=3), get_time(tz='UTC')]"
+    out = _chat(pythonic, text)
+    msg = out.choices[0].message
+    assert msg.model_extra.get("reasoning") == "two calls"
+    assert _calls(msg) == [("get_weather", {"city": "Paris", "days": 3}),
+                           ("get_time", {"tz": "UTC"})]
+    assert out.choices[0].finish_reason == "tool_calls" and not msg.content
+    content, reasoning, calls, finish = _rebuild(_stream(pythonic, text))
+    assert (reasoning, finish, _streamed(calls)) == ("two calls", "tool_calls", _calls(msg))
+    assert not content
+
+
+def test_qwen3_xml_types_values_by_the_schema(qwen_xml):
+    text = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+            "</parameter>\n<parameter=days>\n4\n</parameter>\n</function>\n</tool_call>")
+    out = _chat(qwen_xml, text)
+    msg = out.choices[0].message
+    assert _calls(msg) == [("get_weather", {"city": "Paris", "days": 4})]
+    assert msg.content == "I will check."
+    _, _, calls, finish = _rebuild(_stream(qwen_xml, text))
+    assert finish == "tool_calls" and _streamed(calls) == _calls(msg)
+
+
+def test_qwen3_without_thinking_has_no_thought(hermes):
+    out = hermes.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0,
+        extra_body={**_forced("Plain answer."), "chat_template_kwargs": {"enable_thinking": False}})
+    msg = out.choices[0].message
+    assert msg.content == "Plain answer." and not msg.model_extra.get("reasoning")
+    assert out.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(enable_auto_tool_choice=True, tool_call_parser="llama3_json"), "<|python_tag|>"),
+    (dict(reasoning_parser="deepseek_r1"), "--reasoning-parser deepseek_r1"),
+    (dict(enable_auto_tool_choice=True, tool_call_parser="nope"), "invalid tool call parser"),
+    (dict(enable_auto_tool_choice=True), "requires --tool-call-parser"),
+    (dict(reasoning_parser="nope"), "invalid reasoning parser"),
+])
+def test_start_up_refusals(engine, flags, message):
+    from loramux.platform.openai.parsers import ParserStartupError
+
+    with pytest.raises(ParserStartupError, match=message.replace("|", r"\|")):
+        _serve(engine, **flags)
