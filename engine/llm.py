@@ -118,14 +118,17 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Render one conversation (or a list of them) with the chat template, then generate."""
+        """Render one conversation (or a list of them) with the chat template, then generate.
+        ``tools`` (OpenAI function tools) are rendered by the template, as vLLM's ``LLM.chat``
+        does; the outputs are the model's text (parse calls from it with a tool parser)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {
                 "prompt_token_ids": render_chat(
                     self.llm_engine.tokenizer, conv, add_generation_prompt, chat_template,
-                    chat_template_kwargs,
+                    chat_template_kwargs, tools=tools,
                 )
             }
             for conv in convs
