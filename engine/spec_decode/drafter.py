@@ -1,9 +1,11 @@
 """Which decode rows draft, how many tokens, and what came of it.
 
 Called by the scheduler while it plans a step (:meth:`Drafter.draft`) and after the step's
-verification (:meth:`Drafter.record`), on the engine thread. A sequence drafts unless it
-has a grammar (structured output: guided rows are neither drafted nor verified with the
-grammar). How many tokens it drafts follows what they are worth: each sequence keeps an
+verification (:meth:`Drafter.record`), on the engine thread. A sequence drafts unless its
+grammar constrains it (structured output: guided rows are neither drafted nor verified with
+the grammar); one whose grammar waits for the end of its thought (``reasoning_end``) drafts,
+and its drafts are verified position by position, masked from the token after the thought's
+end on. How many tokens it drafts follows what they are worth: each sequence keeps an
 estimate ``a`` of the chance that a drafted token is accepted (accepted drafts over
 accepted + rejecting verify steps, decayed, the maximum-likelihood ``a`` of a geometric run),
 and the i-th draft is kept only while ``a ** i`` (the chance it is accepted) exceeds the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loramux.engine.grammar_gate import constrains
 from loramux.engine.sequence import Sequence
 from loramux.engine.spec_decode.config import SpeculativeConfig
 from loramux.engine.spec_decode.ngram import TokenBuffer, propose
@@ -76,7 +79,7 @@ class Drafter:
         """Draft tokens for ``seq``'s next decode row, at most ``max_tokens`` (what the step's
         token budget leaves), each worth more than ``cost_ratio`` (see the module doc);
         called once per decode row while the step is planned."""
-        if seq.grammar is not None:
+        if constrains(seq.grammar):
             return []
         state = seq.spec_state
         if state is None:

@@ -48,9 +48,10 @@ class RowSampler(Protocol):
 
 def plain_greedy(seq: Sequence) -> bool:
     """True when every position's token is the argmax of the row's raw logits whatever came
-    before it: greedy, no grammar, nothing the sampler would apply to the logits (allowed
-    tokens, a pending ``min_tokens``, ``logit_bias``, penalties) and no logprobs (nor a
-    ``best_of`` ranking by them)."""
+    before it: greedy, no grammar (not even one waiting for the end of a thought: its mask
+    starts mid-row, so such a row is verified position by position), nothing the sampler
+    would apply to the logits (allowed tokens, a pending ``min_tokens``, ``logit_bias``,
+    penalties) and no logprobs (nor a ``best_of`` ranking by them)."""
     p = seq.params
     return (p.is_greedy and seq.grammar is None and p.allowed_token_ids is None
             and not p.logit_bias and seq.num_output_tokens >= p.min_tokens
