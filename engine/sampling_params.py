@@ -66,7 +66,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
-    """Constrain the output to a JSON schema, JSON object, regex, choice or EBNF grammar."""
+    """Constrain the output to a JSON schema, JSON object, regex, choice, EBNF grammar or
+    structural tag (from the end of the thought on with ``reasoning_end``)."""
     use_beam_search: bool = False
     """Beam search of width ``best_of`` (defaults to ``n``), returning the ``n`` best beams.
     Sampling parameters (temperature, top_p, top_k, min_p, penalties, seed) have no effect."""
@@ -223,10 +224,12 @@ class SamplingParams:
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary; called when a request is added."""
+        ends = (self.structured_outputs.reasoning_end if self.structured_outputs else None) or []
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list((self.logit_bias or {}).keys())),
             ("allowed_token_ids", self.allowed_token_ids or []),
+            ("structured_outputs.reasoning_end", [t for end in ends for t in end]),
         ):
             bad = [t for t in ids if t >= vocab_size]
             if bad:

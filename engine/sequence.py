@@ -75,7 +75,8 @@ class Sequence:
     rotate by it when the budget caps them."""
     detok_state: object | None = None
     grammar: object | None = None
-    """xgrammar matcher when the request has structured_outputs."""
+    """xgrammar matcher when the request has structured_outputs (a ``GatedMatcher`` when it
+    waits for the end of a thought: ``grammar_gate.py``)."""
     spec_state: object | None = None
     """Speculative decoding's per-sequence state (``spec_decode/drafter.py``; None = none yet)."""
 

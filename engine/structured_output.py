@@ -1,12 +1,14 @@
 """Structured outputs (vLLM's ``structured_outputs``): JSON schema, JSON object, regex,
-choice or EBNF grammar, enforced per row with xgrammar token bitmasks.
+choice, EBNF grammar or structural tag, enforced per row with xgrammar token bitmasks.
 
 :class:`~loramux.engine.async_engine.AsyncEngine` compiles a request's grammar in a worker
 thread before queueing it (:meth:`StructuredOutputManager.prepare`, with a time limit), so
 the step loop never waits on a compile; the engine then takes the cached compiled grammar
 when the request is added (a bad schema is a ``ValueError`` either way), masks each
 constrained row's logits before sampling and advances the row's matcher with every
-accepted token.
+accepted token. A request with ``reasoning_end`` gets a
+:class:`~loramux.engine.grammar_gate.GatedMatcher` per row instead: no mask until its
+thought ends.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
 
 import torch
 
 from loramux.engine.errors import GrammarError, GrammarTimeoutError
+from loramux.engine.grammar_gate import GatedMatcher, constrains
 from loramux.engine.structured_params import StructuredOutputsParams
 
 
@@ -71,6 +75,8 @@ class StructuredOutputManager:
         try:
             xgr_compiled = self._compile(params)
         except (RuntimeError, ValueError, TypeError) as e:
+            if params.structural_tag is not None:
+                raise GrammarError(f"structured_outputs.structural_tag is invalid: {_reason(e)}") from None
             raise GrammarError(f"structured_outputs: invalid constraint ({e})") from None
         with self._lock:
             self._cache[key] = xgr_compiled
@@ -79,9 +85,14 @@ class StructuredOutputManager:
         return xgr_compiled
 
     def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher for one sequence; raises ValueError when the constraint is invalid."""
+        """A fresh matcher for one sequence (when a request is added: one per ``best_of``
+        sequence), gated when ``params.reasoning_end`` is set; raises ValueError when the
+        constraint is invalid."""
         compiled = self.compiled(params)
-        return self._xgr().GrammarMatcher(compiled)
+        matcher = self._xgr().GrammarMatcher(compiled)
+        if params.reasoning_end is not None:
+            return GatedMatcher(matcher, params.reasoning_end)
+        return matcher
 
     def _compile(self, p: StructuredOutputsParams):
         c = self._compiler
@@ -94,11 +105,14 @@ class StructuredOutputManager:
             return c.compile_regex(p.regex)
         if p.choice is not None:
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in p.choice))
+        if p.structural_tag is not None:
+            return c.compile_structural_tag(p.structural_tag)
         return c.compile_grammar(p.grammar)
 
     def apply(self, logits: torch.Tensor, matchers: list) -> torch.Tensor:
-        """Logits [B, V] with the rows whose matcher is not None masked to allowed tokens."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+        """Logits [B, V] with the rows whose matcher constrains (not None, not waiting for
+        the end of a thought) masked to allowed tokens."""
+        rows = [i for i, m in enumerate(matchers) if constrains(m)]
         if not rows:
             return logits
         logits = logits.clone()
@@ -110,3 +124,12 @@ class StructuredOutputManager:
         xgr.apply_token_bitmask_inplace(sub, mask)
         logits[rows, : self.vocab_size] = sub
         return logits
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its source location (``[time] file.cc:line: Check
+    failed: (...) is false: <reason>``)."""
+    text = str(error).strip()
+    if "is false: " in text:
+        return text.split("is false: ", 1)[1].strip()
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
