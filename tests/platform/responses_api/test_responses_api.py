@@ -10,7 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from support.platform_settings import BASE
+from support.platform_settings import ADMIN_KEY, BASE
 from support.server import serve_in_thread
 
 GREEDY = {"model": BASE, "temperature": 0, "max_output_tokens": 8}
@@ -206,3 +206,27 @@ def test_stream_helper_rebuilds_the_same_response_live(app, env):
         stored = client.responses.retrieve(final.id)
         assert _dump(stored) == _dump(final)
         client.responses.delete(final.id)
+
+
+async def test_tool_call_turns_continue_through_the_store(oai, client, env):
+    """A function call and its output as input items, then continued by id: the stored
+    conversation keeps the call and the tool message; the metrics say ``responses``."""
+    a, _ = oai
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    first = await a.responses.create(input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ], tools=[tool], tool_choice="none", **GREEDY)
+    assert first.tools[0].name == "get_weather" and first.tool_choice == "none"
+    stored = env.registry.get_stored_response(env.tenant_a.id, first.id)
+    roles = [m["role"] for m in stored.conversation["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert stored.conversation["messages"][1]["tool_calls"][0]["id"] == "call_1"
+    second = await a.responses.create(input="And tomorrow?", previous_response_id=first.id,
+                                      tools=[tool], tool_choice="none", **GREEDY)
+    assert second.usage.input_tokens > first.usage.input_tokens
+    r = await client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert 'endpoint="responses"' in r.text
