@@ -8,6 +8,7 @@ import json
 
 import openai
 import pytest
+from support.forced_text import regex_literal
 from support.server import make_engine, serve_in_thread
 
 from loramux.platform.app import create_app
@@ -46,9 +47,7 @@ def _no_whitespace(tokenizer) -> dict[str, float]:
 
 
 def _regex(text: str) -> str:
-    import re
-
-    return re.escape(text)
+    return regex_literal(text)
 
 
 def _forced(text: str) -> dict:
