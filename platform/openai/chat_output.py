@@ -67,9 +67,10 @@ class ChatParsing:
         return tool or bool(self.reasoning_cls and self.reasoning_cls.keep_special_tokens)
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
-        """``tool_calls`` when calls were made under auto / required (a named choice
-        keeps the model's own reason, ``stop``, as OpenAI's does)."""
-        if called and self.plan.choice in ("auto", "required"):
+        """``tool_calls`` when calls were made under auto / required and the answer ended
+        by itself (a named choice keeps ``stop``, as OpenAI's does; an answer cut off by
+        ``max_tokens`` keeps ``length``)."""
+        if called and self.plan.choice in ("auto", "required") and reason == "stop":
             return "tool_calls"
         return reason
 

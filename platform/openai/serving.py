@@ -152,6 +152,12 @@ class OpenAIServing:
         if ctx.built.params.max_tokens is not None:
             return  # min_tokens <= max_tokens, which the engine checks against the context
         for p in ctx.prompts:
+            if min_tokens == 0 and len(p["prompt_token_ids"]) >= self.max_model_len:
+                raise BadRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your request has {len(p['prompt_token_ids'])} input tokens. "
+                    "Please reduce the length of the input.",
+                    param=ctx.prompt_param, code="context_length_exceeded")
             if len(p["prompt_token_ids"]) + min_tokens > self.max_model_len:
                 raise BadRequest(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, "
