@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from loramux.adapters.arch import folder_family
 from loramux.engine.async_engine import AsyncEngine
+from loramux.platform.adapter_api.chat import ChatSettingsCheck
 from loramux.platform.adapter_api.service import AdapterService
 from loramux.platform.admin.fleet import LocalFleet
 from loramux.platform.admin.service import AdminService
@@ -165,6 +166,8 @@ def build_state(settings: Settings, engine: AsyncEngine,
         registry, resolver, scratch_dir=scratch, max_upload_bytes=settings.max_upload_bytes,
         s3_endpoint_url=settings.s3_endpoint_url, s3_import_allow=settings.s3_import_allow,
         own_s3_root=_own_s3_root(settings), flush_usage=usage.flush if usage else None,
+        chat=ChatSettingsCheck(request_limits(settings), engine.tokenizer,
+                               model_name=engine.model_path.name),
     ) if registry is not None else None
     fleet = LocalFleet(engine, metrics.activity)
     admin = AdminService(
@@ -181,6 +184,8 @@ def build_state(settings: Settings, engine: AsyncEngine,
         state.cleanups.append(registry.subscribe(resolver.on_registry_event))
         state.cleanups.append(registry.subscribe(auth.on_registry_event))
         state.cleanups.append(registry.subscribe(gate.on_registry_event))
+    if adapters is not None:
+        state.cleanups.append(adapters.chat.close)
     state.cleanups.append(engine.add_adapter_listener(metrics.on_adapter_event))
     if registry is not None:
         state.cleanups.append(engine.add_adapter_listener(_broken_audit(registry, resolver)))

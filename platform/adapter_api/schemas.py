@@ -6,10 +6,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loramux.registry.chat import template_digest
 from loramux.registry.models import MAX_DESCRIPTION_CHARS
 
 if TYPE_CHECKING:
     from loramux.registry.handles import AdapterHandle, Release
+
+
+_TEMPLATE_DOC = ("The adapter's own Jinja chat template (for every version); on upload it "
+                 "beats a shipped chat_template.jinja / tokenizer_config.json; null in PATCH: "
+                 "the server's again.")
+_TOOL_DOC = "Tool-call parser name for this adapter's requests; null: the server's."
+_REASONING_DOC = "Reasoning parser name for this adapter's requests; null: the server's."
 
 
 class S3Upload(BaseModel):
@@ -23,6 +31,9 @@ class S3Upload(BaseModel):
     preset: dict[str, Any] | None = Field(None, description="Default sampling parameters.")
     replace: bool = Field(False, description="Accepted for older clients: an upload to an "
                           "existing name always adds a version.")
+    chat_template: str | None = Field(None, description=_TEMPLATE_DOC)
+    tool_call_parser: str | None = Field(None, description=_TOOL_DOC)
+    reasoning_parser: str | None = Field(None, description=_REASONING_DOC)
 
 
 class AdapterPatch(BaseModel):
@@ -31,6 +42,9 @@ class AdapterPatch(BaseModel):
     preset: dict[str, Any] | None = Field(None, description="Default sampling parameters; null clears.")
     description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS,
                                     description="Free text; null clears.")
+    chat_template: str | None = Field(None, description=_TEMPLATE_DOC)
+    tool_call_parser: str | None = Field(None, description=_TOOL_DOC)
+    reasoning_parser: str | None = Field(None, description=_REASONING_DOC)
 
 
 class ExportRequest(BaseModel):
@@ -40,8 +54,9 @@ class ExportRequest(BaseModel):
     version: int | None = Field(None, ge=1, description="The version to merge; default the newest.")
 
 
-class AdapterInfo(BaseModel):
-    """The API's view of an adapter (no storage internals)."""
+class AdapterSummary(BaseModel):
+    """An adapter in a listing: its fields without its chat template's text (a template
+    may be tens of kilobytes; its digest and length say whether and which)."""
 
     id: str
     object: Literal["adapter"] = "adapter"
@@ -60,10 +75,19 @@ class AdapterInfo(BaseModel):
     description: str | None
     created_at: str
     updated_at: str
+    tool_call_parser: str | None = None
+    """The adapter's tool-call parser; None: the server's ``--tool-call-parser``."""
+    reasoning_parser: str | None = None
+    """The adapter's reasoning parser; None: the server's ``--reasoning-parser``."""
+    chat_template_sha256: str | None = None
+    """sha256 of the adapter's own chat template (UTF-8); None: the server's template."""
+    chat_template_chars: int | None = None
+    """Its length in characters."""
 
     @classmethod
-    def of(cls, handle: AdapterHandle) -> AdapterInfo:
+    def of(cls, handle: AdapterHandle) -> AdapterSummary:
         """From a registry ``AdapterHandle``."""
+        template = handle.chat_template
         return cls(
             id=handle.name, name=handle.name, version=handle.version,
             base_model=handle.base_model, kind=handle.kind, rank=handle.rank, alpha=handle.alpha,
@@ -71,13 +95,34 @@ class AdapterInfo(BaseModel):
             size_bytes=handle.size_bytes, status=handle.status,
             default_preset=dict(handle.default_preset) if handle.default_preset else None,
             description=handle.description, created_at=handle.created_at.isoformat(),
-            updated_at=handle.updated_at.isoformat(),
+            updated_at=handle.updated_at.isoformat(), tool_call_parser=handle.tool_call_parser,
+            reasoning_parser=handle.reasoning_parser,
+            chat_template_sha256=template_digest(template) if template else None,
+            chat_template_chars=len(template) if template else None,
+            **cls._extra(handle),
         )
+
+    @classmethod
+    def _extra(cls, handle: AdapterHandle) -> dict[str, Any]:
+        return {}
+
+
+class AdapterInfo(AdapterSummary):
+    """The API's view of one adapter (no storage internals): the summary and the text of
+    its chat template (GET ``/v1/adapters/{name}``, the upload's and PATCH's answers)."""
+
+    chat_template: str | None = None
+    """The adapter's own Jinja chat template; None: the server's."""
+
+    @classmethod
+    def _extra(cls, handle: AdapterHandle) -> dict[str, Any]:
+        return {"chat_template": handle.chat_template}
 
 
 class AdapterList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[AdapterInfo]
+    data: list[AdapterSummary]
+    """Each adapter without its template's text (``GET /v1/adapters/{name}`` has it)."""
 
 
 class AdapterDeleted(BaseModel):

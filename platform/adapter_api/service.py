@@ -12,6 +12,7 @@ missing one (the registry scopes every query to the caller's tenant).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -21,6 +22,9 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from loramux.adapters.archive import adapter_folder
+from loramux.adapters.spec import MAX_CONFIG_BYTES
+from loramux.platform.adapter_api.chat import CHAT_FIELDS, ChatSettingsCheck
 from loramux.platform.adapter_api.releases import ReleaseService
 from loramux.platform.adapter_api.schemas import (
     AdapterDeleted,
@@ -28,6 +32,7 @@ from loramux.platform.adapter_api.schemas import (
     AdapterInfo,
     AdapterList,
     AdapterPatch,
+    AdapterSummary,
     S3Upload,
 )
 from loramux.platform.adapter_api.uploads import (
@@ -43,6 +48,7 @@ from loramux.platform.errors import BadRequest, Forbidden
 from loramux.platform.identity import Caller
 from loramux.platform.openai.presets import validate_preset
 from loramux.platform.openai.resolver import ModelResolver
+from loramux.registry.chat import read_chat_template
 
 if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
@@ -64,9 +70,11 @@ class AdapterService:
         s3_import_allow: list[str] | None = None,
         own_s3_root: str | None = None,
         flush_usage=None,
+        chat: ChatSettingsCheck,
     ) -> None:
         """``flush_usage``: the usage writer's flush (the versions' numbers see this
-        server's last requests)."""
+        server's last requests). ``chat``: checks an adapter's template and parsers before
+        the registry stores them."""
         self.registry = registry
         self.resolver = resolver
         self.scratch = scratch_dir
@@ -75,6 +83,7 @@ class AdapterService:
         self.s3_import_allow = [_as_prefix(p) for p in s3_import_allow or ()]
         self.own_s3_root = _as_prefix(own_s3_root) if own_s3_root else None
         self._export_lock = asyncio.Lock()
+        self.chat = chat
         self.releases = ReleaseService(registry, resolver.deps, flush_usage)
         """Versions, rollouts and rollback (``/v1/adapters/{name}/versions``, ``/rollout``,
         ``/rollback``)."""
@@ -106,7 +115,8 @@ class AdapterService:
                 raise BadRequest("the form field `name` is required", param="name")
             preset = parse_preset_field(received.fields.get("preset"))
             parse_bool(received.fields.get("replace"), "replace")
-            return await self._upload(caller, name, received, preset)
+            chat = {k: received.fields[k] for k in CHAT_FIELDS if received.fields.get(k, "").strip()}
+            return await self._upload(caller, name, received, preset, chat=chat)
         finally:
             await run_in_threadpool(received.cleanup)
 
@@ -138,8 +148,9 @@ class AdapterService:
             fetch_s3, body.source, self.scratch, self.max_upload_bytes,
             endpoint_url=self.s3_endpoint_url,
         )
+        chat = {k: getattr(body, k) for k in CHAT_FIELDS if getattr(body, k) is not None}
         try:
-            return await self._upload(caller, body.name, received, body.preset, replace)
+            return await self._upload(caller, body.name, received, body.preset, replace, chat)
         finally:
             await run_in_threadpool(received.cleanup)
 
@@ -155,33 +166,60 @@ class AdapterService:
             await run_in_threadpool(received.cleanup)
 
     async def _upload(self, caller: Caller, name: str, received: Received, preset,
-                      replace: bool = True) -> AdapterInfo:
+                      replace: bool = True, chat: dict[str, str] | None = None) -> AdapterInfo:
         """``replace`` False refuses an existing name (vLLM's load API without
-        ``load_inplace``); else an existing name gets its next version."""
+        ``load_inplace``); else an existing name gets its next version. ``chat``: the
+        request's own chat settings; a template it leaves out is the one the adapter ships
+        (``chat_template.jinja``, else ``tokenizer_config.json``), else the adapter keeps
+        its own. Settings are checked before anything is stored."""
         if preset is not None:
             validate_preset(preset)
-        handle = await self._long(
-            self.registry.upload, caller.tenant.id, name, received.source(),
-            actor=self._actor(caller), replace=replace, default_preset=preset,
-        )
+        chat = {k: v.strip() if k != "chat_template" else v for k, v in (chat or {}).items()}
+        async with self._unpacked(received.source()) as folder:
+            if "chat_template" not in chat:
+                chat["chat_template"] = await self._long(read_chat_template, folder)
+            await self.chat.check(chat, caller.tenant.id)
+            handle = await self._long(
+                self.registry.upload, caller.tenant.id, name, folder,
+                actor=self._actor(caller), replace=replace, default_preset=preset, **chat,
+            )
         logger.info("adapter uploaded", extra={"adapter": name, "tenant": caller.tenant.name,
                                                "version": handle.version, "bytes": received.size})
         return AdapterInfo.of(handle)
 
+    @contextlib.asynccontextmanager
+    async def _unpacked(self, source: Path):
+        """The adapter folder of an upload (an archive extracted under the scratch folder,
+        removed afterwards): its template is read and checked from the same files the
+        registry then validates and stores."""
+        unpack = adapter_folder(source, tmp_dir=self.scratch,
+                                max_bytes=self.registry.max_adapter_bytes + MAX_CONFIG_BYTES)
+        folder = await self._long(unpack.__enter__)
+        try:
+            yield folder
+        finally:
+            await run_in_threadpool(unpack.__exit__, None, None, None)
+
     # --- read / change ------------------------------------------------------------------
     async def list(self, caller: Caller) -> AdapterList:
         handles = await self._call(self.registry.list, caller.tenant.id)
-        return AdapterList(data=[AdapterInfo.of(h) for h in handles])
+        return AdapterList(data=[AdapterSummary.of(h) for h in handles])
 
     async def get(self, caller: Caller, name: str) -> AdapterInfo:
         return AdapterInfo.of(await self._call(self.registry.get, caller.tenant.id, name))
 
     async def patch(self, caller: Caller, name: str, body: AdapterPatch) -> AdapterInfo:
+        """Change what the body names (``null`` clears). Every field is checked before
+        any is stored; chat settings take effect on every server's next request."""
         fields = body.model_fields_set
         handle = None
+        if "preset" in fields and body.preset is not None:
+            validate_preset(body.preset)
+        chat = {k: getattr(body, k) or None for k in CHAT_FIELDS if k in fields}
+        if chat:
+            await self._call(self.registry.get, caller.tenant.id, name)  # 404 before a render
+            await self.chat.check(chat, caller.tenant.id)
         if "preset" in fields:
-            if body.preset is not None:
-                validate_preset(body.preset)
             handle = await self._call(
                 self.registry.set_preset, caller.tenant.id, name, body.preset or None,
                 actor=self._actor(caller),
@@ -191,6 +229,9 @@ class AdapterService:
                 self.registry.set_description, caller.tenant.id, name, body.description,
                 actor=self._actor(caller),
             )
+        if chat:
+            handle = await self._call(self.registry.set_chat, caller.tenant.id, name,
+                                      actor=self._actor(caller), **chat)
         if handle is None:
             handle = await self._call(self.registry.get, caller.tenant.id, name)
         return AdapterInfo.of(handle)

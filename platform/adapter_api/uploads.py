@@ -17,9 +17,13 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from loramux.platform.errors import BadRequest, PayloadTooLarge
+from loramux.registry.chat import CHAT_FILES, MAX_CHAT_TEMPLATE_CHARS
 
 MAX_FILES = 16
 MAX_FIELD_BYTES = 64 * 1024
+MAX_TEMPLATE_FIELD_BYTES = 4 * MAX_CHAT_TEMPLATE_CHARS
+"""The ``chat_template`` form field's own cap (the service then applies the server's
+``max_chat_template_chars``, naming it)."""
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -122,7 +126,8 @@ class _Sink:
             self._file.write(chunk)
         elif self._field is not None:
             self._value += chunk
-            if len(self._value) > MAX_FIELD_BYTES:
+            cap = MAX_TEMPLATE_FIELD_BYTES if self._field == "chat_template" else MAX_FIELD_BYTES
+            if len(self._value) > cap:
                 raise BadRequest(f"form field {self._field!r} is too long", param=self._field)
 
     def part_end(self) -> None:
@@ -173,14 +178,16 @@ async def receive_multipart(request: Request, scratch: Path, max_bytes: int) -> 
 
 def read_local(path: Path, scratch: Path, max_bytes: int) -> Received:
     """Copy a local adapter, a PEFT folder (its ``adapter_config.json`` and
-    ``adapter_model.safetensors``) or one archive file, into a new folder under
+    ``adapter_model.safetensors``, and its ``chat_template.jinja`` and
+    ``tokenizer_config.json`` when there) or one archive file, into a new folder under
     ``scratch``, under the size cap. Symlinks are never followed (``O_NOFOLLOW``) and only
     regular files are read; the caller decided that ``path`` may be read. Runs in a
     worker thread."""
     import os
     import stat
 
-    names = ["adapter_config.json", "adapter_model.safetensors"] if path.is_dir() else [None]
+    names = ["adapter_config.json", "adapter_model.safetensors", *CHAT_FILES] \
+        if path.is_dir() else [None]
     scratch.mkdir(parents=True, exist_ok=True)
     received = Received(Path(tempfile.mkdtemp(prefix="local-", dir=scratch)))
     try:

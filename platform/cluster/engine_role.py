@@ -182,7 +182,8 @@ def attach_engine_role(state: EngineRoleState, cluster: ClusterState, *, engine_
 REGISTRY_EVENTS = {"deleted": "adapter_deleted", "version_removed": "version_removed",
                    "uploaded": "adapter_changed", "version_added": "adapter_changed",
                    "rollout_changed": "adapter_changed", "rolled_back": "adapter_changed",
-                   "preset_changed": "adapter_changed", "described": "adapter_changed"}
+                   "preset_changed": "adapter_changed", "described": "adapter_changed",
+                   "chat_changed": "adapter_changed"}
 """The registry's change kinds that every other gateway and engine must hear, as cluster
 events."""
 

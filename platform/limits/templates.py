@@ -140,6 +140,14 @@ class TemplateRenderer:
         worker.kill()
         worker.process.join(5)
 
+    def close(self) -> None:
+        """Stop the idle workers without an event loop (shutdown from synchronous code);
+        a render in flight ends at its time limit."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for worker in idle:
+            self._dispose(worker)
+
     async def aclose(self) -> None:
         """Stop the workers. Called at shutdown."""
         self._closed = True

@@ -54,6 +54,15 @@ class ServedModel:
     version: int | None = None
     """The tenant adapter's version serving the request (None: base model, static adapter)."""
     tenant_id: int | None = None
+    chat_template: str | None = None
+    """The adapter's own Jinja chat template (a tenant adapter's from the registry, every
+    version the same; a static adapter's from its folder); None: the server's template.
+    Tenant input: render it sandboxed (``RequestGate``'s renderer), never in-process."""
+    tool_call_parser: str | None = None
+    """The adapter's tool-call parser name (registered, checked against the served
+    tokenizer at upload / PATCH); None: the server's ``--tool-call-parser``."""
+    reasoning_parser: str | None = None
+    """The adapter's reasoning parser name; None: the server's ``--reasoning-parser``."""
 
     @property
     def label(self) -> str:
@@ -90,6 +99,20 @@ def folder_digest(path: Path) -> str:
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
     return h.hexdigest()
+
+
+def _folder_template(name: str, path: Path) -> str | None:
+    """A static adapter's own chat template (``chat_template.jinja``, else
+    ``tokenizer_config.json``'s, by the registry's rule); None, with a warning, when its
+    files cannot be read as one."""
+    from loramux.registry.chat import read_chat_template
+    from loramux.registry.errors import InvalidChatSettings
+
+    try:
+        return read_chat_template(path)
+    except (InvalidChatSettings, OSError) as e:
+        logger.warning("--lora-modules %s: its chat template is not used: %s", name, e)
+        return None
 
 
 def parse_lora_modules(specs: list[str]) -> dict[str, Path]:
@@ -143,7 +166,8 @@ class ModelResolver:
         for name, path in (static_modules or {}).items():
             key = str(EngineKey.of(STATIC_OWNER, name, folder_digest(path)))
             self.static[name] = ServedModel(
-                name, LoRARequest(key, _int_id(key), str(path)), {}, "loramux", self.created
+                name, LoRARequest(key, _int_id(key), str(path)), {}, "loramux", self.created,
+                chat_template=_folder_template(name, path),
             )
         self.deps = deps or Dependencies()
         self._cache: TTLCache[tuple[int, str], _Entry] = self.deps.stale_cache(
@@ -265,6 +289,9 @@ class ModelResolver:
             handle.id,
             handle.version,
             handle.tenant_id,
+            chat_template=handle.chat_template,
+            tool_call_parser=handle.tool_call_parser,
+            reasoning_parser=handle.reasoning_parser,
         )
 
     # --- listing ---------------------------------------------------------------------
