@@ -208,6 +208,13 @@ class ReleaseRow(BaseModel):
     split: str
     """The live split, e.g. ``v3 90% · v4 10%``."""
     versions: list[ReleaseVersion]
+    tool_call_parser: str | None = None
+    """The adapter's own tool-call parser (None: the server's)."""
+    reasoning_parser: str | None = None
+    """The adapter's own reasoning parser (None: the server's)."""
+    chat_template_sha256: str | None = None
+    """sha256 of the adapter's own chat template (None: the server's template)."""
+    chat_template_chars: int | None = None
 
 
 class Releases(BaseModel):

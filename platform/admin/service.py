@@ -37,6 +37,7 @@ from loramux.platform.admin.schemas import (
 from loramux.platform.errors import BadRequest, NotFound
 from loramux.platform.identity import EngineKey
 from loramux.platform.openai.resolver import ModelResolver
+from loramux.registry.chat import template_digest
 
 if TYPE_CHECKING:
     from loramux.registry.handles import AdapterHandle
@@ -196,11 +197,16 @@ class AdminService:
                         completion_tokens=st.completion_tokens,
                         ttft_p50_ms=st.ttft_ms.get("p50"), ttft_p99_ms=st.ttft_ms.get("p99"),
                         tpot_p50_ms=st.tpot_ms.get("p50"), tpot_p99_ms=st.tpot_ms.get("p99")))))
+            newest, template = release.newest, release.newest.chat_template
             rows.append(ReleaseRow(
                 tenant=names.get(release.tenant_id), tenant_id=release.tenant_id,
                 adapter=release.name, sticky=r.sticky, follow_latest=r.follow_latest,
                 rollback_to=r.rollback_to, versions=versions,
-                split=" · ".join(f"v{v} {w}%" for v, w in r.weights if w)))
+                split=" · ".join(f"v{v} {w}%" for v, w in r.weights if w),
+                tool_call_parser=newest.tool_call_parser,
+                reasoning_parser=newest.reasoning_parser,
+                chat_template_sha256=template_digest(template) if template else None,
+                chat_template_chars=len(template) if template else None))
         return Releases(data=rows, window_s=window_s)
 
     async def releases(self, window_s: int = 3600) -> Releases:

@@ -186,3 +186,25 @@ async def test_template_over_the_limit_is_413_naming_it(env, adapter_dirs):
             assert r.status_code == 413
     finally:
         close_state(app.services)
+
+
+async def test_dashboard_shows_the_adapters_chat_settings(client, env):
+    from support.platform_settings import ADMIN_KEY
+
+    h = env.headers(env.key_a)
+    r = await client.patch("/v1/adapters/a-only", headers=h,
+                           json={"chat_template": TEMPLATE, "tool_call_parser": "hermes"})
+    assert r.status_code == 200, r.text
+    try:
+        body = (await client.get("/admin/releases", headers=env.headers(ADMIN_KEY))).json()
+        (row,) = [x for x in body["data"] if x["adapter"] == "a-only"]
+        assert (row["tool_call_parser"], row["reasoning_parser"]) == ("hermes", None)
+        assert row["chat_template_sha256"] == template_digest(TEMPLATE)
+        assert row["chat_template_chars"] == len(TEMPLATE)
+        assert (await client.post("/admin/login", data={"key": ADMIN_KEY})).status_code == 303
+        page = (await client.get("/admin/ui/adapters")).text
+        assert template_digest(TEMPLATE)[:12] in page and "tools: hermes" in page
+        assert "reasoning: server&#39;s" in page or "reasoning: server's" in page
+    finally:
+        await client.patch("/v1/adapters/a-only", headers=h,
+                           json={"chat_template": None, "tool_call_parser": None})

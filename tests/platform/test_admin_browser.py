@@ -77,8 +77,11 @@ def test_dashboard_in_browser(live, browser, env):
         cookie = next(c for c in page.context.cookies() if c["name"] == "loramux_admin")
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
 
+        env.registry.set_chat(env.tenant_a.id, "sql-lora", tool_call_parser="hermes")
         page.click("text=Adapters")
         page.wait_for_selector(_row(page, "sql-lora", "store"))
+        chat = page.inner_text('tr[data-release="alpha/sql-lora"] .chat')
+        assert "tools: hermes" in chat and "template: server's" in chat, chat
         assert _complete(live, env.key_a, "sql-lora") == 200
         page.wait_for_selector(_row(page, "sql-lora", "device"))  # live refresh
         page.screenshot(path=ARTIFACTS / "admin-resident.png", full_page=True)
