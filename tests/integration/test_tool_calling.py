@@ -331,3 +331,51 @@ def test_start_up_refusals(engine, flags, message):
 
     with pytest.raises(ParserStartupError, match=message.replace("|", r"\|")):
         _serve(engine, **flags)
+
+
+@pytest.fixture(scope="module")
+def marker_engine(tiny_model_dir, tmp_path_factory):
+    from support.tool_tokens import with_marker_tokens
+
+    folder = with_marker_tokens(tiny_model_dir, tmp_path_factory.mktemp("markers"))
+    eng = make_engine(folder, max_model_len=512, max_num_seqs=8)
+    yield eng
+    eng.shutdown()
+
+
+def _marker_bias(engine) -> dict[str, float]:
+    """Prefer each marker's own token where the grammar allows it (not its pieces)."""
+    vocab = engine.tokenizer.get_vocab()
+    return {str(vocab[m]): 30.0 for m in ("<|python_tag|>", "[TOOL_CALLS]", "<think>", "</think>")}
+
+
+@pytest.mark.parametrize("parser, reasoning, text, content", [
+    ("llama3_json", "deepseek_r1",
+     '<think>plan</think><|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     None),
+    ("mistral", None,
+     'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     "Checking."),
+])
+def test_marker_token_parsers(marker_engine, parser, reasoning, text, content):
+    app = _serve(marker_engine, enable_auto_tool_choice=True, tool_call_parser=parser,
+                 reasoning_parser=reasoning,
+                 structured_outputs_config='{"enable_in_reasoning": true}')
+    kw = dict(model=BASE, messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tools=[WEATHER], max_tokens=80, temperature=0,
+              extra_body={**_forced(text), "logit_bias": _marker_bias(marker_engine)})
+    try:
+        with serve_in_thread(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            out = client.chat.completions.create(**kw)
+            streamed = _rebuild(list(client.chat.completions.create(**kw, stream=True)))
+    finally:
+        close_state(app.services)
+    msg = out.choices[0].message
+    assert _calls(msg) == [("get_weather", {"city": "Paris"})], msg
+    assert (msg.content or None) == content and out.choices[0].finish_reason == "tool_calls"
+    if reasoning:
+        assert msg.model_extra.get("reasoning") == "plan"
+    s_content, s_reasoning, calls, finish = streamed
+    assert _streamed(calls) == _calls(msg) and finish == "tool_calls"
+    assert (s_content or None) == content and (s_reasoning or None) == (msg.model_extra.get("reasoning"))
