@@ -128,3 +128,19 @@ class ChatSettingsCheck:
     def close(self) -> None:
         """Stop the checker's template worker (called when the app's state closes)."""
         self.renderer.close()
+
+
+def check_offline(settings: dict[str, Any], limits: RequestLimits, tokenizer: Any,
+                  model_name: str | None = None) -> None:
+    """The same checks without a server (``loramux adapters upload``): a renderer of its
+    own for this one call, stopped after."""
+
+    async def run() -> None:
+        check = ChatSettingsCheck(limits, tokenizer, model_name=model_name,
+                                  renderer=TemplateRenderer(limits))
+        try:
+            await check.check(settings)
+        finally:
+            await check.renderer.aclose()
+
+    asyncio.run(run())

@@ -38,6 +38,14 @@ def add_adapter_commands(sub: argparse._SubParsersAction) -> None:
                         help="accepted for older scripts: an upload to an existing name always "
                         "adds its next version")
     upload.add_argument("--preset", help="default sampling preset as JSON")
+    upload.add_argument("--chat-template", metavar="FILE",
+                        help="the adapter's own Jinja chat template (default: the "
+                        "chat_template.jinja / tokenizer_config.json it ships; else it keeps "
+                        "its current one)")
+    upload.add_argument("--tool-call-parser", help="tool-call parser for this adapter's "
+                        "requests (default: it keeps its own, else the server's)")
+    upload.add_argument("--reasoning-parser", help="reasoning parser for this adapter's "
+                        "requests (default: it keeps its own, else the server's)")
     upload.set_defaults(func=cmd_adapters_upload)
     lst = asub.add_parser("list", parents=[registry_options()], help="a tenant's adapters")
     lst.add_argument("--tenant", required=True)
@@ -121,15 +129,42 @@ def _preset_arg(text: str | None) -> Any:
     return validate_preset(preset) if preset is not None else None
 
 
+def _checked_chat(args: argparse.Namespace, folder) -> dict[str, str]:
+    """The upload's chat settings (flags, else the template the folder ships), checked as
+    the HTTP API checks them (parsers against the base model's tokenizer, one sandboxed
+    render of the template)."""
+    from pathlib import Path
+
+    from loramux.platform.adapter_api.chat import check_offline
+    from loramux.platform.builders import request_limits
+    from loramux.registry.chat import read_chat_template
+
+    chat = {k: v for k, v in (("tool_call_parser", args.tool_call_parser),
+                              ("reasoning_parser", args.reasoning_parser)) if v}
+    template = (Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template
+                else read_chat_template(folder))
+    if template:
+        chat["chat_template"] = template
+    if chat:
+        from transformers import AutoTokenizer
+
+        settings = settings_from_args(args)
+        base = resolve_base_model(settings.model)
+        check_offline(chat, request_limits(settings), AutoTokenizer.from_pretrained(base),
+                      base.name)
+    return chat
+
+
 def cmd_adapters_upload(args: argparse.Namespace) -> int:
+    from loramux.adapters.archive import adapter_folder
+    from loramux.adapters.spec import MAX_CONFIG_BYTES
+
     registry = registry_from_args(args, with_model=True)
-    handle = registry.upload(
-        args.tenant,
-        args.name,
-        args.path,
-        actor=actor(),
-        default_preset=_preset_arg(args.preset),
-    )
+    preset = _preset_arg(args.preset)
+    with adapter_folder(args.path, max_bytes=registry.max_adapter_bytes + MAX_CONFIG_BYTES,
+                        tmp_dir=registry.tmp_dir) as folder:
+        handle = registry.upload(args.tenant, args.name, folder, actor=actor(),
+                                 default_preset=preset, **_checked_chat(args, folder))
     print(
         f"uploaded {handle.name!r} v{handle.version} for tenant {args.tenant!r}: rank "
         f"{handle.rank}, {handle.size_bytes} bytes, sha256 {handle.sha256[:12]}"

@@ -208,3 +208,30 @@ async def test_dashboard_shows_the_adapters_chat_settings(client, env):
     finally:
         await client.patch("/v1/adapters/a-only", headers=h,
                            json={"chat_template": None, "tool_call_parser": None})
+
+
+def test_cli_upload_takes_and_checks_the_same_settings(tiny_model_dir, adapter_dirs, tmp_path,
+                                                       capsys, monkeypatch):
+    from loramux.platform.cli import main
+    from loramux.platform.settings import Settings
+
+    for name in Settings.model_fields:
+        monkeypatch.delenv(f"LORAMUX_{name.upper()}", raising=False)
+    data = ["--data-dir", str(tmp_path / "data"), "--base-model", str(tiny_model_dir)]
+    assert main(["tenants", "create", "acme", "--data-dir", str(tmp_path / "data")]) == 0
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    up = ["adapters", "upload", str(adapter_dirs[0]), "--tenant", "acme", "--name", "c", *data]
+    capsys.readouterr()
+    assert main([*up, "--tool-call-parser", "no_such"]) == 1
+    err = capsys.readouterr().err
+    assert "tool_call_parser 'no_such'" in err and "hermes" in err, err
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    assert main([*up, "--chat-template", str(tmp_path / "bad.jinja")]) == 1
+    assert "does not render" in capsys.readouterr().err
+    assert main([*up, "--chat-template", str(tmp_path / "t.jinja"),
+                 "--tool-call-parser", "hermes"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["adapters", "list", "--tenant", "acme", "--json", *data[:2]]) == 0
+    listed = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert listed["chat_template"] == TEMPLATE and listed["tool_call_parser"] == "hermes"
+    assert listed["version"] == 1  # the refused uploads stored nothing
