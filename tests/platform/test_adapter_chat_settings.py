@@ -235,3 +235,18 @@ def test_cli_upload_takes_and_checks_the_same_settings(tiny_model_dir, adapter_d
     listed = json.loads(capsys.readouterr().out.splitlines()[0])
     assert listed["chat_template"] == TEMPLATE and listed["tool_call_parser"] == "hermes"
     assert listed["version"] == 1  # the refused uploads stored nothing
+
+
+def test_static_adapters_take_the_template_their_folder_ships(tmp_path, caplog):
+    from loramux.platform.openai.resolver import ModelResolver
+
+    shipped, broken = tmp_path / "shipped", tmp_path / "broken"
+    for folder in (shipped, broken):
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+    (shipped / "chat_template.jinja").write_text(TEMPLATE)
+    (broken / "tokenizer_config.json").write_text('{"chat_template": [{"name": "rag"}]}')
+    resolver = ModelResolver(["base"], static_modules={"s": shipped, "b": broken})
+    assert resolver.static["s"].chat_template == TEMPLATE
+    assert resolver.static["s"].tool_call_parser is None  # parsers: the server's
+    assert resolver.static["b"].chat_template is None and "--lora-modules b" in caplog.text
