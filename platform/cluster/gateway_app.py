@@ -36,6 +36,7 @@ def create_gateway_app(gw: Gateway, *, on_shutdown=(), admin=None,
     inference = _inference(gw)
     app.add_api_route("/v1/completions", inference, methods=["POST"])
     app.add_api_route("/v1/chat/completions", inference, methods=["POST"])
+    app.add_api_route("/v1/responses", inference, methods=["POST"])  # retrieve/delete: passthrough
 
     if admin is not None:  # the dashboard and admin API over every engine
         app.admin_state = admin
@@ -81,8 +82,8 @@ async def _read_body(gw: Gateway, request: Request) -> bytes:
 
 
 def _inference(gw: Gateway):
-    """The completions and chat route: authenticate, hold the tenant's quota, resolve the
-    adapter (version), route by prefix and forward to one engine."""
+    """The completions, chat and Responses route: authenticate, hold the tenant's quota,
+    resolve the adapter (version), route by prefix and forward to one engine."""
 
     async def inference(request: Request) -> Response:
         body = await _read_body(gw, request)

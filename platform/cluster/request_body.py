@@ -14,13 +14,20 @@ DEFAULT_MAX_TOKENS = 16
 
 
 def prompt_text(body: dict) -> str:
-    """The text the prefix hashes are computed over: the prompt, or the messages' contents."""
+    """The text the prefix hashes are computed over: the prompt, or the messages' contents
+    (a Responses API request: its instructions and input items)."""
     if isinstance(body.get("prompt"), str):
         return body["prompt"]
+    messages = body.get("messages")
+    if messages is None and "input" in body:
+        items = body["input"]
+        messages = [{"content": items}] if isinstance(items, str) else items
+        if isinstance(body.get("instructions"), str):
+            messages = [{"content": body["instructions"]}, *(messages or [])]
     parts = []
-    for m in body.get("messages") or ():
+    for m in messages or ():
         if isinstance(m, dict):
-            c = m.get("content")
+            c = m.get("content", m.get("output", m.get("arguments")))
             parts.append(c if isinstance(c, str) else json.dumps(c, sort_keys=True))
     return "\n".join(parts)
 
@@ -34,8 +41,8 @@ def request_cost(body: dict) -> RequestCost:
     counts one token per 4 bytes of its text (corrected from ``usage`` afterwards)."""
     n = _count(body.get("n"), 1)
     best_of = _count(body.get("best_of"), n)
-    max_tokens = _count(body.get("max_completion_tokens") or body.get("max_tokens"),
-                        DEFAULT_MAX_TOKENS)
+    max_tokens = _count(body.get("max_completion_tokens") or body.get("max_tokens")
+                        or body.get("max_output_tokens"), DEFAULT_MAX_TOKENS)
     return RequestCost.estimate(len(prompt_text(body).encode()) // 4 + 1, max_tokens, n, best_of)
 
 

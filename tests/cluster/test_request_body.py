@@ -31,3 +31,12 @@ def test_usage_is_read_from_json_answers_only():
     assert usage_tokens(b"not json") is None
     assert usage_tokens(b'{"usage": null}') is None
     assert usage_tokens(b'{"usage": {"total_tokens": "7"}}') is None
+
+
+def test_a_responses_body_is_read_like_a_chat_one():
+    body = {"model": "m", "instructions": "be brief", "max_output_tokens": 40,
+            "input": [{"role": "user", "content": "hi"},
+                      {"type": "function_call_output", "call_id": "c", "output": "sunny"}]}
+    assert prompt_text(body) == "be brief\nhi\nsunny"
+    assert prompt_text({"model": "m", "input": "hello"}) == "hello"
+    assert request_cost(body) == request_cost({"prompt": "be brief\nhi\nsunny", "max_tokens": 40})
