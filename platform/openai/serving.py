@@ -105,8 +105,7 @@ class OpenAIServing:
         usage-record label (the Responses API passes ``responses``)."""
         served = await self.resolver.resolve(caller, req.model, user=req.user,
                                              pinned=pinned_version(request.headers))
-        config = self.parsing.for_model(getattr(served, "tool_call_parser", None),
-                                        getattr(served, "reasoning_parser", None))
+        config = self.parsing.for_model(served.tool_call_parser, served.reasoning_parser)
         plan = plan_tools(req, config, self.gate.limits.max_tools)
         parsing = ChatParsing(plan, config.reasoning_parser_class(), self.engine.tokenizer,
                               req.chat_template_kwargs)
@@ -135,10 +134,9 @@ class OpenAIServing:
                 req.chat_template, conversation, self.engine.tokenizer, add_generation_prompt,
                 kwargs)
             return await self.prompts.rendered_prompt(text)
-        template = getattr(served, "chat_template", None)
-        if template is not None:
+        if served.chat_template is not None:  # the adapter's: tenant input, sandboxed
             text = await self.gate.renderer.render(
-                template, conversation, add_generation_prompt=add_generation_prompt,
+                served.chat_template, conversation, add_generation_prompt=add_generation_prompt,
                 variables=template_variables(self.engine.tokenizer, kwargs), param="model")
             return await self.prompts.rendered_prompt(text)
         size = len(json.dumps([m.model_dump() for m in req.messages])) + len(json.dumps(tools or []))
