@@ -379,3 +379,38 @@ def test_marker_token_parsers(marker_engine, parser, reasoning, text, content):
     s_content, s_reasoning, calls, finish = streamed
     assert _streamed(calls) == _calls(msg) and finish == "tool_calls"
     assert (s_content or None) == content and (s_reasoning or None) == (msg.model_extra.get("reasoning"))
+
+
+PLUGIN = '''
+from loramux.platform.openai.parsers import ToolParser, ToolParserManager
+from loramux.platform.openai.parsers.types import ExtractedToolCalls, FunctionCall, ToolCall
+
+
+@ToolParserManager.register_module("shout")
+class ShoutParser(ToolParser):
+    """CALL name ARGS {json}"""
+
+    def extract_tool_calls(self, model_output, request):
+        if not model_output.startswith("CALL "):
+            return ExtractedToolCalls(False, [], model_output)
+        name, _, args = model_output[5:].partition(" ARGS ")
+        return ExtractedToolCalls(True, [ToolCall(FunctionCall(name, args))], None)
+
+    def extract_tool_calls_streaming(self, *args, **kwargs):
+        return None
+'''
+
+
+def test_a_tool_parser_plugin(engine, tmp_path):
+    path = tmp_path / "shout_parser.py"
+    path.write_text(PLUGIN)
+    app = _serve(engine, enable_auto_tool_choice=True, tool_call_parser="shout",
+                 tool_parser_plugin=str(path))
+    try:
+        with serve_in_thread(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            out = _chat(client, 'CALL get_weather ARGS {"city": "Rome"}')
+    finally:
+        close_state(app.services)
+    assert _calls(out.choices[0].message) == [("get_weather", {"city": "Rome"})]
+    assert out.choices[0].finish_reason == "tool_calls"
