@@ -47,8 +47,12 @@ class ChatParsing:
     """The parsers of one chat request (its tool plan and reasoning parser)."""
 
     def __init__(self, plan: ToolPlan, reasoning: type[ReasoningParser] | None, tokenizer: Any,
-                 request_kwargs: dict[str, Any] | None = None) -> None:
+                 request_kwargs: dict[str, Any] | None = None, *,
+                 include_reasoning: bool = True) -> None:
+        """``include_reasoning`` False (vLLM's request field): the thought is split off and
+        counted but not sent."""
         self.plan = plan
+        self.include_reasoning = include_reasoning
         self.reasoning_cls = reasoning
         self.tokenizer = tokenizer
         self.template_kwargs = dict(request_kwargs or {})
@@ -99,7 +103,8 @@ class ChatParsing:
                 logger.exception("reasoning parser %s failed; serving the text as content",
                                  self.reasoning_cls)
                 reasoning, content = None, text
-        out = ParsedMessage(content, reasoning, reasoning_tokens=tokens)
+        out = ParsedMessage(content, reasoning if self.include_reasoning else None,
+                            reasoning_tokens=tokens)
         if self.plan.choice == "none" or not self.plan.parses:
             return out
         if self.plan.generic:
@@ -161,7 +166,7 @@ class ChoiceStream:
         if self.reasoner is not None:
             dm = self._reason(prev_text, delta_text, prev_ids, delta_ids)
             answer = (dm.content or "") if dm is not None else ""
-            if dm is not None and dm.reasoning:
+            if dm is not None and dm.reasoning and self.parsing.include_reasoning:
                 out.append(DeltaMessage(reasoning=dm.reasoning))
         if answer:
             out += self._answer(answer, delta_ids)
@@ -239,7 +244,7 @@ class ChoiceStream:
                                  self.parsing.reasoning_cls)
                 tail = None
             if tail is not None:
-                if tail.reasoning:
+                if tail.reasoning and self.parsing.include_reasoning:
                     out.append(DeltaMessage(reasoning=tail.reasoning))
                 if tail.content:
                     out += self._answer(tail.content, [])

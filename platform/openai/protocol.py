@@ -128,6 +128,8 @@ class ChatCompletionRequest(SamplingFields):
     ``{"type": "function", "function": {"name": ...}}``."""
     parallel_tool_calls: bool | None = None
     """False: at most one call per answer (default: any number)."""
+    include_reasoning: bool | None = True
+    """vLLM: False leaves the thought out of the answer (it is still split off)."""
     add_generation_prompt: bool | None = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

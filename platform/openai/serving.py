@@ -108,9 +108,16 @@ class OpenAIServing:
         config = self.parsing.for_model(served.tool_call_parser, served.reasoning_parser)
         plan = plan_tools(req, config, self.gate.limits.max_tools)
         parsing = ChatParsing(plan, config.reasoning_parser_class(), self.engine.tokenizer,
-                              req.chat_template_kwargs)
+                              req.chat_template_kwargs,
+                              include_reasoning=req.include_reasoning is not False)
         built = build_params(req, served.preset, default_max_tokens=None,
                              tool_constraint=plan.constraint)
+        if req.include_reasoning is False and parsing.reasoning_cls is None:
+            built.warnings.append("include_reasoning had no effect: no reasoning parser is in "
+                                  "effect (--reasoning-parser)")
+        if req.parallel_tool_calls is not None and not plan.parses:
+            built.warnings.append("parallel_tool_calls had no effect: no tool calls are parsed "
+                                  "for this request")
         if parsing.keep_special_tokens:  # the parsers' markers may be special tokens
             built.params = built.params.clone(skip_special_tokens=False)
         self.gate.check_caps(built.params)

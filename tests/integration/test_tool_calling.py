@@ -92,16 +92,18 @@ def hermes(engine):
 
 def _chat(client, text: str, **kw):
     kw.setdefault("tools", [WEATHER, TIME])
+    kw.setdefault("extra_body", _forced(text))
     return client.chat.completions.create(
         model=BASE, messages=[{"role": "user", "content": "Weather in Paris?"}],
-        max_tokens=120, temperature=0, extra_body=_forced(text), **kw)
+        max_tokens=120, temperature=0, **kw)
 
 
 def _stream(client, text: str, **kw):
     kw.setdefault("tools", [WEATHER, TIME])
+    kw.setdefault("extra_body", _forced(text))
     return list(client.chat.completions.create(
         model=BASE, messages=[{"role": "user", "content": "Weather in Paris?"}],
-        max_tokens=120, temperature=0, extra_body=_forced(text), stream=True, **kw))
+        max_tokens=120, temperature=0, stream=True, **kw))
 
 
 def _rebuild(chunks) -> tuple[str, str, list[dict], str | None]:
@@ -308,6 +310,17 @@ def test_qwen3_xml_types_values_by_the_schema(qwen_xml):
     assert msg.content == "I will check."
     _, _, calls, finish = _rebuild(_stream(qwen_xml, text))
     assert finish == "tool_calls" and _streamed(calls) == _calls(msg)
+
+
+def test_include_reasoning_false_drops_the_thought(hermes):
+    text = "secret plan</think>Done."
+    out = _chat(hermes, text, extra_body={**_forced(text), "include_reasoning": False})
+    assert out.choices[0].message.content == "Done."
+    assert not out.choices[0].message.model_extra.get("reasoning")
+    assert out.usage.completion_tokens_details.reasoning_tokens > 0
+    content, reasoning, _, _ = _rebuild(_stream(hermes, text, extra_body={
+        **_forced(text), "include_reasoning": False}))
+    assert (content, reasoning) == ("Done.", "")
 
 
 def test_qwen3_without_thinking_has_no_thought(hermes):
