@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from loramux.adapters import experts, probe
+from loramux.adapters import alora, experts, probe
 from loramux.adapters.arch import (
     base_dims,
     family_mismatch,
+    text_config,
 )
 from loramux.adapters.archive import (
     CONFIG_NAME,
@@ -183,7 +184,8 @@ def validate_adapter(
     expected tensor present and none stray; shapes match the base model; float dtype;
     finite values; ``adapter_model.safetensors`` at most ``max_bytes``; DoRA magnitude
     vectors (``use_dora``) present for every module, ``[out_features]``, finite;
-    ``modules_to_save``, trained biases and other unsupported features refused by name.
+    ``modules_to_save``, trained biases and other unsupported features refused by name;
+    an aLoRA's ``alora_invocation_tokens`` token ids of the base's vocabulary.
     A different ``base_model_name_or_path`` (compared by its last path component with
     ``base_model_name`` or the config's name) is only a warning in
     ``LoraWeights.warnings`` unless the shapes disagree.
@@ -198,6 +200,10 @@ def validate_adapter(
                 f"{max_bytes} bytes",
             )
         spec = parse_config(read_config(folder / CONFIG_NAME), dims)
+        if spec.alora_invocation_tokens is not None:
+            vocab = text_config(base_config).get("vocab_size")
+            if isinstance(vocab, int):
+                alora.check_vocab(spec.alora_invocation_tokens, vocab)
         mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)
         if mismatch:
             raise refuse("base_model_name_or_path", mismatch)

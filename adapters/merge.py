@@ -25,6 +25,7 @@ import torch
 
 from loramux.adapters.arch import MODULE_PARENT, base_dims
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
+from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights, load_adapter, validate_adapter
 from loramux.adapters.fused import needs_rewrite, write_native
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
@@ -175,7 +176,8 @@ def export_merged(
     The folder is written beside ``out`` and renamed into place when complete. With
     ``check=True`` the saved folder is reloaded and its logits compared with PEFT's
     base + adapter on ``prompts``; a difference above ``atol`` raises
-    :class:`MergeCheckError` (the folder is kept for inspection).
+    :class:`MergeCheckError` (the folder is kept for inspection). An activated LoRA
+    (``alora_invocation_tokens``) cannot be merged: :class:`AdapterValidationError` naming it.
     Called by ``loramux export`` and the registry's export.
     """
     from tqdm.auto import tqdm
@@ -186,6 +188,12 @@ def export_merged(
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
     base_config = _read_base_config(base_model)
     weights = validate_adapter(adapter, base_config, max_lora_rank=max_lora_rank)
+    if weights.spec.alora_invocation_tokens is not None:
+        raise AdapterValidationError(
+            "alora_invocation_tokens: an activated LoRA (aLoRA) cannot be merged into the base "
+            "weights: it applies only from its invocation on, which one merged weight cannot "
+            "express (PEFT refuses merge_and_unload too); serve it as an adapter instead",
+            field="alora_invocation_tokens")
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = ["load base + adapter", "merge", "save", *(["check"] if check else [])]
     with (

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loramux.adapters.alora import parse_invocation
 from loramux.adapters.arch import (
     FUSED_MODULES,
     LORA_MODULES,
@@ -50,7 +51,6 @@ _REFUSED_FEATURES = {
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
     "layer_replication": "layer_replication is not supported",
     "exclude_modules": "exclude_modules is not supported; list the modules in target_modules",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
     "arrow_config": "Arrow routing (arrow_config) is not supported",
     "kasa_config": "KaSA (kasa_config) is not supported",
@@ -108,10 +108,14 @@ class LoraSpec:
         """The largest rank of any of its LoRAs (what a slot must hold)."""
         return max([self.r if self.target_modules else 0, *(r for _, r, _ in self.parameter_ranks)])
     use_dora: bool = False
+    alora_invocation_tokens: tuple[int, ...] | None = None
+    """An activated LoRA's invocation token ids (``adapters/alora.py``; None: a plain LoRA)."""
 
     @property
     def kind(self) -> str:
-        """What the API and the dashboard call this adapter: ``"DoRA"`` or ``"LoRA"``."""
+        """What the API and the dashboard call this adapter: ``"aLoRA"``, ``"DoRA"`` or ``"LoRA"``."""
+        if self.alora_invocation_tokens is not None:
+            return "aLoRA"
         return "DoRA" if self.use_dora else "LoRA"
 
     def targets(self, layer: int, module: str) -> bool:
@@ -149,6 +153,8 @@ class LoraSpec:
                 list(self.layers_to_transform) if self.layers_to_transform is not None else None
             ),
             "use_dora": self.use_dora,
+            **({"alora_invocation_tokens": list(self.alora_invocation_tokens)}
+               if self.alora_invocation_tokens is not None else {}),
             "modules_to_save": None,
             "inference_mode": True,
             **({"target_parameters": [f"mlp.experts.{p}" if p != "router" else "mlp.gate.weight"
@@ -363,4 +369,5 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
         target_parameters=params,
         parameter_ranks=parameter_ranks(config, params, r, float(alpha)),
         use_dora=_bool(config, "use_dora"),
+        alora_invocation_tokens=parse_invocation(config, getattr(served, "vocab_size", None)),
     )

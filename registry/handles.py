@@ -65,7 +65,10 @@ class AdapterHandle:
 
     @property
     def kind(self) -> str:
-        """``"DoRA"`` or ``"LoRA"``, as the stored config says (``use_dora``)."""
+        """``"aLoRA"``, ``"DoRA"`` or ``"LoRA"``, as the stored config says
+        (``alora_invocation_tokens``, ``use_dora``)."""
+        if self.config.get("alora_invocation_tokens"):
+            return "aLoRA"
         return "DoRA" if self.config.get("use_dora") else "LoRA"
 
     @property

@@ -63,8 +63,9 @@ class AdapterSummary(BaseModel):
     name: str
     version: int
     base_model: str
-    kind: Literal["LoRA", "DoRA"] = "LoRA"
-    """Plain LoRA or DoRA (``use_dora``: a learned magnitude per output feature)."""
+    kind: Literal["LoRA", "DoRA", "aLoRA"] = "LoRA"
+    """Plain LoRA, DoRA (``use_dora``: a learned magnitude per output feature) or aLoRA
+    (``alora_invocation_tokens``: activated from its invocation in the prompt on)."""
     rank: int
     alpha: float
     target_modules: list[str]
@@ -205,7 +206,7 @@ class VersionInfo(BaseModel):
     adapter: str
     version: int
     base_model: str
-    kind: Literal["LoRA", "DoRA"] = "LoRA"
+    kind: Literal["LoRA", "DoRA", "aLoRA"] = "LoRA"
     rank: int
     alpha: float
     target_modules: list[str]
