@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loramux.adapters.limits import DEFAULT_MAX_LORA_RANK
+from loramux.engine.model.quant import check_quantization_name
 from loramux.engine.spec_decode.config import SpeculativeConfig
 
 _CPU_DTYPES = ("float32", "bfloat16")
@@ -38,6 +39,9 @@ class ModelConfig:
     """auto | torch. auto: on the CPU the compiled C kernel that reads the paged cache in
     place (falls back to torch, logging why, when the compiled kernels are missing), Triton on CUDA;
     torch: the torch path (gathers each context, then SDPA)."""
+    quantization: str | None = None
+    """vLLM's option: the quantization method the checkpoint must have (``compressed-tensors``;
+    ``engine/model/quant/``); None = whatever its ``quantization_config`` says (none: float)."""
     enforce_eager: bool = False
     """vLLM's flag: run the layer's small ops (residual add + RMSNorm, rotary embedding,
     SiLU-and-mul) as separate torch ops. False: on the CPU each runs as one fused compiled
@@ -51,6 +55,7 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_quantization_name(self.quantization)
 
 
 @dataclass

@@ -38,6 +38,7 @@ class LLM:
         max_model_len: int | None = ModelConfig.max_model_len,
         attention_backend: str = ModelConfig.attention_backend,
         enforce_eager: bool = ModelConfig.enforce_eager,
+        quantization: str | None = ModelConfig.quantization,
         max_num_seqs: int = SchedulerConfig.max_num_seqs,
         max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
         enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill,
@@ -66,7 +67,7 @@ class LLM:
         config = EngineConfig.from_options(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
             max_model_len=max_model_len, attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, quantization=quantization,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
@@ -201,8 +202,6 @@ class _Unserved:
 
 _VLLM_UNSERVED: dict[str, _Unserved] = {
     "tensor_parallel_size": _Unserved(1, True, "this engine runs one process on one device"),
-    "quantization": _Unserved(None, True, "quantized checkpoints are not supported yet: serve "
-                              "an unquantized (float32 / bfloat16) checkpoint"),
     "swap_space": _Unserved(4, False, "preempted sequences are recomputed, never swapped"),
     "trust_remote_code": _Unserved(False, False, "no remote code is run: every family has its "
                                    "own implementation here"),

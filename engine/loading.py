@@ -99,6 +99,7 @@ def load_base(mc: ModelConfig) -> LoadedBase:
     path = model_folder(mc.model)
     device = resolve_device(mc.device)
     dtype = resolve_dtype(mc.dtype, device, path)
-    model = load_model(path, dtype, device, enforce_eager=mc.enforce_eager)
+    model = load_model(path, dtype, device, enforce_eager=mc.enforce_eager,
+                       quantization=mc.quantization)
     tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or path)
     return LoadedBase(path, device, dtype, model, tokenizer, eos_token_ids(tokenizer, path))

@@ -97,6 +97,9 @@ class Settings(_LimitSettings):
     attention_backend: Literal["auto", "torch"] = Field(ModelConfig.attention_backend, description=(
         "auto: the C kernel reading the paged KV cache in place on the CPU (Triton on CUDA); "
         "torch: gather each context, then SDPA (the reference path)."))
+    quantization: str | None = Field(ModelConfig.quantization, description=(
+        "vLLM's option: the quantization method the checkpoint must have (compressed-tensors); "
+        "None = what its quantization_config says."))
     enforce_eager: bool = Field(ModelConfig.enforce_eager, description=(
         "vLLM's flag: the layer's small ops as separate torch ops instead of the fused CPU "
         "kernels (engine/model/small_ops.py)."))

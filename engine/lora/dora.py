@@ -23,6 +23,7 @@ from loramux.adapters.arch import FUSED_MODULES, GROUP_OF, PROJECTION_GROUPS
 from loramux.adapters.format import LoraWeights
 from loramux.engine.errors import LoRAError
 from loramux.engine.model.linear import Linear
+from loramux.engine.model.quant.base import QuantLinear
 
 MAX_DORA_SCALE = 1e4
 """Largest |g| served: a row whose ``‖W0 + s·BA‖`` is ~0 against its magnitude overflows
@@ -53,11 +54,11 @@ class BaseProjections:
                 offs.append(offs[-1] + shapes[m][1])
             self.slice_offsets[group] = offs
 
-    def linear(self, layer: int, group: str) -> Linear:
+    def linear(self, layer: int, group: str) -> Linear | QuantLinear:
         weights = self.model.layers[layer]
         lin = weights.qkv if group == "qkv" else weights.o if group == "o" else getattr(
             weights.mlp, group, None)
-        if not isinstance(lin, Linear):
+        if not isinstance(lin, (Linear, QuantLinear)):
             raise LoRAError(f"DoRA on {group} of layer {layer}: this model's layer has no dense "
                             f"{group} projection")
         return lin
@@ -72,7 +73,7 @@ class BaseProjections:
 
 
 def module_scale(
-    lin: Linear, rows: slice, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor, scale: float
+    lin: Linear | QuantLinear, rows: slice, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(g, c)`` on the CPU, float32 [out]: ``g = m / ‖W0 + s·BA‖`` per row of the module
     (``rows`` of ``lin``), ``c = (1 - g) ⊙ bias`` (None without a bias)."""

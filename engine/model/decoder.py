@@ -24,6 +24,8 @@ from loramux.adapters.arch import PROJECTION_GROUPS, resolve_architecture
 from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from loramux.engine.model.layers import Norms, gated_activation
 from loramux.engine.model.linear import Linear, matmul_dtype
+from loramux.engine.model.quant.base import QuantLinear
+from loramux.engine.model.quant.select import quant_method
 from loramux.engine.model.rotary import RotaryTable, rotary_table
 from loramux.engine.model.small_ops import EagerOps, select_small_ops
 from loramux.engine.model.spec import DecoderSpec, LayerContext, LayerSpec
@@ -53,7 +55,7 @@ class LayerMLP(Protocol):
     """A layer's feed-forward block: the dense :class:`GatedMLP`, or what a family's
     ``DecoderSpec.mlp`` builds (MoE experts and their router)."""
 
-    linears: list[Linear]
+    linears: list[Linear | QuantLinear]
     """Its weights (``weight_bytes``)."""
 
     def __call__(self, x: torch.Tensor, layer: int, lora: LoRAHook | None) -> torch.Tensor:
@@ -64,7 +66,7 @@ class LayerMLP(Protocol):
 class GatedMLP:
     """``down(act(gate) * up)`` with gate|up fused into one projection."""
 
-    def __init__(self, gate_up: Linear, down: Linear, act) -> None:
+    def __init__(self, gate_up: Linear | QuantLinear, down: Linear | QuantLinear, act) -> None:
         self.gate_up = gate_up  # [2 I, H]
         self.down = down  # [H, I]
         self.act = act
@@ -80,15 +82,15 @@ class GatedMLP:
         return y
 
     @property
-    def linears(self) -> list[Linear]:
+    def linears(self) -> list[Linear | QuantLinear]:
         return [self.gate_up, self.down]
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: Linear  # [q + 2 kv, H]
-    o: Linear  # [H, q]
+    qkv: Linear | QuantLinear  # [q + 2 kv, H]
+    o: Linear | QuantLinear  # [H, q]
     ffn_norm: torch.Tensor
     mlp: LayerMLP
     ops: EagerOps  # the small ops bound to this layer's rotary table
@@ -113,7 +115,10 @@ class DecoderModel:
         spec: DecoderSpec,
         enforce_eager: bool = False,
         hf_config=None,
+        quantization: str | None = None,
     ) -> None:
+        """``quantization``: ``--quantization`` (None: whatever the checkpoint's
+        ``quantization_config`` says; see ``quant/select.py``)."""
         path = Path(path)
         self.path = path
         self.hf_config = hf_config if hf_config is not None else read_hf_config(path)
@@ -139,7 +144,12 @@ class DecoderModel:
         }
         self.ops = next(iter(self.ops_by_rope.values()))
         self.norms = Norms(self.ops, self.dims.rms_norm_eps, spec.norm_offset)
-        self._load(load_state_dict(path, dtype, device, self.arch))
+        self.quant = quant_method(self.hf_config, quantization, str(path))
+        """How the checkpoint stores the projections (``quant/``)."""
+        if self.quant.quantized and spec.mlp is not None:
+            raise ModelLoadError(f"{path}: quantized checkpoints of {self.family.name} (its own "
+                                 "feed-forward block: MoE experts) are not supported yet")
+        self._load(load_state_dict(path, dtype, device, self.arch, self.quant.keeps_stored_dtype))
         self.attention_windows = spec.windows
         """The distinct sliding windows of the layers (the runner builds metadata per window)."""
         self.embed_scale = (
@@ -166,7 +176,7 @@ class DecoderModel:
         ]
         self.norm = take("model.norm.weight")
         if not d.tie_word_embeddings:
-            self.lm_head = Linear(take("lm_head.weight"))
+            self.lm_head = self._linear(["lm_head"], take, None)
         else:
             sd.pop("lm_head.weight", None)
             self.lm_head = Linear(self.embed)
@@ -183,13 +193,13 @@ class DecoderModel:
             mlp = s.mlp(LayerContext(index=i, prefix=p, dims=self.dims, activation=act, take=take,
                                      source=str(self.path)))
         if mlp is None:
-            down = Linear(take(p + "mlp.down_proj.weight"), sd.pop(p + "mlp.down_proj.bias", None))
+            down = self._linear([p + "mlp.down_proj"], take, sd.pop(p + "mlp.down_proj.bias", None))
             mlp = GatedMLP(self._gate_up(sd, p, take), down, act)
         names = s.norms
         return LayerWeights(
             attn_norm=take(p + names.attn + ".weight"),
             qkv=self._qkv(sd, p, take),
-            o=Linear(take(p + "self_attn.o_proj.weight"), sd.pop(p + "self_attn.o_proj.bias", None)),
+            o=self._linear([p + "self_attn.o_proj"], take, sd.pop(p + "self_attn.o_proj.bias", None)),
             ffn_norm=take(p + names.ffn + ".weight"),
             mlp=mlp,
             ops=ops,
@@ -201,40 +211,50 @@ class DecoderModel:
             ffn_out_norm=take(p + names.ffn_out + ".weight") if names.ffn_out else None,
         )
 
-    def _qkv(self, sd: dict, prefix: str, take) -> Linear:
+    def _linear(self, modules: list[str], take, bias: torch.Tensor | None) -> Linear | QuantLinear:
+        """One projection of ``modules`` (canonical names without ``.weight``; several: fused
+        along the output rows), stored as the checkpoint's quantization method says."""
+        shapes = [self._config_shape(m) for m in modules]
+        return self.quant.create_linear(modules, take, bias, shapes=shapes, dtype=self.dtype)
+
+    def _config_shape(self, module: str) -> tuple[int, int] | None:
+        """``(out, in)`` of a projection as the config says (None: a name it does not know)."""
+        name = module.rsplit(".", 1)[-1]
+        if name == "lm_head":
+            return self.dims.vocab_size, self.dims.hidden_size
+        shapes = self.dims.module_shapes()
+        return (shapes[name][1], shapes[name][0]) if name in shapes else None
+
+    def _qkv(self, sd: dict, prefix: str, take) -> Linear | QuantLinear:
         fused = self.spec.fused_qkv
         if fused is not None:
             p = f"{prefix}self_attn.{fused}"
-            return Linear(take(p + ".weight"), sd.pop(p + ".bias", None))
-        q, k, v = (take(prefix + f"self_attn.{m}_proj.weight") for m in "qkv")
-        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        bias = self._fused_bias(sd, prefix, names, (q, k, v), required=self.spec.qkv_bias)
-        return Linear(torch.cat([q, k, v]), bias)
+            return self._linear([p], take, sd.pop(p + ".bias", None))
+        names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        bias = self._fused_bias(sd, prefix, names, required=self.spec.qkv_bias)
+        return self._linear([prefix + n for n in names], take, bias)
 
-    def _gate_up(self, sd: dict, prefix: str, take) -> Linear:
+    def _gate_up(self, sd: dict, prefix: str, take) -> Linear | QuantLinear:
         fused = self.spec.fused_gate_up
         if fused is not None:
             p = f"{prefix}mlp.{fused}"
-            return Linear(take(p + ".weight"), sd.pop(p + ".bias", None))
-        gate, up = take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")
-        bias = self._fused_bias(sd, prefix, ("mlp.gate_proj", "mlp.up_proj"), (gate, up), required=False)
-        return Linear(torch.cat([gate, up]), bias)
+            return self._linear([p], take, sd.pop(p + ".bias", None))
+        names = ["mlp.gate_proj", "mlp.up_proj"]
+        bias = self._fused_bias(sd, prefix, names, required=False)
+        return self._linear([prefix + n for n in names], take, bias)
 
-    def _fused_bias(
-        self, sd: dict, prefix: str, names, weights, *, required: bool
-    ) -> torch.Tensor | None:
+    def _fused_bias(self, sd: dict, prefix: str, names, *, required: bool) -> torch.Tensor | None:
         """The biases of fused projections, concatenated (zeros where one has none)."""
         biases = [sd.pop(f"{prefix}{n}.bias", None) for n in names]
         if all(b is None for b in biases):
             if required:
                 raise ModelLoadError(f"{self.path}: tensor {prefix}{names[0]}.bias is missing")
             return None
-        return torch.cat(
-            [
-                b if b is not None else w.new_zeros(w.shape[0])
-                for b, w in zip(biases, weights, strict=True)
-            ]
-        )
+        return torch.cat([
+            b if b is not None else torch.zeros(self._config_shape(n)[0], dtype=self.dtype,
+                                                device=self.device)
+            for b, n in zip(biases, names, strict=True)
+        ])
 
     # --- forward -----------------------------------------------------------------------
     def prefix_cache_salt(self, num_prompt_tokens: int) -> str | None:

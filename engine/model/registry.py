@@ -34,12 +34,14 @@ def decoder_spec(config) -> DecoderSpec:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, *, enforce_eager: bool = False
+    path: str | Path, dtype: torch.dtype, device: torch.device, *, enforce_eager: bool = False,
+    quantization: str | None = None,
 ) -> DecoderModel:
-    """Build the base model of the folder ``path`` (config + safetensors). Raises
-    :class:`~loramux.engine.model.weights.ModelLoadError` for an unsupported architecture,
-    naming the supported ones. Called once when the engine starts."""
+    """Build the base model of the folder ``path`` (config + safetensors; quantized as its
+    ``quantization_config`` says, which ``quantization`` must match when given). Raises
+    :class:`~loramux.engine.model.weights.ModelLoadError` for an unsupported architecture or
+    quantization, naming the supported ones. Called once when the engine starts."""
     path = Path(path)
     config = read_hf_config(path)
     return DecoderModel(path, dtype, device, enforce_eager=enforce_eager,
-                        spec=decoder_spec(config), hf_config=config)
+                        spec=decoder_spec(config), hf_config=config, quantization=quantization)

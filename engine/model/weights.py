@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -88,14 +89,17 @@ def canonical_name(key: str, arch: Architecture) -> str | None:
 
 
 def load_state_dict(
-    path: Path, dtype: torch.dtype, device: torch.device, arch: Architecture | None = None
+    path: Path, dtype: torch.dtype, device: torch.device, arch: Architecture | None = None,
+    keep_dtype: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor the text model uses, by :func:`canonical_name`, cast to ``dtype`` on ``device``."""
+    """Every tensor the text model uses, by :func:`canonical_name`, cast to ``dtype`` on ``device``
+    (except those ``keep_dtype(name)`` keeps as stored: a quantized checkpoint's integers and scales)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensor_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name = canonical_name(key, arch) if arch is not None else key
                 if name is not None:
-                    tensors[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    keep = keep_dtype is not None and keep_dtype(name)
+                    tensors[name] = f.get_tensor(key).to(device=device, dtype=None if keep else dtype)
     return tensors

@@ -1,0 +1,230 @@
+"""compressed-tensors checkpoints (llm-compressor's output, ``quant_method:
+"compressed-tensors"``): integer weight-only schemes in the ``pack-quantized`` format.
+
+``quantization_config`` is read as the library writes it: ``config_groups`` (each a scheme:
+``targets``, ``weights``, ``input_activations``, ``format``), the top-level ``format`` and
+``ignore``. A target or an ignore entry is ``Linear`` (every projection), a module name, or
+``re:<regex>`` matched from the start of the name; names are the loader's canonical ones
+(``model.layers.<i>.self_attn.q_proj``, ``lm_head``). A quantized module's tensors are
+``weight_packed`` (int32 [out, in·bits/32], see ``int_packed.py``), ``weight_scale``
+([out, 1] per channel, [out, in / group_size] per group) and ``weight_shape`` ([out, in]).
+
+Served: 4- and 8-bit integer weights, symmetric, per channel or grouped (any group size
+dividing the input features). Refused at start, naming the field: asymmetric weights
+(``weight_zero_point``), activation quantization (W8A8), other formats (FP8
+``float-quantized`` / ``naive-quantized``, ``int-quantized``, sparsity), ``actorder: group``
+(``weight_g_idx``), a KV-cache scheme, transforms.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loramux.engine.errors import ModelLoadError
+from loramux.engine.model.quant.base import (
+    QuantLinear,
+    Shape,
+    Take,
+    UnquantizedMethod,
+    WeightOnlyMethod,
+)
+from loramux.engine.model.quant.int_packed import (
+    PACKED_BITS,
+    dequantize_int,
+    packed_columns,
+    unpack_int32,
+)
+
+FORMATS = ("pack-quantized",)
+"""The ``format`` values served."""
+STORED = ("weight_packed", "weight_scale", "weight_shape")
+"""A quantized module's tensors, kept in their stored dtypes."""
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    """How one config group stores its weights."""
+
+    num_bits: int
+    """4 or 8."""
+    group_size: int | None
+    """Input features sharing one scale; None: one scale per output channel."""
+
+    def describe(self) -> str:
+        return f"int{self.num_bits} " + (f"group {self.group_size}" if self.group_size
+                                         else "per-channel") + " symmetric"
+
+
+@dataclass(frozen=True)
+class ConfigGroup:
+    """One entry of ``config_groups``: the modules it targets and their scheme."""
+
+    name: str
+    targets: tuple[str, ...]
+    scheme: IntScheme
+
+
+def _refuse(source: str, field: str, value: Any, why: str) -> ModelLoadError:
+    return ModelLoadError(f"{source}: quantization_config.{field} = {value!r}: {why}")
+
+
+def _parse_group(name: str, group: Mapping[str, Any], top_format: Any, source: str) -> ConfigGroup:
+    """One config group, every field checked (a refusal names the field)."""
+    at = f"config_groups.{name}"
+    fmt = group.get("format") or top_format
+    if fmt not in FORMATS:
+        raise _refuse(source, f"{at}.format", fmt, f"supported formats: {', '.join(FORMATS)} "
+                      "(int4 / int8 weight-only)")
+    for key in ("input_activations", "output_activations"):
+        if group.get(key) is not None:
+            raise _refuse(source, f"{at}.{key}", "...", "activation quantization is not "
+                          "supported (weight-only schemes: W4A16, W8A16)")
+    w = group.get("weights")
+    if not isinstance(w, Mapping):
+        raise _refuse(source, f"{at}.weights", w, "a weight scheme is required")
+    checks = (
+        ("type", w.get("type") == "int", "supported: int"),
+        ("num_bits", w.get("num_bits") in PACKED_BITS, "supported: 4, 8"),
+        ("strategy", w.get("strategy") in ("channel", "group"), "supported: channel, group"),
+        ("symmetric", w.get("symmetric", True) is True,
+         "asymmetric weights (weight_zero_point) are not supported yet"),
+        ("dynamic", not w.get("dynamic", False), "dynamic weight scales are not supported"),
+        ("actorder", w.get("actorder") in (None, "weight", "static"),
+         "activation-ordered groups (weight_g_idx) are not supported yet"),
+        ("block_structure", w.get("block_structure") is None, "block scales are not supported"),
+    )
+    for key, ok, why in checks:
+        if not ok:
+            raise _refuse(source, f"{at}.weights.{key}", w.get(key), why)
+    group_size = None
+    if w["strategy"] == "group":
+        group_size = w.get("group_size")
+        if not isinstance(group_size, int) or group_size < 1:
+            raise _refuse(source, f"{at}.weights.group_size", group_size, "a positive integer "
+                          "is required with strategy group")
+    targets = group.get("targets")
+    if not targets or not all(isinstance(t, str) for t in targets):
+        raise _refuse(source, f"{at}.targets", targets, "a list of module names is required")
+    return ConfigGroup(name, tuple(targets), IntScheme(w["num_bits"], group_size))
+
+
+def parse_config(qc: Mapping[str, Any], source: str) -> tuple[list[ConfigGroup], tuple[str, ...]]:
+    """The config groups and ``ignore`` list of a compressed-tensors ``quantization_config``;
+    raises :class:`ModelLoadError` naming the first field this engine does not serve."""
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _refuse(source, "quantization_status", status, "only compressed checkpoints load")
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if qc.get(key):
+            raise _refuse(source, key, "...", "not supported")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise _refuse(source, "config_groups", groups, "at least one config group is required")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+        raise _refuse(source, "ignore", ignore, "a list of module names is required")
+    parsed = [_parse_group(name, g, qc.get("format"), source) for name, g in groups.items()]
+    return parsed, tuple(ignore)
+
+
+def _matches(name: str, target: str) -> bool:
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+class CompressedTensorsMethod(WeightOnlyMethod):
+    """compressed-tensors ``pack-quantized`` integer weights (module → scheme by the config's
+    targets and ignore list; an ignored or untargeted module is a plain float ``.weight``)."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, qc: Mapping[str, Any], source: str) -> None:
+        self.source = source
+        self.groups, self.ignore = parse_config(qc, source)
+
+    def describe(self) -> str:
+        groups = "; ".join(f"{g.name}: {g.scheme.describe()} on {', '.join(g.targets)}"
+                           for g in self.groups)
+        return f"compressed-tensors pack-quantized ({groups}; ignore {list(self.ignore)})"
+
+    def scheme_of(self, module: str) -> IntScheme | None:
+        """The scheme of canonical module ``module`` (None: stored unquantized)."""
+        if any(_matches(module, i) for i in self.ignore):
+            return None
+        found = [g for g in self.groups if any(_matches(module, t) for t in g.targets)]
+        if len(found) > 1:
+            raise ModelLoadError(f"{self.source}: module {module} is targeted by config groups "
+                                 f"{[g.name for g in found]}; one scheme per module is required")
+        return found[0].scheme if found else None
+
+    def keeps_stored_dtype(self, name: str) -> bool:
+        return name.rsplit(".", 1)[-1] in STORED
+
+    def create_linear(self, modules: Sequence[str], take: Take, bias: torch.Tensor | None, *,
+                      shapes: Sequence[Shape], dtype: torch.dtype):
+        schemes = {self.scheme_of(m) for m in modules}
+        if len(schemes) > 1:
+            raise ModelLoadError(f"{self.source}: modules {list(modules)} run fused and need one "
+                                 f"scheme; the config gives them {sorted(map(str, schemes))}")
+        scheme = schemes.pop()
+        if scheme is None:
+            return UnquantizedMethod().create_linear(modules, take, bias, shapes=shapes, dtype=dtype)
+        parts = [self._read(m, scheme, shape, take) for m, shape in zip(modules, shapes, strict=True)]
+        in_features = {k for _, _, k in parts}
+        if len(in_features) > 1:
+            raise ModelLoadError(f"{self.source}: fused modules {list(modules)} have different "
+                                 f"input features {sorted(in_features)}")
+        packed = torch.cat([p for p, _, _ in parts]) if len(parts) > 1 else parts[0][0]
+        scale = torch.cat([s for _, s, _ in parts]) if len(parts) > 1 else parts[0][1]
+        return QuantLinear(self, {"weight_packed": packed, "weight_scale": scale}, bias,
+                           out_features=packed.shape[0], in_features=in_features.pop(),
+                           dtype=dtype, scheme=scheme)
+
+    def _read(self, module: str, scheme: IntScheme, shape: Shape,
+              take: Take) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One module's ``(weight_packed [out, words], weight_scale [out, G], in_features)``,
+        checked against each other, the scheme and the config's shape."""
+        p = module + "."
+        packed, scale, stored = (take(p + n) for n in STORED)
+        stored_shape = [int(v) for v in stored.flatten().tolist()]
+        if len(stored_shape) != 2 or (shape is not None and tuple(stored_shape) != tuple(shape)):
+            raise self._bad(p + "weight_shape", f"is {stored_shape}; the model's config makes "
+                            f"this weight {list(shape) if shape else '[out, in]'}")
+        out, k = stored_shape
+        words = packed_columns(k, scheme.num_bits)
+        if packed.dtype != torch.int32 or tuple(packed.shape) != (out, words):
+            raise self._bad(p + "weight_packed", f"is {packed.dtype} {list(packed.shape)}; an "
+                            f"int{scheme.num_bits} [{out}, {k}] weight packs to int32 [{out}, {words}]")
+        g = scheme.group_size
+        if g is not None and k % g:
+            raise self._bad(p + "weight_scale", f"group_size {g} does not divide the {k} input "
+                            "features")
+        want = (out, k // g if g else 1)
+        if not scale.is_floating_point() or tuple(scale.shape) != want:
+            kind = f"group_size {g}" if g else "per-channel"
+            raise self._bad(p + "weight_scale", f"is {scale.dtype} {list(scale.shape)}; a {kind} "
+                            f"scale of a [{out}, {k}] weight is a float {list(want)}")
+        if not bool(torch.isfinite(scale).all()):
+            raise self._bad(p + "weight_scale", "holds non-finite values")
+        return packed, scale, k
+
+    def _bad(self, tensor: str, why: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.source}: tensor {tensor} {why}")
+
+    def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
+        scheme: IntScheme = layer.scheme
+        values = unpack_int32(layer.params["weight_packed"][start:stop], scheme.num_bits,
+                              layer.in_features)  # [n, in]
+        return dequantize_int(values, layer.params["weight_scale"][start:stop], scheme.group_size)
+
+
+METHOD = CompressedTensorsMethod
+"""The method class ``select.quant_method`` builds for ``quant_method: compressed-tensors``."""
