@@ -1,4 +1,5 @@
-"""``LLM(...)``'s vLLM arguments: none is accepted and silently ignored."""
+"""``LLM(...)``'s vLLM arguments: none is accepted and silently ignored (``quantization`` is an
+engine option: ``tests/engine/quant/test_quant_refusals.py``)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from loramux.engine.llm import check_vllm_arguments
 def test_vllm_defaults_pass_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_vllm_arguments({"tensor_parallel_size": 1, "quantization": None, "swap_space": 4,
+        check_vllm_arguments({"tensor_parallel_size": 1, "swap_space": 4,
                               "trust_remote_code": False, "tokenizer_mode": "auto"})
 
 
-@pytest.mark.parametrize("name, value", [("tensor_parallel_size", 2), ("quantization", "awq"),
-                                         ("quantization", "fp8")])
+@pytest.mark.parametrize("name, value", [("tensor_parallel_size", 2)])
 def test_what_the_engine_cannot_do_is_refused_naming_the_argument(name, value):
     with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
         check_vllm_arguments({name: value})

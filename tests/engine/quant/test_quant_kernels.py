@@ -1,0 +1,68 @@
+"""The weight-only path against a dequantize-then-matmul reference: unpacking and dequantizing
+equal compressed-tensors' own ``unpack_from_int32`` + ``dequantize``, and the banded matmul
+(a band of rows dequantized at a time) equals one matmul over the whole dequantized weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loramux.engine.model.quant import base
+from loramux.engine.model.quant.compressed_tensors import CompressedTensorsMethod, IntScheme
+from loramux.engine.model.quant.int_packed import dequantize_int, unpack_int32
+
+
+def library_quantized(out: int, k: int, bits: int, group: int | None, seed: int = 0):
+    """A random weight quantized and packed by compressed-tensors: (packed, scale, its
+    dequantized weight [out, k] by the library)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, k, generator=g)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True,
+                            strategy="group" if group else "channel", group_size=group)
+    view = w.unflatten(-1, (-1, group)) if group else w.unsqueeze(1)
+    scale, zp = calculate_qparams(view.amin(-1), view.amax(-1), args)
+    scale, zp = scale.reshape(out, -1), zp.reshape(out, -1)
+    q = quantize(w, scale, zp, args, dtype=torch.int8)
+    packed = pack_to_int32(q, bits)
+    ref = dequantize(unpack_from_int32(packed, bits, torch.Size([out, k])), scale, zp, args)
+    return packed, scale, ref
+
+
+CASES = [(4, 32, 96), (4, 64, 128), (4, 128, 256), (4, None, 100), (8, None, 72), (8, 32, 64),
+         (8, 128, 256)]
+
+
+@pytest.mark.parametrize("bits, group, k", CASES)
+def test_dequantize_equals_the_library(bits, group, k):
+    packed, scale, ref = library_quantized(48, k, bits, group)
+    w = dequantize_int(unpack_int32(packed, bits, k), scale, group)
+    assert torch.equal(w, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group, k", CASES)
+def test_banded_matmul_equals_dequantize_then_matmul(bits, group, k, dtype, monkeypatch):
+    monkeypatch.setattr(base, "TILE_ELEMS", 7 * k)  # 7 rows a band: several bands, a ragged last
+    packed, scale, ref = library_quantized(48, k, bits, group, seed=1)
+    bias = torch.randn(48)
+    layer = base.QuantLinear(CompressedTensorsMethod.__new__(CompressedTensorsMethod),
+                             {"weight_packed": packed, "weight_scale": scale}, bias.to(dtype),
+                             out_features=48, in_features=k, dtype=dtype, scheme=IntScheme(bits, group))
+    x = torch.randn(5, k).to(dtype)
+    y = layer(x)
+    assert y.shape == (5, 48) and y.dtype == dtype
+    want = torch.nn.functional.linear(x.to(layer.compute_dtype), ref.to(layer.compute_dtype),
+                                      bias.to(dtype).to(layer.compute_dtype)).to(dtype)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    torch.testing.assert_close(layer.row_norms(), torch.linalg.vector_norm(ref, dim=1))
+    a = torch.randn(3, k)
+    torch.testing.assert_close(layer.project(a), a @ ref.T)
+    assert layer.nbytes == packed.numel() * 4 + scale.numel() * 4 + 48 * bias.to(dtype).element_size()
