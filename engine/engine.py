@@ -31,6 +31,7 @@ from loramux.engine.errors import (
 from loramux.engine.intake import (
     PromptType,
     check_prompt,
+    lora_start,
     make_sequences,
     prefix_cache_id,
     queue_full_for,
@@ -139,18 +140,19 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids = self.tokenize(prompt)
         check_prompt(ids, params, self.model.dims.vocab_size, self.max_model_len)
-        lora_key = None
+        lora_key, start = None, 0
         if lora_request is not None:
             self.lora_manager.register(lora_request)
             lora_key = lora_request.key
+            start = lora_start(ids, self.lora_manager.invocation_tokens(lora_key))
         sc = self.config.scheduler
         if sc.max_waiting is not None and queue_full_for(self.scheduler.waiting, fairness_key,
                                                          sc.max_waiting):
             raise QueueFullError(f"the waiting queue is full ({sc.max_waiting} requests)")
-        cache_id = prefix_cache_id(lora_request.prefix_cache_id if lora_request is not None else None,
-                                   self.model.prefix_cache_salt(len(ids)))
+        salt = self.model.prefix_cache_salt(len(ids))
+        cache_id = prefix_cache_id(lora_request.prefix_cache_id if lora_request is not None else None, salt)
         seqs = make_sequences(request_id, ids, params, lora_key, cache_id, fairness_key, weight,
-                              self.structured.matcher)
+                              self.structured.matcher, start, prefix_cache_id(None, salt))
         req = Request(request_id, text, ids, params, seqs, lora_request)
         if lora_key is None or self.lora_manager.is_resident(lora_key):
             req.metrics.adapter_ready_time = req.metrics.arrival_time

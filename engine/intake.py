@@ -8,9 +8,10 @@ from collections.abc import Collection
 
 import torch
 
+from loramux.adapters.alora import activation_start
 from loramux.engine.errors import ContextLengthError, PromptError
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.sequence import Sequence
+from loramux.engine.sequence import LORA_NEVER, Sequence
 
 PromptType = str | dict | list[int]
 
@@ -72,14 +73,26 @@ def prefix_cache_id(adapter: str | None, salt: str | None) -> str | None:
     return f"{adapter or ''}#{salt}"
 
 
+def lora_start(ids: list[int], invocation: tuple[int, ...] | None) -> int:
+    """Where the adapter starts in prompt ``ids`` (``Sequence.lora_start``): 0 for a plain
+    LoRA (``invocation`` None), an aLoRA's last invocation, else :data:`LORA_NEVER`."""
+    start = activation_start(ids, invocation)
+    return LORA_NEVER if start is None else start
+
+
 def make_sequences(request_id: str, ids: list[int], params: SamplingParams, lora_key: str | None,
                    cache_id: str | None, fairness_key: str | None, weight: float,
-                   grammar_of) -> list[Sequence]:
+                   grammar_of, start: int = 0, base_id: str | None = None) -> list[Sequence]:
     """The request's ``best_of`` sequences: the first computes the prompt, the others fork
-    from it once it is computed (``pending_forks``). ``grammar_of(spec)``: a fresh matcher."""
+    from it once it is computed (``pending_forks``). ``grammar_of(spec)``: a fresh matcher;
+    ``start``: where the adapter starts (:func:`lora_start`), ``base_id``: the base model's
+    prefix-cache identity (the blocks before ``start`` are the base's)."""
+    if start and cache_id is not None:
+        cache_id = f"{cache_id}@{start}"  # the KV of the block holding the start depends on it
     seqs = []
     for i in range(params.best_of):
         seq = Sequence(request_id, i, ids, params, lora_key, adapter_id=cache_id,
+                       lora_start=start, base_cache_id=base_id,
                        fairness_key=fairness_key, fairness_weight=weight)
         if params.prompt_logprobs is not None and len(ids) == 1:
             seq.prompt_logprobs = [None]

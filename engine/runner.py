@@ -46,6 +46,23 @@ class StepBatch:
     def num_new_tokens(self) -> list[int]:
         return [r.num_new_tokens for r in self.rows]
 
+    def lora_runs(self) -> tuple[list[str | None], list[int]]:
+        """The step's tokens in batch order as runs of one adapter each: (adapter or None,
+        tokens). A row whose adapter starts after its first position (an activated LoRA,
+        ``ScheduledRow.lora_start``) gives its tokens before the start to no adapter."""
+        keys: list[str | None] = []
+        counts: list[int] = []
+        for r in self.rows:
+            n = r.num_new_tokens
+            pre = 0 if r.lora_key is None else min(max(r.lora_start - r.num_computed_tokens, 0), n)
+            if pre:
+                keys.append(None)
+                counts.append(pre)
+            if n > pre:
+                keys.append(r.lora_key)
+                counts.append(n - pre)
+        return keys, counts
+
 
 class StepAdapters(Protocol):
     """What the runner asks of the adapter manager for each step."""
@@ -58,7 +75,8 @@ class StepAdapters(Protocol):
         """Adapter -> device slot of the resident adapters."""
 
     def prepare_step(self, row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
-        """Lay out a step's adapters, before its forward pass."""
+        """Lay out a step's adapters, before its forward pass: its tokens in batch order as
+        runs of ``row_num_tokens[i]`` tokens of adapter ``row_lora_keys[i]`` (None: none)."""
 
     def finish_step(self) -> None:
         """After the step's forward pass (also a failed one)."""
@@ -143,7 +161,7 @@ class ModelRunner:
             batch = self.order(plan, adapters.slot_of if adapters is not None else {})
             if adapters is None:
                 return ModelOutput(batch.rows, *self.run_batch(batch, plan.copies))
-            adapters.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
+            adapters.prepare_step(*batch.lora_runs())
             try:
                 return ModelOutput(batch.rows, *self.run_batch(batch, plan.copies))
             finally:

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 
 _seq_ids = itertools.count()
 
+LORA_NEVER = 1 << 62
+"""``Sequence.lora_start`` of an aLoRA request whose prompt holds no invocation: no position
+gets the adapter (the request is the base model's)."""
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -39,6 +43,14 @@ class Sequence:
     adapter_id: str | None = None
     """The adapter's identity in prefix-cache keys (``LoRARequest.prefix_cache_id``;
     None = ``lora_key``)."""
+    lora_start: int = 0
+    """The first position computed with the adapter: 0 for a plain LoRA; an activated LoRA's
+    invocation start in the prompt (``adapters.alora.activation_start``), fixed when the
+    request is added (generated tokens never move it); :data:`LORA_NEVER` when the prompt
+    holds no invocation. Positions before it are the base model's, in the KV cache too."""
+    base_cache_id: str | None = None
+    """The prefix-cache identity of the base model's blocks (``adapter_id`` without the
+    adapter): that of the full blocks wholly before ``lora_start``."""
     fairness_key: str | None = None
     """Whose fair share this sequence counts against (opaque; the platform's tenant)."""
     fairness_weight: float = 1.0

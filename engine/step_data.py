@@ -50,6 +50,9 @@ class ScheduledRow:
     """A verify row (speculative decoding): the last ``num_draft_tokens`` of ``token_ids``
     are drafts after the sequence's last token; the runner returns the logits of every
     position (``ModelOutput.draft_logits``)."""
+    lora_start: int = 0
+    """The first position computed with ``lora_key``'s adapter (``Sequence.lora_start``:
+    an activated LoRA's positions before its invocation are the base model's)."""
 
 
 @dataclass

@@ -31,7 +31,7 @@ class PlannedRow:
         ids = seq.token_ids[start : start + n] + self.drafts
         return ScheduledRow(seq.request_id, seq.seq_id, n, start, ids,
                             list(seq.block_table), seq.lora_key, self.is_prefill, prompt_logits,
-                            seq.num_prompt_tokens, len(self.drafts))
+                            seq.num_prompt_tokens, len(self.drafts), seq.lora_start)
 
 
 class StepPlan:

@@ -32,6 +32,9 @@ class AdapterManager(Protocol):
     def register(self, request: LoRARequest) -> None:
         """Know an adapter (its config checked); raises ``LoRAError`` when it cannot run."""
 
+    def invocation_tokens(self, key: str) -> tuple[int, ...] | None:
+        """A registered aLoRA's invocation token ids (None: a plain LoRA)."""
+
     def drop(self, key: str) -> None:
         """Forget an adapter (deleted or replaced)."""
 

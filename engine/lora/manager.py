@@ -165,6 +165,11 @@ class LoRAManager:
             self.drop(request.key)
         self.tiers.register(request)
 
+    def invocation_tokens(self, key: str) -> tuple[int, ...] | None:
+        """A registered aLoRA's invocation token ids (None: a plain LoRA); read when a
+        request is added, to find where its adapter starts in the prompt."""
+        return self._state(key).invocation_tokens
+
     def drop(self, key: str) -> None:
         """Forget an adapter entirely (deleted or replaced); frees its slot when idle."""
         self.slots.evict(key)
@@ -273,7 +278,8 @@ class LoRAManager:
     # --- the step -------------------------------------------------------------------------
     def prepare_step(self, row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
         """Lay out this step's adapters for the layers (once per step, before the forward
-        pass): row i has ``row_num_tokens[i]`` tokens of adapter ``row_lora_keys[i]``."""
+        pass): the step's tokens in batch order are runs of ``row_num_tokens[i]`` tokens of
+        adapter ``row_lora_keys[i]`` (None: none; an aLoRA row's tokens before its start)."""
         keys = frozenset(k for k in row_lora_keys if k is not None)
         if not keys:
             self.hook.clear()

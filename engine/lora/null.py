@@ -32,6 +32,9 @@ class NoLoRA:
     def register(self, request: LoRARequest) -> None:
         raise LoRAError("this engine was started without LoRA (enable_lora=False)")
 
+    def invocation_tokens(self, key: str) -> tuple[int, ...] | None:
+        return None
+
     def drop(self, key: str) -> None:
         """Nothing to forget."""
 

@@ -16,7 +16,9 @@ class AdapterState:
     request: LoRARequest
     rank: int
     kind: str = "LoRA"
-    """``"LoRA"`` or ``"DoRA"`` (``LoraSpec.kind``)."""
+    """``"LoRA"``, ``"DoRA"`` or ``"aLoRA"`` (``LoraSpec.kind``)."""
+    invocation_tokens: tuple[int, ...] | None = None
+    """An aLoRA's invocation token ids (``LoraSpec.alora_invocation_tokens``)."""
     load_seconds: float | None = None
     """Seconds of the last disk → CPU tier load."""
     slot_seconds: float | None = None

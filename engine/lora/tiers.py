@@ -107,7 +107,7 @@ class AdapterTiers:
             raise LoRAError(
                 f"adapter {request.lora_name!r} targets unsupported modules {unsupported}"
             )
-        self.adapters[request.key] = AdapterState(request, spec.r, spec.kind)
+        self.adapters[request.key] = AdapterState(request, spec.r, spec.kind, spec.alora_invocation_tokens)
 
     def folder(self, request: LoRARequest) -> Path:
         """The adapter's local folder (asks the adapter source when it has no path)."""
