@@ -105,11 +105,35 @@ def _peft_adapter(src: Path, base_config: dict, dest: Path, weights: LoraWeights
     return _copy_adapter(src, dest)
 
 
-def _load_peft(base_model: Path, adapter_dir: Path, dtype: torch.dtype):
-    from peft import PeftModel
+def _load_base(base_model: Path, dtype: torch.dtype):
+    """The base model, dense: a quantized (compressed-tensors) checkpoint is dequantized as it
+    loads and saves as a plain float model (an adapter merges into the dequantized weights)."""
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    quant = _read_base_config(base_model).get("quantization_config")
+    if not quant:
+        return AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    if quant.get("quant_method") != "compressed-tensors":
+        raise AdapterValidationError(
+            f"base model: quantization_config.quant_method {quant.get('quant_method')!r} cannot be "
+            "merged into (supported: compressed-tensors)", field="base_model")
+    from transformers import CompressedTensorsConfig
+
+    base = AutoModelForCausalLM.from_pretrained(
+        base_model, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+    if hasattr(base.config, "quantization_config"):
+        del base.config.quantization_config
+    base.hf_quantizer = None
+    logger.warning("%s is quantized (compressed-tensors): the adapter merges into its dequantized "
+                   "weights and the export is a %s checkpoint, not a quantized one", base_model,
+                   str(dtype).replace("torch.", ""))
+    return base
+
+
+def _load_peft(base_model: Path, adapter_dir: Path, dtype: torch.dtype):
+    from peft import PeftModel
+
+    base = _load_base(base_model, dtype)
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
     model.eval()
     return model
