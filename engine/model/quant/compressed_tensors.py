@@ -9,9 +9,10 @@
 ``weight_packed`` (int32 [out, in·bits/32], see ``int_packed.py``), ``weight_scale``
 ([out, 1] per channel, [out, in / group_size] per group) and ``weight_shape`` ([out, in]).
 
-Served: 4- and 8-bit integer weights, symmetric, per channel or grouped (any group size
-dividing the input features). Refused at start, naming the field: asymmetric weights
-(``weight_zero_point``), activation quantization (W8A8), other formats (FP8
+Served: 4- and 8-bit integer weights, per channel or grouped (any group size dividing the input
+features), symmetric or asymmetric (``weight_zero_point``: int32 [out·bits/32, G], packed along
+the output dimension; unpacked to int8 [out, G] at load). Refused at start, naming the field:
+activation quantization (W8A8), other formats (FP8
 ``float-quantized`` / ``naive-quantized``, ``int-quantized``, sparsity), ``actorder: group``
 (``weight_g_idx``), a KV-cache scheme, transforms.
 """
@@ -43,7 +44,9 @@ from loramux.engine.model.quant.int_packed import (
 FORMATS = ("pack-quantized",)
 """The ``format`` values served."""
 STORED = ("weight_packed", "weight_scale", "weight_shape")
-"""A quantized module's tensors, kept in their stored dtypes."""
+"""A quantized module's tensors (and ``weight_zero_point`` when asymmetric), kept in their
+stored dtypes."""
+ZERO_POINT = "weight_zero_point"
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,13 @@ class IntScheme:
     """4 or 8."""
     group_size: int | None
     """Input features sharing one scale; None: one scale per output channel."""
+    symmetric: bool = True
+    """False: each scale has an integer zero point (``weight_zero_point``)."""
 
     def describe(self) -> str:
         return f"int{self.num_bits} " + (f"group {self.group_size}" if self.group_size
-                                         else "per-channel") + " symmetric"
+                                         else "per-channel") + (" symmetric" if self.symmetric
+                                                                else " asymmetric")
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,7 @@ def _parse_group(name: str, group: Mapping[str, Any], top_format: Any, source: s
         ("type", w.get("type") == "int", "supported: int"),
         ("num_bits", w.get("num_bits") in PACKED_BITS, "supported: 4, 8"),
         ("strategy", w.get("strategy") in ("channel", "group"), "supported: channel, group"),
-        ("symmetric", w.get("symmetric", True) is True,
-         "asymmetric weights (weight_zero_point) are not supported yet"),
+        ("symmetric", w.get("symmetric", True) in (True, False), "true or false"),
         ("dynamic", not w.get("dynamic", False), "dynamic weight scales are not supported"),
         ("actorder", w.get("actorder") in (None, "weight", "static"),
          "activation-ordered groups (weight_g_idx) are not supported yet"),
@@ -110,7 +115,8 @@ def _parse_group(name: str, group: Mapping[str, Any], top_format: Any, source: s
     targets = group.get("targets")
     if not targets or not all(isinstance(t, str) for t in targets):
         raise _refuse(source, f"{at}.targets", targets, "a list of module names is required")
-    return ConfigGroup(name, tuple(targets), IntScheme(w["num_bits"], group_size))
+    return ConfigGroup(name, tuple(targets),
+                       IntScheme(w["num_bits"], group_size, w.get("symmetric", True)))
 
 
 def parse_config(qc: Mapping[str, Any], source: str) -> tuple[list[ConfigGroup], tuple[str, ...]]:
@@ -166,7 +172,7 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         return found[0].scheme if found else None
 
     def keeps_stored_dtype(self, name: str) -> bool:
-        return name.rsplit(".", 1)[-1] in STORED
+        return name.rsplit(".", 1)[-1] in (*STORED, ZERO_POINT)
 
     def create_linear(self, modules: Sequence[str], take: Take, bias: torch.Tensor | None, *,
                       shapes: Sequence[Shape], dtype: torch.dtype):
@@ -178,20 +184,20 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         if scheme is None:
             return UnquantizedMethod().create_linear(modules, take, bias, shapes=shapes, dtype=dtype)
         parts = [self._read(m, scheme, shape, take) for m, shape in zip(modules, shapes, strict=True)]
-        in_features = {k for _, _, k in parts}
+        in_features = {k for _, k in parts}
         if len(in_features) > 1:
             raise ModelLoadError(f"{self.source}: fused modules {list(modules)} have different "
                                  f"input features {sorted(in_features)}")
-        packed = torch.cat([p for p, _, _ in parts]) if len(parts) > 1 else parts[0][0]
-        scale = torch.cat([s for _, s, _ in parts]) if len(parts) > 1 else parts[0][1]
-        return QuantLinear(self, {"weight_packed": packed, "weight_scale": scale}, bias,
-                           out_features=packed.shape[0], in_features=in_features.pop(),
-                           dtype=dtype, scheme=scheme)
+        params = {name: torch.cat([p[name] for p, _ in parts]) if len(parts) > 1 else parts[0][0][name]
+                  for name in parts[0][0]}  # along the output rows: [out, words | G] each
+        return QuantLinear(self, params, bias, out_features=params["weight_packed"].shape[0],
+                           in_features=in_features.pop(), dtype=dtype, scheme=scheme)
 
     def _read(self, module: str, scheme: IntScheme, shape: Shape,
-              take: Take) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One module's ``(weight_packed [out, words], weight_scale [out, G], in_features)``,
-        checked against each other, the scheme and the config's shape."""
+              take: Take) -> tuple[dict[str, torch.Tensor], int]:
+        """One module's tensors (``weight_packed`` [out, words], ``weight_scale`` [out, G],
+        ``weight_zero_point`` int8 [out, G] when asymmetric) and its input features, checked
+        against each other, the scheme and the config's shape."""
         p = module + "."
         packed, scale, stored = (take(p + n) for n in STORED)
         stored_shape = [int(v) for v in stored.flatten().tolist()]
@@ -214,7 +220,21 @@ class CompressedTensorsMethod(WeightOnlyMethod):
                             f"scale of a [{out}, {k}] weight is a float {list(want)}")
         if not bool(torch.isfinite(scale).all()):
             raise self._bad(p + "weight_scale", "holds non-finite values")
-        return packed, scale, k
+        params = {"weight_packed": packed, "weight_scale": scale}
+        if not scheme.symmetric:
+            params[ZERO_POINT] = self._zero_point(p, take(p + ZERO_POINT), scheme, want)
+        return params, k
+
+    def _zero_point(self, p: str, zp: torch.Tensor, scheme: IntScheme,
+                    want: tuple[int, int]) -> torch.Tensor:
+        """``weight_zero_point`` int32 [out·bits/32, G] (packed along the output rows) →
+        int8 [out, G]."""
+        out, groups = want
+        words = packed_columns(out, scheme.num_bits)
+        if zp.dtype != torch.int32 or tuple(zp.shape) != (words, groups):
+            raise self._bad(p + ZERO_POINT, f"is {zp.dtype} {list(zp.shape)}; {out} rows of "
+                            f"int{scheme.num_bits} zero points pack to int32 [{words}, {groups}]")
+        return unpack_int32(zp.T.contiguous(), scheme.num_bits, out).T.to(torch.int8).contiguous()
 
     def _bad(self, tensor: str, why: str) -> ModelLoadError:
         return ModelLoadError(f"{self.source}: tensor {tensor} {why}")
@@ -223,7 +243,9 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         scheme: IntScheme = layer.scheme
         values = unpack_int32(layer.params["weight_packed"][start:stop], scheme.num_bits,
                               layer.in_features)  # [n, in]
-        return dequantize_int(values, layer.params["weight_scale"][start:stop], scheme.group_size)
+        zp = layer.params.get(ZERO_POINT)  # [out, G] int8, or None
+        return dequantize_int(values, layer.params["weight_scale"][start:stop], scheme.group_size,
+                              zp[start:stop] if zp is not None else None)
 
 
 METHOD = CompressedTensorsMethod
