@@ -12,10 +12,11 @@ import torch
 
 
 def write_compressed(src: Path, out: Path, *, num_bits: int = 4, group_size: int | None = 32,
-                     ignore: tuple[str, ...] = ("lm_head",), targets: tuple[str, ...] = ("Linear",)) -> Path:
+                     symmetric: bool = True, ignore: tuple[str, ...] = ("lm_head",),
+                     targets: tuple[str, ...] = ("Linear",)) -> Path:
     """Quantize the float model folder ``src`` to ``out`` as compressed-tensors'
-    ``pack-quantized`` (``num_bits`` integers, symmetric, per ``group_size`` input features or
-    per channel when None), min-max scales, through the library's own
+    ``pack-quantized`` (``num_bits`` integers, symmetric or with zero points, per ``group_size``
+    input features or per channel when None), min-max scales, through the library's own
     ``apply_quantization_config`` → ``ModelCompressor.compress_model`` → ``save_pretrained``
     → ``update_config``; the tokenizer files come along."""
     from compressed_tensors.compressors import ModelCompressor
@@ -30,7 +31,7 @@ def write_compressed(src: Path, out: Path, *, num_bits: int = 4, group_size: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=True,
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric,
                             strategy="group" if group_size else "channel", group_size=group_size)
     scheme = QuantizationScheme(targets=list(targets), weights=args)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
@@ -40,8 +41,10 @@ def write_compressed(src: Path, out: Path, *, num_bits: int = 4, group_size: int
             if is_module_quantized(module):
                 w = module.weight.float()
                 w = w.unflatten(-1, (-1, group_size)) if group_size else w.unsqueeze(1)  # [out, G, g]
-                scale, _ = calculate_qparams(w.amin(-1), w.amax(-1), args)
+                scale, zp = calculate_qparams(w.amin(-1), w.amax(-1), args)
                 module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+                if not symmetric:
+                    module.weight_zero_point.copy_(zp.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
     compressor.compress_model(model)
     model.save_pretrained(out)
@@ -89,3 +92,33 @@ def edit_checkpoint(folder: Path, *, drop: tuple[str, ...] = (), replace: dict |
             else:
                 qc[key] = value
         (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def library_dequantized(folder: Path, out: Path, adapter: Path | None = None):
+    """transformers on the float folder the compressed-tensors library decompresses ``folder``
+    into (its ``PackedQuantizationCompressor.decompress`` per module; for what transformers'
+    own load gets wrong: it reinitialises packed zero points), with the PEFT adapter on top."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    if not (out / "model.safetensors").exists():
+        cfg = json.loads((folder / "config.json").read_text())
+        qc = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
+        scheme = next(iter(qc.config_groups.values()))
+        tensors = load_file(folder / "model.safetensors")
+        for name in [k for k in tensors if k.endswith(".weight_packed")]:
+            module = name.removesuffix(".weight_packed")
+            part = {k.removeprefix(module + "."): tensors.pop(k) for k in list(tensors)
+                    if k.startswith(module + ".weight_")}
+            tensors[module + ".weight"] = PackedQuantizationCompressor.decompress(part, scheme)["weight"]
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(cfg))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    if adapter is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter).eval()

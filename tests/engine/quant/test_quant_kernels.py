@@ -12,9 +12,10 @@ from loramux.engine.model.quant.compressed_tensors import CompressedTensorsMetho
 from loramux.engine.model.quant.int_packed import dequantize_int, unpack_int32
 
 
-def library_quantized(out: int, k: int, bits: int, group: int | None, seed: int = 0):
-    """A random weight quantized and packed by compressed-tensors: (packed, scale, its
-    dequantized weight [out, k] by the library)."""
+def library_quantized(out: int, k: int, bits: int, group: int | None, seed: int = 0,
+                      symmetric: bool = True):
+    """A random weight quantized and packed by compressed-tensors: (packed, scale, zero point
+    (None when symmetric), its dequantized weight [out, k] by the library)."""
     from compressed_tensors.compressors.pack_quantized.helpers import (
         pack_to_int32,
         unpack_from_int32,
@@ -25,33 +26,47 @@ def library_quantized(out: int, k: int, bits: int, group: int | None, seed: int 
 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out, k, generator=g)
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True,
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
                             strategy="group" if group else "channel", group_size=group)
     view = w.unflatten(-1, (-1, group)) if group else w.unsqueeze(1)
     scale, zp = calculate_qparams(view.amin(-1), view.amax(-1), args)
     scale, zp = scale.reshape(out, -1), zp.reshape(out, -1)
     q = quantize(w, scale, zp, args, dtype=torch.int8)
     packed = pack_to_int32(q, bits)
-    ref = dequantize(unpack_from_int32(packed, bits, torch.Size([out, k])), scale, zp, args)
-    return packed, scale, ref
+    ref = dequantize(unpack_from_int32(packed, bits, torch.Size([out, k])), scale,
+                     None if symmetric else zp, args)
+    return packed, scale, None if symmetric else zp, ref
 
 
 CASES = [(4, 32, 96), (4, 64, 128), (4, 128, 256), (4, None, 100), (8, None, 72), (8, 32, 64),
          (8, 128, 256)]
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits, group, k", CASES)
-def test_dequantize_equals_the_library(bits, group, k):
-    packed, scale, ref = library_quantized(48, k, bits, group)
-    w = dequantize_int(unpack_int32(packed, bits, k), scale, group)
+def test_dequantize_equals_the_library(bits, group, k, symmetric):
+    packed, scale, zp, ref = library_quantized(48, k, bits, group, symmetric=symmetric)
+    w = dequantize_int(unpack_int32(packed, bits, k), scale, group, zp)
     assert torch.equal(w, ref)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_points_unpack_as_the_library_packs_them(bits):
+    """``weight_zero_point`` is packed along the output rows (the library's ``packed_dim=0``)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    zp = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (37, 3), dtype=torch.int8)
+    method = CompressedTensorsMethod.__new__(CompressedTensorsMethod)
+    got = method._zero_point("m.", pack_to_int32(zp, bits, packed_dim=0), IntScheme(bits, 32, False),
+                             (37, 3))
+    assert torch.equal(got, zp)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits, group, k", CASES)
 def test_banded_matmul_equals_dequantize_then_matmul(bits, group, k, dtype, monkeypatch):
     monkeypatch.setattr(base, "TILE_ELEMS", 7 * k)  # 7 rows a band: several bands, a ragged last
-    packed, scale, ref = library_quantized(48, k, bits, group, seed=1)
+    packed, scale, _, ref = library_quantized(48, k, bits, group, seed=1)
     bias = torch.randn(48)
     layer = base.QuantLinear(CompressedTensorsMethod.__new__(CompressedTensorsMethod),
                              {"weight_packed": packed, "weight_scale": scale}, bias.to(dtype),

@@ -66,6 +66,14 @@ def test_a_missing_tensor_is_named(copy, tensor):
         load(copy)
 
 
+def test_an_asymmetric_scheme_without_zero_points_is_named(copy):
+    group = {"targets": ["Linear"], "weights": {**WEIGHTS, "symmetric": False}, "format": "pack-quantized"}
+    edit_checkpoint(copy, config={"config_groups": {"group_0": group}})
+    with pytest.raises(ModelLoadError, match=r"tensor 'model.layers.0.mlp.down_proj.weight_zero_point' "
+                                             r"is missing"):
+        load(copy)
+
+
 def test_a_packed_weight_one_column_short_is_named(copy):
     from safetensors.torch import load_file
 
@@ -108,7 +116,6 @@ WEIGHTS = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, 
 
 
 @pytest.mark.parametrize("field, change, why", [
-    ("weights.symmetric", {"weights": {**WEIGHTS, "symmetric": False}}, "asymmetric"),
     ("weights.num_bits", {"weights": {**WEIGHTS, "num_bits": 3}}, "supported: 4, 8"),
     ("weights.type", {"weights": {**WEIGHTS, "type": "float", "num_bits": 8}}, "supported: int"),
     ("weights.strategy", {"weights": {**WEIGHTS, "strategy": "tensor"}}, "channel, group"),
