@@ -10,7 +10,10 @@ another sequence's keys and values (a masked NaN/Inf still poisons attention).
 Prefix cache: a full, computed block is keyed by a hash chain over its tokens, the
 key of the block before it and the sequence's adapter identity (``adapter_id``: the
 caller's tenant + adapter version; LoRA changes K and V, so two adapters, or two
-versions of one, never share a block). A block whose last reference is dropped
+versions of one, never share a block). An activated LoRA's blocks wholly before its
+start (``Sequence.lora_start``, its invocation) hold the base model's K and V and are
+keyed as the base's (``base_cache_id``): base requests, other aLoRAs and later turns share
+them; its later blocks carry the start in their identity. A block whose last reference is dropped
 keeps its key and waits in an LRU list of cached free blocks; a new sequence whose
 leading blocks match takes them back instead of recomputing them, and when the
 pool runs dry the least recently freed cached block is evicted and reused.
@@ -56,7 +59,8 @@ class KVEventListener(Protocol):
                       block_size: int, lora_key: str | None) -> None:
         """Full blocks of one sequence got keys (:func:`block_key`), in chain order;
         ``parent`` is the key before the first (None at the start of a prompt),
-        ``token_ids`` the blocks' tokens, ``lora_key`` the sequence's adapter (None = base)."""
+        ``token_ids`` the blocks' tokens, ``lora_key`` the blocks' adapter (None = base: also
+        an activated LoRA's blocks before its invocation, which are the base's)."""
 
     def blocks_removed(self, keys: list[bytes]) -> None:
         """These keys left the cache (their blocks were evicted for reuse)."""
@@ -263,8 +267,18 @@ class KVCacheManager:
         bs = self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
-            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs : (i + 1) * bs], seq.adapter_id))
+            keys.append(block_key(keys[-1] if keys else b"", seq.token_ids[i * bs : (i + 1) * bs],
+                                  self._identity(seq, i)))
         return keys[:num_blocks]
+
+    def _identity(self, seq: Sequence, block: int) -> str | None:
+        """The identity block ``block`` of ``seq`` is keyed with: the base model's when it
+        lies wholly before the adapter's start (an activated LoRA's context before its
+        invocation: a base request, another aLoRA and the next turn share it), else the
+        sequence's adapter's."""
+        if (block + 1) * self.block_size <= seq.lora_start:
+            return seq.base_cache_id
+        return seq.adapter_id
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding ``seq``'s leading full blocks (at least its last token is
@@ -321,9 +335,11 @@ class KVCacheManager:
             if j < len(stored) and stored[j] == stored[j - 1] + 1:
                 continue
             first, last = stored[start], stored[j - 1]
-            run = keys[first:last + 1]
-            parent = keys[first - 1] if first else None
-            tokens = seq.token_ids[first * bs:(last + 1) * bs]
-            for listener in tuple(self.listeners):
-                listener.blocks_stored(run, parent, tokens, bs, seq.lora_key)
+            # the blocks before an aLoRA's start are the base model's: a run of its own
+            split = min(max(seq.lora_start // bs, first), last + 1) if seq.lora_key is not None else first
+            for lo, hi, key in ((first, split, None), (split, last + 1, seq.lora_key)):
+                if lo < hi:
+                    for listener in tuple(self.listeners):
+                        listener.blocks_stored(keys[lo:hi], keys[lo - 1] if lo else None,
+                                               seq.token_ids[lo * bs:hi * bs], bs, key)
             start = j

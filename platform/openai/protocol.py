@@ -164,6 +164,9 @@ class CompletionUsage(BaseModel):
     total_tokens: int
     completion_tokens_details: dict[str, int] | None = Field(None, exclude_if=_unset)
     """``{"reasoning_tokens": n}`` when a reasoning parser is in effect."""
+    prompt_tokens_details: dict[str, int] | None = Field(None, exclude_if=_unset)
+    """``{"cached_tokens": n}``: prompt tokens found in the prefix cache (an activated
+    LoRA's context before its invocation is the base model's and hits it too)."""
 
 
 class CompletionChoice(BaseModel):

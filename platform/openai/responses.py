@@ -44,6 +44,7 @@ class ResponseRenderer(TokenRenderer):
     def chunks(self, ctx: RequestContext, state: StreamState, i: int, out: RequestOutput) -> list[dict]:
         """The ``choices`` entries to send for a new snapshot of prompt ``i``."""
         state.prompt_tokens[i] = len(out.prompt_token_ids)
+        state.cached_tokens[i] = out.num_cached_tokens
         chunks = []
         n = ctx.built.params.n
         for o in out.outputs:
@@ -136,8 +137,10 @@ class ResponseRenderer(TokenRenderer):
     def usage(self, finals: list[RequestOutput]) -> CompletionUsage:
         prompt = sum(len(f.prompt_token_ids) for f in finals)
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals)
         return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                               total_tokens=prompt + completion,
+                               prompt_tokens_details={"cached_tokens": cached})
 
     def completion_body(self, ctx: RequestContext, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
@@ -245,6 +248,7 @@ class StreamState:
     ctx: RequestContext
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: dict[int, int] = field(default_factory=dict)
     streams: dict[int, ChoiceStream] = field(default_factory=dict)
     """Each parsed choice's parser state."""
@@ -253,7 +257,8 @@ class StreamState:
     def usage(self) -> dict[str, Any]:
         p = sum(self.prompt_tokens.values())
         c = sum(self.completion_tokens.values())
-        out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                               "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
         if self.ctx.parsing is not None and self.ctx.parsing.reasoning_cls is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": sum(self.reasoning_tokens.values())}
         return out
