@@ -122,6 +122,7 @@ class Gateway:
         self._resolved: TTLCache[tuple[int, str], Release | None] = self.deps.stale_cache(
             self.resolve_ttl)
         self._quotas: TTLCache[int, Quotas] = self.deps.stale_cache(self.quota_ttl)
+        self._activated: set[str] = set()  # engine keys of activated LoRA (aLoRA) versions
 
     # --- tenant limits ------------------------------------------------------------------
     async def quotas(self, tenant_id: int) -> Quotas:
@@ -173,13 +174,24 @@ class Gateway:
                 if version is None:
                     raise ModelNotFound(f"The model `{name}` does not exist: adapter `{adapter}` "
                                         f"has no version {number or pinned}.", param="model")
-                return str(EngineKey.for_handle(release.versions[version])), version
+                handle = release.versions[version]
+                key = str(EngineKey.for_handle(handle))
+                if handle.kind == "aLoRA":
+                    self._activated.add(key)
+                return key, version
         for v in self.view.live():
             if name in v.static:
                 return f"static/{name}", None
             if name in v.models:
                 return None, None
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+
+    def prefix_owner(self, adapter: str | None) -> str | None:
+        """Whose prompt prefixes a request's routing hashes name: its adapter's, or the base
+        model's for an activated LoRA (its context before the invocation is the base's KV
+        on the engine, so it is routed to where that context is cached). After
+        :meth:`resolve`."""
+        return None if adapter in self._activated else adapter
 
     def on_event(self, ev: ClusterEvent) -> None:
         """Fan-out listener: forget cached releases and keys; drop evicted residency."""

@@ -102,7 +102,7 @@ def _inference(gw: Gateway):
             adapter, version = await gw.resolve(caller, parsed["model"], user=user,
                                                 pinned=pinned_version(request.headers))
             cfg = gw.router.config
-            prefixes = prefix_hashes(adapter, prompt_text(parsed),
+            prefixes = prefix_hashes(gw.prefix_owner(adapter), prompt_text(parsed),
                                      chunk_chars=cfg.prefix_chunk_chars,
                                      max_chunks=cfg.max_prefix_chunks)
             resp = await gw.forward(request, body, caller=caller, adapter_id=adapter,
