@@ -24,9 +24,10 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 CSRC = "engine/model/csrc"
-KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c")]
+KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c",
+                                                  "wq_linear.c")]
 HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_prefill.h",
-                                         "sgmv_shrink.h")]
+                                         "sgmv_shrink.h", "wq_kernels.h")]
 C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]
 """Flags of every kernel object. OpenMP: the process's libgomp at run time is torch's own."""
 
@@ -67,7 +68,7 @@ class BuildKernels(BuildExtension):
 
 kernels = CppExtension(
     "loramux.engine.model.kernels._C",
-    sources=[f"{CSRC}/ops.cpp", f"{CSRC}/isa.cpp"],
+    sources=[f"{CSRC}/ops.cpp", f"{CSRC}/isa.cpp", f"{CSRC}/quant_ops.cpp"],
     include_dirs=[os.path.abspath(CSRC)],
     define_macros=[(f"LMX_HAVE_{isa.upper()}", "1") for isa in ISA_VARIANTS if isa != "scalar"],
     extra_compile_args=["-O3"],

@@ -173,9 +173,30 @@ def lora_sgmv(y, x, a, b, runs, ranks, slice_offsets) -> None:
                        lambda: f"loramux::{op}: slice_offsets must be {slices + 1} ints from 0 to {y.shape[1]}")
 
 
+def wq_linear(x, w, scale, zero, bias, bits, in_features, group_size, out_dtype):
+    op = "wq_linear"
+    _same_device(op, x, w, scale, zero, bias)
+    _rows(x, op, "x")
+    _out_dtype(out_dtype, op)
+    torch._check_value(bits in (4, 8), lambda: f"loramux::{op}: bits must be 4 or 8, got {bits}")
+    _check(x.shape[1] == in_features, op, f"x has {x.shape[1]} columns, in_features is {in_features}")
+    kp = -(-in_features // 32) * 32
+    _dim(w, 2, op, "w")
+    _contiguous(w, op, "w")
+    _check(w.dtype == torch.uint8, op, f"w must be uint8, got {w.dtype}")
+    _check(w.shape[1] == kp * bits // 8, op, f"w must be [N, {kp * bits // 8}], got {tuple(w.shape)}")
+    groups = in_features // group_size if group_size else 1
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t is not None:
+            _check(t.dtype == torch.float32 and tuple(t.shape) == (w.shape[0], groups), op,
+                   f"{name} must be float32 [{w.shape[0]}, {groups}], got {t.dtype} {tuple(t.shape)}")
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
+
+
 FAKES = {
     "paged_attention": paged_attention, "add_rms_norm": add_rms_norm, "rope": rope,
     "silu_mul": silu_mul, "gelu_tanh_mul": gelu_tanh_mul, "lora_sgmv": lora_sgmv,
+    "wq_linear": wq_linear,
 }
 """Operator name -> its fake implementation."""
 

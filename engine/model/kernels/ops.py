@@ -92,3 +92,21 @@ def lora_sgmv(
     """``y[t] += (x[t] @ A[slot].T) @ B[slot]`` for every token of ``runs`` (multi-LoRA SGMV):
     each slot's A and B read in place, only as many rows as its rank."""
     loader.require().lora_sgmv.default(y, x, a, b, runs, ranks, slice_offsets)
+
+
+def wq_linear(
+    x: torch.Tensor,  # [M, K] fp32/bf16, dense rows
+    w: torch.Tensor,  # [N, Kp * bits / 8] uint8, the kernel's layout (int_packed.kernel_layout)
+    scale: torch.Tensor,  # [N, G] float32
+    zero: torch.Tensor | None,  # [N, G] float32 stored-value offsets, or None (symmetric)
+    bias: torch.Tensor | None,  # [N] float32
+    *,
+    bits: int,
+    in_features: int,
+    group_size: int,  # 0: one scale per row; else a multiple of 32 dividing in_features
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] out_dtype
+    """Weight-only int8 / int4 linear ``x @ dequant(W).T + bias``, a block of 32 weights
+    dequantized at a time in registers, accumulated in float32 (``csrc/wq_linear.c``)."""
+    return loader.require().wq_linear.default(x, w, scale, zero, bias, bits, in_features,
+                                              group_size, out_dtype)

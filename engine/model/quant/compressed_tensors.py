@@ -19,6 +19,7 @@ activation quantization (W8A8), other formats (FP8
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from loramux.engine.errors import ModelLoadError
+from loramux.engine.model.kernels import loader
 from loramux.engine.model.quant.base import (
     QuantLinear,
     Shape,
@@ -37,9 +39,15 @@ from loramux.engine.model.quant.base import (
 from loramux.engine.model.quant.int_packed import (
     PACKED_BITS,
     dequantize_int,
+    kernel_apply,
+    kernel_dequantize,
+    kernel_fits,
+    kernel_layout,
     packed_columns,
     unpack_int32,
 )
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("pack-quantized",)
 """The ``format`` values served."""
@@ -154,6 +162,7 @@ class CompressedTensorsMethod(WeightOnlyMethod):
 
     def __init__(self, qc: Mapping[str, Any], source: str) -> None:
         self.source = source
+        self._logged: set[tuple[IntScheme, str]] = set()  # which path each scheme runs, logged once
         self.groups, self.ignore = parse_config(qc, source)
 
     def describe(self) -> str:
@@ -190,8 +199,37 @@ class CompressedTensorsMethod(WeightOnlyMethod):
                                  f"input features {sorted(in_features)}")
         params = {name: torch.cat([p[name] for p, _ in parts]) if len(parts) > 1 else parts[0][0][name]
                   for name in parts[0][0]}  # along the output rows: [out, words | G] each
-        return QuantLinear(self, params, bias, out_features=params["weight_packed"].shape[0],
-                           in_features=in_features.pop(), dtype=dtype, scheme=scheme)
+        k, out = in_features.pop(), params["weight_packed"].shape[0]
+        if self._runs_kernel(scheme, params["weight_packed"].device):
+            params = self._repack(params, scheme, k)
+        return QuantLinear(self, params, bias, out_features=out, in_features=k, dtype=dtype,
+                           scheme=scheme)
+
+    def _runs_kernel(self, scheme: IntScheme, device: torch.device) -> bool:
+        """Whether this projection runs the compiled kernel (``loramux::wq_linear``); logs
+        once per scheme which path runs (without it the torch dequantize-then-matmul runs instead)."""
+        if device.type != "cpu":
+            return False
+        why = (f"CPU kernels {loader.status().state}" if not loader.available()
+               else None if kernel_fits(scheme.group_size)
+               else f"group size {scheme.group_size} is not a multiple of 32")
+        note = (f"torch dequantize-then-matmul ({why})" if why
+                else f"loramux::wq_linear ({loader.status().isa} variant)")
+        if (scheme, note) not in self._logged:
+            self._logged.add((scheme, note))
+            logger.info("quantized linears (%s): %s", scheme.describe(), note)
+        return why is None
+
+    @staticmethod
+    def _repack(params: dict[str, torch.Tensor], scheme: IntScheme, k: int) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors in the kernel's layout (``int_packed.kernel_layout``), a
+        band of rows at a time (the unpacked int32 values of a band only)."""
+        packed, scale, zp = params["weight_packed"], params["weight_scale"], params.get(ZERO_POINT)
+        rows = max(1, (1 << 20) // k)
+        bands = [kernel_layout(unpack_int32(packed[r:r + rows], scheme.num_bits, k), scale[r:r + rows],
+                               zp[r:r + rows] if zp is not None else None, scheme.num_bits)
+                 for r in range(0, packed.shape[0], rows)]
+        return {name: torch.cat([b[name] for b in bands]) for name in bands[0]}
 
     def _read(self, module: str, scheme: IntScheme, shape: Shape,
               take: Take) -> tuple[dict[str, torch.Tensor], int]:
@@ -239,8 +277,20 @@ class CompressedTensorsMethod(WeightOnlyMethod):
     def _bad(self, tensor: str, why: str) -> ModelLoadError:
         return ModelLoadError(f"{self.source}: tensor {tensor} {why}")
 
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """The compiled kernel where the layer was repacked for it and the kernels are on;
+        else the torch path (dequantize a band, matmul), the reference."""
+        if "kernel_weight" in layer.params and x.device.type == "cpu" and loader.available():
+            scheme: IntScheme = layer.scheme
+            return kernel_apply(layer.params, scheme.num_bits, layer.in_features, scheme.group_size,
+                                x, layer.bias, layer.dtype)
+        return super().apply(layer, x)
+
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
         scheme: IntScheme = layer.scheme
+        if "kernel_weight" in layer.params:  # repacked at load for the kernel
+            return kernel_dequantize(layer.params, scheme.num_bits, layer.in_features,
+                                     scheme.group_size, start, stop)
         values = unpack_int32(layer.params["weight_packed"][start:stop], scheme.num_bits,
                               layer.in_features)  # [n, in]
         zp = layer.params.get(ZERO_POINT)  # [out, G] int8, or None

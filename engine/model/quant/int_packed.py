@@ -40,3 +40,74 @@ def dequantize_int(values: torch.Tensor, scale: torch.Tensor, group_size: int | 
     if zero_point is not None:
         w = w - zero_point.to(scale.dtype)
     return (w * scale).view(n, k)
+
+
+# ---- the compiled kernel's layout (csrc/wq_linear.c) ------------------------------------------
+
+KERNEL_BLOCK = 32
+"""Values per block of the kernel's layout: a row holds ``in_features`` rounded up to it."""
+KERNEL_KEYS = ("kernel_weight", "kernel_scale", "kernel_zero")
+"""A layer's tensors in the kernel's layout (``kernel_zero`` only when asymmetric)."""
+
+
+def kernel_fits(group_size: int | None) -> bool:
+    """Whether the kernel runs this grouping: per channel, or groups of whole blocks."""
+    return group_size is None or group_size % KERNEL_BLOCK == 0
+
+
+def kernel_layout(values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                  num_bits: int) -> dict[str, torch.Tensor]:
+    """Signed values [n, in] (``unpack_int32``), scale [n, G] and zero point [n, G] (or None)
+    in the kernel's layout, built once at load: ``kernel_weight`` uint8 [n, kp·bits/8] (kp =
+    in rounded up to 32; int8: the signed bytes; int4: per block of 32, byte j = u[j] |
+    u[j+16] << 4 with u = value + 8), ``kernel_scale`` float32 [n, G] and ``kernel_zero``
+    float32 [n, G], the stored value's offset (int4: zero point + 8), when asymmetric."""
+    n, k = values.shape
+    kp = -(-k // KERNEL_BLOCK) * KERNEL_BLOCK
+    offset = 8 if num_bits == 4 else 0
+    u = torch.full((n, kp), offset, dtype=torch.int32)  # [n, kp] stored values, padded
+    u[:, :k] = values + offset
+    if num_bits == 8:
+        w = u.to(torch.int8).view(torch.uint8)  # [n, kp]
+    else:
+        blocks = u.view(n, kp // KERNEL_BLOCK, 2, KERNEL_BLOCK // 2)  # [n, B, lo|hi, 16]
+        w = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).to(torch.uint8).reshape(n, kp // 2)
+    out = {"kernel_weight": w.contiguous(), "kernel_scale": scale.float().contiguous()}
+    if zero_point is not None:
+        out["kernel_zero"] = (zero_point.float() + offset).contiguous()  # [n, G]
+    return out
+
+
+def kernel_dequantize(params: dict[str, torch.Tensor], num_bits: int, in_features: int,
+                      group_size: int | None, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a weight in the kernel's layout, dequantized as the kernel does
+    (``(stored - zero) * scale`` in float32): [stop - start, in]."""
+    w = params["kernel_weight"][start:stop]  # [r, kp·bits/8]
+    r = w.shape[0]
+    if num_bits == 8:
+        u = w.view(torch.int8).to(torch.int32)  # [r, kp]
+    else:
+        b = w.view(r, -1, KERNEL_BLOCK // 2).to(torch.int32)  # [r, B, 16]
+        u = torch.stack([b & 15, b >> 4], dim=2).view(r, -1)  # [r, kp]
+    zero = params.get("kernel_zero")
+    default = torch.full((r, 1), 8.0 if num_bits == 4 else 0.0)
+    zero = zero[start:stop] if zero is not None else default  # [r, G]
+    scale = params["kernel_scale"][start:stop]  # [r, G]
+    g = group_size or in_features
+    u = u[:, :in_features].float().view(r, in_features // g, g)  # [r, G, g]
+    z = zero.expand(r, in_features // g) if zero.shape[1] == 1 else zero
+    return ((u - z.unsqueeze(-1)) * scale.unsqueeze(-1)).view(r, in_features)
+
+
+def kernel_apply(params: dict[str, torch.Tensor], num_bits: int, in_features: int,
+                 group_size: int | None, x: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ W.T + b`` by the compiled kernel (``torch.ops.loramux.wq_linear``): x [T, in]
+    float32 or bfloat16 on the CPU → [T, out] ``out_dtype``, accumulated in float32."""
+    from loramux.engine.model.kernels import ops
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return ops.wq_linear(x, params["kernel_weight"], params["kernel_scale"], params.get("kernel_zero"),
+                         bias.float() if bias is not None else None, bits=num_bits,
+                         in_features=in_features, group_size=group_size or 0, out_dtype=out_dtype)

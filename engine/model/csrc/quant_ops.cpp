@@ -1,0 +1,98 @@
+// The weight-only int8 / int4 linear as a torch.library operator: torch.ops.loramux.wq_linear.
+//
+//   wq_linear(x [M, K] fp32/bf16, w uint8 [N, Kp * bits / 8], scale fp32 [N, G],
+//             zero fp32 [N, G]?, bias fp32 [N]?, bits, in_features K, group_size,
+//             out_dtype) -> y [M, N]
+//
+// w, scale and zero are in the kernel's layout (wq_linear.c; built once at load by
+// int_packed.py's kernel_layout): Kp = K rounded up to 32; group_size 0 = one scale per row
+// (G = 1), else a multiple of 32 dividing K (G = K / group_size). Every argument is checked
+// here before a pointer reaches the C kernel, which runs the ISA variant isa.cpp chose (the
+// one loramux::select_isa sets). The fake implementation is in kernels/fake.py.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+
+#include "ops_common.h"
+#include "wq_kernels.h"
+
+namespace {
+
+using namespace lmx;
+using WqFn = decltype(&loramux_wq_linear_scalar);
+
+WqFn wq_variant() {
+  const std::string name = isa();
+#ifdef LMX_HAVE_AVX512
+  if (name == "avx512") return loramux_wq_linear_avx512;
+#endif
+#ifdef LMX_HAVE_AVX2
+  if (name == "avx2") return loramux_wq_linear_avx2;
+#endif
+  return loramux_wq_linear_scalar;
+}
+
+void check_f32(const at::Tensor& t, int64_t rows, int64_t cols, const char* op, const char* name) {
+  check_cpu(t, op, name);
+  check_contiguous(t, op, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "loramux::", op, ": ", name,
+              " must be float32, got ", t.scalar_type());
+  if (cols < 0) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, "loramux::", op, ": ", name, " must be [",
+                rows, "], got ", t.sizes());
+  } else {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "loramux::", op, ": ",
+                name, " must be [", rows, ", ", cols, "], got ", t.sizes());
+  }
+}
+
+at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& zero, const std::optional<at::Tensor>& bias,
+                     int64_t bits, int64_t in_features, int64_t group_size,
+                     at::ScalarType out_dtype) {
+  const char* op = "wq_linear";
+  check_rows(x, op, "x");
+  const int xd = dtype_code(x, op, "x"), yd = dtype_code(out_dtype, op, "out_dtype");
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "loramux::", op, ": bits must be 4 or 8, got ", bits);
+  const int64_t M = x.size(0), K = in_features, Kp = (K + 31) / 32 * 32;
+  TORCH_CHECK(x.size(1) == K, "loramux::", op, ": x has ", x.size(1), " columns, in_features is ",
+              K);
+  TORCH_CHECK_VALUE(K > 0, "loramux::", op, ": in_features must be positive, got ", K);
+  TORCH_CHECK_VALUE(group_size == 0 || (group_size % 32 == 0 && group_size > 0 && K % group_size == 0),
+                    "loramux::", op, ": group_size must be 0 (per channel) or a multiple of 32 "
+                    "dividing in_features (", K, "), got ", group_size);
+  check_cpu(w, op, "w");
+  check_contiguous(w, op, "w");
+  check_dim(w, 2, op, "w");
+  TORCH_CHECK(w.scalar_type() == at::kByte, "loramux::", op, ": w must be uint8, got ",
+              w.scalar_type());
+  const int64_t N = w.size(0), G = group_size ? K / group_size : 1;
+  TORCH_CHECK(w.size(1) == Kp * bits / 8, "loramux::", op, ": w must be [N, ", Kp * bits / 8,
+              "] (", Kp, " values of ", bits, " bits a row), got ", w.sizes());
+  check_f32(scale, N, G, op, "scale");
+  if (zero.has_value()) check_f32(*zero, N, G, op, "zero");
+  if (bias.has_value()) check_f32(*bias, N, -1, op, "bias");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
+  if (M == 0 || N == 0) return y;
+  const int rc = wq_variant()(
+      x.data_ptr(), x.stride(0), xd, w.data_ptr<uint8_t>(), static_cast<int>(bits),
+      scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<float>() : nullptr,
+      as_int(G, op, "the number of groups"), as_int(group_size ? group_size : Kp, op, "group_size"),
+      bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr(), yd, M,
+      as_int(N, op, "N"), as_int(K, op, "in_features"), as_int(Kp, op, "in_features"), threads());
+  check_rc(rc, op);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loramux, m) {
+  m.def(
+      "wq_linear(Tensor x, Tensor w, Tensor scale, Tensor? zero, Tensor? bias, int bits, "
+      "int in_features, int group_size, ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loramux, CPU, m) { m.impl("wq_linear", &wq_linear); }

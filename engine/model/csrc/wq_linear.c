@@ -1,0 +1,185 @@
+/* Weight-only int8 / int4 linear on the CPU: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias).
+ *
+ * W is read in the kernel's own layout (repacked once at load, int_packed.py's
+ * ``kernel_layout``): each row holds Kp = K rounded up to 32 values as blocks of 32,
+ *   int8  32 signed bytes q[k] in k order;
+ *   int4  16 bytes, byte j = u[j] | u[j + 16] << 4 (u = q + 8, unsigned), so one 16-byte load
+ *         widened to 16 lanes gives k 0..15 (low nibbles) and k 16..31 (high nibbles).
+ * The padding values of a row are multiplied by zero activations (the x buffer is padded).
+ * scale and zero are fp32 [N, G], one per `group` values of a row (group a multiple of 32;
+ * per channel: G = 1, group = Kp); zero is the offset of the stored value (int4: zp + 8,
+ * int8: zp) or NULL (int4: 8, int8: 0). A weight is (stored - zero) * scale in fp32, as the
+ * torch reference dequantizes it, and never exists outside registers: each block of 32 is
+ * widened, dequantized and multiplied into MR x NR fp32 vector accumulators (MR rows of x,
+ * NR rows of W), reduced once per row. x (fp32 or bf16) is first copied to an fp32 [M, Kp]
+ * buffer; y (fp32 or bf16, rounded once) is contiguous [M, N]; bias fp32 [N] or NULL.
+ *
+ * Threads split the output rows in tiles of NT when the call has PARALLEL_MIN_MACS of work
+ * (a decode call of a small projection stays on the calling thread: no OpenMP fork).
+ * Returns 0, or -1 when the x buffer cannot be allocated.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "wq_kernels.h"
+
+#define NT 16 /* output rows per work item: 16 int4 rows of K = 2048 are 16 KiB (L1) */
+#define MR 4  /* rows of x per register tile */
+#define PARALLEL_MIN_MACS ((int64_t)1 << 22)
+
+#if defined(__AVX512F__)
+#define WL 16 /* lanes */
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VSET(s) _mm512_set1_ps(s)
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VDEQ(v, z, s) _mm512_mul_ps(_mm512_sub_ps(v, z), s)
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+static const int XOFF[32 / WL] = {0, 16}; /* k offset of each widened vector of a block */
+static inline void widen(const uint8_t *p, int bits, vf *o) { /* one block: o[32 / WL] */
+    if (bits == 8) {
+        o[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        o[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        return;
+    }
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    o[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    o[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define WL 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VSET(s) _mm256_set1_ps(s)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VDEQ(v, z, s) _mm256_mul_ps(_mm256_sub_ps(v, z), s)
+#define VHSUM(v) hsum8(v)
+static const int XOFF[32 / WL] = {0, 16, 8, 24};
+static inline __m128i load8(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
+static inline void widen(const uint8_t *p, int bits, vf *o) {
+    if (bits == 8) {
+        for (int i = 0; i < 4; i++) /* k order: offsets 0, 8, 16, 24 -> o[0], o[2], o[1], o[3] */
+            o[(i & 1) * 2 + (i >> 1)] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 8 * i)));
+        return;
+    }
+    for (int h = 0; h < 2; h++) { /* bytes 8h..8h+7: k 8h.. (low) and 16 + 8h.. (high) */
+        __m256i b = _mm256_cvtepu8_epi32(load8(p + 8 * h));
+        o[2 * h] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+        o[2 * h + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+}
+#endif
+
+#ifdef WL
+#define NV (32 / WL) /* vectors per block of 32 */
+
+/* y rows m0..m0+mr of output rows n0..n0+nr: sums over every block of the nr weight rows */
+static inline __attribute__((always_inline)) void tile(const float *xp, int64_t Kp, const uint8_t *w,
+                                                       int64_t row_bytes, int bits, const float *scale,
+                                                       const float *zero, int G, int group, int n0,
+                                                       const int nr, const int mr, float out[MR][2]) {
+    vf acc[MR][2];
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) acc[m][r] = VZERO();
+    const int bpb = bits * 4; /* bytes per block */
+    for (int g = 0; g < G; g++) {
+        vf s[2], z[2];
+        for (int r = 0; r < nr; r++) {
+            s[r] = VSET(scale[(int64_t)(n0 + r) * G + g]);
+            z[r] = VSET(zero ? zero[(int64_t)(n0 + r) * G + g] : (bits == 4 ? 8.0f : 0.0f));
+        }
+        for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k += 32) {
+            vf wv[2][NV];
+            for (int r = 0; r < nr; r++) {
+                widen(w + (int64_t)(n0 + r) * row_bytes + k / 32 * bpb, bits, wv[r]);
+                for (int i = 0; i < NV; i++) wv[r][i] = VDEQ(wv[r][i], z[r], s[r]);
+            }
+            for (int m = 0; m < mr; m++)
+                for (int i = 0; i < NV; i++) {
+                    vf xv = VLOAD(xp + m * Kp + k + XOFF[i]);
+                    for (int r = 0; r < nr; r++) acc[m][r] = VFMA(xv, wv[r][i], acc[m][r]);
+                }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) out[m][r] = VHSUM(acc[m][r]);
+}
+#else
+/* the plain C tile: value k of a row, then the same sums one lane at a time */
+static inline int stored(const uint8_t *row, int bits, int64_t k) {
+    if (bits == 8) return (int8_t)row[k];
+    uint8_t b = row[k / 32 * 16 + (k % 32) % 16];
+    return (k % 32) < 16 ? (b & 15) : (b >> 4);
+}
+
+static void tile(const float *xp, int64_t Kp, const uint8_t *w, int64_t row_bytes, int bits,
+                 const float *scale, const float *zero, int G, int group, int n0, int nr, int mr,
+                 float out[MR][2]) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *row = w + (int64_t)(n0 + r) * row_bytes;
+        float acc[MR] = {0};
+        for (int g = 0; g < G; g++) {
+            float s = scale[(int64_t)(n0 + r) * G + g];
+            float z = zero ? zero[(int64_t)(n0 + r) * G + g] : (bits == 4 ? 8.0f : 0.0f);
+            for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k++) {
+                float wk = ((float)stored(row, bits, k) - z) * s;
+                for (int m = 0; m < mr; m++) acc[m] += xp[m * Kp + k] * wk;
+            }
+        }
+        for (int m = 0; m < mr; m++) out[m][r] = acc[m];
+    }
+}
+#endif
+
+/* one work item: output rows n0..n1 for every row of x */
+static void rows_tile(const float *xp, int64_t M, int64_t Kp, const uint8_t *w, int bits,
+                      const float *scale, const float *zero, int G, int group, const float *bias,
+                      void *y, int yd, int N, int n0, int n1) {
+    const int64_t row_bytes = Kp * bits / 8;
+    float out[MR][2];
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+        const float *xm = xp + m0 * Kp;
+        for (int n = n0; n < n1; n += 2) {
+            const int nr = n1 - n >= 2 ? 2 : 1;
+#define LMX_TILE(NR, MRC) tile(xm, Kp, w, row_bytes, bits, scale, zero, G, group, n, NR, MRC, out)
+            if (nr == 2) {
+                if (mr == 4) LMX_TILE(2, 4); else if (mr == 3) LMX_TILE(2, 3);
+                else if (mr == 2) LMX_TILE(2, 2); else LMX_TILE(2, 1);
+            } else {
+                if (mr == 4) LMX_TILE(1, 4); else if (mr == 3) LMX_TILE(1, 3);
+                else if (mr == 2) LMX_TILE(1, 2); else LMX_TILE(1, 1);
+            }
+#undef LMX_TILE
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr; r++) {
+                    float v = out[m][r] + (bias ? bias[n + r] : 0.0f);
+                    int64_t i = (m0 + m) * N + n + r;
+                    if (yd == 0) ((float *)y)[i] = v;
+                    else ((uint16_t *)y)[i] = f32_to_bf16(v);
+                }
+        }
+    }
+}
+
+int LMX_FN(loramux_wq_linear)(const void *x, int64_t x_stride, int xd, const uint8_t *w, int bits,
+                              const float *scale, const float *zero, int G, int group,
+                              const float *bias, void *y, int yd, int64_t M, int N, int K, int Kp,
+                              int nthreads) {
+    float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float)); /* [M, Kp], zero padded */
+    if (xp == NULL) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int k = 0; k < K; k++) xp[m * Kp + k] = load_elem(x, xd, m * x_stride + k);
+    const int tiles = (N + NT - 1) / NT;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
+        rows_tile(xp, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1);
+    }
+    free(xp);
+    return 0;
+}
