@@ -216,27 +216,22 @@ class Metrics:
             "per tenant adapter version.", version, buckets=_LATENCY_BUCKETS, registry=r)
 
     def _parser_series(self, r: CollectorRegistry) -> None:
-        """Tool calls and reasoning (chat requests whose text the parsers read)."""
-        self.tool_call_requests = Counter(
-            "loramux_tool_call_requests", "Chat requests answered with tool calls.", ["adapter"],
-            registry=r)
-        self.parser_failures = Counter(
-            "loramux_tool_parser_failures", "Answers that looked like a tool call but did not "
-            "parse (served as content).", ["adapter", "parser"], registry=r)
-        self.reasoning_tokens = Counter(
-            "loramux_reasoning_tokens", "Generated tokens inside a thought.", ["adapter"],
-            registry=r)
+        """Tool calls and reasoning (chat requests the parsers read)."""
+        self.tool_call_requests = Counter("loramux_tool_call_requests", "Chat requests "
+                                          "answered with tool calls.", ["adapter"], registry=r)
+        self.parser_failures = Counter("loramux_tool_parser_failures", "Answers that looked "
+                                       "like a tool call but did not parse (served as content).",
+                                       ["adapter", "parser"], registry=r)
+        self.reasoning_tokens = Counter("loramux_reasoning_tokens", "Generated tokens inside "
+                                        "a thought.", ["adapter"], registry=r)
 
     # --- recording --------------------------------------------------------------------
     def observe_parsing(self, adapter: str, parser: str | None, *, tools_called: bool,
                         parse_failed: bool, reasoning_tokens: int) -> None:
         """Once per finished chat request whose text went through the parsers."""
-        if tools_called:
-            self.tool_call_requests.labels(adapter).inc()
-        if parse_failed:
-            self.parser_failures.labels(adapter, parser or "json").inc()
-        if reasoning_tokens:
-            self.reasoning_tokens.labels(adapter).inc(reasoning_tokens)
+        self.tool_call_requests.labels(adapter).inc(int(tools_called))
+        self.parser_failures.labels(adapter, parser or "json").inc(int(parse_failed))
+        self.reasoning_tokens.labels(adapter).inc(reasoning_tokens)
 
     def observe_request(
         self,
