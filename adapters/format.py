@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from loramux.adapters import alora, experts, probe
+from loramux.adapters import alora, experts, probe, vocab
 from loramux.adapters.arch import (
     base_dims,
     family_mismatch,
@@ -160,8 +160,9 @@ def load_adapter(
         expert_found, _ = experts.collect(header, spec)
         check_layout(found, spec, None, prefix=prefix)
         layers, magnitudes = _load_layers(weights_path, found, dtype)
+        vocab_lora, vocab_tokens, _ = vocab.read_vocab(weights_path, header, spec, dtype)
         return LoraWeights(spec, layers, prefix=prefix, unserved=tuple(i.name for i in unserved),
-                           magnitudes=magnitudes,
+                           magnitudes=magnitudes, vocab_lora=vocab_lora, vocab_tokens=vocab_tokens,
                            experts=_load_experts(weights_path, expert_found, spec, dtype))
 
 
@@ -174,6 +175,7 @@ def validate_adapter(
     base_model_name: str | None = None,
     dtype: torch.dtype = torch.float32,
     serving_dtype: torch.dtype = torch.bfloat16,
+    base_tensor: Any = None,
 ) -> LoraWeights:
     """Fully validate an adapter folder or archive against a base model; return its weights.
     Last, :func:`~loramux.adapters.probe.probe_adapter` in ``serving_dtype`` (its range is
@@ -185,7 +187,10 @@ def validate_adapter(
     finite values; ``adapter_model.safetensors`` at most ``max_bytes``; DoRA magnitude
     vectors (``use_dora``) present for every module, ``[out_features]``, finite;
     ``modules_to_save``, trained biases and other unsupported features refused by name;
-    an aLoRA's ``alora_invocation_tokens`` token ids of the base's vocabulary.
+    an aLoRA's ``alora_invocation_tokens`` token ids of the base's vocabulary; the vocabulary
+    parts (``adapters/vocab.py``: embed_tokens / lm_head LoRA, trainable tokens) shaped for the
+    base, their ids in its vocabulary, and PEFT's full copies of the embedding layers equal to
+    the served base's (``base_tensor(module)``, by default read from the base's local folder).
     A different ``base_model_name_or_path`` (compared by its last path component with
     ``base_model_name`` or the config's name) is only a warning in
     ``LoraWeights.warnings`` unless the shapes disagree.
@@ -200,10 +205,10 @@ def validate_adapter(
                 f"{max_bytes} bytes",
             )
         spec = parse_config(read_config(folder / CONFIG_NAME), dims)
-        if spec.alora_invocation_tokens is not None:
-            vocab = text_config(base_config).get("vocab_size")
-            if isinstance(vocab, int):
-                alora.check_vocab(spec.alora_invocation_tokens, vocab)
+        vocab_size = text_config(base_config).get("vocab_size")
+        vocab.check_added_tokens(folder, vocab_size)
+        if spec.alora_invocation_tokens is not None and isinstance(vocab_size, int):
+            alora.check_vocab(spec.alora_invocation_tokens, vocab_size)
         mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)
         if mismatch:
             raise refuse("base_model_name_or_path", mismatch)
@@ -240,8 +245,13 @@ def validate_adapter(
                 f"served (loramux serves {dims.arch.name} text-only)"
             )
         layers, magnitudes = _load_layers(weights_path, found, dtype)
+        vocab_lora, vocab_tokens, vocab_found = vocab.read_vocab(weights_path, header, spec, dtype, base_config)
+        if base_tensor is None:
+            base_tensor = vocab.local_base_tensor(base_model_name or dims.name_or_path)
+        warnings += vocab.check_base_copies(weights_path, vocab_found, base_tensor)
         weights = LoraWeights(spec, layers, warnings, prefix=prefix,
                               unserved=tuple(i.name for i in unserved), magnitudes=magnitudes,
+                              vocab_lora=vocab_lora, vocab_tokens=vocab_tokens,
                               experts=_load_experts(weights_path, expert_found, spec, dtype))
     probe.probe_adapter(weights, serving_dtype)  # through the module: a test hook replaces it
     return weights

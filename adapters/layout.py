@@ -22,6 +22,7 @@ from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.experts import EXPERT_KEY_RE, ROUTER_KEY_RE
 from loramux.adapters.safetensors_io import FLOAT_DTYPES, TensorInfo
 from loramux.adapters.spec import MAX_LAYER_INDEX, LoraSpec, refuse
+from loramux.adapters.vocab import VOCAB_KEY_RE
 
 TensorPair = dict[str, TensorInfo]
 """``"A"`` / ``"B"`` (/ ``"M"``, DoRA's magnitude) -> its header entry."""
@@ -50,8 +51,8 @@ def collect_tensors(
     example = tensor_key(0, accepted[0], "A", arch.peft_prefix if arch is not None else "model.")
     for key in sorted(infos):
         info = infos[key]
-        if EXPERT_KEY_RE.match(key) or ROUTER_KEY_RE.match(key):
-            continue  # the experts' and the router's (experts.collect)
+        if EXPERT_KEY_RE.match(key) or ROUTER_KEY_RE.match(key) or VOCAB_KEY_RE.match(key):
+            continue  # the experts' and the router's (experts.collect), embed/lm_head (vocab.collect_vocab)
         m = TENSOR_KEY_RE.match(key)
         if m is None:
             if NON_TEXT_KEY_RE.match(key) and (arch is None or arch.ignored_prefixes):
@@ -152,11 +153,11 @@ def check_layout(
             for module in spec.target_modules
             if spec.targets(layer, module) and dims.has_module(layer, module)
         ]
-        if not expected and not spec.target_parameters:
+        if not expected and not spec.target_parameters and not spec.vocab_modules and not spec.trainable_tokens:
             raise refuse("target_modules", "selects no module of the base model")
     else:
         expected = sorted(found)
-        if not expected and not spec.target_parameters:
+        if not expected and not spec.target_parameters and not spec.vocab_modules and not spec.trainable_tokens:
             raise refuse(WEIGHTS_NAME, "holds no LoRA tensors")
     seen_shapes: dict[str, tuple[int, int]] = {}
     for layer, module in expected:

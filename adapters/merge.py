@@ -29,6 +29,7 @@ from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights, load_adapter, validate_adapter
 from loramux.adapters.fused import needs_rewrite, write_native
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
+from loramux.adapters.vocab import local_base_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,19 @@ def _peft_adapter(src: Path, base_config: dict, dest: Path, weights: LoraWeights
         norms = _base_row_norms(base_model, weights.prefix) if base_model is not None else None
         return write_native(weights, dims, dest, norms)
     return _copy_adapter(src, dest)
+
+
+def _refuse_tied_vocab_lora(weights: LoraWeights, base_config: dict) -> None:
+    """PEFT cannot merge an embed_tokens / lm_head LoRA into a base that ties the two: the merged
+    weight is the one both read (with ``ensure_weight_tying`` it takes both deltas), so the
+    merged model would not be base + adapter; refused naming the field."""
+    from loramux.adapters.arch import text_config
+
+    if weights.vocab_lora and text_config(base_config).get("tie_word_embeddings"):
+        raise AdapterValidationError(
+            "target_modules: a LoRA on embed_tokens / lm_head cannot be merged into a base model that "
+            "ties its embeddings (one weight serves both; PEFT's merge_and_unload changes both); "
+            "serve it as an adapter instead", field="target_modules")
 
 
 def _load_base(base_model: Path, dtype: torch.dtype):
@@ -211,13 +225,15 @@ def export_merged(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
     base_config = _read_base_config(base_model)
-    weights = validate_adapter(adapter, base_config, max_lora_rank=max_lora_rank)
+    weights = validate_adapter(adapter, base_config, max_lora_rank=max_lora_rank,
+                               base_tensor=local_base_tensor(str(base_model)))
     if weights.spec.alora_invocation_tokens is not None:
         raise AdapterValidationError(
             "alora_invocation_tokens: an activated LoRA (aLoRA) cannot be merged into the base "
             "weights: it applies only from its invocation on, which one merged weight cannot "
             "express (PEFT refuses merge_and_unload too); serve it as an adapter instead",
             field="alora_invocation_tokens")
+    _refuse_tied_vocab_lora(weights, base_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = ["load base + adapter", "merge", "save", *(["check"] if check else [])]
     with (

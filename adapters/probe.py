@@ -59,6 +59,7 @@ def probe_adapter(weights: LoraWeights, dtype: torch.dtype = torch.float32) -> N
                     f"(limit {PROBE_MAX_ABS:g}): rows of a weight that large overflow its "
                     f"requests' numbers", field="weights")
     _probe_experts(weights, dtype, limit, gen)
+    _probe_vocab(weights, dtype, gen)
 
 
 def _probe_experts(weights: LoraWeights, dtype: torch.dtype, limit: float, gen) -> None:
@@ -82,3 +83,27 @@ def _probe_experts(weights: LoraWeights, dtype: torch.dtype, limit: float, gen) 
                     f"weights: {where} overflows: a probe forward in "
                     f"{str(dtype).removeprefix('torch.')} gives outputs up to {top:.3g} for a "
                     f"unit-scale input (limit {PROBE_MAX_ABS:g})", field="weights")
+
+
+def _probe_vocab(weights: LoraWeights, dtype: torch.dtype, gen) -> None:
+    """The vocabulary parts (``adapters/vocab.py``): an ``embed_tokens`` LoRA's rows for the
+    whole vocabulary (in chunks), an ``lm_head`` LoRA's probe forward and trainable tokens' rows
+    must stay below :data:`PROBE_MAX_ABS` in ``dtype``."""
+    scale = weights.spec.scale
+    for module, (a, b) in sorted(weights.vocab_lora.items()):
+        if module == "embed_tokens":  # every token's delta row, A[:, t] @ B.T
+            top = max((float(((a[:, i: i + 8192].T.to(dtype) @ b.to(dtype).T) * scale).abs().max())
+                       for i in range(0, a.shape[1], 8192)), default=0.0)
+        else:
+            x = torch.randn(PROBE_TOKENS, a.shape[1], generator=gen).to(dtype)
+            top = float(((x @ a.to(dtype).T) @ b.to(dtype).T * scale).abs().max())
+        if not top <= PROBE_MAX_ABS:
+            raise AdapterValidationError(
+                f"weights: {module} LoRA overflows: its outputs reach {top:.3g} in "
+                f"{str(dtype).removeprefix('torch.')} (limit {PROBE_MAX_ABS:g})", field="weights")
+    for module, (_, rows) in sorted(weights.vocab_tokens.items()):
+        top = float(rows.to(dtype).float().abs().max()) if rows.numel() else 0.0
+        if not top <= PROBE_MAX_ABS:
+            raise AdapterValidationError(
+                f"weights: {module} trainable tokens have values up to {top:.3g} in "
+                f"{str(dtype).removeprefix('torch.')} (limit {PROBE_MAX_ABS:g})", field="weights")

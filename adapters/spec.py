@@ -29,6 +29,11 @@ from loramux.adapters.errors import AdapterValidationError, pickle_refusal
 from loramux.adapters.experts import parameter_ranks, parse_target_parameters
 from loramux.adapters.limits import DEFAULT_MAX_LORA_RANK
 from loramux.adapters.safetensors_io import looks_like_pickle
+from loramux.adapters.vocab import (
+    check_vocab_combination,
+    parse_trainable_tokens,
+    split_vocab_targets,
+)
 
 __all__ = [
     "DEFAULT_MAX_LORA_RANK",
@@ -48,7 +53,6 @@ _REFUSED_FEATURES = {
     "modules_to_save": "modules_to_save is not supported: the adapter may only add LoRA "
     "weights, not replace whole base modules",
     "lora_bias": "lora_bias (a trained bias on lora_B) is not supported",
-    "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
     "layer_replication": "layer_replication is not supported",
     "exclude_modules": "exclude_modules is not supported; list the modules in target_modules",
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
@@ -106,17 +110,28 @@ class LoraSpec:
     @property
     def max_rank(self) -> int:
         """The largest rank of any of its LoRAs (what a slot must hold)."""
-        return max([self.r if self.target_modules else 0, *(r for _, r, _ in self.parameter_ranks)])
+        return max([self.r if self.target_modules or self.vocab_modules or self.trainable_tokens else 0,
+                    *(r for _, r, _ in self.parameter_ranks)])
     use_dora: bool = False
     alora_invocation_tokens: tuple[int, ...] | None = None
     """An activated LoRA's invocation token ids (``adapters/alora.py``; None: a plain LoRA)."""
+    vocab_modules: tuple[str, ...] = ()
+    """``embed_tokens`` / ``lm_head`` when the adapter has LoRA on them (``adapters/vocab.py``)."""
+    trainable_tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """``(module, token ids)`` of its trainable tokens (``trainable_token_indices``)."""
+    ensure_weight_tying: bool = False
+    """PEFT's flag: an ``embed_tokens`` LoRA comes with the tied ``lm_head``'s (saved as such)."""
 
     @property
     def kind(self) -> str:
-        """What the API and the dashboard call this adapter: ``"aLoRA"``, ``"DoRA"`` or ``"LoRA"``."""
+        """What the API and the dashboard call this adapter: ``"aLoRA"``, ``"DoRA"`` or
+        ``"LoRA"``, with ``"+embedding"`` (LoRA on ``embed_tokens``/``lm_head``) and
+        ``"+tokens"`` (trainable tokens) after it."""
         if self.alora_invocation_tokens is not None:
-            return "aLoRA"
-        return "DoRA" if self.use_dora else "LoRA"
+            base = "aLoRA"
+        else:
+            base = "DoRA" if self.use_dora else "LoRA"
+        return base + ("+embedding" if self.vocab_modules else "") + ("+tokens" if self.trainable_tokens else "")
 
     def targets(self, layer: int, module: str) -> bool:
         """Whether ``module`` of decoder layer ``layer`` carries this LoRA."""
@@ -143,7 +158,11 @@ class LoraSpec:
             "target_modules": [
                 *(m for m in self.target_modules if all(p[1] != m for p in self.module_layers)),
                 *(f"{prefix}layers.{i}.{MODULE_PARENT[m]}.{m}" for i, m in self.module_layers),
+                *self.vocab_modules,
             ] or None,
+            **({"ensure_weight_tying": True} if self.ensure_weight_tying else {}),
+            **({"trainable_token_indices": {m: list(ids) for m, ids in self.trainable_tokens}}
+               if self.trainable_tokens else {}),
             "use_rslora": self.use_rslora,
             "fan_in_fan_out": self.fan_in_fan_out,
             "bias": "none",
@@ -353,10 +372,14 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
     if base is not None and not isinstance(base, str):
         raise refuse("base_model_name_or_path", f"expected a string, got {base!r}")
     layers = _parse_layers(config)
-    if params and config.get("target_modules") in (None, []):
+    target_value, vocab_modules = split_vocab_targets(config.get("target_modules"))
+    tokens = parse_trainable_tokens(config.get("trainable_token_indices"),
+                                    getattr(served, "vocab_size", None), vocab_modules)
+    if (params or vocab_modules or tokens) and target_value in (None, []):
         targets, module_layers = (), ()
     else:
-        targets, module_layers = _parse_targets(config.get("target_modules"), layers, served)
+        targets, module_layers = _parse_targets(target_value, layers, served)
+    check_vocab_combination(config, vocab_modules, tokens)
     return LoraSpec(
         r=r,
         lora_alpha=float(alpha),
@@ -370,4 +393,8 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
         parameter_ranks=parameter_ranks(config, params, r, float(alpha)),
         use_dora=_bool(config, "use_dora"),
         alora_invocation_tokens=parse_invocation(config, getattr(served, "vocab_size", None)),
+        vocab_modules=vocab_modules,
+        trainable_tokens=tokens,
+        ensure_weight_tying=_bool(config, "ensure_weight_tying"),
     )
+

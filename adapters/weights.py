@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from loramux.adapters import experts
+from loramux.adapters import experts, vocab
 from loramux.adapters.arch import tensor_key
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME
 from loramux.adapters.spec import LoraSpec
@@ -48,15 +48,23 @@ class LoraWeights:
     """Filled by the engine when it loads a DoRA adapter against its base weights: per layer
     and module, ``(g, c)`` with ``g = m / ‖W0 + s·BA‖`` fp32 [out_features] and ``c`` the bias
     correction ``(1 - g) ⊙ bias`` (None when the base projection has no bias)."""
+    vocab_lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """LoRA on ``embed_tokens`` (A [r, vocab], B [hidden, r]) and ``lm_head`` (A [r, hidden],
+    B [vocab, r]), PEFT's orientation (``adapters/vocab.py``)."""
+    vocab_tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Trainable tokens per module: ``(ids int64 [n], rows [n, hidden])``, the rows themselves."""
 
     def num_bytes(self) -> int:
-        """Bytes held by all A and B tensors (the experts' too) and DoRA magnitudes."""
+        """Bytes held by all A and B tensors (the experts' and the vocabulary parts' too) and DoRA
+        magnitudes."""
         return sum(
             a.numel() * a.element_size() + b.numel() * b.element_size()
             for group in (self.layers, self.experts)
             for modules in group.values()
             for a, b in modules.values()
-        ) + sum(m.numel() * m.element_size() for ms in self.magnitudes.values() for m in ms.values())
+        ) + sum(m.numel() * m.element_size() for ms in self.magnitudes.values() for m in ms.values()) + sum(
+            t.numel() * t.element_size() for pair in (*self.vocab_lora.values(), *self.vocab_tokens.values())
+            for t in pair)
 
 
 def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:
@@ -74,6 +82,7 @@ def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:
         for module, m in modules.items():
             tensors[tensor_key(layer, module, "M", weights.prefix)] = m.contiguous()
     tensors.update(experts.peft_tensors(weights, weights.prefix))
+    tensors.update(vocab.peft_vocab_tensors(weights, weights.prefix))
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     config = weights.spec.to_config(weights.prefix)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

@@ -66,10 +66,18 @@ class AdapterHandle:
     @property
     def kind(self) -> str:
         """``"aLoRA"``, ``"DoRA"`` or ``"LoRA"``, as the stored config says
-        (``alora_invocation_tokens``, ``use_dora``)."""
+        (``alora_invocation_tokens``, ``use_dora``), with ``"+embedding"`` (LoRA on
+        ``embed_tokens`` / ``lm_head``) and ``"+tokens"`` (trainable tokens) after it, as
+        :attr:`~loramux.adapters.spec.LoraSpec.kind` says."""
+        from loramux.adapters.vocab import split_vocab_targets
+
         if self.config.get("alora_invocation_tokens"):
-            return "aLoRA"
-        return "DoRA" if self.config.get("use_dora") else "LoRA"
+            kind = "aLoRA"
+        else:
+            kind = "DoRA" if self.config.get("use_dora") else "LoRA"
+        if split_vocab_targets(self.config.get("target_modules"))[1]:
+            kind += "+embedding"
+        return kind + ("+tokens" if self.config.get("trainable_token_indices") else "")
 
     @property
     def cache_key(self) -> str:

@@ -29,6 +29,7 @@ import torch
 from loramux.adapters.arch import GROUP_FUSED_MODULE, PROJECTION_GROUPS
 from loramux.adapters.format import LoraWeights
 from loramux.engine.lora.experts import ExpertSlots
+from loramux.engine.lora.vocab import VocabSlots
 from loramux.engine.model.weights import ModelDims
 
 
@@ -86,6 +87,8 @@ class SlotBuffers:
         self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device, blockdiag=blockdiag)
                         if dims.num_experts else None)
         """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
+        self.vocab = VocabSlots(dtype, device, dims.tie_word_embeddings)
+        """Each slot's embedding / lm_head LoRA and trainable tokens (``vocab.py``)."""
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.groups: list[frozenset[str]] = [frozenset()] * max_loras
@@ -153,6 +156,7 @@ class SlotBuffers:
         self.dora[slot] = self._write_dora(slot, weights) if weights.spec.use_dora else frozenset()
         if self.experts is not None:
             self.experts.write(slot, weights)
+        self.vocab.write(slot, weights)
         self.scale[slot] = weights.spec.scale
         self.ranks[slot] = r
 
@@ -192,9 +196,10 @@ class SlotBuffers:
         self.dora[slot] = frozenset()
         if self.experts is not None:
             self.experts.clear(slot)
+        self.vocab.clear(slot)
 
     def num_bytes(self) -> int:
-        """Bytes of the slots: A/B stacks, DoRA's row gains, the experts' LoRA
+        """Bytes of the slots: A/B stacks, DoRA's row gains, the experts' LoRA, the vocabulary parts
         (:func:`capacity.slot_bytes` per slot), plus any DoRA bias corrections made since (the
         gains' one shared zero row is not counted)."""
         return sum(
@@ -202,4 +207,4 @@ class SlotBuffers:
         ) + sum(
             t[:, : self.max_loras].numel() * t.element_size() for t in self.row_gain_stack.values()
         ) + sum(t.numel() * t.element_size() for t in self.row_shift.values()) + (
-            self.experts.num_bytes() if self.experts is not None else 0)
+            self.experts.num_bytes() if self.experts is not None else 0) + self.vocab.num_bytes()

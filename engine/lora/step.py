@@ -22,6 +22,7 @@ from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
 from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.slots import SlotBuffers
+from loramux.engine.lora.vocab import VocabStep
 
 
 class LoRAStepBatch:
@@ -36,6 +37,7 @@ class LoRAStepBatch:
         self._scale = None if buffers.blockdiag else buffers.scale  # block-diagonal: A pre-scaled
         self._meta: LoRABatchMeta | None = None
         self._dora: DoraStep | None = None
+        self._vocab: VocabStep | None = None
         # the CPU kernel's per-step calls (cpu_step.SgmvStep) where the slots suit it
         self._cpu_sgmv = (backend == "torch" and buffers.blockdiag and torch.device(device).type == "cpu"
                           and cpu_step.slots_fit(buffers.a, buffers.b))
@@ -64,12 +66,15 @@ class LoRAStepBatch:
         self._dora = DoraStep(runs, self.buffers, self.device, triton=self._triton) if runs else None
         if self.experts is not None:
             self.experts.prepare(token_slots)
+        vocab = [s for s in sorted(set(row_slots)) if s >= 0 and self.buffers.vocab.has(s)]
+        self._vocab = VocabStep(self.buffers.vocab, self._meta.token_slots, vocab) if vocab else None
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
         self.keys = frozenset()
         self._meta = None
         self._dora = None
+        self._vocab = None
         self._sgmv = None
         self._groups = frozenset()
         if self.experts is not None:
@@ -94,6 +99,18 @@ class LoRAStepBatch:
                          b.slice_offsets[group])
         if self._dora is not None:
             self._dora.apply(layer, group, y)
+
+    def embed(self, input_ids: torch.Tensor, residual: torch.Tensor) -> None:
+        """The embedding rows ``residual`` of ``input_ids``: each adapter's embedding LoRA and
+        trainable tokens on its own tokens (``vocab.py``; nothing without them)."""
+        if self._vocab is not None:
+            self._vocab.embed(input_ids, residual)
+
+    def head(self, hidden: torch.Tensor, logits: torch.Tensor, logits_rows: torch.Tensor) -> None:
+        """The logits of the normalized ``hidden`` states of tokens ``logits_rows``: each
+        adapter's lm_head LoRA and trainable-token columns on its own rows."""
+        if self._vocab is not None:
+            self._vocab.head(hidden, logits, logits_rows)
 
     def experts_active(self, layer: int) -> bool:
         """True when this step has tokens whose adapter carries LoRA on ``layer``'s experts."""

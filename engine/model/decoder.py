@@ -50,6 +50,14 @@ class LoRAHook(Protocol):
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[T, N] += LoRA delta of group ``group`` in ``layer`` for input x[T, K]."""
 
+    def embed(self, input_ids: torch.Tensor, residual: torch.Tensor) -> None:
+        """The embedding rows [T, H] of ``input_ids`` (before any embedding scale): the
+        adapters' embedding LoRA and trainable tokens, in place."""
+
+    def head(self, hidden: torch.Tensor, logits: torch.Tensor, logits_rows: torch.Tensor) -> None:
+        """fp32 ``logits`` [B, V] of the final normalized ``hidden`` [B, H] (of tokens
+        ``logits_rows``), before any soft-cap: the adapters' lm_head LoRA and trainable tokens."""
+
 
 class LayerMLP(Protocol):
     """A layer's feed-forward block: the dense :class:`GatedMLP`, or what a family's
@@ -283,6 +291,8 @@ class DecoderModel:
         if isinstance(attn, AttentionMetadata):
             attn = dict.fromkeys(self.attention_windows, attn)
         residual = F.embedding(input_ids, self.embed)  # [T, H], updated in place by each layer
+        if lora is not None:
+            lora.embed(input_ids, residual)
         if self.embed_scale is not None:
             residual.mul_(self.embed_scale)
         rope = {
@@ -324,7 +334,10 @@ class DecoderModel:
         # zeros and serve garbage as if fine: its logits row reads NaN instead, so the engine
         # fails that request alone (adapter_numerics).
         overflow = ~torch.isfinite(last.float().pow(2).sum(-1))
-        logits = self.lm_head(norms.add_norm(last, None, self.norm)).float()
+        hidden = norms.add_norm(last, None, self.norm)
+        logits = self.lm_head(hidden).float()
+        if lora is not None:
+            lora.head(hidden, logits, logits_rows)
         cap = s.final_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

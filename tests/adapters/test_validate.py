@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loramux.adapters.arch import SUPPORTED_MODULES
 from loramux.adapters.format import AdapterValidationError, load_adapter, validate_adapter
 
 KEY_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -146,8 +147,9 @@ def test_empty_upload_file(tiny_config, tmp_path):
         ({"lora_bias": True}, "lora_bias", "lora_bias"),
         ({"rank_pattern": {"q_proj": 8}}, "rank_pattern", "per-module"),
         ({"alpha_pattern": {"q_proj": 8}}, "alpha_pattern", "per-module"),
-        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules", "lm_head"),
-        ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules", "embed_tokens"),
+        # declared vocabulary parts (adapters/vocab.py) whose tensors are missing
+        ({"target_modules": [*SUPPORTED_MODULES, "lm_head"]}, "lm_head.lora_A.weight", "missing"),
+        ({"target_modules": [*SUPPORTED_MODULES, "embed_tokens"]}, "embed_tokens.lora_embedding_A", "missing"),
         ({"target_modules": ["attn.c_attn"]}, "target_modules", "not a supported"),
         ({"target_modules": []}, "target_modules", "non-empty"),
         ({"target_modules": ".*proj"}, "target_modules", "regular expressions"),
@@ -156,7 +158,8 @@ def test_empty_upload_file(tiny_config, tmp_path):
         ({"lora_alpha": float("nan")}, "lora_alpha", "positive number"),
         ({"layers_to_transform": [0, 7]}, "layers_to_transform", "does not exist"),
         ({"layers_pattern": "h"}, "layers_pattern", "expected 'layers'"),
-        ({"trainable_token_indices": [1, 2]}, "trainable_token_indices", "not supported"),
+        ({"trainable_token_indices": [1, 2]}, "embed_tokens.token_adapter.trainable_tokens_delta", "missing"),
+        ({"trainable_token_indices": {"lm_head": [1, 1]}}, "trainable_token_indices", "repeat"),
         ({"layer_replication": [[0, 1]]}, "layer_replication", "not supported"),
     ],
 )

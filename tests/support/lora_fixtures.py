@@ -46,7 +46,7 @@ def make_peft_adapter(
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "lora_" in name:
+                if "lora_" in name or "trainable_tokens_delta" in name:  # trainable tokens: the rows
                     p.copy_(torch.randn(p.shape, generator=g) * std)
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)

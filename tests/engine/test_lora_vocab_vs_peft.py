@@ -1,0 +1,98 @@
+"""The vocabulary parts of adapters (``adapters/vocab.py``, ``engine/lora/vocab.py``) against
+PEFT (float32, teacher-forced), in one mixed batch with base rows and a plain LoRA: trainable
+tokens (the rows themselves; on a tied base the logits' columns too), ``embed_tokens`` LoRA and
+``lm_head`` LoRA, with PEFT's ``ensure_weight_tying`` and without. Each adapter served as a plain
+LoRA (its vocabulary parts dropped) gives other numbers, so the check can tell."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from support.lora_fixtures import make_peft_adapter, peft_reference, teacher_forcing_gaps
+from support.peft_harness import check_rows_match_peft, peft_prompts
+from support.tiny_models import make_tiny_llama
+
+from loramux.engine import LLM, LoRARequest, SamplingParams
+
+MAX_TOKENS = 8
+
+
+def _specs(prompts):
+    """(name, LoraConfig extras) of the adapters: the trainable tokens are ids the prompts hold."""
+    ids = sorted({prompts[0][1], prompts[2][0], prompts[3][2], prompts[5][1], 42, 1000})
+    return [
+        ("tokens", dict(target_modules=["q_proj"], trainable_token_indices=ids)),
+        ("tokens-dict", dict(target_modules=["v_proj"], trainable_token_indices={"embed_tokens": [prompts[1][2], 77, prompts[1][0]]})),
+        ("embed-head", dict(target_modules=["embed_tokens", "lm_head", "q_proj"])),
+        ("embed-tied", dict(target_modules=["embed_tokens", "o_proj"], ensure_weight_tying=True)),
+        ("plain", dict(target_modules=["q_proj", "v_proj"])),
+    ]
+
+
+def _plain_copy(adapter, out):
+    """``adapter`` without its vocabulary parts: what serving it as a plain LoRA would give."""
+    from loramux.adapters.format import load_adapter
+    from loramux.adapters.weights import save_adapter
+
+    w = load_adapter(adapter)
+    w.vocab_lora, w.vocab_tokens = {}, {}
+    w.spec = type(w.spec)(**{**w.spec.__dict__, "vocab_modules": (), "trainable_tokens": (),
+                             "target_modules": w.spec.target_modules})
+    return save_adapter(w, out)
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir):
+    return peft_prompts(default_model_dir, 20)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_vocab_parts_in_a_mixed_batch_match_peft(tied, tmp_path, default_model_dir, prompts):
+    base = make_tiny_llama(tmp_path / "base", default_model_dir, tie_word_embeddings=tied)
+    specs = _specs(prompts)
+    adapters = [make_peft_adapter(base, tmp_path / name, r=4 + 4 * i, seed=i, std=0.1, **extra)
+                for i, (name, extra) in enumerate(specs)]
+    cfg = json.loads((adapters[3] / "adapter_config.json").read_text())
+    assert cfg["ensure_weight_tying"] is True
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
+              max_loras=len(adapters), max_lora_rank=32, max_num_batched_tokens=96)
+    rows = prompts + prompts[:4]
+    choice = [0, 1, 2, 3, 4, None, 3, 2, 1, 0]
+    loras = [None if c is None else LoRARequest(specs[c][0], c + 1, str(adapters[c])) for c in choice]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
+    refs: dict = {}
+    check_rows_match_peft(base, adapters, rows, choice, outs, refs=refs, against_base=False)
+    # served as plain LoRA, each vocabulary adapter would give other numbers: the check tells
+    for c in range(4):
+        i = choice.index(c)
+        plain = peft_reference(base, _plain_copy(adapters[c], tmp_path / f"plain{c}"))
+        toks = outs[i].outputs[0].token_ids
+        _, want = teacher_forcing_gaps(refs[c], rows[i], toks)
+        _, without = teacher_forcing_gaps(plain, rows[i], toks)
+        assert (want - without).abs().max() > 1e-2, specs[c][0]
+
+
+def test_slots_hold_and_count_the_vocabulary_parts(tmp_path, default_model_dir, prompts):
+    from loramux.adapters.format import load_adapter
+    from loramux.engine.lora.slots import SlotBuffers
+    from loramux.engine.model.weights import dims_from_config, read_hf_config
+
+    base = make_tiny_llama(tmp_path / "base", default_model_dir)
+    specs = _specs(prompts)
+    dims = dims_from_config(read_hf_config(base))
+    slots = SlotBuffers(dims, 2, 8, torch.float32, "cpu")
+    before = slots.num_bytes()
+    tokens = load_adapter(make_peft_adapter(base, tmp_path / "t", seed=1, **specs[0][1]))
+    slots.write(0, tokens)
+    n = len(specs[0][1]["trainable_token_indices"])
+    assert slots.num_bytes() - before == 2 * (n * 64 * 4 + n * 8)  # embed rows + the tied head's
+    emb = load_adapter(make_peft_adapter(base, tmp_path / "e", seed=2, **specs[2][1]))
+    slots.write(1, emb)
+    vocab = dims.vocab_size
+    assert slots.num_bytes() - before == 2 * (n * 64 * 4 + n * 8) + 2 * 4 * (vocab * 4 + 4 * 64)
+    slots.clear(0)
+    slots.clear(1)
+    assert slots.num_bytes() == before
