@@ -8,11 +8,13 @@
  * The padding values of a row are multiplied by zero activations (the x buffer is padded).
  * scale and zero are fp32 [N, G], one per `group` values of a row (group a multiple of 32;
  * per channel: G = 1, group = Kp); zero is the offset of the stored value (int4: zp + 8,
- * int8: zp) or NULL (int4: 8, int8: 0). A weight is (stored - zero) * scale in fp32, as the
- * torch reference dequantizes it, and never exists outside registers: each block of 32 is
- * widened, dequantized and multiplied into MR x NR fp32 vector accumulators (MR rows of x,
- * NR rows of W), reduced once per row. x (fp32 or bf16) is first copied to an fp32 [M, Kp]
- * buffer; y (fp32 or bf16, rounded once) is contiguous [M, N]; bias fp32 [N] or NULL.
+ * int8: zp) or NULL (int4: 8, int8: 0). A weight is (stored - zero) * scale; no dequantized
+ * weight exists outside registers. The vector variants widen each block of 32 stored values
+ * to fp32 lanes and multiply them into MR x NR vector accumulators (MR rows of x, NR rows of
+ * W) per group, then fold the group in as scale * (sum x * stored - zero * sum x) (the sums of
+ * x per group computed once per call); the scalar variant dequantizes each weight. Every sum
+ * is fp32. x (fp32 or bf16) is first copied to an fp32 [M, Kp] buffer; y (fp32 or bf16,
+ * rounded once) is contiguous [M, N]; bias fp32 [N] or NULL.
  *
  * Threads split the output rows in tiles of NT when the call has PARALLEL_MIN_MACS of work
  * (a decode call of a small projection stays on the calling thread: no OpenMP fork).
@@ -76,37 +78,50 @@ static inline void widen(const uint8_t *p, int bits, vf *o) {
 
 #ifdef WL
 #define NV (32 / WL) /* vectors per block of 32 */
+#if WL == 16
+#define NR_MAX 2 /* weight rows per register tile: 16 accumulators of 32 registers */
+#else
+#define NR_MAX 1 /* 8 accumulators of 16 registers */
+#endif
 
-/* y rows m0..m0+mr of output rows n0..n0+nr: sums over every block of the nr weight rows */
-static inline __attribute__((always_inline)) void tile(const float *xp, int64_t Kp, const uint8_t *w,
-                                                       int64_t row_bytes, int bits, const float *scale,
-                                                       const float *zero, int G, int group, int n0,
-                                                       const int nr, const int mr, float out[MR][2]) {
-    vf acc[MR][2];
+/* y rows m0..m0+mr of output rows n0..n0+nr, before the bias. Per group, acc sums x * stored
+ * over its blocks (widened values, no dequantize per weight); then tot += scale * acc and the
+ * zero's share scale * zero * sum(x over the group) (xs) is taken off once per row */
+static inline __attribute__((always_inline)) void tile(const float *xp, int64_t Kp, const float *xs,
+                                                       const uint8_t *w, int64_t row_bytes, int bits,
+                                                       const float *scale, const float *zero, int G,
+                                                       int group, int n0, const int nr, const int mr,
+                                                       float out[MR][2]) {
+    vf tot[MR][2];
+    float corr[MR][2] = {{0}};
     for (int m = 0; m < mr; m++)
-        for (int r = 0; r < nr; r++) acc[m][r] = VZERO();
+        for (int r = 0; r < nr; r++) tot[m][r] = VZERO();
     const int bpb = bits * 4; /* bytes per block */
     for (int g = 0; g < G; g++) {
-        vf s[2], z[2];
-        for (int r = 0; r < nr; r++) {
-            s[r] = VSET(scale[(int64_t)(n0 + r) * G + g]);
-            z[r] = VSET(zero ? zero[(int64_t)(n0 + r) * G + g] : (bits == 4 ? 8.0f : 0.0f));
-        }
+        vf acc[MR][2];
+        for (int m = 0; m < mr; m++)
+            for (int r = 0; r < nr; r++) acc[m][r] = VZERO();
         for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k += 32) {
             vf wv[2][NV];
-            for (int r = 0; r < nr; r++) {
-                widen(w + (int64_t)(n0 + r) * row_bytes + k / 32 * bpb, bits, wv[r]);
-                for (int i = 0; i < NV; i++) wv[r][i] = VDEQ(wv[r][i], z[r], s[r]);
-            }
+            for (int r = 0; r < nr; r++) widen(w + (int64_t)(n0 + r) * row_bytes + k / 32 * bpb, bits, wv[r]);
             for (int m = 0; m < mr; m++)
                 for (int i = 0; i < NV; i++) {
                     vf xv = VLOAD(xp + m * Kp + k + XOFF[i]);
                     for (int r = 0; r < nr; r++) acc[m][r] = VFMA(xv, wv[r][i], acc[m][r]);
                 }
         }
+        for (int r = 0; r < nr; r++) {
+            const int64_t at = (int64_t)(n0 + r) * G + g;
+            const float sc = scale[at], z = zero ? zero[at] : (bits == 4 ? 8.0f : 0.0f);
+            const vf vs = VSET(sc);
+            for (int m = 0; m < mr; m++) {
+                tot[m][r] = VFMA(vs, acc[m][r], tot[m][r]);
+                corr[m][r] += sc * z * xs[m * G + g];
+            }
+        }
     }
     for (int m = 0; m < mr; m++)
-        for (int r = 0; r < nr; r++) out[m][r] = VHSUM(acc[m][r]);
+        for (int r = 0; r < nr; r++) out[m][r] = VHSUM(tot[m][r]) - corr[m][r];
 }
 #else
 /* the plain C tile: value k of a row, then the same sums one lane at a time */
@@ -116,9 +131,10 @@ static inline int stored(const uint8_t *row, int bits, int64_t k) {
     return (k % 32) < 16 ? (b & 15) : (b >> 4);
 }
 
-static void tile(const float *xp, int64_t Kp, const uint8_t *w, int64_t row_bytes, int bits,
-                 const float *scale, const float *zero, int G, int group, int n0, int nr, int mr,
-                 float out[MR][2]) {
+static void tile(const float *xp, int64_t Kp, const float *xs, const uint8_t *w, int64_t row_bytes,
+                 int bits, const float *scale, const float *zero, int G, int group, int n0, int nr,
+                 int mr, float out[MR][2]) {
+    (void)xs; /* dequantizes each weight: (stored - zero) * scale */
     for (int r = 0; r < nr; r++) {
         const uint8_t *row = w + (int64_t)(n0 + r) * row_bytes;
         float acc[MR] = {0};
@@ -133,20 +149,21 @@ static void tile(const float *xp, int64_t Kp, const uint8_t *w, int64_t row_byte
         for (int m = 0; m < mr; m++) out[m][r] = acc[m];
     }
 }
+#define NR_MAX 2
 #endif
 
 /* one work item: output rows n0..n1 for every row of x */
-static void rows_tile(const float *xp, int64_t M, int64_t Kp, const uint8_t *w, int bits,
+static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, const uint8_t *w, int bits,
                       const float *scale, const float *zero, int G, int group, const float *bias,
                       void *y, int yd, int N, int n0, int n1) {
     const int64_t row_bytes = Kp * bits / 8;
     float out[MR][2];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-        const float *xm = xp + m0 * Kp;
-        for (int n = n0; n < n1; n += 2) {
-            const int nr = n1 - n >= 2 ? 2 : 1;
-#define LMX_TILE(NR, MRC) tile(xm, Kp, w, row_bytes, bits, scale, zero, G, group, n, NR, MRC, out)
+        const float *xm = xp + m0 * Kp, *xsm = xs + m0 * G;
+        for (int n = n0; n < n1; n += NR_MAX) {
+            const int nr = n1 - n >= 2 ? NR_MAX : 1;
+#define LMX_TILE(NR, MRC) tile(xm, Kp, xsm, w, row_bytes, bits, scale, zero, G, group, n, NR, MRC, out)
             if (nr == 2) {
                 if (mr == 4) LMX_TILE(2, 4); else if (mr == 3) LMX_TILE(2, 3);
                 else if (mr == 2) LMX_TILE(2, 2); else LMX_TILE(2, 1);
@@ -170,15 +187,18 @@ int LMX_FN(loramux_wq_linear)(const void *x, int64_t x_stride, int xd, const uin
                               const float *scale, const float *zero, int G, int group,
                               const float *bias, void *y, int yd, int64_t M, int N, int K, int Kp,
                               int nthreads) {
-    float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float)); /* [M, Kp], zero padded */
+    /* [M, Kp] zero padded, then xs [M, G]: the sums of x over each group */
+    float *xp = (float *)calloc((size_t)(M * Kp + M * G), sizeof(float)), *xs = xp + M * Kp;
     if (xp == NULL) return -1;
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = 0; m < M; m++) {
         for (int k = 0; k < K; k++) xp[m * Kp + k] = load_elem(x, xd, m * x_stride + k);
+        for (int64_t k = 0; k < Kp; k++) xs[m * G + k / group] += xp[m * Kp + k];
+    }
     const int tiles = (N + NT - 1) / NT;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
-        rows_tile(xp, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1);
+        rows_tile(xp, xs, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1);
     }
     free(xp);
     return 0;

@@ -1,0 +1,209 @@
+"""Weight-only int8 / int4 against float32 and bf16 on the CPU: one 2048 x 2048 projection and
+one decode step of the default model (SmolLM2-135M), batch 1 and 4, in one run.
+
+Projection: the engine's float ``Linear`` (oneDNN-packed) in float32 and bf16 against
+``QuantLinear`` int8 per channel, int4 groups of 128 and 32 run by the compiled kernel
+(``loramux::wq_linear``), and int4 g128 on the torch path (dequantize a band, matmul; the
+fallback) — median of timed calls, ratios to float32 of the same run. Decode step: the default
+model loaded in float32, bf16 and as compressed-tensors int8 per channel / int4 g64 checkpoints
+written here from its weights (576 input features: 128 does not divide them); the time per
+decode step is (time of 1 + n steps - time of 1 step) / n for 1 and 4 greedy sequences.
+Writes ``bench/results/quantized.json``.
+
+    python -m bench.quantized [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, bench_parser
+from loramux.engine.model.linear import Linear
+from loramux.engine.model.quant.base import QuantLinear
+from loramux.engine.model.quant.compressed_tensors import CompressedTensorsMethod
+
+ROWS = (1, 4)
+
+
+def quantize(w: torch.Tensor, bits: int, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest of w [n, k]: signed values [n, k] int32, scale [n, G]."""
+    n, k = w.shape
+    g = group or k
+    view = w.float().view(n, k // g, g)  # [n, G, g]
+    scale = view.abs().amax(-1).clamp_min(1e-8) / ((1 << (bits - 1)) - 1)  # [n, G]
+    q = torch.round(view / scale.unsqueeze(-1)).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
+    return q.view(n, k).to(torch.int32), scale
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' ``pack_to_int32`` along the rows: [n, k] signed → int32 [n, words]."""
+    n, k = values.shape
+    per = 32 // bits
+    u = (values.long() + (1 << (bits - 1))) & ((1 << bits) - 1)
+    u = torch.nn.functional.pad(u, (0, -k % per)).view(n, -1, per)  # [n, words, per]
+    words = (u << torch.arange(0, 32, bits)).sum(-1)  # [n, words] int64 < 2^32
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def method(bits: int, group: int | None) -> CompressedTensorsMethod:
+    weights = {"type": "int", "num_bits": bits, "strategy": "group" if group else "channel",
+               "group_size": group, "symmetric": True}
+    return CompressedTensorsMethod({"format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": weights}}}, "bench")
+
+
+def quant_linear(w: torch.Tensor, bits: int, group: int | None, kernel: bool) -> QuantLinear:
+    """w [n, k] as a compressed-tensors layer (repacked for the kernel when ``kernel``)."""
+    q, scale = quantize(w, bits, group)
+    n, k = w.shape
+    tensors = {"p.weight_packed": pack_int32(q, bits), "p.weight_scale": scale,
+               "p.weight_shape": torch.tensor([n, k])}
+    m = method(bits, group)
+    if not kernel:
+        m._runs_kernel = lambda *a: False
+    return m.create_linear(["p"], lambda name, *d: tensors.pop(name), None, shapes=[(n, k)],
+                           dtype=torch.float32)
+
+
+def timed(fn, x: torch.Tensor, seconds: float) -> tuple[float, float]:
+    """(median, best) seconds of one call after warm-up, over calls for about ``seconds``
+    (the best is the figure a machine shared with other jobs still gives)."""
+    for _ in range(5):
+        fn(x)
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 10:
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def projection(size: int, seconds: float) -> dict:
+    w = torch.randn(size, size) / size ** 0.5
+    layers = {
+        "float32": Linear(w.clone()),
+        "bf16": Linear(w.to(torch.bfloat16)),
+        "int8": quant_linear(w, 8, None, True),
+        "int4_g128": quant_linear(w, 4, 128, True),
+        "int4_g32": quant_linear(w, 4, 32, True),
+        "int4_g128_torch": quant_linear(w, 4, 128, False),
+    }
+    out = {}
+    for m in ROWS:
+        x = torch.randn(m, size)
+        row = {}
+        for name, layer in layers.items():
+            xi = x.to(torch.bfloat16) if name == "bf16" else x
+            median, best = timed(layer, xi, seconds)
+            row[name] = {"ms": best * 1e3, "median_ms": median * 1e3, "bytes": layer.nbytes}
+        base = row["float32"]["ms"]
+        for r in row.values():
+            r["speedup_vs_float32"] = base / r["ms"]  # best against best
+        out[f"M={m}"] = row
+        print(f"projection {size}x{size} M={m} (best of calls): " + ", ".join(
+            f"{n} {r['ms']:.3f} ms ({r['speedup_vs_float32']:.2f}x)" for n, r in row.items()))
+    return out
+
+
+def write_checkpoint(src: Path, dst: Path, bits: int, group: int | None) -> Path:
+    """The model folder ``src`` with every decoder projection as compressed-tensors int weights."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        w = tensors.pop(name)
+        q, scale = quantize(w, bits, group)
+        p = name.removesuffix("weight")
+        tensors[p + "weight_packed"] = pack_int32(q, bits)
+        tensors[p + "weight_scale"] = scale.to(w.dtype)
+        tensors[p + "weight_shape"] = torch.tensor(list(w.shape))
+    save_file(tensors, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    weights = {"type": "int", "num_bits": bits, "strategy": "group" if group else "channel",
+               "group_size": group, "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def decode_step(folder: Path, dtype: str, steps: int) -> dict:
+    from loramux.engine import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype=dtype, device="cpu")
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 132 + 7 * i))} for i in range(max(ROWS))]
+    out = {}
+    for m in ROWS:
+        def run(n: int, m: int = m) -> float:
+            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            t0 = time.perf_counter()
+            llm.generate(prompts[:m], sp)
+            return time.perf_counter() - t0
+        run(steps)  # warm-up
+        one = min(run(1) for _ in range(3))
+        full = min(run(1 + steps) for _ in range(3))
+        out[f"M={m}"] = {"ms_per_step": (full - one) / steps * 1e3}
+    out["weight_bytes"] = llm.llm_engine.model.weight_bytes()
+    return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_parser(__doc__, dtype=None, quick="shorter timings", out="quantized")
+    ap.add_argument("--size", type=int, default=2048)
+    ap.add_argument("--no-model", action="store_true", help="the projection only")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from loramux.engine.model.kernels import loader
+
+    result = {"cpu": cpu_name(), "threads": args.threads,
+              "kernels": loader.status().isa, "projection": projection(args.size, 0.5 if args.quick else 2.0)}
+    if not args.no_model:
+        from loramux.engine.default_model import default_model_path
+
+        src, steps = default_model_path(), 16 if args.quick else 32
+        models = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            folders = {"float32": (src, "float32"), "bf16": (src, "bfloat16"),
+                       "int8": (write_checkpoint(src, Path(tmp) / "int8", 8, None), "float32"),
+                       "int4_g64": (write_checkpoint(src, Path(tmp) / "int4", 4, 64), "float32")}
+            for name, (folder, dtype) in folders.items():
+                models[name] = decode_step(folder, dtype, steps)
+        for m in ROWS:
+            base = models["float32"][f"M={m}"]["ms_per_step"]
+            for r in models.values():
+                r[f"M={m}"]["speedup_vs_float32"] = base / r[f"M={m}"]["ms_per_step"]
+            print(f"decode step M={m}: " + ", ".join(
+                f"{n} {r[f'M={m}']['ms_per_step']:.2f} ms ({r[f'M={m}']['speedup_vs_float32']:.2f}x)"
+                for n, r in models.items()))
+        result["decode_step"] = models
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote bench/results/{args.out}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
