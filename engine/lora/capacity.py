@@ -50,6 +50,10 @@ class LoRACapacity:
     """Bytes of one device slot (every projection group, padded to max_lora_rank)."""
     budget_bytes: int | None = None
     """The memory the slots were derived from; None when ``max_loras`` was given."""
+    adapter_allowance: int | None = None
+    """Derived on the CPU: the bytes the plan counts for one adapter's own weights (its
+    CPU-tier copy at ``max_lora_rank`` on every projection); an adapter with vocabulary parts
+    (``vocab.py``) must fit its copy and those parts' slot tensors in it (None: not checked)."""
 
     @property
     def derived(self) -> bool:
@@ -133,4 +137,5 @@ def plan_capacity(
         cpu = config.max_cpu_loras
     else:
         cpu = slots if device_type != "cuda" else min(2 * slots, MAX_DERIVED_LORAS)
-    return LoRACapacity(int(slots), int(cpu), per_slot, int(budget))
+    allowance = per_adapter - per_slot if device_type != "cuda" else None
+    return LoRACapacity(int(slots), int(cpu), per_slot, int(budget), allowance)

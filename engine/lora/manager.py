@@ -98,6 +98,7 @@ class LoRAManager:
             model.dims, self.max_loras, config.max_lora_rank, dtype, model.device,
             blockdiag=blockdiag, scale_dtype=model.dtype,
         )
+        self.buffers.vocab.allowance = self.capacity.adapter_allowance
         self._listeners: list[AdapterListener] = []
         self.hook = LoRAStepBatch(self.buffers, self.backend, model.device)
         """The model's LoRA hook (``LoRAHook``): this step's layout and the layer call."""

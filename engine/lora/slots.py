@@ -87,7 +87,8 @@ class SlotBuffers:
         self.experts = (ExpertSlots(dims, max_loras, max_rank, dtype, device, blockdiag=blockdiag)
                         if dims.num_experts else None)
         """The experts' LoRA of each slot on an MoE base (``experts.py``)."""
-        self.vocab = VocabSlots(dtype, device, dims.tie_word_embeddings)
+        self.vocab = VocabSlots(dtype, device, getattr(dims, "tie_word_embeddings", False),
+                                getattr(dims, "vocab_size", 0), dims.hidden_size)
         """Each slot's embedding / lm_head LoRA and trainable tokens (``vocab.py``)."""
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
@@ -108,6 +109,7 @@ class SlotBuffers:
             raise ValueError(f"adapter rank {weights.spec.max_rank} exceeds max_lora_rank {self.max_rank}")
         if weights.spec.use_dora and not weights.dora_scales:
             raise ValueError("a DoRA adapter needs its per-row scales (dora.dora_scales) first")
+        self.vocab.check(weights)
         if self.stream is None:
             self._write(slot, weights, r)
             return

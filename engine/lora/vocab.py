@@ -27,8 +27,10 @@ __all__ = ["VocabSlots", "VocabStep"]
 class VocabSlots:
     """Each slot's vocabulary parts on the device (none for a slot whose adapter has none)."""
 
-    def __init__(self, dtype: torch.dtype, device, tied: bool) -> None:
+    def __init__(self, dtype: torch.dtype, device, tied: bool, vocab_size: int, hidden_size: int) -> None:
         """``tied``: the base model ties ``lm_head`` to its embedding."""
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
         self.tied = tied
@@ -40,13 +42,19 @@ class VocabSlots:
         """slot -> (sorted ids [n] int64, their rows [n, hidden])."""
         self.head_tokens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """slot -> (ids [n] int64, their rows [n, hidden]): the logits columns they replace."""
+        self.allowance: int | None = None
+        """Bytes one adapter may take (its CPU-tier copy + these slot tensors) where the capacity
+        was derived from memory (``capacity.LoRACapacity.adapter_allowance``); None: unchecked."""
 
     def _put(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous()
 
     def write(self, slot: int, weights: LoraWeights) -> None:
-        """Put ``weights``' vocabulary parts in ``slot`` (clearing what was there)."""
+        """Put ``weights``' vocabulary parts in ``slot`` (clearing what was there); raises
+        ``ValueError`` for parts that do not fit the served model (an adapter never validated
+        against it: its load fails, nothing is written)."""
         self.clear(slot)
+        self.check(weights)
         scale = weights.spec.scale
         for module, (a, b) in weights.vocab_lora.items():
             if module == "embed_tokens":
@@ -63,6 +71,39 @@ class VocabSlots:
         if "lm_head" in tokens:
             ids, rows = tokens["lm_head"]
             self.head_tokens[slot] = (ids.to(self.device), self._put(rows))
+
+    def check(self, weights: LoraWeights) -> None:
+        """Raise ``ValueError`` when ``weights``' vocabulary parts do not fit the served model."""
+        v, h = self.vocab_size, self.hidden_size
+        if self.allowance is not None and (weights.vocab_lora or weights.vocab_tokens):
+            need = weights.num_bytes() + self.part_bytes(weights)
+            if need > self.allowance:
+                raise ValueError(
+                    f"the adapter with its embedding / lm_head parts takes {need} bytes, above the "
+                    f"{self.allowance} bytes the adapter memory plan counts for one adapter "
+                    f"(max_lora_rank on every projection); raise lora_memory or max_lora_rank, or set max_loras")
+        for module, (a, b) in weights.vocab_lora.items():
+            want = ((a.shape[0], v), (h, a.shape[0])) if module == "embed_tokens" else ((a.shape[0], h), (v, a.shape[0]))
+            if (tuple(a.shape), tuple(b.shape)) != want:
+                raise ValueError(f"{module} LoRA of shapes {list(a.shape)}, {list(b.shape)} does not fit the "
+                                 f"served model (vocabulary {v}, hidden size {h})")
+        for module, (ids, rows) in weights.vocab_tokens.items():
+            if ids.numel() and (int(ids.max()) >= v or int(ids.min()) < 0):
+                raise ValueError(f"{module} trainable token id {int(ids.max())} is outside the served "
+                                 f"model's vocabulary of {v}")
+            if tuple(rows.shape) != (ids.numel(), h):
+                raise ValueError(f"{module} trainable tokens of shape {list(rows.shape)}; expected "
+                                 f"[{ids.numel()}, {h}]")
+
+    def part_bytes(self, weights: LoraWeights) -> int:
+        """Bytes ``weights``' vocabulary parts take in a slot (in the slots' dtype; a tied
+        base's trainable tokens twice: the embedding's and the logits')."""
+        size = torch.finfo(self.dtype).bits // 8
+        n = sum(a.numel() + b.numel() for a, b in weights.vocab_lora.values()) * size
+        tokens = dict(weights.vocab_tokens)
+        if self.tied and "embed_tokens" in tokens and "lm_head" not in tokens:
+            tokens["lm_head"] = tokens["embed_tokens"]
+        return n + sum(rows.numel() * size + ids.numel() * 8 for ids, rows in tokens.values())
 
     def clear(self, slot: int) -> None:
         """Free ``slot``'s parts."""

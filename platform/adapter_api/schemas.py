@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from loramux.registry.chat import template_digest
 from loramux.registry.models import MAX_DESCRIPTION_CHARS
 
+AdapterKind = Literal["LoRA", "DoRA", "aLoRA", "LoRA+embedding", "LoRA+tokens", "LoRA+embedding+tokens",
+                      "DoRA+tokens"]
+"""What ``AdapterHandle.kind`` says: the kind, then its vocabulary parts (``adapters/vocab.py``:
+``+embedding``, LoRA on embed_tokens / lm_head; ``+tokens``, trainable tokens)."""
+
 if TYPE_CHECKING:
     from loramux.registry.handles import AdapterHandle, Release
 
@@ -63,9 +68,10 @@ class AdapterSummary(BaseModel):
     name: str
     version: int
     base_model: str
-    kind: Literal["LoRA", "DoRA", "aLoRA"] = "LoRA"
+    kind: AdapterKind = "LoRA"
     """Plain LoRA, DoRA (``use_dora``: a learned magnitude per output feature) or aLoRA
-    (``alora_invocation_tokens``: activated from its invocation in the prompt on)."""
+    (``alora_invocation_tokens``: activated from its invocation in the prompt on), with
+    ``+embedding`` / ``+tokens`` after it for its vocabulary parts."""
     rank: int
     alpha: float
     target_modules: list[str]
@@ -206,7 +212,7 @@ class VersionInfo(BaseModel):
     adapter: str
     version: int
     base_model: str
-    kind: Literal["LoRA", "DoRA", "aLoRA"] = "LoRA"
+    kind: AdapterKind = "LoRA"
     rank: int
     alpha: float
     target_modules: list[str]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.lora_fixtures import make_peft_adapter, peft_reference, teacher_forcing_gaps
 from support.peft_harness import check_rows_match_peft, peft_prompts
-from support.tiny_models import make_tiny_llama
+from support.tiny_models import make_tiny_llama, make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
 
@@ -48,9 +48,14 @@ def prompts(default_model_dir):
     return peft_prompts(default_model_dir, 20)
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("tied", [True, False, "gemma3"], ids=["tied", "untied", "gemma3"])
 def test_vocab_parts_in_a_mixed_batch_match_peft(tied, tmp_path, default_model_dir, prompts):
-    base = make_tiny_llama(tmp_path / "base", default_model_dir, tie_word_embeddings=tied)
+    """Llama tied and untied; Gemma 3 (tied, an embedding scale and a final soft-cap: the
+    parts apply before the scale and before the cap, as PEFT's wrappers do)."""
+    if tied == "gemma3":
+        base = make_tiny_model(tmp_path / "base", default_model_dir, "gemma3", final_logit_softcapping=30.0)
+    else:
+        base = make_tiny_llama(tmp_path / "base", default_model_dir, tie_word_embeddings=tied)
     specs = _specs(prompts)
     adapters = [make_peft_adapter(base, tmp_path / name, r=4 + 4 * i, seed=i, std=0.1, **extra)
                 for i, (name, extra) in enumerate(specs)]
@@ -96,3 +101,34 @@ def test_slots_hold_and_count_the_vocabulary_parts(tmp_path, default_model_dir, 
     slots.clear(0)
     slots.clear(1)
     assert slots.num_bytes() == before
+    bad = load_adapter(make_peft_adapter(base, tmp_path / "t", seed=1, **specs[0][1]))
+    bad.vocab_tokens["embed_tokens"][0][0] = vocab  # an adapter never validated against this base
+    with pytest.raises(ValueError, match=f"token id {vocab} is outside"):
+        slots.write(0, bad)
+    assert slots.num_bytes() == before and not slots.vocab.has(0)
+
+
+def test_capacity_from_memory_counts_the_vocabulary_parts(tmp_path, default_model_dir, prompts):
+    """Derived from memory on the CPU, an adapter's copy and its vocabulary parts' slot tensors
+    must fit what the plan counts for one adapter; past it the load fails, naming why."""
+    from loramux.adapters.format import load_adapter
+    from loramux.engine.config import LoRAConfig
+    from loramux.engine.lora.capacity import adapter_bytes, plan_capacity
+    from loramux.engine.lora.slots import SlotBuffers
+    from loramux.engine.model.weights import dims_from_config, read_hf_config
+
+    base = make_tiny_llama(tmp_path / "base", default_model_dir)
+    dims = dims_from_config(read_hf_config(base))
+    cap = plan_capacity(LoRAConfig(max_lora_rank=8, lora_memory=2**30), dims, 4, device_type="cpu",
+                        blockdiag=True)
+    assert cap.adapter_allowance == adapter_bytes(dims, 8, 4)
+    emb = load_adapter(make_peft_adapter(base, tmp_path / "e", r=8, target_modules=["embed_tokens", "lm_head"]))
+    slots = SlotBuffers(dims, 1, 8, torch.float32, "cpu", blockdiag=True)
+    need = emb.num_bytes() + slots.vocab.part_bytes(emb)
+    assert need == 2 * 2 * 8 * (dims.vocab_size + 64) * 4
+    slots.vocab.allowance = need - 1
+    with pytest.raises(ValueError, match="adapter memory plan"):
+        slots.write(0, emb)
+    slots.vocab.allowance = need
+    slots.write(0, emb)
+    assert slots.vocab.num_bytes() == slots.vocab.part_bytes(emb)

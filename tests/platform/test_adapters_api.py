@@ -255,3 +255,30 @@ async def test_dora_upload_says_its_kind_and_serves(client, env, tmp_path):
     row = page.split("<b>dora1</b>", 1)[1].split("</tr>", 1)[0]
     assert "<td>DoRA</td>" in row and "<td>DoRA</td>" not in page.split("<b>a-only</b>", 1)[1].split("</tr>", 1)[0]
     assert (await client.delete("/v1/adapters/dora1", headers=h)).status_code == 200
+
+
+async def test_trainable_tokens_upload_says_its_kind_and_serves(client, env, tmp_path):
+    """A PEFT adapter with trainable tokens uploads as ``kind: LoRA+tokens``, serves greedy tokens
+    equal to PEFT's (the prompt's tokens re-embedded; on the tied base their logits too), and the
+    dashboard shows its kind."""
+    import torch
+    from support.lora_fixtures import make_peft_adapter, peft_reference
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(env.model_dir)
+    ids = tok("The quick brown fox", return_tensors="pt").input_ids
+    folder = make_peft_adapter(env.model_dir, tmp_path / "tokens", r=4, std=0.2, target_modules=["q_proj"],
+                               trainable_token_indices=sorted(set(ids[0].tolist())))
+    h = env.headers(env.key_a)
+    r = await client.post("/v1/adapters", files=_files(folder), headers=h, data={"name": "tok1"})
+    assert r.status_code == 201, r.text
+    assert r.json()["kind"] == "LoRA+tokens"
+    r = await client.post("/v1/completions", headers=h, json={
+        "model": "tok1", "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        want = peft_reference(env.model_dir, folder).generate(ids, max_new_tokens=5, do_sample=False)
+    assert r.json()["choices"][0]["text"] == tok.decode(want[0, ids.shape[1]:])
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    rows = (await client.get("/admin/adapters", headers=admin)).json()["data"]
+    assert {row["kind"] for row in rows if row.get("adapter") == "tok1"} == {"LoRA+tokens"}
