@@ -206,7 +206,7 @@ def validate_adapter(
             )
         spec = parse_config(read_config(folder / CONFIG_NAME), dims)
         vocab_size = text_config(base_config).get("vocab_size")
-        vocab.check_added_tokens(folder, vocab_size)
+        vocab.check_added_tokens(folder, vocab_size, base_model_name or dims.name_or_path)
         if spec.alora_invocation_tokens is not None and isinstance(vocab_size, int):
             alora.check_vocab(spec.alora_invocation_tokens, vocab_size)
         mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)

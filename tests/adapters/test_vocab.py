@@ -105,3 +105,28 @@ def test_export_merges_what_peft_can(bases, tmp_path, tied, extra):
         return
     out = export_merged(base, a, tmp_path / "merged", check=True, progress=False)
     assert (out / "config.json").is_file()
+
+
+def test_added_tokens_must_be_the_bases(bases, tmp_path, default_model_dir):
+    """A copy of the base's tokenizer passes; an added token beyond the vocabulary, or on an id
+    the base's tokenizer gives another token, is refused naming the file (the engine would serve
+    it with the base's tokenizer)."""
+    import shutil
+
+    base = bases[True]
+    a = make_peft_adapter(base, tmp_path / "a", target_modules=["q_proj"])
+    shutil.copy(base / "tokenizer.json", a / "tokenizer.json")
+    validate_adapter(a, _config(base), base_model_name=str(base))
+    for tokens, match in [({"<|new|>": _config(base)["vocab_size"]}, "beyond the base model's vocabulary"),
+                          ({"<|new|>": 5}, "another token of the base"),
+                          ({"<|im_start|>": 7}, "where the base model's tokenizer has")]:
+        (a / "added_tokens.json").write_text(json.dumps(tokens))
+        with pytest.raises(AdapterValidationError, match=match) as e:
+            validate_adapter(a, _config(base), base_model_name=str(base))
+        assert e.value.field == "added_tokens.json"
+    (a / "added_tokens.json").unlink()
+    cfg = {"added_tokens_decoder": {"9": {"content": "<|new|>", "special": True}}}
+    (a / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterValidationError, match="another token of the base") as e:
+        validate_adapter(a, _config(base), base_model_name=str(base))
+    assert e.value.field == "tokenizer_config.json"
