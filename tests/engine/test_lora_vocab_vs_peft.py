@@ -132,3 +132,27 @@ def test_capacity_from_memory_counts_the_vocabulary_parts(tmp_path, default_mode
     slots.vocab.allowance = need
     slots.write(0, emb)
     assert slots.vocab.num_bytes() == slots.vocab.part_bytes(emb)
+
+
+def test_head_tokens_and_prompt_logprobs_match_peft(tmp_path, default_model_dir, prompts):
+    """On an untied base, trainable tokens listed for ``lm_head`` apart from the embedding's
+    change only the logits' columns; prompt logprobs (the logits of every prompt position) are
+    PEFT's too."""
+    base = make_tiny_llama(tmp_path / "base", default_model_dir, tie_word_embeddings=False)
+    ids = {"embed_tokens": [prompts[0][1], 11], "lm_head": [prompts[0][3], 42, 1000]}
+    a = make_peft_adapter(base, tmp_path / "a", r=4, std=1.0, target_modules=["q_proj"],
+                          trainable_token_indices=ids)
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True, max_loras=1,
+              max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    out = llm.generate([{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[0]}], params,
+                       lora_request=[LoRARequest("t", 1, str(a)), None])
+    ref = peft_reference(base, a)
+    check_rows_match_peft(base, [a], [prompts[0]] * 2, [0, None], out, refs={0: ref}, against_base=False)
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([prompts[0]])).logits[0].float(), -1)
+    for j, entry in enumerate(out[0].prompt_logprobs[1:]):
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(want[j, tid].item(), abs=1e-4), (j, tid)
+    # the head's rows (std 1) lead the logits: the check compared them
+    assert any(set(e) & set(ids["lm_head"]) for e in out[0].prompt_logprobs[1:])
