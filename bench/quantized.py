@@ -1,5 +1,6 @@
 """Weight-only int8 / int4 against float32 and bf16 on the CPU: one 2048 x 2048 projection and
-one decode step of the default model (SmolLM2-135M), batch 1 and 4, in one run.
+one decode step of the default model (SmolLM2-135M), batch 1 and 4 (the projection also 64
+rows, a prefill chunk), in one run.
 
 Projection: the engine's float ``Linear`` (oneDNN-packed) in float32 and bf16 against
 ``QuantLinear`` int8 per channel, int4 groups of 128 and 32 run by the compiled kernel
@@ -31,7 +32,7 @@ from loramux.engine.model.quant.base import QuantLinear
 from loramux.engine.model.quant.compressed_tensors import CompressedTensorsMethod
 
 ROWS = (1, 4)
-
+PROJECTION_ROWS = (*ROWS, 64)  # and a prefill chunk
 
 def quantize(w: torch.Tensor, bits: int, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric round-to-nearest of w [n, k]: signed values [n, k] int32, scale [n, G]."""
@@ -98,7 +99,7 @@ def projection(size: int, seconds: float) -> dict:
         "int4_g128_torch": quant_linear(w, 4, 128, False),
     }
     out = {}
-    for m in ROWS:
+    for m in PROJECTION_ROWS:
         x = torch.randn(m, size)
         row = {}
         for name, layer in layers.items():

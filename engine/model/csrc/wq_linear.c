@@ -13,12 +13,16 @@
  * to fp32 lanes and multiply them into MR x NR vector accumulators (MR rows of x, NR rows of
  * W) per group, then fold the group in as scale * (sum x * stored - zero * sum x) (the sums of
  * x per group computed once per call); the scalar variant dequantizes each weight. Every sum
- * is fp32. x (fp32 or bf16) is first copied to an fp32 [M, Kp] buffer; y (fp32 or bf16,
- * rounded once) is contiguous [M, N]; bias fp32 [N] or NULL.
+ * is fp32. From GEMM_MIN_M rows of x (a prefill chunk) the vector variants instead dequantize
+ * a tile of NT rows of W once into a per-thread fp32 buffer (NT x Kp, in L2) and run a
+ * register-blocked GEMM over it (x transposed, 2 vectors of rows of x by GR rows of W), so the
+ * widening is paid once per tile rather than once per 4 rows of x. x (fp32 or bf16) is first
+ * copied to an fp32 [M, Kp] buffer; y (fp32 or bf16, rounded once) is contiguous [M, N]; bias
+ * fp32 [N] or NULL.
  *
  * Threads split the output rows in tiles of NT when the call has PARALLEL_MIN_MACS of work
  * (a decode call of a small projection stays on the calling thread: no OpenMP fork).
- * Returns 0, or -1 when the x buffer cannot be allocated.
+ * Returns 0, or -1 when a work buffer cannot be allocated.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +41,7 @@ typedef __m512 vf;
 #define VZERO() _mm512_setzero_ps()
 #define VSET(s) _mm512_set1_ps(s)
 #define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VDEQ(v, z, s) _mm512_mul_ps(_mm512_sub_ps(v, z), s)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
@@ -57,6 +62,7 @@ typedef __m256 vf;
 #define VZERO() _mm256_setzero_ps()
 #define VSET(s) _mm256_set1_ps(s)
 #define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VDEQ(v, z, s) _mm256_mul_ps(_mm256_sub_ps(v, z), s)
 #define VHSUM(v) hsum8(v)
@@ -183,6 +189,93 @@ static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, c
     }
 }
 
+#ifdef WL
+#define GEMM_MIN_M 32 /* from this many rows of x: dequantize a tile once, then a GEMM over it */
+#define GR (WL / 2)   /* weight rows per GEMM register tile (by 2 vectors of WL rows of x) */
+
+static inline void store_y(void *y, int yd, int64_t i, float v) {
+    if (yd == 0) ((float *)y)[i] = v;
+    else ((uint16_t *)y)[i] = f32_to_bf16(v);
+}
+
+/* y[m0 .. m0+2WL, n .. n+nr] from xt [Kp, Mp] (x transposed, zero padded) and wr [nr, Kp] */
+static inline __attribute__((always_inline)) void gemm_block(const float *xt, int64_t Mp, int64_t M,
+                                                             int64_t Kp, const float *wr, int64_t m0,
+                                                             const int nr, const float *bias, void *y,
+                                                             int yd, int N, int n) {
+    vf acc[GR][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = VZERO();
+    for (int64_t k = 0; k < Kp; k++) {
+        vf x0 = VLOAD(xt + k * Mp + m0), x1 = VLOAD(xt + k * Mp + m0 + WL);
+        for (int r = 0; r < nr; r++) {
+            vf wk = VSET(wr[r * Kp + k]);
+            acc[r][0] = VFMA(x0, wk, acc[r][0]);
+            acc[r][1] = VFMA(x1, wk, acc[r][1]);
+        }
+    }
+    float lanes[2 * WL];
+    for (int r = 0; r < nr; r++) {
+        VSTORE(lanes, acc[r][0]);
+        VSTORE(lanes + WL, acc[r][1]);
+        for (int l = 0; l < 2 * WL && m0 + l < M; l++)
+            store_y(y, yd, (m0 + l) * N + n + r, lanes[l] + (bias ? bias[n + r] : 0.0f));
+    }
+}
+
+/* one work item of a large-M call: rows n0..n1 of W dequantized once into wr [NT, Kp] (L2),
+ * (stored - zero) * scale in fp32, then every row of x multiplied against them */
+static void rows_tile_gemm(const float *xt, int64_t Mp, int64_t M, int64_t Kp, const uint8_t *w,
+                           int bits, const float *scale, const float *zero, int G, int group,
+                           const float *bias, void *y, int yd, int N, int n0, int n1, float *wr) {
+    const int64_t row_bytes = Kp * bits / 8;
+    for (int n = n0; n < n1; n++)
+        for (int g = 0; g < G; g++) {
+            const int64_t at = (int64_t)n * G + g;
+            const vf s = VSET(scale[at]), z = VSET(zero ? zero[at] : (bits == 4 ? 8.0f : 0.0f));
+            for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k += 32) {
+                vf wv[NV];
+                widen(w + n * row_bytes + k / 32 * bits * 4, bits, wv);
+                for (int i = 0; i < NV; i++) VSTORE(wr + (n - n0) * Kp + k + XOFF[i], VDEQ(wv[i], z, s));
+            }
+        }
+    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * WL) {
+        int n = n0;
+        for (; n + GR <= n1; n += GR) gemm_block(xt, Mp, M, Kp, wr + (n - n0) * Kp, m0, GR, bias, y, yd, N, n);
+        for (; n < n1; n++) gemm_block(xt, Mp, M, Kp, wr + (n - n0) * Kp, m0, 1, bias, y, yd, N, n);
+    }
+}
+
+/* a large-M call: x transposed once to xt [Kp, Mp] (Mp = M rounded up to 2 WL, zero padded),
+ * each thread dequantizing its tiles into its own wr buffer */
+static int gemm_call(const float *xp, int64_t M, int64_t Kp, const uint8_t *w, int bits,
+                     const float *scale, const float *zero, int G, int group, const float *bias,
+                     void *y, int yd, int N, int K, int tiles, int nthreads) {
+    const int64_t Mp = (M + 2 * WL - 1) / (2 * WL) * (2 * WL);
+    float *xt = (float *)calloc((size_t)(Kp * Mp), sizeof(float));
+    if (xt == NULL) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < Kp; k++) xt[k * Mp + m] = xp[m * Kp + k];
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
+    {
+        float *wr = (float *)malloc((size_t)(NT * Kp) * sizeof(float));
+        if (wr == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
+            if (wr != NULL)
+                rows_tile_gemm(xt, Mp, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1, wr);
+        }
+        free(wr);
+    }
+    free(xt);
+    return failed ? -1 : 0;
+}
+#endif
+
 int LMX_FN(loramux_wq_linear)(const void *x, int64_t x_stride, int xd, const uint8_t *w, int bits,
                               const float *scale, const float *zero, int G, int group,
                               const float *bias, void *y, int yd, int64_t M, int N, int K, int Kp,
@@ -195,6 +288,13 @@ int LMX_FN(loramux_wq_linear)(const void *x, int64_t x_stride, int xd, const uin
         for (int64_t k = 0; k < Kp; k++) xs[m * G + k / group] += xp[m * Kp + k];
     }
     const int tiles = (N + NT - 1) / NT;
+#ifdef WL
+    if (M >= GEMM_MIN_M) {
+        int rc = gemm_call(xp, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, K, tiles, nthreads);
+        free(xp);
+        return rc;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;

@@ -1,6 +1,6 @@
 """The compiled weight-only linear (``loramux::wq_linear``, csrc/wq_linear.c) against the
 dequantize-then-matmul reference, in every ISA variant this CPU runs: int4 / int8, symmetric
-and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x, odd output and
+and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x (both of its paths), odd output and
 input sizes, fp32 and bf16 activations; its layout, its fake implementation, its refusals and
 its wiring into the compressed-tensors layers (the torch path stays the fallback)."""
 
@@ -22,7 +22,7 @@ from loramux.engine.model.quant.int_packed import (
 )
 
 SHAPES = [(32, 96), (64, 128), (128, 256), (None, 100), (None, 67), (None, 32)]  # (group, K)
-ROWS = (1, 3, 17, 64)
+ROWS = (1, 3, 17, 33, 64)  # from 32 rows the kernel dequantizes a tile once, then a GEMM
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, symmetric: bool, seed: int = 0):
