@@ -55,6 +55,8 @@ STORED = ("weight_packed", "weight_scale", "weight_shape")
 """A quantized module's tensors (and ``weight_zero_point`` when asymmetric), kept in their
 stored dtypes."""
 ZERO_POINT = "weight_zero_point"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""Activation and output dtypes the compiled kernel takes (others run the torch path)."""
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,8 @@ class CompressedTensorsMethod(WeightOnlyMethod):
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         """The compiled kernel where the layer was repacked for it and the kernels are on;
         else the torch path (dequantize a band, matmul), the reference."""
-        if "kernel_weight" in layer.params and x.device.type == "cpu" and loader.available():
+        if ("kernel_weight" in layer.params and x.device.type == "cpu" and loader.available()
+                and x.dtype in KERNEL_DTYPES and layer.dtype in KERNEL_DTYPES):
             scheme: IntScheme = layer.scheme
             return kernel_apply(layer.params, scheme.num_bits, layer.in_features, scheme.group_size,
                                 x, layer.bias, layer.dtype)

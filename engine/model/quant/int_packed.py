@@ -109,5 +109,5 @@ def kernel_apply(params: dict[str, torch.Tensor], num_bits: int, in_features: in
     if x.stride(-1) != 1:
         x = x.contiguous()
     return ops.wq_linear(x, params["kernel_weight"], params["kernel_scale"], params.get("kernel_zero"),
-                         bias.float() if bias is not None else None, bits=num_bits,
+                         bias.float().contiguous() if bias is not None else None, bits=num_bits,
                          in_features=in_features, group_size=group_size or 0, out_dtype=out_dtype)

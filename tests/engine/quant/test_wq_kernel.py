@@ -144,3 +144,15 @@ def test_layers_run_the_kernel_and_fall_back_to_torch(bits, group, k, dtype, mon
         torch.testing.assert_close(y.double(), want, rtol=2 ** -7,
                                    atol=(1e-5 if fits else 2 ** -7) * exact)
         torch.testing.assert_close(torch_y.double(), want, rtol=2 ** -7, atol=2 ** -7 * exact)
+
+
+def test_float16_activations_run_the_torch_path():
+    """The kernel takes float32 / bfloat16; a float16 layer keeps the torch path."""
+    require_cpu_kernel()
+    layer = _layer(4, 32, 64, torch.float16)
+    x = torch.randn(3, 64).to(torch.float16)
+    y = layer(x)
+    w = torch.cat([band for _, _, band in layer.bands()]).double()
+    want = x.double() @ w.T + layer.bias.double()
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
