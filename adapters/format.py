@@ -176,6 +176,7 @@ def validate_adapter(
     dtype: torch.dtype = torch.float32,
     serving_dtype: torch.dtype = torch.bfloat16,
     base_tensor: Any = None,
+    base_folder: str | os.PathLike | None = None,
 ) -> LoraWeights:
     """Fully validate an adapter folder or archive against a base model; return its weights.
     Last, :func:`~loramux.adapters.probe.probe_adapter` in ``serving_dtype`` (its range is
@@ -190,7 +191,9 @@ def validate_adapter(
     an aLoRA's ``alora_invocation_tokens`` token ids of the base's vocabulary; the vocabulary
     parts (``adapters/vocab.py``: embed_tokens / lm_head LoRA, trainable tokens) shaped for the
     base, their ids in its vocabulary, and PEFT's full copies of the embedding layers equal to
-    the served base's (``base_tensor(module)``, by default read from the base's local folder).
+    the served base's (``base_tensor(module)``, by default read from ``base_folder``, the base's
+    local folder, else ``base_model_name`` where that is one); added tokens it ships in the base's
+    vocabulary and, where its tokenizer is there, the base's ids.
     A different ``base_model_name_or_path`` (compared by its last path component with
     ``base_model_name`` or the config's name) is only a warning in
     ``LoraWeights.warnings`` unless the shapes disagree.
@@ -206,7 +209,8 @@ def validate_adapter(
             )
         spec = parse_config(read_config(folder / CONFIG_NAME), dims)
         vocab_size = text_config(base_config).get("vocab_size")
-        vocab.check_added_tokens(folder, vocab_size, base_model_name or dims.name_or_path)
+        base_folder = str(base_folder or base_model_name or dims.name_or_path or "")
+        vocab.check_added_tokens(folder, vocab_size, base_folder)
         if spec.alora_invocation_tokens is not None and isinstance(vocab_size, int):
             alora.check_vocab(spec.alora_invocation_tokens, vocab_size)
         mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)
@@ -247,7 +251,7 @@ def validate_adapter(
         layers, magnitudes = _load_layers(weights_path, found, dtype)
         vocab_lora, vocab_tokens, vocab_found = vocab.read_vocab(weights_path, header, spec, dtype, base_config)
         if base_tensor is None:
-            base_tensor = vocab.local_base_tensor(base_model_name or dims.name_or_path)
+            base_tensor = vocab.local_base_tensor(base_folder)
         warnings += vocab.check_base_copies(weights_path, vocab_found, base_tensor)
         weights = LoraWeights(spec, layers, warnings, prefix=prefix,
                               unserved=tuple(i.name for i in unserved), magnitudes=magnitudes,

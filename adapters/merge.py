@@ -29,7 +29,6 @@ from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.format import LoraWeights, load_adapter, validate_adapter
 from loramux.adapters.fused import needs_rewrite, write_native
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK
-from loramux.adapters.vocab import local_base_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +224,7 @@ def export_merged(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
     base_config = _read_base_config(base_model)
-    weights = validate_adapter(adapter, base_config, max_lora_rank=max_lora_rank,
-                               base_tensor=local_base_tensor(str(base_model)))
+    weights = validate_adapter(adapter, base_config, max_lora_rank=max_lora_rank, base_folder=base_model)
     if weights.spec.alora_invocation_tokens is not None:
         raise AdapterValidationError(
             "alora_invocation_tokens: an activated LoRA (aLoRA) cannot be merged into the base "

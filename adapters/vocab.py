@@ -357,3 +357,24 @@ def check_added_tokens(folder, vocab_size: int | None, base_folder: str | None =
                 raise _refuse(name, f"added token {content!r} has id {i}, another token of the base "
                               f"model's tokenizer; adapters with their own tokenizer tokens are not "
                               f"served yet")
+
+
+def strip_base_copies(weights_path, dest_dir) -> Any:
+    """``weights_path`` rewritten under ``dest_dir`` without PEFT's full copies of the base's
+    embedding layers (``*.base_layer.weight``; checked equal to the base at upload, so stored
+    once: the base's), or ``weights_path`` itself when it holds none."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(weights_path), "pt") as st:
+        keys = list(st.keys())  # noqa: SIM118 (safe_open has no __iter__)
+        drop = [k for k in keys if (m := VOCAB_KEY_RE.match(k)) and m["part"] == "base_layer.weight"]
+        if not drop:
+            return weights_path
+        tensors = {k: st.get_tensor(k) for k in keys if k not in drop}
+        metadata = st.metadata()
+    out = Path(dest_dir) / Path(weights_path).name
+    save_file(tensors, str(out), metadata=metadata or {"format": "pt"})
+    return out

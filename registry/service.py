@@ -113,7 +113,7 @@ class RegistryService:
         self.audit = AdapterAudit(db, self.tenants)
         self.adapters = AdapterReleases(self.storage, self.tenants, self.audit, self.bus)
         self.checks = UploadChecks(base_config, base_model_name, max_lora_rank,
-                                   max_adapter_bytes, preset_check)
+                                   max_adapter_bytes, preset_check, base_model_path)
         """What an upload is checked against (the served base model, the serving limits)."""
         self.uploads = Uploads(self.storage, self.tenants, self.adapters, self.audit, self.bus,
                                self.checks)

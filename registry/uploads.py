@@ -9,6 +9,7 @@ pending marker keeps gc off it while the upload runs).
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from loramux.adapters.archive import WEIGHTS_NAME, adapter_folder
 from loramux.adapters.format import DEFAULT_MAX_ADAPTER_BYTES, validate_adapter
 from loramux.adapters.spec import DEFAULT_MAX_LORA_RANK, MAX_CONFIG_BYTES
+from loramux.adapters.vocab import strip_base_copies
 from loramux.adapters.weights import LoraWeights
 from loramux.registry.chat import check_parser_name, check_template, read_chat_template
 from loramux.registry.errors import AdapterConflict, BaseModelNotConfigured
@@ -50,6 +52,9 @@ class UploadChecks:
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES
     preset_check: PresetCheck | None = None
     """The serving side's preset validator (None: only the stored shape is checked)."""
+    base_model_path: str | os.PathLike | None = None
+    """The served base's folder: PEFT's full copies of its embedding layers and the added tokens
+    an adapter ships are compared with it (``adapters/vocab.py``)."""
 
 
 class Uploads:
@@ -81,6 +86,7 @@ class Uploads:
             max_lora_rank=self.checks.max_lora_rank,
             max_bytes=self.checks.max_adapter_bytes,
             base_model_name=self.checks.base_model_name,
+            base_folder=self.checks.base_model_path,
         )
 
     def upload(
@@ -130,13 +136,14 @@ class Uploads:
         if taken is None:  # fail fast before validating; checked again at commit
             check_storage(self.tenants.get_quotas(tenant_id), self.tenants.get_usage(tenant_id),
                           1, 0)
-        with adapter_folder(source, max_bytes=self.checks.max_adapter_bytes + MAX_CONFIG_BYTES,
-                            tmp_dir=self.storage.tmp_dir) as folder:
+        with (adapter_folder(source, max_bytes=self.checks.max_adapter_bytes + MAX_CONFIG_BYTES,
+                             tmp_dir=self.storage.tmp_dir) as folder,
+              tempfile.TemporaryDirectory(dir=self.storage.tmp_dir) as stripped):
             weights = self.validate(folder)
             chat["chat_template"] = chat["chat_template"] or read_chat_template(folder)
             spec = weights.spec
             del weights
-            weights_path = folder / WEIGHTS_NAME
+            weights_path = strip_base_copies(folder / WEIGHTS_NAME, stripped)  # stored once: the base's
             digest = sha256_file(weights_path)
             fields = dict(
                 base_model=self.checks.base_model_name or "unknown",

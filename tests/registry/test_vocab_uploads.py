@@ -84,3 +84,36 @@ def test_added_tokens_beyond_the_vocabulary_refused(registry, make_adapter, tmp_
     with pytest.raises(AdapterValidationError, match="beyond the base model's vocabulary") as e:
         registry.validate(path)
     assert e.value.field == "added_tokens.json"
+
+
+def test_equal_base_copies_are_not_stored(tmp_path, default_model_dir):
+    """Served from a base folder, PEFT's full copies of the embedding layers equal to the base's
+    are dropped at upload (the stored weights hold the LoRA alone), different ones refused."""
+    from support.lora_fixtures import make_peft_adapter
+    from support.tiny_models import make_tiny_llama
+
+    from loramux.registry import build_registry
+
+    base = make_tiny_llama(tmp_path / "base", default_model_dir, tie_word_embeddings=False)
+    service = build_registry(database_url=f"sqlite:///{tmp_path / 'r.db'}", data_dir=tmp_path / "data",
+                             base_model=str(base), max_lora_rank=16, auto_upgrade=True)
+    try:
+        service.create_tenant("acme")
+        a = make_peft_adapter(base, tmp_path / "a", target_modules=["embed_tokens", "lm_head", "q_proj"])
+        handle = service.upload("acme", "emb", a)
+        assert handle.kind == "LoRA+embedding"
+        stored = load_file(handle.local_path() / "adapter_model.safetensors")
+        assert not [k for k in stored if k.endswith("base_layer.weight")]
+        assert f"{P}lm_head.lora_B.weight" in stored
+
+        def nudge(sd):
+            sd[f"{P}model.embed_tokens.base_layer.weight"][0, 0] += 1
+
+        sd = load_file(a / "adapter_model.safetensors")
+        nudge(sd)
+        save_file(sd, str(a / "adapter_model.safetensors"))
+        with pytest.raises(AdapterValidationError, match="differs from the served base") as e:
+            service.upload("acme", "emb2", a)
+        assert e.value.field == f"{P}model.embed_tokens.base_layer.weight"
+    finally:
+        service.db.dispose()
