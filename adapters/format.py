@@ -135,6 +135,12 @@ def _check_finite(weights_path: Path, infos: list[TensorInfo]) -> None:
             )
 
 
+def _check_size(weights_path: Path, max_bytes: int) -> None:
+    if weights_path.is_file() and weights_path.stat().st_size > max_bytes:
+        raise refuse("size", f"{WEIGHTS_NAME} is {weights_path.stat().st_size} bytes, above the limit of "
+                     f"{max_bytes} bytes")
+
+
 def _short_name(name: str | None) -> str | None:
     if not name:
         return None
@@ -189,28 +195,16 @@ def validate_adapter(
     vectors (``use_dora``) present for every module, ``[out_features]``, finite;
     ``modules_to_save``, trained biases and other unsupported features refused by name;
     an aLoRA's ``alora_invocation_tokens`` token ids of the base's vocabulary; the vocabulary
-    parts (``adapters/vocab.py``: embed_tokens / lm_head LoRA, trainable tokens) shaped for the
-    base, their ids in its vocabulary, and PEFT's full copies of the embedding layers equal to
-    the served base's (``base_tensor(module)``, by default read from ``base_folder``, the base's
-    local folder, else ``base_model_name`` where that is one); added tokens it ships in the base's
-    vocabulary and, where its tokenizer is there, the base's ids.
+    parts and shipped added tokens (:func:`~loramux.adapters.vocab.validate_vocab`).
     A different ``base_model_name_or_path`` (compared by its last path component with
     ``base_model_name`` or the config's name) is only a warning in
     ``LoraWeights.warnings`` unless the shapes disagree.
     """
     dims = base_dims(base_config)
     with adapter_folder(path, max_bytes=max_bytes + MAX_CONFIG_BYTES) as folder:
-        weights_path = folder / WEIGHTS_NAME
-        if weights_path.is_file() and weights_path.stat().st_size > max_bytes:
-            raise refuse(
-                "size",
-                f"{WEIGHTS_NAME} is {weights_path.stat().st_size} bytes, above the limit of "
-                f"{max_bytes} bytes",
-            )
+        _check_size(folder / WEIGHTS_NAME, max_bytes)
         spec = parse_config(read_config(folder / CONFIG_NAME), dims)
         vocab_size = text_config(base_config).get("vocab_size")
-        base_folder = str(base_folder or base_model_name or dims.name_or_path or "")
-        vocab.check_added_tokens(folder, vocab_size, base_folder)
         if spec.alora_invocation_tokens is not None and isinstance(vocab_size, int):
             alora.check_vocab(spec.alora_invocation_tokens, vocab_size)
         mismatch = family_mismatch(spec.base_model_name_or_path, dims, base_model_name or dims.name_or_path)
@@ -249,10 +243,8 @@ def validate_adapter(
                 f"served (loramux serves {dims.arch.name} text-only)"
             )
         layers, magnitudes = _load_layers(weights_path, found, dtype)
-        vocab_lora, vocab_tokens, vocab_found = vocab.read_vocab(weights_path, header, spec, dtype, base_config)
-        if base_tensor is None:
-            base_tensor = vocab.local_base_tensor(base_folder)
-        warnings += vocab.check_base_copies(weights_path, vocab_found, base_tensor)
+        vocab_lora, vocab_tokens = vocab.validate_vocab(folder, header, spec, dtype, base_config, warnings, str(
+            base_folder or base_model_name or dims.name_or_path or ""), base_tensor)
         weights = LoraWeights(spec, layers, warnings, prefix=prefix,
                               unserved=tuple(i.name for i in unserved), magnitudes=magnitudes,
                               vocab_lora=vocab_lora, vocab_tokens=vocab_tokens,

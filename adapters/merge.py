@@ -105,12 +105,18 @@ def _peft_adapter(src: Path, base_config: dict, dest: Path, weights: LoraWeights
     return _copy_adapter(src, dest)
 
 
-def _refuse_tied_vocab_lora(weights: LoraWeights, base_config: dict) -> None:
-    """PEFT cannot merge an embed_tokens / lm_head LoRA into a base that ties the two: the merged
-    weight is the one both read (with ``ensure_weight_tying`` it takes both deltas), so the
-    merged model would not be base + adapter; refused naming the field."""
+def _refuse_unmergeable(weights: LoraWeights, base_config: dict) -> None:
+    """Refuse, naming the field, what one merged weight cannot express: an aLoRA (it applies
+    only from its invocation on), and an embed_tokens / lm_head LoRA on a base that ties the two
+    (the merged weight is the one both read; with ``ensure_weight_tying`` it takes both deltas)."""
     from loramux.adapters.arch import text_config
 
+    if weights.spec.alora_invocation_tokens is not None:
+        raise AdapterValidationError(
+            "alora_invocation_tokens: an activated LoRA (aLoRA) cannot be merged into the base "
+            "weights: it applies only from its invocation on, which one merged weight cannot "
+            "express (PEFT refuses merge_and_unload too); serve it as an adapter instead",
+            field="alora_invocation_tokens")
     if weights.vocab_lora and text_config(base_config).get("tie_word_embeddings"):
         raise AdapterValidationError(
             "target_modules: a LoRA on embed_tokens / lm_head cannot be merged into a base model that "
@@ -225,13 +231,7 @@ def export_merged(
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
     base_config = _read_base_config(base_model)
     weights = validate_adapter(adapter, base_config, max_lora_rank=max_lora_rank, base_folder=base_model)
-    if weights.spec.alora_invocation_tokens is not None:
-        raise AdapterValidationError(
-            "alora_invocation_tokens: an activated LoRA (aLoRA) cannot be merged into the base "
-            "weights: it applies only from its invocation on, which one merged weight cannot "
-            "express (PEFT refuses merge_and_unload too); serve it as an adapter instead",
-            field="alora_invocation_tokens")
-    _refuse_tied_vocab_lora(weights, base_config)
+    _refuse_unmergeable(weights, base_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = ["load base + adapter", "merge", "save", *(["check"] if check else [])]
     with (

@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
+from loramux.adapters.added_tokens import check_added_tokens
 from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.safetensors_io import FLOAT_DTYPES, TensorInfo, load_tensors
 
 __all__ = [
     "VOCAB_KEY_RE",
     "VOCAB_MODULES",
+    "check_added_tokens",
     "check_base_copies",
     "check_vocab_combination",
     "check_vocab_layout",
@@ -37,6 +39,7 @@ __all__ = [
     "parse_trainable_tokens",
     "peft_vocab_tensors",
     "split_vocab_targets",
+    "validate_vocab",
 ]
 
 VOCAB_MODULES = ("embed_tokens", "lm_head")
@@ -262,6 +265,27 @@ def read_vocab(weights_path, header: Mapping[str, TensorInfo], spec, dtype: torc
     return lora, tokens, found
 
 
+def validate_vocab(folder, header: Mapping[str, TensorInfo], spec, dtype: torch.dtype, base_config: Any,
+                   warnings: list[str], base_folder: str,
+                   base_tensor: Callable[[str], torch.Tensor | None] | None = None) -> tuple[dict, dict]:
+    """The upload's checks of the vocabulary parts (``validate_adapter``): shaped for the base,
+    ids in its vocabulary, finite; PEFT's full copies of the embedding layers equal to the served
+    base's (``base_tensor(module)``, by default read from ``base_folder``, the base's local
+    folder; a note in ``warnings`` for each dropped); the added tokens the adapter ships
+    (:func:`check_added_tokens`). Returns ``(vocab_lora, vocab_tokens)``."""
+    from pathlib import Path
+
+    from loramux.adapters.arch import text_config
+
+    weights_path = Path(folder) / "adapter_model.safetensors"
+    lora, tokens, found = read_vocab(weights_path, header, spec, dtype, base_config)
+    if base_tensor is None:
+        base_tensor = local_base_tensor(base_folder)
+    warnings += check_base_copies(weights_path, found, base_tensor)
+    check_added_tokens(folder, text_config(base_config).get("vocab_size"), base_folder)
+    return lora, tokens
+
+
 def local_base_tensor(folder: str | None) -> Callable[[str], torch.Tensor | None] | None:
     """A reader of the served base's ``embed_tokens`` / ``lm_head`` weight from its local
     safetensors folder (``lm_head`` falls back to the embedding where the checkpoint ties
@@ -286,77 +310,6 @@ def local_base_tensor(folder: str | None) -> Callable[[str], torch.Tensor | None
         return found.get(module, found.get("embed_tokens") if module == "lm_head" else None)
 
     return read
-
-
-def _read_json(path):
-    import json
-
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise _refuse(path.name, "invalid JSON") from None
-
-
-def _added_tokens(folder) -> dict[str, list[tuple[str, int]]]:
-    """Per file, the ``(content, id)`` pairs of the added tokens a tokenizer folder ships."""
-    from pathlib import Path
-
-    out: dict[str, list[tuple[str, int]]] = {}
-    for name in ("added_tokens.json", "tokenizer.json", "tokenizer_config.json"):
-        path = Path(folder) / name
-        if not path.is_file() or path.stat().st_size > 64 * 2**20:
-            continue
-        data = _read_json(path)
-        if name == "added_tokens.json":
-            items = list(data.items()) if isinstance(data, dict) else []
-        elif name == "tokenizer_config.json":
-            decoder = data.get("added_tokens_decoder") if isinstance(data, dict) else None
-            items = [(t.get("content"), int(i)) for i, t in (decoder or {}).items()
-                     if isinstance(t, dict) and str(i).isdigit()] if isinstance(decoder, dict) else []
-        else:
-            items = [(t.get("content"), t.get("id")) for t in data.get("added_tokens") or []
-                     if isinstance(t, dict)] if isinstance(data, dict) else []
-        out[name] = [(c, i) for c, i in items if isinstance(c, str) and isinstance(i, int)]
-    return out
-
-
-def _base_token_ids(folder) -> dict[str, int] | None:
-    """The served base's token -> id (its ``tokenizer.json``'s vocabulary and added tokens);
-    None when ``folder`` holds none."""
-    from pathlib import Path
-
-    path = Path(folder) / "tokenizer.json" if folder else None
-    if path is None or not path.is_file():
-        return None
-    data = _read_json(path)
-    vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
-    ids = dict(vocab) if isinstance(vocab, dict) else {}
-    ids.update({c: i for c, i in _added_tokens(folder).get("tokenizer.json", [])})
-    return ids
-
-
-def check_added_tokens(folder, vocab_size: int | None, base_folder: str | None = None) -> None:
-    """Refuse an adapter that ships added tokens (``added_tokens.json``, ``tokenizer.json``'s
-    ``added_tokens``, ``tokenizer_config.json``'s ``added_tokens_decoder``) with ids beyond the base's vocabulary, or (where the served base's
-    tokenizer is in ``base_folder``) ids the base gives to other tokens: the engine serves
-    prompts and text with the base's tokenizer, so such tokens would be silently wrong."""
-    base = taken = None
-    for name, items in _added_tokens(folder).items():
-        for content, i in items:
-            if isinstance(vocab_size, int) and i >= vocab_size:
-                raise _refuse(name, f"added token {content!r} (id {i}) is beyond the base model's vocabulary "
-                              f"of {vocab_size}; adapters with their own tokenizer tokens are not served yet")
-            if base is None:
-                base = _base_token_ids(base_folder) or {}
-                taken = set(base.values())
-            if base and base.get(content, i) != i:
-                raise _refuse(name, f"added token {content!r} has id {i} where the base model's tokenizer "
-                              f"has {base[content]}; adapters with their own tokenizer tokens are not "
-                              f"served yet")
-            if base and content not in base and i in taken:
-                raise _refuse(name, f"added token {content!r} has id {i}, another token of the base "
-                              f"model's tokenizer; adapters with their own tokenizer tokens are not "
-                              f"served yet")
 
 
 def strip_base_copies(weights_path, dest_dir) -> Any:
