@@ -148,14 +148,17 @@ def _short_name(name: str | None) -> str | None:
 
 
 def load_adapter(
-    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, family: Any = None
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, family: Any = None,
+    base_tensor: Any = None,
 ) -> LoraWeights:
     """Read a PEFT LoRA adapter folder or archive with no base-model checks.
 
     Checks the format (config, tensor names, ranks, A/B pairing, float dtype, finite
     values) but not the base model's dimensions. ``family`` (the served base's
     :class:`~loramux.adapters.arch.BaseModelDims`) only says what ``all-linear`` means.
-    Tensors of unserved parts (a vision tower) are not loaded. Raises
+    Tensors of unserved parts (a vision tower) are not loaded. PEFT's full copies of the
+    embedding layers are compared with ``base_tensor(module)`` when it is given (the engine's
+    base, for adapters that never went through an upload), else not read. Raises
     :class:`AdapterValidationError`.
     """
     with adapter_folder(path) as folder:
@@ -166,7 +169,9 @@ def load_adapter(
         expert_found, _ = experts.collect(header, spec)
         check_layout(found, spec, None, prefix=prefix)
         layers, magnitudes = _load_layers(weights_path, found, dtype)
-        vocab_lora, vocab_tokens, _ = vocab.read_vocab(weights_path, header, spec, dtype)
+        vocab_lora, vocab_tokens, vocab_found = vocab.read_vocab(weights_path, header, spec, dtype)
+        if base_tensor is not None:
+            vocab.check_base_copies(weights_path, vocab_found, base_tensor)
         return LoraWeights(spec, layers, prefix=prefix, unserved=tuple(i.name for i in unserved),
                            magnitudes=magnitudes, vocab_lora=vocab_lora, vocab_tokens=vocab_tokens,
                            experts=_load_experts(weights_path, expert_found, spec, dtype))

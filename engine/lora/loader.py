@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from loramux.adapters.format import LoraWeights, load_adapter
+from loramux.adapters.vocab import local_base_tensor
 from loramux.engine.errors import LoRAError
 from loramux.engine.lora.dora import BaseProjections, dora_scales
 from loramux.engine.lora.slots import SlotBuffers
@@ -143,7 +144,11 @@ class AdapterLoader:
         t1 = time.perf_counter()
         if fetched:
             seconds["store"] = t1 - t0
-        weights = load_adapter(path, dtype=self.cpu_dtype, family=self.family)
+        # PEFT's full copies of the embedding layers: compared with the served checkpoint's
+        # (an adapter from the registry has none; one handed to the engine directly may)
+        base_copies = (local_base_tensor(str(getattr(self.base.model, "path", ""))) or (lambda module: None)
+                       ) if self.base is not None else None
+        weights = load_adapter(path, dtype=self.cpu_dtype, family=self.family, base_tensor=base_copies)
         check(weights)
         if weights.spec.use_dora:
             if self.base is None:

@@ -156,3 +156,19 @@ def test_head_tokens_and_prompt_logprobs_match_peft(tmp_path, default_model_dir,
             assert lp.logprob == pytest.approx(want[j, tid].item(), abs=1e-4), (j, tid)
     # the head's rows (std 1) lead the logits: the check compared them
     assert any(set(e) & set(ids["lm_head"]) for e in out[0].prompt_logprobs[1:])
+
+
+def test_engine_compares_full_copies_with_its_base(tmp_path, default_model_dir, prompts):
+    """An adapter handed to the engine directly (no upload) with PEFT's full copy of the
+    embedding that differs from the served checkpoint's fails its load, naming the copy."""
+    from safetensors.torch import load_file, save_file
+
+    base = make_tiny_llama(tmp_path / "base", default_model_dir)
+    a = make_peft_adapter(base, tmp_path / "a", target_modules=["embed_tokens", "q_proj"])
+    sd = load_file(a / "adapter_model.safetensors")
+    sd["base_model.model.model.embed_tokens.base_layer.weight"][1, 1] += 1
+    save_file(sd, str(a / "adapter_model.safetensors"))
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=64, enable_lora=True, max_loras=1)
+    with pytest.raises(Exception, match="differs from the served base"):
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("bad", 1, str(a)))
