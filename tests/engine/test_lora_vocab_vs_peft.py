@@ -25,7 +25,7 @@ def _specs(prompts):
     return [
         ("tokens", dict(target_modules=["q_proj"], trainable_token_indices=ids)),
         ("tokens-dict", dict(target_modules=["v_proj"], trainable_token_indices={"embed_tokens": [prompts[1][2], 77, prompts[1][0]]})),
-        ("embed-head", dict(target_modules=["embed_tokens", "lm_head", "q_proj"])),
+        ("embed-head", dict(target_modules=["embed_tokens", "lm_head"])),  # no linear LoRA at all
         ("embed-tied", dict(target_modules=["embed_tokens", "o_proj"], ensure_weight_tying=True)),
         ("plain", dict(target_modules=["q_proj", "v_proj"])),
     ]
@@ -98,6 +98,7 @@ def test_slots_hold_and_count_the_vocabulary_parts(tmp_path, default_model_dir, 
     slots.write(1, emb)
     vocab = dims.vocab_size
     assert slots.num_bytes() - before == 2 * (n * 64 * 4 + n * 8) + 2 * 4 * (vocab * 4 + 4 * 64)
+    assert slots.groups[1] == frozenset() and int(slots.ranks[1]) == 4
     slots.clear(0)
     slots.clear(1)
     assert slots.num_bytes() == before
