@@ -54,6 +54,10 @@ class LoRACapacity:
     """Derived on the CPU: the bytes the plan counts for one adapter's own weights (its
     CPU-tier copy at ``max_lora_rank`` on every projection); an adapter with vocabulary parts
     (``vocab.py``) must fit its copy and those parts' slot tensors in it (None: not checked)."""
+    vocab_pool: int | None = None
+    """Derived on a GPU: what the adapter memory holds beyond its slots, which the vocabulary
+    parts of all resident adapters share (they are allocated after the KV cache took the rest;
+    None: not checked)."""
 
     @property
     def derived(self) -> bool:
@@ -138,4 +142,5 @@ def plan_capacity(
     else:
         cpu = slots if device_type != "cuda" else min(2 * slots, MAX_DERIVED_LORAS)
     allowance = per_adapter - per_slot if device_type != "cuda" else None
-    return LoRACapacity(int(slots), int(cpu), per_slot, int(budget), allowance)
+    pool = int(budget - slots * per_slot) if device_type == "cuda" else None
+    return LoRACapacity(int(slots), int(cpu), per_slot, int(budget), allowance, pool)

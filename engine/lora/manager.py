@@ -99,6 +99,7 @@ class LoRAManager:
             blockdiag=blockdiag, scale_dtype=model.dtype,
         )
         self.buffers.vocab.allowance = self.capacity.adapter_allowance
+        self.buffers.vocab.pool = self.capacity.vocab_pool
         self._listeners: list[AdapterListener] = []
         self.hook = LoRAStepBatch(self.buffers, self.backend, model.device)
         """The model's LoRA hook (``LoRAHook``): this step's layout and the layer call."""

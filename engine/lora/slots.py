@@ -109,7 +109,7 @@ class SlotBuffers:
             raise ValueError(f"adapter rank {weights.spec.max_rank} exceeds max_lora_rank {self.max_rank}")
         if weights.spec.use_dora and not weights.dora_scales:
             raise ValueError("a DoRA adapter needs its per-row scales (dora.dora_scales) first")
-        self.vocab.check(weights)
+        self.vocab.check(weights, slot)
         if self.stream is None:
             self._write(slot, weights, r)
             return

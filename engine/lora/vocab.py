@@ -45,6 +45,9 @@ class VocabSlots:
         self.allowance: int | None = None
         """Bytes one adapter may take (its CPU-tier copy + these slot tensors) where the capacity
         was derived from memory (``capacity.LoRACapacity.adapter_allowance``); None: unchecked."""
+        self.pool: int | None = None
+        """Bytes all slots' parts may take together where a GPU's capacity was derived from
+        memory (``capacity.LoRACapacity.vocab_pool``); None: unchecked."""
 
     def _put(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous()
@@ -53,8 +56,8 @@ class VocabSlots:
         """Put ``weights``' vocabulary parts in ``slot`` (clearing what was there); raises
         ``ValueError`` for parts that do not fit the served model (an adapter never validated
         against it: its load fails, nothing is written)."""
+        self.check(weights, slot)
         self.clear(slot)
-        self.check(weights)
         scale = weights.spec.scale
         for module, (a, b) in weights.vocab_lora.items():
             if module == "embed_tokens":
@@ -72,8 +75,9 @@ class VocabSlots:
             ids, rows = tokens["lm_head"]
             self.head_tokens[slot] = (ids.to(self.device), self._put(rows))
 
-    def check(self, weights: LoraWeights) -> None:
-        """Raise ``ValueError`` when ``weights``' vocabulary parts do not fit the served model."""
+    def check(self, weights: LoraWeights, slot: int | None = None) -> None:
+        """Raise ``ValueError`` when ``weights``' vocabulary parts do not fit the served model or
+        the memory (written into ``slot``, whose present parts it replaces)."""
         v, h = self.vocab_size, self.hidden_size
         if self.allowance is not None and (weights.vocab_lora or weights.vocab_tokens):
             need = weights.num_bytes() + self.part_bytes(weights)
@@ -82,6 +86,13 @@ class VocabSlots:
                     f"the adapter with its embedding / lm_head parts takes {need} bytes, above the "
                     f"{self.allowance} bytes the adapter memory plan counts for one adapter "
                     f"(max_lora_rank on every projection); raise lora_memory or max_lora_rank, or set max_loras")
+        if self.pool is not None and (weights.vocab_lora or weights.vocab_tokens):
+            need = self.num_bytes() - self.num_bytes(slot) + self.part_bytes(weights)
+            if need > self.pool:
+                raise ValueError(
+                    f"the resident adapters' embedding / lm_head parts would take {need} bytes, above "
+                    f"the {self.pool} bytes the adapter memory holds beyond its slots; raise lora_memory "
+                    f"or set max_loras")
         for module, (a, b) in weights.vocab_lora.items():
             want = ((a.shape[0], v), (h, a.shape[0])) if module == "embed_tokens" else ((a.shape[0], h), (v, a.shape[0]))
             if (tuple(a.shape), tuple(b.shape)) != want:
@@ -114,11 +125,12 @@ class VocabSlots:
         """True when ``slot``'s adapter has some vocabulary part."""
         return any(slot in p for p in (self.embed_lora, self.head_lora, self.embed_tokens, self.head_tokens))
 
-    def num_bytes(self) -> int:
-        """Bytes the parts hold on the device."""
+    def num_bytes(self, slot: int | None = None) -> int:
+        """Bytes the parts hold on the device (only ``slot``'s when given)."""
         return sum(t.numel() * t.element_size()
                    for part in (self.embed_lora, self.head_lora, self.embed_tokens, self.head_tokens)
-                   for entry in part.values() for t in entry if isinstance(t, torch.Tensor))
+                   for s, entry in part.items() if slot is None or s == slot
+                   for t in entry if isinstance(t, torch.Tensor))
 
 
 class VocabStep:

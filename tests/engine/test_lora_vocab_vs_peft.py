@@ -114,7 +114,7 @@ def test_capacity_from_memory_counts_the_vocabulary_parts(tmp_path, default_mode
     must fit what the plan counts for one adapter; past it the load fails, naming why."""
     from loramux.adapters.format import load_adapter
     from loramux.engine.config import LoRAConfig
-    from loramux.engine.lora.capacity import adapter_bytes, plan_capacity
+    from loramux.engine.lora.capacity import adapter_bytes, plan_capacity, slot_bytes
     from loramux.engine.lora.slots import SlotBuffers
     from loramux.engine.model.weights import dims_from_config, read_hf_config
 
@@ -133,6 +133,18 @@ def test_capacity_from_memory_counts_the_vocabulary_parts(tmp_path, default_mode
     slots.vocab.allowance = need
     slots.write(0, emb)
     assert slots.vocab.num_bytes() == slots.vocab.part_bytes(emb)
+    # on a GPU the resident parts share what the adapter memory holds beyond the slots
+    per = slot_bytes(dims, 8, 4, blockdiag=False)
+    gpu = plan_capacity(LoRAConfig(max_lora_rank=8, lora_memory=3 * per + 1000), dims, 4,
+                        device_type="cuda", blockdiag=False, device_free_bytes=2**34)
+    assert (gpu.num_slots, gpu.vocab_pool, gpu.adapter_allowance) == (3, 1000, None)
+    slots.vocab.allowance, slots.vocab.pool = None, slots.vocab.part_bytes(emb)
+    slots.write(0, emb)  # replaces its own parts: fits
+    two = SlotBuffers(dims, 2, 8, torch.float32, "cpu", blockdiag=True)
+    two.vocab.pool = slots.vocab.pool
+    two.write(0, emb)
+    with pytest.raises(ValueError, match="beyond its slots"):
+        two.write(1, emb)
 
 
 def test_head_tokens_and_prompt_logprobs_match_peft(tmp_path, default_model_dir, prompts):
