@@ -13,6 +13,7 @@ from support.cpu_kernel import require_cpu_kernel
 from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run
 from loramux.engine.lora.step import LoRAStepBatch
+from loramux.engine.lora.vocab import VocabSlots
 
 R = 8
 RANKS = [8, 3, 5]
@@ -42,7 +43,8 @@ def make_buffers(seed: int = 0, layers: int = 2):
         a_layers.append(a_l)
         b_layers.append(b_l)
     return SimpleNamespace(blockdiag=True, scale=None, ranks=torch.tensor(RANKS), a=a_layers, b=b_layers,
-                           slice_offsets=offsets, experts=None, dora=[frozenset()] * len(RANKS))
+                           slice_offsets=offsets, experts=None, dora=[frozenset()] * len(RANKS),
+                           vocab=VocabSlots(torch.float32, "cpu", False, 64, 64))  # no vocab parts
 
 
 def dense(y, x, a, b, token_slots):
