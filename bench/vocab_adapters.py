@@ -7,7 +7,8 @@ prompts of mixed lengths (16-300 tokens, 32-48 new tokens each, greedy), the row
 the adapters. Run A: the four adapters as plain LoRA (their vocabulary parts dropped). Run B:
 the same adapters with their vocabulary parts: two with trainable tokens (8 ids the prompts
 hold, the base's tied embeddings, so the logits' columns too), one with ``embed_tokens`` LoRA,
-one with ``lm_head`` LoRA. Both sets sit on one engine; A and B alternate (``--runs`` each,
+one with ``lm_head`` LoRA. Both sets sit on one engine (prefix caching off: every run computes
+its prompts); A and B alternate (``--runs`` each,
 after a warm-up of each); the medians and B/A (goal >= 0.95) are reported per dtype (float32,
 and bfloat16 where the CPU has AVX512-BF16). The one-row decode step: one prompt, each of the
 four adapters in turn, (time of ``--step-tokens`` new tokens - time of 1) / (n - 1). When B/A is
@@ -166,7 +167,7 @@ def bench_dtype(model: Path, dtype: str, with_parts, plain, prompts, new_tokens,
 
     n = len(with_parts)
     llm = LLM(str(model), dtype=dtype, device="cpu", enable_lora=True, max_loras=2 * n,
-              max_lora_rank=16, max_model_len=512, max_num_seqs=len(prompts),
+              max_lora_rank=16, max_model_len=512, max_num_seqs=len(prompts), enable_prefix_caching=False,
               max_num_batched_tokens=2048)
     kinds = {"A": [LoRARequest(f"A{i}", i + 1, str(p)) for i, p in enumerate(plain)],
              "B": [LoRARequest(f"B{i}", n + i + 1, str(p)) for i, p in enumerate(with_parts)]}
