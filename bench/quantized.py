@@ -17,7 +17,6 @@ Writes ``bench/results/quantized.json``.
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import statistics
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, bench_parser
+from bench.common import RESULTS, bench_parser, cpu_name
 from loramux.engine.model.linear import Linear
 from loramux.engine.model.quant.base import QuantLinear
 from loramux.engine.model.quant.compressed_tensors import CompressedTensorsMethod
@@ -159,16 +158,6 @@ def decode_step(folder: Path, dtype: str, steps: int) -> dict:
     out["weight_bytes"] = llm.llm_engine.model.weight_bytes()
     return out
 
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else the machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,27 +29,19 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, bench_parser, peak_rss_mb, setup, write_json
+from bench.common import (
+    RESULTS,
+    bench_parser,
+    cpu_name,
+    has_avx512_bf16,
+    peak_rss_mb,
+    setup,
+    write_json,
+)
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GOAL = 0.95
 
-
-def has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def make_prompts(tok, num: int, seed: int = 5) -> tuple[list[list[int]], list[int]]:
