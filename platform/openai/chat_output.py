@@ -27,7 +27,7 @@ from loramux.platform.openai.parsers import (
     make_tool_call_id,
 )
 from loramux.platform.openai.parsers.types import FunctionCall
-from loramux.platform.openai.tool_request import ToolPlan, parse_generic
+from loramux.platform.openai.tool_request import ToolPlan, generic_call, parse_generic
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _complete_items(text: str) -> list[tuple[str, str]]:
         except ValueError:
             return out
         if isinstance(item, dict) and isinstance(item.get("name"), str):
-            out.append((item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+            out.append(generic_call(item))
 
 
 def _merge(deltas: list[DeltaMessage]) -> list[dict[str, Any]]:

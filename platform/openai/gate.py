@@ -100,6 +100,16 @@ class RequestGate:
             variables=template_variables(tokenizer, kwargs),
         )
 
+    async def render_adapter_template(self, template: str, conversation: list[dict[str, Any]],
+                                      tokenizer: Any, add_generation_prompt: bool,
+                                      kwargs: dict[str, Any] | None) -> str:
+        """An adapter's own chat template (tenant input: checked at upload) rendered off
+        the event loop under the same time and size limits; a failure is a 400 on ``model``."""
+        return await self.renderer.render(
+            template, conversation, add_generation_prompt=add_generation_prompt,
+            variables=template_variables(tokenizer, kwargs), param="model",
+        )
+
     @contextlib.asynccontextmanager
     async def hold_quota(self, caller: Caller, prompt_lengths: list[int], params: SamplingParams,
                          max_model_len: int) -> AsyncIterator[QuotaHold]:

@@ -30,7 +30,6 @@ from loramux.engine.outputs import RequestOutput
 from loramux.platform.error_handlers import metric_label, to_api_error
 from loramux.platform.errors import DEFAULT_CONTEXT, BadRequest, ErrorContext, ServiceUnavailable
 from loramux.platform.identity import Caller
-from loramux.platform.limits.templates import template_variables
 from loramux.platform.metrics import Metrics
 from loramux.platform.openai.chat_output import ChatParsing
 from loramux.platform.openai.gate import RequestGate
@@ -142,9 +141,9 @@ class OpenAIServing:
                 kwargs)
             return await self.prompts.rendered_prompt(text)
         if served.chat_template is not None:  # the adapter's: tenant input, sandboxed
-            text = await self.gate.renderer.render(
-                served.chat_template, conversation, add_generation_prompt=add_generation_prompt,
-                variables=template_variables(self.engine.tokenizer, kwargs), param="model")
+            text = await self.gate.render_adapter_template(
+                served.chat_template, conversation, self.engine.tokenizer, add_generation_prompt,
+                kwargs)
             return await self.prompts.rendered_prompt(text)
         size = len(json.dumps([m.model_dump() for m in req.messages])) + len(json.dumps(tools or []))
         if size > LONG_PROMPT_CHARS:

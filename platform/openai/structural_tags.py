@@ -27,10 +27,14 @@ _HERMES_TAGS = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"n
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
+def _pinned(tool: Any, strict_level: str) -> bool:
+    """Whether the tool's arguments must follow its ``parameters`` schema."""
+    return tool.function.strict is True or strict_level == "parameter"
+
+
 def _schema(tool: Any, strict_level: str) -> dict[str, Any]:
-    function = tool.function
-    if (function.strict is True or strict_level == "parameter") and function.parameters:
-        return function.parameters
+    if _pinned(tool, strict_level) and tool.function.parameters:
+        return tool.function.parameters
     return _ANY_OBJECT
 
 
@@ -50,8 +54,7 @@ def _hermes(tools: list[Any], choice: str, parallel: bool, strict_level: str) ->
 
 def _xgrammar_tool(tool: Any, strict_level: str) -> dict[str, Any]:
     function = tool.function
-    pinned = function.strict is True or strict_level == "parameter"
-    out: dict[str, Any] = {"name": function.name, "strict": pinned}
+    out: dict[str, Any] = {"name": function.name, "strict": _pinned(tool, strict_level)}
     if function.parameters is not None:
         out["parameters"] = function.parameters
     return {"type": "function", "function": out}

@@ -202,5 +202,10 @@ def parse_generic(text: str, plan: ToolPlan) -> list[tuple[str, str]]:
     for call in calls:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ValueError("a call without a name")
-        out.append((call["name"], json.dumps(call.get("parameters", {}), ensure_ascii=False)))
+        out.append(generic_call(call))
     return out[:1] if not plan.parallel else out
+
+
+def generic_call(item: dict[str, Any]) -> tuple[str, str]:
+    """``(name, arguments JSON)`` of one ``{"name", "parameters"}`` item (re-serialized)."""
+    return item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)
