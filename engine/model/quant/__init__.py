@@ -14,9 +14,10 @@ from __future__ import annotations
 
 QUANTIZATION_METHODS: dict[str, str] = {
     "compressed-tensors": "loramux.engine.model.quant.compressed_tensors",
+    "awq": "loramux.engine.model.quant.awq",
 }
 """vLLM's ``quantization`` names this engine serves → the module holding the method (its
-``METHOD`` class). Every other name (``awq``, ``gptq``, ``fp8``, ...) is refused, naming these."""
+``METHOD`` class). Every other name (``fp8``, ``bitsandbytes``, ...) is refused, naming these."""
 
 
 def check_quantization_name(name: str | None) -> None:

@@ -90,7 +90,7 @@ def kernel_dequantize(params: dict[str, torch.Tensor], num_bits: int, in_feature
         b = w.view(r, -1, KERNEL_BLOCK // 2).to(torch.int32)  # [r, B, 16]
         u = torch.stack([b & 15, b >> 4], dim=2).view(r, -1)  # [r, kp]
     zero = params.get("kernel_zero")
-    default = torch.full((r, 1), 8.0 if num_bits == 4 else 0.0)
+    default = torch.full((r, 1), 8.0 if num_bits == 4 else 0.0, device=w.device)
     zero = zero[start:stop] if zero is not None else default  # [r, G]
     scale = params["kernel_scale"][start:stop]  # [r, G]
     g = group_size or in_features
