@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from loramux.adapters import alora, experts, probe, vocab
+from loramux.adapters import alora, experts, probe, saved_modules, vocab
 from loramux.adapters.arch import (
     base_dims,
     family_mismatch,
@@ -35,6 +35,7 @@ from loramux.adapters.archive import (
 )
 from loramux.adapters.errors import AdapterValidationError, pickle_refusal
 from loramux.adapters.experts import ROUTER
+from loramux.adapters.full_copies import copy_rows
 from loramux.adapters.layout import TensorPair, check_layers, check_layout, collect_tensors
 from loramux.adapters.safetensors_io import (
     TensorInfo,
@@ -170,10 +171,15 @@ def load_adapter(
         check_layout(found, spec, None, prefix=prefix)
         layers, magnitudes = _load_layers(weights_path, found, dtype)
         vocab_lora, vocab_tokens, vocab_found = vocab.read_vocab(weights_path, header, spec, dtype)
+        rows, kept = {}, ()
         if base_tensor is not None:
-            vocab.check_base_copies(weights_path, vocab_found, base_tensor)
+            rows, _, kept = copy_rows(weights_path, vocab_found, base_tensor, dtype=dtype)
+            vocab.check_rows_and_tokens(rows, vocab_tokens)
+        norms = saved_modules.load_norms(weights_path, saved_modules.collect_norms(
+            header, spec.modules_to_save, None, None, None), dtype)
         return LoraWeights(spec, layers, prefix=prefix, unserved=tuple(i.name for i in unserved),
                            magnitudes=magnitudes, vocab_lora=vocab_lora, vocab_tokens=vocab_tokens,
+                           vocab_rows=rows, full_copies=kept, norms=norms,
                            experts=_load_experts(weights_path, expert_found, spec, dtype))
 
 
@@ -188,6 +194,7 @@ def validate_adapter(
     serving_dtype: torch.dtype = torch.bfloat16,
     base_tensor: Any = None,
     base_folder: str | os.PathLike | None = None,
+    max_copy_bytes: int | None = None,
 ) -> LoraWeights:
     """Fully validate an adapter folder or archive against a base model; return its weights.
     Last, :func:`~loramux.adapters.probe.probe_adapter` in ``serving_dtype`` (its range is
@@ -198,7 +205,10 @@ def validate_adapter(
     expected tensor present and none stray; shapes match the base model; float dtype;
     finite values; ``adapter_model.safetensors`` at most ``max_bytes``; DoRA magnitude
     vectors (``use_dora``) present for every module, ``[out_features]``, finite;
-    ``modules_to_save``, trained biases and other unsupported features refused by name;
+    ``modules_to_save`` copies of norms kept (``adapters/saved_modules.py``), of the embedding
+    layers reduced to the rows that differ from the base, at most ``max_copy_bytes`` of them (the
+    tenant's ``max_embedding_copy_bytes``; None: unlimited), other modules refused by name;
+    trained biases and other unsupported features refused by name;
     an aLoRA's ``alora_invocation_tokens`` token ids of the base's vocabulary; the vocabulary
     parts and shipped added tokens (:func:`~loramux.adapters.vocab.validate_vocab`).
     A different ``base_model_name_or_path`` (compared by its last path component with
@@ -248,11 +258,15 @@ def validate_adapter(
                 f"served (loramux serves {dims.arch.name} text-only)"
             )
         layers, magnitudes = _load_layers(weights_path, found, dtype)
-        vocab_lora, vocab_tokens = vocab.validate_vocab(folder, header, spec, dtype, base_config, warnings, str(
-            base_folder or base_model_name or dims.name_or_path or ""), base_tensor)
+        vocab_lora, vocab_tokens, rows, kept = vocab.validate_vocab(
+            folder, header, spec, dtype, base_config, warnings,
+            str(base_folder or base_model_name or dims.name_or_path or ""), base_tensor, max_copy_bytes)
+        norms = saved_modules.load_norms(weights_path, saved_modules.collect_norms(
+            header, spec.modules_to_save, dims.hidden_size, dims.head_dim, dims.num_layers), dtype)
         weights = LoraWeights(spec, layers, warnings, prefix=prefix,
                               unserved=tuple(i.name for i in unserved), magnitudes=magnitudes,
-                              vocab_lora=vocab_lora, vocab_tokens=vocab_tokens,
+                              vocab_lora=vocab_lora, vocab_tokens=vocab_tokens, vocab_rows=rows,
+                              full_copies=kept, norms=norms,
                               experts=_load_experts(weights_path, expert_found, spec, dtype))
     probe.probe_adapter(weights, serving_dtype)  # through the module: a test hook replaces it
     return weights

@@ -21,6 +21,7 @@ from loramux.adapters.archive import WEIGHTS_NAME
 from loramux.adapters.errors import AdapterValidationError
 from loramux.adapters.experts import EXPERT_KEY_RE, ROUTER_KEY_RE
 from loramux.adapters.safetensors_io import FLOAT_DTYPES, TensorInfo
+from loramux.adapters.saved_modules import is_saved_key
 from loramux.adapters.spec import MAX_LAYER_INDEX, LoraSpec, refuse
 from loramux.adapters.vocab import VOCAB_KEY_RE
 
@@ -51,8 +52,9 @@ def collect_tensors(
     example = tensor_key(0, accepted[0], "A", arch.peft_prefix if arch is not None else "model.")
     for key in sorted(infos):
         info = infos[key]
-        if EXPERT_KEY_RE.match(key) or ROUTER_KEY_RE.match(key) or VOCAB_KEY_RE.match(key):
-            continue  # the experts' and the router's (experts.collect), embed/lm_head (vocab.collect_vocab)
+        if (EXPERT_KEY_RE.match(key) or ROUTER_KEY_RE.match(key) or VOCAB_KEY_RE.match(key)
+                or is_saved_key(key, spec.modules_to_save)):
+            continue  # experts' and router's (experts.collect), embed/lm_head (vocab), modules_to_save
         m = TENSOR_KEY_RE.match(key)
         if m is None:
             if NON_TEXT_KEY_RE.match(key) and (arch is None or arch.ignored_prefixes):

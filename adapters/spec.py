@@ -27,8 +27,10 @@ from loramux.adapters.arch import (
 from loramux.adapters.archive import CONFIG_NAME
 from loramux.adapters.errors import AdapterValidationError, pickle_refusal
 from loramux.adapters.experts import parameter_ranks, parse_target_parameters
+from loramux.adapters.kinds import adapter_kind
 from loramux.adapters.limits import DEFAULT_MAX_LORA_RANK
 from loramux.adapters.safetensors_io import looks_like_pickle
+from loramux.adapters.saved_modules import parse_modules_to_save
 from loramux.adapters.vocab import (
     check_vocab_combination,
     parse_trainable_tokens,
@@ -50,8 +52,6 @@ MAX_LAYER_INDEX = 4096
 
 # Config fields that change the math or the model structure; refused when set.
 _REFUSED_FEATURES = {
-    "modules_to_save": "modules_to_save is not supported: the adapter may only add LoRA "
-    "weights, not replace whole base modules",
     "lora_bias": "lora_bias (a trained bias on lora_B) is not supported",
     "layer_replication": "layer_replication is not supported",
     "exclude_modules": "exclude_modules is not supported; list the modules in target_modules",
@@ -121,17 +121,13 @@ class LoraSpec:
     """``(module, token ids)`` of its trainable tokens (``trainable_token_indices``)."""
     ensure_weight_tying: bool = False
     """PEFT's flag: an ``embed_tokens`` LoRA comes with the tied ``lm_head``'s (saved as such)."""
+    modules_to_save: tuple[str, ...] = ()
+    """Module-name suffixes whose whole copies the adapter ships (``adapters/saved_modules.py``)."""
 
     @property
     def kind(self) -> str:
-        """What the API and the dashboard call this adapter: ``"aLoRA"``, ``"DoRA"`` or
-        ``"LoRA"``, with ``"+embedding"`` (LoRA on ``embed_tokens``/``lm_head``) and
-        ``"+tokens"`` (trainable tokens) after it."""
-        if self.alora_invocation_tokens is not None:
-            base = "aLoRA"
-        else:
-            base = "DoRA" if self.use_dora else "LoRA"
-        return base + ("+embedding" if self.vocab_modules else "") + ("+tokens" if self.trainable_tokens else "")
+        """What the API and the dashboard call this adapter (``adapters/kinds.py``)."""
+        return adapter_kind(self.to_config())
 
     def targets(self, layer: int, module: str) -> bool:
         """Whether ``module`` of decoder layer ``layer`` carries this LoRA."""
@@ -174,7 +170,7 @@ class LoraSpec:
             "use_dora": self.use_dora,
             **({"alora_invocation_tokens": list(self.alora_invocation_tokens)}
                if self.alora_invocation_tokens is not None else {}),
-            "modules_to_save": None,
+            "modules_to_save": list(self.modules_to_save) or None,
             "inference_mode": True,
             **({"target_parameters": [f"mlp.experts.{p}" if p != "router" else "mlp.gate.weight"
                                       for p in self.target_parameters],
@@ -396,5 +392,6 @@ def parse_config(config: Mapping[str, Any], served: BaseModelDims | None = None)
         vocab_modules=vocab_modules,
         trainable_tokens=tokens,
         ensure_weight_tying=_bool(config, "ensure_weight_tying"),
+        modules_to_save=parse_modules_to_save(config.get("modules_to_save")),
     )
 

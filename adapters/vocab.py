@@ -11,8 +11,8 @@ and trainable tokens (``trainable_token_indices``).
   and, where the base ties its embeddings (or the adapter lists ``lm_head``), the logits.
 
 PEFT also saves full copies of the embedding and of ``lm_head`` (``*.base_layer.weight``,
-``save_embedding_layers``): compared with the served base at upload (:func:`check_base_copies`),
-equal copies are dropped, different ones refused; :func:`load_vocab` never reads them.
+``save_embedding_layers``) and ``modules_to_save`` copies of them: reduced to the rows that differ
+from the served base (``adapters/full_copies.py``); :func:`load_vocab` never reads them.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import torch
 
 from loramux.adapters.added_tokens import check_added_tokens
 from loramux.adapters.errors import AdapterValidationError
+from loramux.adapters.full_copies import copy_rows
 from loramux.adapters.safetensors_io import FLOAT_DTYPES, TensorInfo, load_tensors
 
 __all__ = [
     "VOCAB_KEY_RE",
     "VOCAB_MODULES",
     "check_added_tokens",
-    "check_base_copies",
     "check_vocab_combination",
     "check_vocab_layout",
     "collect_vocab",
@@ -48,10 +48,11 @@ _TARGET_RE = re.compile(r"^(?:model\.(?:language_model\.)?|language_model\.model
 VOCAB_KEY_RE = re.compile(
     r"^base_model\.model\.(?P<prefix>(?:model\.)?(?:language_model\.)?)(?P<module>embed_tokens|lm_head)\."
     r"(?P<part>lora_embedding_A|lora_embedding_B|lora_A\.weight|lora_B\.weight"
-    r"|token_adapter\.trainable_tokens_delta|base_layer\.weight)$"
+    r"|token_adapter\.trainable_tokens_delta|base_layer\.weight|weight)$"
 )
 _PART = {"lora_embedding_A": "A", "lora_embedding_B": "B", "lora_A.weight": "A", "lora_B.weight": "B",
-         "token_adapter.trainable_tokens_delta": "T", "base_layer.weight": "W"}
+         "token_adapter.trainable_tokens_delta": "T", "base_layer.weight": "W",
+         "weight": "S"}
 _LORA_PART = {"embed_tokens": "lora_embedding_{}", "lm_head": "lora_{}.weight"}
 
 
@@ -161,12 +162,13 @@ def check_vocab_layout(found: Mapping[tuple[str, str], TensorInfo], spec, vocab:
         expected[(module, "T")] = (len(ids), hidden)
     for key, info in found.items():
         module, part = key
-        if part == "W":
+        if part == "W" or (part == "S" and any(module.endswith(e) or e.endswith(module)
+                                                   for e in spec.modules_to_save)):
             want = (vocab, hidden)
         elif key in expected:
             want = expected[key]
         else:
-            why = ("trainable tokens" if part == "T" else "a LoRA") + f" on {module}"
+            why = {"T": "trainable tokens", "S": "modules_to_save"}.get(part, "a LoRA") + f" on {module}"
             raise AdapterValidationError(f"{info.name}: unexpected tensor: adapter_config.json declares no "
                                          f"{why}", field=info.name)
         shape = tuple(info.shape)
@@ -193,7 +195,7 @@ def load_vocab(weights_path, found: Mapping[tuple[str, str], TensorInfo], spec,
     """``(vocab_lora, vocab_tokens)`` as :class:`~loramux.adapters.weights.LoraWeights` holds them:
     ``{module: (A, B)}`` in PEFT's orientation, ``{module: (ids int64 [n], rows [n, hidden])}``.
     Full base copies are not read. Refuses non-finite values."""
-    names = {k: i.name for k, i in found.items() if k[1] != "W"}
+    names = {k: i.name for k, i in found.items() if k[1] not in ("W", "S")}
     tensors = load_tensors(weights_path, list(names.values()), dtype=dtype)
     _finite(tensors, dtype)
     lora = {m: (tensors[names[(m, "A")]], tensors[names[(m, "B")]]) for m in VOCAB_MODULES
@@ -201,30 +203,6 @@ def load_vocab(weights_path, found: Mapping[tuple[str, str], TensorInfo], spec,
     tokens = {m: (torch.tensor(ids, dtype=torch.int64), tensors[names[(m, "T")]])
               for m, ids in spec.trainable_tokens}
     return lora, tokens
-
-
-def check_base_copies(weights_path, found: Mapping[tuple[str, str], TensorInfo],
-                      base_tensor: Callable[[str], torch.Tensor | None] | None) -> list[str]:
-    """Compare the full copies PEFT saved (``save_embedding_layers``) with the served base's
-    (``base_tensor("embed_tokens" | "lm_head")``, float32; None: unknown): equal ones are
-    dropped (a warning says so), different ones refused (a later version serves full copies)."""
-    notes = []
-    for (module, part), info in sorted(found.items()):
-        if part != "W":
-            continue
-        base = base_tensor(module) if base_tensor is not None else None
-        if base is None:
-            raise AdapterValidationError(
-                f"{info.name}: a full copy of {module} that cannot be compared with the served base "
-                f"model's here; save the adapter with save_embedding_layers=False", field=info.name)
-        copy = load_tensors(weights_path, [info.name], dtype=torch.float32)[info.name]
-        if copy.shape != base.shape or not torch.equal(copy, base.to(torch.float32)):
-            raise AdapterValidationError(
-                f"{info.name}: a full copy of {module} that differs from the served base model's; "
-                f"adapters that replace whole embedding layers are not served yet (save it with "
-                f"save_embedding_layers=False, or use trainable_token_indices)", field=info.name)
-        notes.append(f"{info.name}: a full copy of the base's {module}, equal to it: not stored")
-    return notes
 
 
 def peft_vocab_tensors(weights, prefix: str) -> dict[str, torch.Tensor]:
@@ -267,12 +245,14 @@ def read_vocab(weights_path, header: Mapping[str, TensorInfo], spec, dtype: torc
 
 def validate_vocab(folder, header: Mapping[str, TensorInfo], spec, dtype: torch.dtype, base_config: Any,
                    warnings: list[str], base_folder: str,
-                   base_tensor: Callable[[str], torch.Tensor | None] | None = None) -> tuple[dict, dict]:
+                   base_tensor: Callable[[str], torch.Tensor | None] | None = None,
+                   max_copy_bytes: int | None = None) -> tuple[dict, dict, dict, tuple[str, ...]]:
     """The upload's checks of the vocabulary parts (``validate_adapter``): shaped for the base,
-    ids in its vocabulary, finite; PEFT's full copies of the embedding layers equal to the served
-    base's (``base_tensor(module)``, by default read from ``base_folder``, the base's local
-    folder; a note in ``warnings`` for each dropped); the added tokens the adapter ships
-    (:func:`check_added_tokens`). Returns ``(vocab_lora, vocab_tokens)``."""
+    ids in its vocabulary, finite; PEFT's full copies of the embedding layers reduced to the rows
+    that differ from the served base's (``base_tensor(module)``, by default read from
+    ``base_folder``, the base's local folder; at most ``max_copy_bytes`` kept; a note in
+    ``warnings`` for each copy); the added tokens the adapter ships (:func:`check_added_tokens`).
+    Returns ``(vocab_lora, vocab_tokens, vocab_rows, kept copies' tensor names)``."""
     from pathlib import Path
 
     from loramux.adapters.arch import text_config
@@ -281,9 +261,21 @@ def validate_vocab(folder, header: Mapping[str, TensorInfo], spec, dtype: torch.
     lora, tokens, found = read_vocab(weights_path, header, spec, dtype, base_config)
     if base_tensor is None:
         base_tensor = local_base_tensor(base_folder)
-    warnings += check_base_copies(weights_path, found, base_tensor)
+    rows, notes, kept = copy_rows(weights_path, found, base_tensor, dtype=dtype, max_bytes=max_copy_bytes)
+    check_rows_and_tokens(rows, tokens)
+    warnings += notes
     check_added_tokens(folder, text_config(base_config).get("vocab_size"), base_folder)
-    return lora, tokens
+    return lora, tokens, rows, kept
+
+
+def check_rows_and_tokens(rows: Mapping[str, Any], tokens: Mapping[str, Any]) -> None:
+    """Refuse copied rows of a module that also has trainable tokens: PEFT has no order for
+    the two."""
+    both = sorted(set(rows) & set(tokens))
+    if both:
+        raise _refuse("trainable_token_indices", f"{both[0]} has trainable tokens and a full copy "
+                      f"(modules_to_save / save_embedding_layers) that differs from the base; "
+                      f"expected one of them")
 
 
 def local_base_tensor(folder: str | None) -> Callable[[str], torch.Tensor | None] | None:
@@ -312,10 +304,10 @@ def local_base_tensor(folder: str | None) -> Callable[[str], torch.Tensor | None
     return read
 
 
-def strip_base_copies(weights_path, dest_dir) -> Any:
+def strip_base_copies(weights_path, dest_dir, keep: tuple[str, ...] = ()) -> Any:
     """``weights_path`` rewritten under ``dest_dir`` without PEFT's full copies of the base's
-    embedding layers (``*.base_layer.weight``; checked equal to the base at upload, so stored
-    once: the base's), or ``weights_path`` itself when it holds none."""
+    embedding layers (``*.base_layer.weight``) equal to the base's (stored once: the base's):
+    all but ``keep``, the names of those that differ. ``weights_path`` itself when none goes."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -323,7 +315,8 @@ def strip_base_copies(weights_path, dest_dir) -> Any:
 
     with safe_open(str(weights_path), "pt") as st:
         keys = list(st.keys())  # noqa: SIM118 (safe_open has no __iter__)
-        drop = [k for k in keys if (m := VOCAB_KEY_RE.match(k)) and m["part"] == "base_layer.weight"]
+        drop = [k for k in keys if (m := VOCAB_KEY_RE.match(k)) and m["part"] == "base_layer.weight"
+                and k not in keep]
         if not drop:
             return weights_path
         tensors = {k: st.get_tensor(k) for k in keys if k not in drop}

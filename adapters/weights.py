@@ -53,6 +53,14 @@ class LoraWeights:
     B [vocab, r]), PEFT's orientation (``adapters/vocab.py``)."""
     vocab_tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """Trainable tokens per module: ``(ids int64 [n], rows [n, hidden])``, the rows themselves."""
+    vocab_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Rows of full copies of ``embed_tokens`` / ``lm_head`` that differ from the base
+    (``adapters/full_copies.py``): ``(ids int64 [n], rows [n, hidden])`` per module they replace
+    (never tied further: a tied base's ``base_layer`` copy is listed for both)."""
+    full_copies: tuple[str, ...] = ()
+    """Tensor names of those copies (stored; the equal ones need not be)."""
+    norms: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``modules_to_save`` copies of norms: ``{module path: weight}`` (``adapters/saved_modules.py``)."""
 
     def num_bytes(self) -> int:
         """Bytes held by all A and B tensors (the experts' and the vocabulary parts' too) and DoRA
@@ -63,14 +71,18 @@ class LoraWeights:
             for modules in group.values()
             for a, b in modules.values()
         ) + sum(m.numel() * m.element_size() for ms in self.magnitudes.values() for m in ms.values()) + sum(
-            t.numel() * t.element_size() for pair in (*self.vocab_lora.values(), *self.vocab_tokens.values())
-            for t in pair)
+            t.numel() * t.element_size()
+            for pair in (*self.vocab_lora.values(), *self.vocab_tokens.values(), *self.vocab_rows.values())
+            for t in pair) + sum(t.numel() * t.element_size() for t in self.norms.values())
 
 
 def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:
     """Write ``weights`` as a PEFT adapter folder (config + safetensors)."""
     from safetensors.torch import save_file
 
+    if weights.vocab_rows:
+        raise ValueError("an adapter served with full copies' rows (adapters/full_copies.py) is written "
+                         "from its original files, not rebuilt from its rows")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -83,6 +95,7 @@ def save_adapter(weights: LoraWeights, path: str | os.PathLike) -> Path:
             tensors[tensor_key(layer, module, "M", weights.prefix)] = m.contiguous()
     tensors.update(experts.peft_tensors(weights, weights.prefix))
     tensors.update(vocab.peft_vocab_tensors(weights, weights.prefix))
+    tensors.update({f"base_model.model.{path}.weight": t.contiguous() for path, t in weights.norms.items()})
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     config = weights.spec.to_config(weights.prefix)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

@@ -65,19 +65,11 @@ class AdapterHandle:
 
     @property
     def kind(self) -> str:
-        """``"aLoRA"``, ``"DoRA"`` or ``"LoRA"``, as the stored config says
-        (``alora_invocation_tokens``, ``use_dora``), with ``"+embedding"`` (LoRA on
-        ``embed_tokens`` / ``lm_head``) and ``"+tokens"`` (trainable tokens) after it, as
-        :attr:`~loramux.adapters.spec.LoraSpec.kind` says."""
-        from loramux.adapters.vocab import split_vocab_targets
+        """What the API and the dashboard call it, from the stored config
+        (:func:`~loramux.adapters.kinds.adapter_kind`)."""
+        from loramux.adapters.kinds import adapter_kind
 
-        if self.config.get("alora_invocation_tokens"):
-            kind = "aLoRA"
-        else:
-            kind = "DoRA" if self.config.get("use_dora") else "LoRA"
-        if split_vocab_targets(self.config.get("target_modules"))[1]:
-            kind += "+embedding"
-        return kind + ("+tokens" if self.config.get("trainable_token_indices") else "")
+        return adapter_kind(self.config)
 
     @property
     def cache_key(self) -> str:

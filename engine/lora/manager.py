@@ -100,6 +100,7 @@ class LoRAManager:
         )
         self.buffers.vocab.allowance = self.capacity.adapter_allowance
         self.buffers.vocab.pool = self.capacity.vocab_pool
+        self.buffers.norms.base = model.norm_weights() if hasattr(model, "norm_weights") else {}
         self._listeners: list[AdapterListener] = []
         self.hook = LoRAStepBatch(self.buffers, self.backend, model.device)
         """The model's LoRA hook (``LoRAHook``): this step's layout and the layer call."""

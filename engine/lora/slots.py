@@ -29,6 +29,7 @@ import torch
 from loramux.adapters.arch import GROUP_FUSED_MODULE, PROJECTION_GROUPS
 from loramux.adapters.format import LoraWeights
 from loramux.engine.lora.experts import ExpertSlots
+from loramux.engine.lora.norms import NormSlots
 from loramux.engine.lora.vocab import VocabSlots
 from loramux.engine.model.weights import ModelDims
 
@@ -90,6 +91,8 @@ class SlotBuffers:
         self.vocab = VocabSlots(dtype, device, getattr(dims, "tie_word_embeddings", False),
                                 getattr(dims, "vocab_size", 0), dims.hidden_size)
         """Each slot's embedding / lm_head LoRA and trainable tokens (``vocab.py``)."""
+        self.norms = NormSlots(scale_dtype, device)
+        """Each slot's own norms (``modules_to_save``; ``norms.py``)."""
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)
         self.groups: list[frozenset[str]] = [frozenset()] * max_loras
@@ -110,6 +113,7 @@ class SlotBuffers:
         if weights.spec.use_dora and not weights.dora_scales:
             raise ValueError("a DoRA adapter needs its per-row scales (dora.dora_scales) first")
         self.vocab.check(weights, slot)
+        self.norms.entries(weights)  # raises for a norm the model has not
         if self.stream is None:
             self._write(slot, weights, r)
             return
@@ -159,6 +163,7 @@ class SlotBuffers:
         if self.experts is not None:
             self.experts.write(slot, weights)
         self.vocab.write(slot, weights)
+        self.norms.write(slot, weights)
         self.scale[slot] = weights.spec.scale
         self.ranks[slot] = r
 
@@ -199,6 +204,7 @@ class SlotBuffers:
         if self.experts is not None:
             self.experts.clear(slot)
         self.vocab.clear(slot)
+        self.norms.clear(slot)
 
     def num_bytes(self) -> int:
         """Bytes of the slots: A/B stacks, DoRA's row gains, the experts' LoRA, the vocabulary parts
@@ -209,4 +215,5 @@ class SlotBuffers:
         ) + sum(
             t[:, : self.max_loras].numel() * t.element_size() for t in self.row_gain_stack.values()
         ) + sum(t.numel() * t.element_size() for t in self.row_shift.values()) + (
-            self.experts.num_bytes() if self.experts is not None else 0) + self.vocab.num_bytes()
+            self.experts.num_bytes() if self.experts is not None else 0) + self.vocab.num_bytes() + (
+            self.norms.num_bytes())

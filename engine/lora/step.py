@@ -20,6 +20,7 @@ from loramux.engine.lora import ops
 from loramux.engine.lora.dora import DoraStep
 from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
+from loramux.engine.lora.norms import NormFn, NormKey, NormStep
 from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.vocab import VocabStep
@@ -38,6 +39,7 @@ class LoRAStepBatch:
         self._meta: LoRABatchMeta | None = None
         self._dora: DoraStep | None = None
         self._vocab: VocabStep | None = None
+        self._norms: NormStep | None = None
         # the CPU kernel's per-step calls (cpu_step.SgmvStep) where the slots suit it
         self._cpu_sgmv = (backend == "torch" and buffers.blockdiag and torch.device(device).type == "cpu"
                           and cpu_step.slots_fit(buffers.a, buffers.b))
@@ -68,6 +70,8 @@ class LoRAStepBatch:
             self.experts.prepare(token_slots)
         vocab = [s for s in sorted(set(row_slots)) if s >= 0 and self.buffers.vocab.has(s)]
         self._vocab = VocabStep(self.buffers.vocab, self._meta.token_slots, vocab) if vocab else None
+        norms = [s for s in sorted(set(row_slots)) if s >= 0 and self.buffers.norms.has(s)]
+        self._norms = NormStep(self.buffers.norms, self._meta.token_slots, norms) if norms else None
 
     def clear(self) -> None:
         """The step is over (or has no adapter): nothing is added until the next prepare."""
@@ -75,6 +79,7 @@ class LoRAStepBatch:
         self._meta = None
         self._dora = None
         self._vocab = None
+        self._norms = None
         self._sgmv = None
         self._groups = frozenset()
         if self.experts is not None:
@@ -111,6 +116,13 @@ class LoRAStepBatch:
         adapter's lm_head LoRA and trainable-token columns on its own rows."""
         if self._vocab is not None:
             self._vocab.head(hidden, logits, logits_rows)
+
+    def norm(self, key: NormKey, fn: NormFn, source: torch.Tensor, out: torch.Tensor,
+             rows: torch.Tensor | None = None) -> None:
+        """The norm ``key`` of ``source``, ``out``: recomputed with each adapter's own copy on its
+        own rows (``norms.py``; nothing without them). ``rows``: ``source``'s batch tokens."""
+        if self._norms is not None:
+            self._norms.apply(key, fn, source, out, rows)
 
     def experts_active(self, layer: int) -> bool:
         """True when this step has tokens whose adapter carries LoRA on ``layer``'s experts."""

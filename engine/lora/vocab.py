@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from loramux.adapters.full_copies import ties_head
 from loramux.adapters.weights import LoraWeights
 
 __all__ = ["VocabSlots", "VocabStep"]
@@ -64,29 +65,43 @@ class VocabSlots:
                 self.embed_lora[slot] = (self._put(a.t()), self._put(b.t()), scale)
             else:
                 self.head_lora[slot] = (self._put(a), self._put(b), scale)
-        tokens = dict(weights.vocab_tokens)
+        tokens = self.replacement_rows(weights)
         if "embed_tokens" in tokens:
             ids, rows = tokens["embed_tokens"]
             order = torch.argsort(ids)
             self.embed_tokens[slot] = (ids[order].to(self.device), self._put(rows[order]))
-            if self.tied and "lm_head" not in tokens:
-                tokens["lm_head"] = (ids, rows)
         if "lm_head" in tokens:
             ids, rows = tokens["lm_head"]
             self.head_tokens[slot] = (ids.to(self.device), self._put(rows))
+
+    def replacement_rows(self, weights: LoraWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The rows ``weights`` replaces per module: its trainable tokens (a tied base's embedding
+        ones reach the logits too: PEFT ties the wrapper) and the rows of its full copies that
+        differ from the base (a ``base_layer`` copy of a tied base's embedding too:
+        ``adapters/full_copies.py``). Raises ``ValueError`` where the two meet on one module."""
+        tokens = dict(weights.vocab_tokens)
+        if self.tied and "embed_tokens" in tokens and "lm_head" not in tokens:
+            tokens["lm_head"] = tokens["embed_tokens"]
+        rows = dict(weights.vocab_rows)
+        if self.tied and "embed_tokens" in rows and "lm_head" not in rows and ties_head(weights.full_copies):
+            rows["lm_head"] = rows["embed_tokens"]
+        both = sorted(set(tokens) & set(rows))
+        if both:
+            raise ValueError(f"{both[0]}: trainable tokens and a full copy's rows on one module")
+        return {**tokens, **rows}
 
     def check(self, weights: LoraWeights, slot: int | None = None) -> None:
         """Raise ``ValueError`` when ``weights``' vocabulary parts do not fit the served model or
         the memory (written into ``slot``, whose present parts it replaces)."""
         v, h = self.vocab_size, self.hidden_size
-        if self.allowance is not None and (weights.vocab_lora or weights.vocab_tokens):
+        if self.allowance is not None and (weights.vocab_lora or weights.vocab_tokens or weights.vocab_rows):
             need = weights.num_bytes() + self.part_bytes(weights)
             if need > self.allowance:
                 raise ValueError(
                     f"the adapter with its embedding / lm_head parts takes {need} bytes, above the "
                     f"{self.allowance} bytes the adapter memory plan counts for one adapter "
                     f"(max_lora_rank on every projection); raise lora_memory or max_lora_rank, or set max_loras")
-        if self.pool is not None and (weights.vocab_lora or weights.vocab_tokens):
+        if self.pool is not None and (weights.vocab_lora or weights.vocab_tokens or weights.vocab_rows):
             need = self.num_bytes() - self.num_bytes(slot) + self.part_bytes(weights)
             if need > self.pool:
                 raise ValueError(
@@ -98,7 +113,7 @@ class VocabSlots:
             if (tuple(a.shape), tuple(b.shape)) != want:
                 raise ValueError(f"{module} LoRA of shapes {list(a.shape)}, {list(b.shape)} does not fit the "
                                  f"served model (vocabulary {v}, hidden size {h})")
-        for module, (ids, rows) in weights.vocab_tokens.items():
+        for module, (ids, rows) in self.replacement_rows(weights).items():
             if ids.numel() and (int(ids.max()) >= v or int(ids.min()) < 0):
                 raise ValueError(f"{module} trainable token id {int(ids.max())} is outside the served "
                                  f"model's vocabulary of {v}")
@@ -111,9 +126,7 @@ class VocabSlots:
         base's trainable tokens twice: the embedding's and the logits')."""
         size = torch.finfo(self.dtype).bits // 8
         n = sum(a.numel() + b.numel() for a, b in weights.vocab_lora.values()) * size
-        tokens = dict(weights.vocab_tokens)
-        if self.tied and "embed_tokens" in tokens and "lm_head" not in tokens:
-            tokens["lm_head"] = tokens["embed_tokens"]
+        tokens = self.replacement_rows(weights)
         return n + sum(rows.numel() * size + ids.numel() * 8 for ids, rows in tokens.values())
 
     def clear(self, slot: int) -> None:
@@ -153,15 +166,15 @@ class VocabStep:
                 continue
             idx = (self.token_slots == slot).nonzero().squeeze(1)
             ids = input_ids.index_select(0, idx)
-            if lora is not None:
-                a_t, b_t, scale = lora
-                delta = (a_t.index_select(0, ids) @ b_t) * scale
-                residual.index_add_(0, idx, delta.to(residual.dtype))
-            if tokens is not None:
+            if tokens is not None:  # replaced rows first: a LoRA adds to the adapter's own row
                 tids, rows = tokens
                 pos = torch.searchsorted(tids, ids).clamp_(max=tids.shape[0] - 1)
                 hit = tids.index_select(0, pos) == ids
                 residual.index_copy_(0, idx[hit], rows.index_select(0, pos[hit]).to(residual.dtype))
+            if lora is not None:
+                a_t, b_t, scale = lora
+                delta = (a_t.index_select(0, ids) @ b_t) * scale
+                residual.index_add_(0, idx, delta.to(residual.dtype))
 
     def head(self, hidden: torch.Tensor, logits: torch.Tensor, logits_rows: torch.Tensor) -> None:
         """``logits`` [B, vocab] fp32 of the normalized ``hidden`` [B, hidden] of the batch
@@ -179,11 +192,11 @@ class VocabStep:
             if rows.numel() == 0:
                 continue
             h = hidden.index_select(0, rows).to(v.dtype)
-            if lora is not None:
-                a, b, scale = lora
-                logits.index_add_(0, rows, ((h @ a.t()) @ b.t() * scale).float())
-            if tokens is not None:
+            if tokens is not None:  # replaced columns first: a LoRA adds to the adapter's own
                 tids, trows = tokens
                 sub = logits.index_select(0, rows)
                 sub[:, tids] = (h @ trows.t()).float()
                 logits.index_copy_(0, rows, sub)
+            if lora is not None:
+                a, b, scale = lora
+                logits.index_add_(0, rows, ((h @ a.t()) @ b.t() * scale).float())

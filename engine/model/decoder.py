@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from loramux.adapters.arch import PROJECTION_GROUPS, resolve_architecture
 from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from loramux.engine.model.hooks import LoRAHook
 from loramux.engine.model.layers import Norms, gated_activation
 from loramux.engine.model.linear import Linear, matmul_dtype
 from loramux.engine.model.quant.base import QuantLinear
@@ -39,24 +40,6 @@ from loramux.engine.model.weights import (
 )
 
 __all__ = ["PROJECTION_GROUPS", "DecoderModel", "GatedMLP", "LayerMLP", "LoRAHook"]
-
-
-class LoRAHook(Protocol):
-    """Adds adapter deltas; attached by the LoRA manager, called by every layer."""
-
-    def active(self) -> bool:
-        """True when this step has tokens with an adapter."""
-
-    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[T, N] += LoRA delta of group ``group`` in ``layer`` for input x[T, K]."""
-
-    def embed(self, input_ids: torch.Tensor, residual: torch.Tensor) -> None:
-        """The embedding rows [T, H] of ``input_ids`` (before any embedding scale): the
-        adapters' embedding LoRA and trainable tokens, in place."""
-
-    def head(self, hidden: torch.Tensor, logits: torch.Tensor, logits_rows: torch.Tensor) -> None:
-        """fp32 ``logits`` [B, V] of the final normalized ``hidden`` [B, H] (of tokens
-        ``logits_rows``), before any soft-cap: the adapters' lm_head LoRA and trainable tokens."""
 
 
 class LayerMLP(Protocol):
@@ -302,14 +285,21 @@ class DecoderModel:
         heads, kv_heads, head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         qs, kvs = d.q_size, d.kv_size
         delta = None  # what the previous layer's MLP adds to the residual
+        names = s.norms
+        add_norm = self._add_norm
         for i, w in enumerate(self.layers):
             x = norms.add_norm(residual, delta, w.attn_norm)
+            if lora is not None:
+                lora.norm((i, names.attn), add_norm, residual, x)
             qkv = w.qkv(x)  # [T, q + 2 kv]
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
             qk = qkv[:, : qs + kvs].view(-1, heads + kv_heads, head_dim)  # [T, H + Hkv, D]
             if w.q_norm is not None:
-                qk = torch.cat([norms.norm(qk[:, :heads], w.q_norm), norms.norm(qk[:, heads:], w.k_norm)], 1)
+                raw, qk = qk, torch.cat([norms.norm(qk[:, :heads], w.q_norm), norms.norm(qk[:, heads:], w.k_norm)], 1)
+                if lora is not None:
+                    lora.norm((i, "self_attn.q_norm"), norms.norm, raw[:, :heads], qk[:, :heads])
+                    lora.norm((i, "self_attn.k_norm"), norms.norm, raw[:, heads:], qk[:, heads:])
             qk = self._rope(qk, w, rope[w.rope])
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, qs + kvs :].reshape(-1, kv_heads, head_dim)
@@ -322,11 +312,17 @@ class DecoderModel:
             if lora is not None:
                 lora.add(i, "o", a, o)
             if w.attn_out_norm is not None:
-                o = norms.sandwich(o, w.attn_out_norm)
+                o, raw = norms.sandwich(o, w.attn_out_norm), o
+                if lora is not None:
+                    lora.norm((i, names.attn_out), norms.sandwich, raw, o)
             x = norms.add_norm(residual, o, w.ffn_norm)
+            if lora is not None:
+                lora.norm((i, names.ffn), add_norm, residual, x)
             delta = w.mlp(x, i, lora)
             if w.ffn_out_norm is not None:
-                delta = norms.sandwich(delta, w.ffn_out_norm)
+                delta, raw = norms.sandwich(delta, w.ffn_out_norm), delta
+                if lora is not None:
+                    lora.norm((i, names.ffn_out), norms.sandwich, raw, delta)
         if delta is not None:
             residual.add_(delta)
         last = residual.index_select(0, logits_rows)
@@ -335,6 +331,8 @@ class DecoderModel:
         # fails that request alone (adapter_numerics).
         overflow = ~torch.isfinite(last.float().pow(2).sum(-1))
         hidden = norms.add_norm(last, None, self.norm)
+        if lora is not None:
+            lora.norm((None, "norm"), add_norm, last, hidden, logits_rows)
         logits = self.lm_head(hidden).float()
         if lora is not None:
             lora.head(hidden, logits, logits_rows)
@@ -359,6 +357,21 @@ class DecoderModel:
     def kv_bytes_per_token(self) -> int:
         d = self.dims
         return 2 * d.num_layers * d.kv_size * torch.finfo(self.dtype).bits // 8
+
+    def _add_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The residual norm of rows ``x`` (already summed) with ``weight``: an adapter's own."""
+        return self.norms.add_norm(x, None, weight)
+
+    def norm_weights(self) -> dict[tuple[int | None, str], torch.Tensor]:
+        """The norms by ``(layer, checkpoint name)`` (layer None: the final ``norm``): what an
+        adapter's ``modules_to_save`` copies may replace (``engine/lora/norms.py``)."""
+        n = self.spec.norms
+        out: dict[tuple[int | None, str], torch.Tensor] = {(None, "norm"): self.norm}
+        for i, w in enumerate(self.layers):
+            named = {n.attn: w.attn_norm, n.ffn: w.ffn_norm, n.attn_out: w.attn_out_norm,
+                     n.ffn_out: w.ffn_out_norm, "self_attn.q_norm": w.q_norm, "self_attn.k_norm": w.k_norm}
+            out.update({(i, name): t for name, t in named.items() if name and t is not None})
+        return out
 
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.norm]

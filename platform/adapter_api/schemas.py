@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loramux.adapters.kinds import KIND_PATTERN
 from loramux.registry.chat import template_digest
 from loramux.registry.models import MAX_DESCRIPTION_CHARS
 
-AdapterKind = Literal["LoRA", "DoRA", "aLoRA", "LoRA+embedding", "LoRA+tokens", "LoRA+embedding+tokens",
-                      "DoRA+tokens"]
-"""What ``AdapterHandle.kind`` says: the kind, then its vocabulary parts (``adapters/vocab.py``:
-``+embedding``, LoRA on embed_tokens / lm_head; ``+tokens``, trainable tokens)."""
+AdapterKind = Annotated[str, Field(pattern=KIND_PATTERN, examples=["LoRA", "aLoRA", "LoRA+tokens"])]
+"""What ``AdapterHandle.kind`` says (``adapters/kinds.py``): the kind, then its parts
+(``+embedding``, LoRA on embed_tokens / lm_head; ``+tokens``, trainable tokens; ``+modules``,
+``modules_to_save`` copies)."""
 
 if TYPE_CHECKING:
     from loramux.registry.handles import AdapterHandle, Release

@@ -45,9 +45,9 @@ def test_check_detects_a_wrong_merge(tiny_model_dir, peft_adapter, tmp_path):
 
 def test_export_refuses_bad_adapter(tiny_model_dir, adapter_copy, tmp_path):
     (adapter_copy / "adapter_config.json").write_text(
-        '{"peft_type": "LORA", "r": 4, "modules_to_save": ["lm_head"]}'
+        '{"peft_type": "LORA", "r": 4, "lora_bias": true}'
     )
-    with pytest.raises(AdapterValidationError, match="modules_to_save"):
+    with pytest.raises(AdapterValidationError, match="lora_bias"):
         export_merged(tiny_model_dir, adapter_copy, tmp_path / "merged", progress=False)
     assert not (tmp_path / "merged").exists()
 

@@ -141,7 +141,7 @@ def test_empty_upload_file(tiny_config, tmp_path):
     [
         ({"peft_type": "LOHA"}, "peft_type", "expected 'LORA'"),
         ({"peft_type": ...}, "peft_type", "expected 'LORA'"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save", "modules_to_save"),
+        ({"modules_to_save": "lm_head"}, "modules_to_save", "expected a list of module names"),
         ({"bias": "lora_only"}, "bias", "expected 'none'"),
         ({"bias": "all"}, "bias", "expected 'none'"),
         ({"lora_bias": True}, "lora_bias", "lora_bias"),

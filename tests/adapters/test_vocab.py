@@ -39,7 +39,7 @@ def _edit(path, fn):
     return path
 
 
-def test_equal_base_copies_dropped_and_different_ones_refused(bases, tmp_path):
+def test_equal_base_copies_dropped_and_different_rows_kept_under_the_quota(bases, tmp_path):
     base = bases[False]
     a = make_peft_adapter(base, tmp_path / "a", target_modules=["embed_tokens", "lm_head", "q_proj"])
     assert f"{EMB}base_layer.weight" in load_file(a / "adapter_model.safetensors")
@@ -55,8 +55,12 @@ def test_equal_base_copies_dropped_and_different_ones_refused(bases, tmp_path):
         sd[f"{HEAD}base_layer.weight"][3, 3] += 1.0
 
     _edit(a, nudge)
-    with pytest.raises(AdapterValidationError, match="differs from the served base") as e:
-        validate_adapter(a, _config(base), base_model_name=str(base))
+    w = validate_adapter(a, _config(base), base_model_name=str(base))
+    ids, rows = w.vocab_rows["lm_head"]
+    assert ids.tolist() == [3] and rows.shape == (1, w.vocab_lora["lm_head"][0].shape[1])
+    assert w.full_copies == (f"{HEAD}base_layer.weight",) and "embed_tokens" not in w.vocab_rows
+    with pytest.raises(AdapterValidationError, match="max_embedding_copy_bytes quota of 8") as e:
+        validate_adapter(a, _config(base), base_model_name=str(base), max_copy_bytes=8)
     assert e.value.field == f"{HEAD}base_layer.weight"
 
 
