@@ -15,6 +15,7 @@ from __future__ import annotations
 QUANTIZATION_METHODS: dict[str, str] = {
     "compressed-tensors": "loramux.engine.model.quant.compressed_tensors",
     "awq": "loramux.engine.model.quant.awq",
+    "gptq": "loramux.engine.model.quant.gptq",
 }
 """vLLM's ``quantization`` names this engine serves → the module holding the method (its
 ``METHOD`` class). Every other name (``fp8``, ``bitsandbytes``, ...) is refused, naming these."""

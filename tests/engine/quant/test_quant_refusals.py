@@ -38,7 +38,7 @@ def test_the_checkpoints_method_loads_when_named(folders):
     assert load(folders[1], quantization="compressed-tensors").llm_engine.model.quant.quantized
 
 
-@pytest.mark.parametrize("name", ["gptq", "fp8", "bitsandbytes", "nonsense"])
+@pytest.mark.parametrize("name", ["fp8", "bitsandbytes", "nonsense", "gptq_marlin"])
 def test_an_unsupported_method_is_refused_naming_the_supported(folders, name):
     with pytest.raises(ValueError, match=f"quantization {name!r} is not supported; supported: "
                                          "compressed-tensors"):
