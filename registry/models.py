@@ -201,6 +201,7 @@ class TenantQuota(Base):
     max_adapters: Mapped[int | None]
     max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
     max_versions_per_adapter: Mapped[int | None]
+    max_embedding_copy_bytes: Mapped[int | None] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 

@@ -2,7 +2,8 @@
 
 A field left ``None`` is unlimited. A tenant without its own row in ``tenant_quotas``
 gets the operator's defaults (``RegistryService(default_quotas=...)``). The registry
-enforces ``max_adapters``, ``max_stored_bytes`` and ``max_versions_per_adapter`` at upload; the platform's limiter
+enforces ``max_adapters``, ``max_stored_bytes``, ``max_embedding_copy_bytes`` and
+``max_versions_per_adapter`` at upload; the platform's limiter
 (``loramux.platform.limits``) enforces the other four per request.
 """
 
@@ -32,6 +33,10 @@ class Quotas:
         "Adapters the tenant may store.")})
     max_stored_bytes: int | None = field(default=None, metadata={"doc": (
         "Sum of the tenant's adapter weight sizes (``size_bytes``, each stored object once).")})
+    max_embedding_copy_bytes: int | None = field(default=0, metadata={"doc": (
+        "Bytes of one adapter's embed_tokens / lm_head rows that differ from the base model "
+        "(PEFT's full copies: modules_to_save, save_embedding_layers), served as its own rows; "
+        "0 (the default) refuses such adapters, null allows any size.")})
     max_versions_per_adapter: int | None = field(default=5, metadata={"doc": (
         "Versions kept per adapter: an upload past it removes the oldest version no rollout "
         "uses (and its weights); when every older version is in use the upload is refused.")})
@@ -41,7 +46,7 @@ class Quotas:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            low = 0 if f.name in ("max_adapters", "max_stored_bytes") else 1
+            low = 0 if f.name in ("max_adapters", "max_stored_bytes", "max_embedding_copy_bytes") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidQuota(
                     f"quota {f.name} must be an integer >= {low} or null (unlimited), "
@@ -63,7 +68,7 @@ class Quotas:
         return cls(**dict(data))
 
 
-STORAGE_QUOTAS = ("max_adapters", "max_stored_bytes", "max_versions_per_adapter")
+STORAGE_QUOTAS = ("max_adapters", "max_stored_bytes", "max_embedding_copy_bytes", "max_versions_per_adapter")
 """The quotas the registry enforces (the others are the platform limiter's)."""
 QUOTA_FIELDS = tuple(f.name for f in fields(Quotas))
 

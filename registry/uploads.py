@@ -77,8 +77,9 @@ class Uploads:
                 "(or --base-model to the CLI)"
             )
 
-    def validate(self, source: str | os.PathLike) -> LoraWeights:
-        """Run the upload checks on an adapter folder or archive without storing anything."""
+    def validate(self, source: str | os.PathLike, max_copy_bytes: int | None = None) -> LoraWeights:
+        """Run the upload checks on an adapter folder or archive without storing anything;
+        ``max_copy_bytes``: the tenant's ``max_embedding_copy_bytes`` (None: unlimited)."""
         self._require_base()
         return validate_adapter(
             source,
@@ -87,6 +88,7 @@ class Uploads:
             max_bytes=self.checks.max_adapter_bytes,
             base_model_name=self.checks.base_model_name,
             base_folder=self.checks.base_model_path,
+            max_copy_bytes=max_copy_bytes,
         )
 
     def upload(
@@ -116,7 +118,8 @@ class Uploads:
         ``reasoning_parser`` replace the adapter's when given, else it keeps its own. Only
         their stored shape is checked here (the platform checks that they work first).
 
-        Raises AdapterValidationError (bad adapter), InvalidName, InvalidPreset,
+        Raises AdapterValidationError (bad adapter; embedding copies past the tenant's
+        ``max_embedding_copy_bytes``), InvalidName, InvalidPreset,
         InvalidChatSettings, TenantNotFound, QuotaExceeded (``max_adapters``, ``max_stored_bytes``,
         ``max_versions_per_adapter``), AdapterConflict, ObjectStoreError.
         """
@@ -139,11 +142,12 @@ class Uploads:
         with (adapter_folder(source, max_bytes=self.checks.max_adapter_bytes + MAX_CONFIG_BYTES,
                              tmp_dir=self.storage.tmp_dir) as folder,
               tempfile.TemporaryDirectory(dir=self.storage.tmp_dir) as stripped):
-            weights = self.validate(folder)
+            weights = self.validate(folder, self.tenants.get_quotas(tenant_id).max_embedding_copy_bytes)
             chat["chat_template"] = chat["chat_template"] or read_chat_template(folder)
-            spec = weights.spec
+            spec, keep = weights.spec, weights.full_copies
             del weights
-            weights_path = strip_base_copies(folder / WEIGHTS_NAME, stripped)  # stored once: the base's
+            # equal copies of the base's embedding layers are stored once: the base's
+            weights_path = strip_base_copies(folder / WEIGHTS_NAME, stripped, keep)
             digest = sha256_file(weights_path)
             fields = dict(
                 base_model=self.checks.base_model_name or "unknown",

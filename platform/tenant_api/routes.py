@@ -23,6 +23,8 @@ class QuotaValues(BaseModel):
     tokens_per_minute: int | None
     max_adapters: int | None
     max_stored_bytes: int | None
+    max_embedding_copy_bytes: int | None = Field(
+        None, description="Bytes of one adapter's embedding / lm_head rows that differ from the base.")
 
 
 class StorageUsage(BaseModel):

@@ -12,7 +12,8 @@ from loramux.registry.quotas import QUOTA_FIELDS
 
 
 def test_quotas_validation():
-    assert Quotas().to_dict() == {**dict.fromkeys(QUOTA_FIELDS), "max_versions_per_adapter": 5}
+    assert Quotas().to_dict() == {**dict.fromkeys(QUOTA_FIELDS), "max_versions_per_adapter": 5,
+                                  "max_embedding_copy_bytes": 0}
     assert Quotas(max_adapters=0, max_stored_bytes=0).max_adapters == 0
     for field, bad in [
         ("requests_per_minute", 0),
@@ -22,6 +23,7 @@ def test_quotas_validation():
         ("max_adapters", -1),
         ("max_stored_bytes", "10"),
         ("max_versions_per_adapter", 0),
+        ("max_embedding_copy_bytes", -1),
     ]:
         with pytest.raises(InvalidQuota, match=field):
             Quotas(**{field: bad})
