@@ -84,3 +84,22 @@ def test_example_adapter_answers_in_sql(default_model_dir):
         plain_text = tok.decode(plain[0, n:], skip_special_tokens=True).strip()
         assert tuned_text.upper().startswith("SELECT"), tuned_text
         assert not plain_text.upper().startswith("SELECT"), plain_text
+
+
+def test_export_merges_modules_to_save(tiny_model_dir, tmp_path):
+    """``modules_to_save`` copies (every norm, the untied lm_head) merge as PEFT merges them: the
+    merged model is PEFT's base + adapter (``check=True`` compares the logits)."""
+    from safetensors.torch import load_file, save_file
+    from support.lora_fixtures import make_peft_adapter
+
+    a = make_peft_adapter(tiny_model_dir, tmp_path / "a", target_modules=["q_proj"],
+                          modules_to_save=["norm"])
+    sd = load_file(a / "adapter_model.safetensors")
+    for k in sd:
+        if k.endswith("norm.weight"):
+            sd[k] += 0.25
+    save_file(sd, str(a / "adapter_model.safetensors"), metadata={"format": "pt"})
+    out = export_merged(tiny_model_dir, a, tmp_path / "merged", check=True, progress=False)
+    merged = load_file(next(out.glob("*.safetensors")))
+    base = load_file(next(tiny_model_dir.glob("*.safetensors")))
+    assert torch.allclose(merged["model.norm.weight"], base["model.norm.weight"] + 0.25)
