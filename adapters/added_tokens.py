@@ -1,86 +1,198 @@
 """The added tokens an adapter folder ships (``added_tokens.json``, ``tokenizer.json``,
-``tokenizer_config.json``'s ``added_tokens_decoder``), checked against the served base at upload:
-the engine serves every adapter's prompts and text with the base's tokenizer, so tokens beyond
-its vocabulary, or on ids it gives other tokens, are refused naming the file (never accepted and
-ignored). Serving an adapter's own tokenizer is not done yet."""
+``tokenizer_config.json``'s ``added_tokens_decoder``), checked against the served base at upload
+and served: an adapter's requests are tokenized and detokenized with a copy of the base's
+tokenizer that holds the adapter's own tokens (``loramux.engine.adapter_tokenizers``).
+
+The adapter's *own* tokens are those the base's tokenizer does not have. Added to a copy of
+the base's tokenizer in id order they land on ``len(base tokenizer)``, the next id, and so
+on; an adapter whose files give them other ids (a gap, ids beyond the base's vocabulary, ids
+the base gives other tokens, a base token moved) is refused naming the token and the ids, as
+is one with more than :data:`MAX_ADDED_TOKENS` own tokens or a token longer than
+:data:`MAX_TOKEN_CHARS` characters. The registry stores the own tokens in the adapter's
+config under :data:`STORED_KEY`, which the engine reads back from ``adapter_config.json``."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
 from loramux.adapters.errors import AdapterValidationError
 
-__all__ = ["check_added_tokens"]
+__all__ = ["MAX_ADDED_TOKENS", "MAX_TOKEN_CHARS", "STORED_KEY", "AddedTokenSpec",
+           "base_token_ids", "check_added_tokens", "own_tokens"]
+
+MAX_ADDED_TOKENS = 4096
+"""The most tokens of its own an adapter may add to the base's tokenizer."""
+MAX_TOKEN_CHARS = 256
+"""The longest added token, in characters."""
+MAX_LISTED = 1 << 17
+"""The most added tokens one file may list (the base's own included)."""
+MAX_FILE_BYTES = 64 * 2**20
+STORED_KEY = "loramux_added_tokens"
+"""``adapter_config.json`` key of the adapter's own tokens as the registry stores them."""
+TOKEN_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json")
+"""Where a folder's added tokens are read, the file whose flags win first."""
+
+
+@dataclass(frozen=True)
+class AddedTokenSpec:
+    """One added token and its ``tokenizers.AddedToken`` flags."""
+
+    content: str
+    id: int
+    special: bool = False
+    lstrip: bool = False
+    rstrip: bool = False
+    single_word: bool = False
+    normalized: bool | None = None
+    """None: the tokenizers default (``not special``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def _refuse(field_name: str, message: str) -> AdapterValidationError:
     return AdapterValidationError(f"{field_name}: {message}", field=field_name)
 
 
-def _read_json(path):
-    import json
-
+def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise _refuse(path.name, "invalid JSON") from None
 
 
-def _added_tokens(folder) -> dict[str, list[tuple[str, int]]]:
-    """Per file, the ``(content, id)`` pairs of the added tokens a tokenizer folder ships."""
-    from pathlib import Path
+def _token(name: str, content: Any, i: Any, flags: Mapping | None = None) -> AddedTokenSpec | None:
+    if not isinstance(content, str) or isinstance(i, bool) or not isinstance(i, int):
+        return None
+    if not content or len(content) > MAX_TOKEN_CHARS:
+        raise _refuse(name, f"added token {content[:40]!r}… (id {i}) is empty or longer than "
+                      f"{MAX_TOKEN_CHARS} characters" if content else f"added token id {i} is empty")
+    if i < 0:
+        raise _refuse(name, f"added token {content!r} has a negative id {i}")
+    f = flags if isinstance(flags, Mapping) else {}
+    norm = f.get("normalized")
+    return AddedTokenSpec(content, i, *(bool(f.get(k, False)) for k in
+                                        ("special", "lstrip", "rstrip", "single_word")),
+                          norm if isinstance(norm, bool) else None)
 
-    out: dict[str, list[tuple[str, int]]] = {}
-    for name in ("added_tokens.json", "tokenizer.json", "tokenizer_config.json"):
-        path = Path(folder) / name
-        if not path.is_file() or path.stat().st_size > 64 * 2**20:
-            continue
-        data = _read_json(path)
-        if name == "added_tokens.json":
-            items = list(data.items()) if isinstance(data, dict) else []
-        elif name == "tokenizer_config.json":
-            decoder = data.get("added_tokens_decoder") if isinstance(data, dict) else None
-            items = [(t.get("content"), int(i)) for i, t in (decoder or {}).items()
-                     if isinstance(t, dict) and str(i).isdigit()] if isinstance(decoder, dict) else []
-        else:
-            items = [(t.get("content"), t.get("id")) for t in data.get("added_tokens") or []
-                     if isinstance(t, dict)] if isinstance(data, dict) else []
-        out[name] = [(c, i) for c, i in items if isinstance(c, str) and isinstance(i, int)]
+
+def _listed(name: str, data: Any) -> list[AddedTokenSpec]:
+    """The added tokens one file lists."""
+    if name == "added_tokens.json":
+        items = [(c, i, None) for c, i in data.items()] if isinstance(data, dict) else []
+    elif name == "tokenizer_config.json":
+        decoder = data.get("added_tokens_decoder") if isinstance(data, dict) else None
+        items = [(t.get("content"), int(i), t) for i, t in decoder.items()
+                 if isinstance(t, dict) and str(i).isdigit()] if isinstance(decoder, dict) else []
+    elif name == STORED_KEY:
+        items = [(t.get("content"), t.get("id"), t) for t in data if isinstance(t, dict)] \
+            if isinstance(data, list) else []
+    else:
+        listed = data.get("added_tokens") if isinstance(data, dict) else None
+        items = [(t.get("content"), t.get("id"), t) for t in listed
+                 if isinstance(t, dict)] if isinstance(listed, list) else []
+    if len(items) > MAX_LISTED:
+        raise _refuse(name, f"lists {len(items)} added tokens, above the {MAX_LISTED} read")
+    return [t for t in (_token(name, *it) for it in items) if t is not None]
+
+
+def _added_tokens(folder) -> dict[str, list[AddedTokenSpec]]:
+    """Per file, the added tokens a tokenizer folder ships; the stored form (the config's
+    :data:`STORED_KEY`) alone when the folder has it."""
+    folder = Path(folder)
+    config = folder / "adapter_config.json"
+    if config.is_file() and config.stat().st_size <= MAX_FILE_BYTES:
+        stored = _read_json(config)
+        if isinstance(stored, dict) and STORED_KEY in stored:
+            return {"adapter_config.json": _listed(STORED_KEY, stored[STORED_KEY])}
+    out: dict[str, list[AddedTokenSpec]] = {}
+    for name in TOKEN_FILES:
+        path = folder / name
+        if path.is_file() and path.stat().st_size <= MAX_FILE_BYTES:
+            out[name] = _listed(name, _read_json(path))
     return out
 
 
-def _base_token_ids(folder) -> dict[str, int] | None:
+def base_token_ids(folder) -> dict[str, int] | None:
     """The served base's token -> id (its ``tokenizer.json``'s vocabulary and added tokens);
     None when ``folder`` holds none."""
-    from pathlib import Path
-
     path = Path(folder) / "tokenizer.json" if folder else None
     if path is None or not path.is_file():
         return None
     data = _read_json(path)
     vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
-    ids = dict(vocab) if isinstance(vocab, dict) else {}
-    ids.update({c: i for c, i in _added_tokens(folder).get("tokenizer.json", [])})
+    if isinstance(vocab, list):  # Unigram: [piece, score] in id order
+        ids = {p[0]: i for i, p in enumerate(vocab) if isinstance(p, list) and p}
+    else:
+        ids = dict(vocab) if isinstance(vocab, dict) else {}
+    ids.update({t.content: t.id for t in _listed("tokenizer.json", data)})
     return ids
 
 
-def check_added_tokens(folder, vocab_size: int | None, base_folder: str | None = None) -> None:
-    """Refuse an adapter that ships added tokens (``added_tokens.json``, ``tokenizer.json``'s
-    ``added_tokens``, ``tokenizer_config.json``'s ``added_tokens_decoder``) with ids beyond the base's vocabulary, or (where the served base's
-    tokenizer is in ``base_folder``) ids the base gives to other tokens: the engine serves
-    prompts and text with the base's tokenizer, so such tokens would be silently wrong."""
-    base = taken = None
+def _check_against_base(name: str, t: AddedTokenSpec, base: Mapping[str, int],
+                        taken: Mapping[int, str], vocab_size: int | None) -> bool:
+    """Refuse ``t`` if the base's tokenizer or vocabulary disagree; True when it is the base's."""
+    if isinstance(vocab_size, int) and t.id >= vocab_size:
+        raise _refuse(name, f"added token {t.content!r} (id {t.id}) is beyond the base model's "
+                      f"vocabulary of {vocab_size}")
+    if t.content in base:
+        if base[t.content] != t.id:
+            raise _refuse(name, f"added token {t.content!r} has id {t.id} where the base model's "
+                          f"tokenizer has {base[t.content]}")
+        return True
+    if t.id in taken:
+        raise _refuse(name, f"added token {t.content!r} has id {t.id}, another token of the base "
+                      f"model's tokenizer ({taken[t.id]!r})")
+    return False
+
+
+def own_tokens(folder, base_ids: Mapping[str, int] | None,
+               vocab_size: int | None) -> tuple[list[AddedTokenSpec], str]:
+    """The adapter's own added tokens in id order (those ``base_ids`` lacks; every file
+    merged, the first of :data:`TOKEN_FILES` giving the flags), and the file they came from;
+    refused (:class:`AdapterValidationError` naming the token, its ids and the file) unless a
+    copy of the base's tokenizer gives each its id. Without ``base_ids`` only the ids' range,
+    their agreement between files and the limits are checked."""
+    base = base_ids or {}
+    taken = {i: c for c, i in base.items()} if base else {}
+    tokens: dict[str, AddedTokenSpec] = {}
+    where: dict[str, str] = {}
     for name, items in _added_tokens(folder).items():
-        for content, i in items:
-            if isinstance(vocab_size, int) and i >= vocab_size:
-                raise _refuse(name, f"added token {content!r} (id {i}) is beyond the base model's vocabulary "
-                              f"of {vocab_size}; adapters with their own tokenizer tokens are not served yet")
-            if base is None:
-                base = _base_token_ids(base_folder) or {}
-                taken = set(base.values())
-            if base and base.get(content, i) != i:
-                raise _refuse(name, f"added token {content!r} has id {i} where the base model's tokenizer "
-                              f"has {base[content]}; adapters with their own tokenizer tokens are not "
-                              f"served yet")
-            if base and content not in base and i in taken:
-                raise _refuse(name, f"added token {content!r} has id {i}, another token of the base "
-                              f"model's tokenizer; adapters with their own tokenizer tokens are not "
-                              f"served yet")
+        for t in items:
+            if _check_against_base(name, t, base, taken, vocab_size):
+                continue
+            seen = tokens.get(t.content)
+            if seen is not None and seen.id != t.id:
+                raise _refuse(name, f"added token {t.content!r} has id {t.id} here and {seen.id} "
+                              f"in {where[t.content]}")
+            if seen is None:
+                tokens[t.content], where[t.content] = t, name
+    own = sorted(tokens.values(), key=lambda t: t.id)
+    if len(own) > MAX_ADDED_TOKENS:
+        raise _refuse(where[own[0].content], f"{len(own)} added tokens of the adapter's own, above "
+                      f"the limit of {MAX_ADDED_TOKENS}")
+    first = max(base.values()) + 1 if base else None
+    for k, t in enumerate(own):
+        if k and own[k - 1].id == t.id:
+            raise _refuse(where[t.content], f"added tokens {own[k - 1].content!r} and {t.content!r} "
+                          f"both have id {t.id}")
+        if first is not None and t.id != first + k:
+            raise _refuse(where[t.content], f"added token {t.content!r} has id {t.id}, but added "
+                          f"to the base model's tokenizer ({first} tokens) after the adapter's "
+                          f"{k} lower ones it gets id {first + k}: an adapter's new tokens must "
+                          f"follow the base's ids without gaps")
+    return own, (where[own[0].content] if own else "")
+
+
+def check_added_tokens(folder, vocab_size: int | None,
+                       base_folder: str | None = None) -> list[AddedTokenSpec]:
+    """Refuse an adapter that ships added tokens (``added_tokens.json``, ``tokenizer.json``'s
+    ``added_tokens``, ``tokenizer_config.json``'s ``added_tokens_decoder``) with ids beyond the
+    base's vocabulary, or (where the served base's tokenizer is in ``base_folder``) ids a copy
+    of the base's tokenizer would not give them (:func:`own_tokens`). Returns the adapter's
+    own tokens, to be stored under :data:`STORED_KEY`."""
+    return own_tokens(folder, base_token_ids(base_folder), vocab_size)[0]

@@ -8,17 +8,27 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from loramux.engine.adapter_tokenizers import AdapterTokenizers
 from loramux.engine.sequence import Sequence
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded before the first output token (as vLLM)
 
 
-class Detokenizer:
-    """Turns each new token of a sequence into text and applies stop strings."""
+def _backend(tokenizer):
+    return tokenizer.backend_tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer._tokenizer
 
-    def __init__(self, tokenizer) -> None:
+
+class Detokenizer:
+    """Turns each new token of a sequence into text and applies stop strings, with the
+    sequence's tokenizer (``Sequence.tokenizer``: its adapter's, when the adapter adds tokens
+    of its own, :class:`~loramux.engine.adapter_tokenizers.AdapterTokenizers`), else the
+    base's. ``tokenizers.get(lora_request)`` gives each request's (``adapter_source``: an
+    adapter's folder when its ``LoRARequest`` has no path)."""
+
+    def __init__(self, tokenizer, adapter_source=None, vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
-        self._backend = tokenizer.backend_tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer._tokenizer
+        self.tokenizers = AdapterTokenizers(tokenizer, adapter_source, vocab_size)
+        self._backend = _backend(tokenizer)
 
     def decode_token(self, seq: Sequence, token_id: int) -> str:
         """Text that ``token_id`` adds to ``seq`` (may be '' while a character is incomplete)."""
@@ -28,12 +38,14 @@ class Detokenizer:
                 ids=seq.prompt_token_ids[-_PROMPT_CONTEXT:],
                 skip_special_tokens=seq.params.skip_special_tokens,
             )
-        piece = seq.detok_state.step(self._backend, token_id)
+        backend = self._backend if seq.tokenizer is None else _backend(seq.tokenizer)
+        piece = seq.detok_state.step(backend, token_id)
         return piece or ""
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (for logprobs)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def token_text(self, token_id: int, seq: Sequence | None = None) -> str:
+        """The text of one token on its own (for logprobs), with ``seq``'s tokenizer."""
+        tokenizer = self.tokenizer if seq is None or seq.tokenizer is None else seq.tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False)
 
     @staticmethod
     def apply_stop_strings(seq: Sequence, new_text: str) -> bool:

@@ -84,7 +84,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size,
                                   config.model.attention_backend, adapters=self.lora_manager)
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer, adapter_source, dims.vocab_size)
         self.sampler = Sampler(dims.vocab_size, self.eos_token_ids,
                                torch.Generator().manual_seed(config.model.seed))
         so = config.structured
@@ -138,7 +138,8 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        text, ids = self.tokenize(prompt)
+        tok = self.detokenizer.tokenizers.get(lora_request)  # the adapter's own, if it adds tokens
+        text, ids = tokenize(tok, prompt)
         check_prompt(ids, params, self.model.dims.vocab_size, self.max_model_len)
         lora_key, start = None, 0
         if lora_request is not None:
@@ -152,7 +153,7 @@ class LLMEngine:
         salt = self.model.prefix_cache_salt(len(ids))
         cache_id = prefix_cache_id(lora_request.prefix_cache_id if lora_request is not None else None, salt)
         seqs = make_sequences(request_id, ids, params, lora_key, cache_id, fairness_key, weight,
-                              self.structured.matcher, start, prefix_cache_id(None, salt))
+                              self.structured.matcher, start, prefix_cache_id(None, salt), tok)
         req = Request(request_id, text, ids, params, seqs, lora_request)
         if lora_key is None or self.lora_manager.is_resident(lora_key):
             req.metrics.adapter_ready_time = req.metrics.arrival_time

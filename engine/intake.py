@@ -82,18 +82,20 @@ def lora_start(ids: list[int], invocation: tuple[int, ...] | None) -> int:
 
 def make_sequences(request_id: str, ids: list[int], params: SamplingParams, lora_key: str | None,
                    cache_id: str | None, fairness_key: str | None, weight: float,
-                   grammar_of, start: int = 0, base_id: str | None = None) -> list[Sequence]:
+                   grammar_of, start: int = 0, base_id: str | None = None,
+                   tokenizer=None) -> list[Sequence]:
     """The request's ``best_of`` sequences: the first computes the prompt, the others fork
     from it once it is computed (``pending_forks``). ``grammar_of(spec)``: a fresh matcher;
     ``start``: where the adapter starts (:func:`lora_start`), ``base_id``: the base model's
-    prefix-cache identity (the blocks before ``start`` are the base's)."""
+    prefix-cache identity (the blocks before ``start`` are the base's); ``tokenizer``: the
+    adapter's own (``Sequence.tokenizer``), None for the base's."""
     if start and cache_id is not None:
         cache_id = f"{cache_id}@{start}"  # the KV of the block holding the start depends on it
     seqs = []
     for i in range(params.best_of):
         seq = Sequence(request_id, i, ids, params, lora_key, adapter_id=cache_id,
                        lora_start=start, base_cache_id=base_id,
-                       fairness_key=fairness_key, fairness_weight=weight)
+                       fairness_key=fairness_key, fairness_weight=weight, tokenizer=tokenizer)
         if params.prompt_logprobs is not None and len(ids) == 1:
             seq.prompt_logprobs = [None]
         if params.structured_outputs is not None:

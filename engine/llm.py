@@ -125,14 +125,16 @@ class LLM:
         ``tools`` (OpenAI function tools) are rendered by the template, as vLLM's ``LLM.chat``
         does; the outputs are the model's text (parse calls from it with a tool parser)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizers = self.llm_engine.detokenizer.tokenizers  # an adapter's own when it adds tokens
         prompts = [
             {
                 "prompt_token_ids": render_chat(
-                    self.llm_engine.tokenizer, conv, add_generation_prompt, chat_template,
+                    tokenizers.get(lora), conv, add_generation_prompt, chat_template,
                     chat_template_kwargs, tools=tools,
                 )
             }
-            for conv in convs
+            for conv, lora in zip(convs, _per_prompt(lora_request, len(convs), "lora_request"),
+                                  strict=True)
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

@@ -33,12 +33,12 @@ class Postprocessor:
             lp = out.logprobs[row]
             seq.cumulative_logprob += lp
             if p.logprobs is not None:
-                entry = {token: Logprob(lp, out.ranks[row], self.detok.token_text(token))}
+                entry = {token: Logprob(lp, out.ranks[row], self.detok.token_text(token, seq))}
                 for rank, (tid, tlp) in enumerate(
                     zip(out.top_ids[row], out.top_logprobs[row], strict=True), start=1
                 ):
                     if tid not in entry:
-                        entry[tid] = Logprob(tlp, rank, self.detok.token_text(tid))
+                        entry[tid] = Logprob(tlp, rank, self.detok.token_text(tid, seq))
                 seq.logprobs.append(entry)
         is_eos = token in self.eos and not p.ignore_eos
         new_text = self.detok.decode_token(seq, token) if p.detokenize and not is_eos else ""
@@ -66,7 +66,9 @@ class Postprocessor:
         logprob (with rank) and the top-N at its position. ``logits`` [P - 1, V] (bounded by
         the step's token budget) is read in chunks of ``LOGPROB_ROWS`` rows, so the
         temporaries stay [LOGPROB_ROWS, V] whatever the prompt's length."""
-        text = self.detok.token_text
+        def text(tid: int) -> str:
+            return self.detok.token_text(tid, seq)
+
         actual_all = torch.tensor(seq.prompt_token_ids[1:])
         n = seq.params.prompt_logprobs
         out: list = [None]

@@ -86,6 +86,9 @@ class Sequence:
     """Last step (the step budget's count) this sequence's decode row ran: a key's rows
     rotate by it when the budget caps them."""
     detok_state: object | None = None
+    tokenizer: object | None = None
+    """The adapter's own tokenizer when it adds tokens (``engine/adapter_tokenizers.py``);
+    None: the base model's."""
     grammar: object | None = None
     """xgrammar matcher when the request has structured_outputs (a ``GatedMatcher`` when it
     waits for the end of a thought: ``grammar_gate.py``)."""

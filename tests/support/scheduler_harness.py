@@ -41,7 +41,7 @@ class FakeDetokenizer:
     def decode_token(self, seq: Sequence, token_id: int) -> str:
         return f" {token_id}"
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, seq: Sequence | None = None) -> str:
         return str(token_id)
 
 
