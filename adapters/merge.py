@@ -149,6 +149,29 @@ def _load_base(base_model: Path, dtype: torch.dtype):
     return base
 
 
+EXPORT_METADATA = "loramux_export.json"
+"""What an export folder says about itself (beside ``config.json``)."""
+
+
+def _write_export_metadata(folder: Path, base_config: dict, weights: LoraWeights, dtype: torch.dtype) -> None:
+    """``EXPORT_METADATA`` in ``folder``: the adapter's kind, the dtype, and for a quantized base
+    its format and that the adapter was merged into its dequantized weights (the export is a
+    float checkpoint, not a quantized one)."""
+    quant = base_config.get("quantization_config")
+    meta = {
+        "merged_by": "loramux merge_and_unload",
+        "adapter_kind": weights.spec.kind,
+        "dtype": str(dtype).replace("torch.", ""),
+        "base_quantization": None if not quant else {
+            "quant_method": quant.get("quant_method"),
+            "merged_into": "dequantized weights",
+            "note": "the base was quantized; this export is a float checkpoint of the dequantized "
+                    "base with the adapter merged, not a quantized one",
+        },
+    }
+    (folder / EXPORT_METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def _load_peft(base_model: Path, adapter_dir: Path, dtype: torch.dtype):
     from peft import PeftModel
 
@@ -250,6 +273,7 @@ def export_merged(
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
             merged.save_pretrained(staging, safe_serialization=True)
+            _write_export_metadata(staging, base_config, weights, dtype)
             try:
                 AutoTokenizer.from_pretrained(base_model).save_pretrained(staging)
             except (OSError, ValueError) as e:

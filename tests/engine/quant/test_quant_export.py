@@ -22,3 +22,6 @@ def test_export_merges_into_the_dequantized_base(tmp_path, default_model_dir, ca
         out = export_merged(folder, adapter, tmp_path / "merged", check=True, progress=False)
     assert "merges into its dequantized weights" in caplog.text
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    meta = json.loads((out / "loramux_export.json").read_text())
+    assert meta["base_quantization"]["quant_method"] == "compressed-tensors"
+    assert meta["base_quantization"]["merged_into"] == "dequantized weights"
