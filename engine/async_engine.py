@@ -238,6 +238,12 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def tokenizers(self) -> Any:
+        """Each adapter's tokenizer: the base's, or its own when it adds tokens
+        (:class:`~loramux.engine.adapter_tokenizers.AdapterTokenizers`)."""
+        return self.engine.detokenizer.tokenizers
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -250,6 +256,18 @@ class AsyncEngine:
     def dtype(self) -> str:
         """The model's dtype (``float32``, ``bfloat16``, ``float16``)."""
         return str(self.engine.model.dtype).removeprefix("torch.")
+
+    @property
+    def weight_format(self) -> str:
+        """How the base's projections are stored: ``float`` (the model's dtype) or the
+        quantization method's description (``quant/``)."""
+        quant = getattr(self.engine.model, "quant", None)
+        return quant.describe() if quant is not None and quant.quantized else "float"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the base's weights take (quantized ones as stored)."""
+        return int(self.engine.model.weight_bytes())
 
     @property
     def device(self) -> str:

@@ -173,6 +173,7 @@ def build_state(settings: Settings, engine: AsyncEngine,
     admin = AdminService(
         fleet, registry, resolver, metrics.activity, base_model=engine.model_path.name,
         dtype=engine.dtype, device=engine.device, base_family=resolver.base_family,
+        weight_format=getattr(engine, "weight_format", None), weight_bytes=getattr(engine, "weight_bytes", None),
     )
     admin.goodput = metrics.goodput_report
     admin.flush_usage = usage.flush if usage is not None else None

@@ -114,6 +114,11 @@ class Overview(BaseModel):
     """The base model's family and architecture (``qwen3 (Qwen3ForCausalLM)``)."""
     dtype: str
     device: str
+    weight_format: str | None = None
+    """How the base's weights are stored: ``float`` or the quantization format
+    (``compressed-tensors pack-quantized (...)``, ``awq ...``); None: not reported."""
+    weight_bytes: int | None = None
+    """Bytes the base's weights take in memory (quantized ones as stored)."""
     engines: list[EngineSummary]
     dependencies: dict[str, str] = {}
     """``ok`` / ``degraded`` / ``down`` per dependency (database, object store, redis)."""

@@ -55,13 +55,15 @@ class AdminService:
 
     def __init__(self, fleet: Fleet, registry: RegistryService | None, resolver: ModelResolver,
                  activity: Activity, *, base_model: str, dtype: str, device: str,
-                 base_family: str | None = None) -> None:
+                 base_family: str | None = None, weight_format: str | None = None,
+                 weight_bytes: int | None = None) -> None:
         self.fleet = fleet
         self.registry = registry
         self.resolver = resolver
         self.activity = activity
         self.base_model, self.dtype, self.device = base_model, dtype, device
         self.base_family = base_family
+        self.weight_format, self.weight_bytes = weight_format, weight_bytes
         self.health: Callable[[], Awaitable[tuple[dict[str, str], dict[str, str]]]] | None = None
         """The server's dependency report for the overview (``dependency_report``)."""
         self.goodput: Callable[[], dict[str, float | int | None]] | None = None
@@ -83,8 +85,8 @@ class AdminService:
         views = await self.fleet.engines()
         deps, reasons = await self.health() if self.health is not None else ({}, {})
         return Overview(base_model=self.base_model, base_family=self.base_family,
-                        dtype=self.dtype, device=self.device,
-                        engines=[v.summary for v in views], dependencies=deps,
+                        dtype=self.dtype, device=self.device, weight_format=self.weight_format,
+                        weight_bytes=self.weight_bytes, engines=[v.summary for v in views], dependencies=deps,
                         dependency_reasons=reasons,
                         goodput=self.goodput() if self.goodput is not None else None)
 

@@ -101,6 +101,7 @@ async def test_pages_render(client, env):
 async def test_overview_tenants_and_keys(client, env):
     o = (await client.get("/admin/overview", headers=ADMIN)).json()
     assert o["dtype"] == "float32" and o["device"] == "cpu"
+    assert o["weight_format"] == "float" and o["weight_bytes"] > 0
     (engine,) = o["engines"]
     assert engine["max_loras"] == 2 and 0.0 <= engine["prefix_cache_hit_rate"] <= 1.0
     assert o["dependencies"] == {"database": "ok", "object store": "ok"}
