@@ -87,6 +87,11 @@ class AdapterTokenizers:
                 return found
             return self._build(request, key)
 
+    def peek(self, request: LoRARequest | None) -> Any:
+        """The tokenizer for ``request``'s adapter when nothing needs to be read or built for
+        it (call :meth:`get` off the event loop otherwise); else None."""
+        return self.base if request is None else self._cached(request.prefix_cache_id)
+
     def _cached(self, key: str) -> Any:
         with self._lock:
             if key in self._plain:

@@ -57,6 +57,21 @@ class UploadChecks:
     an adapter ships are compared with it (``adapters/vocab.py``)."""
 
 
+def stored_config(spec, folder, checks: UploadChecks) -> dict[str, Any]:
+    """The config stored for an upload: the spec's, and the adapter's own added tokens
+    (:data:`~loramux.adapters.added_tokens.STORED_KEY`, which the engine's adapter tokenizer
+    reads back from the cached ``adapter_config.json``) when it ships any."""
+    from loramux.adapters.added_tokens import STORED_KEY, check_added_tokens
+    from loramux.adapters.arch import text_config
+
+    config = spec.to_config()
+    tokens = check_added_tokens(folder, text_config(checks.base_config).get("vocab_size"),
+                                checks.base_model_path or checks.base_model_name)
+    if tokens:
+        config[STORED_KEY] = [t.to_dict() for t in tokens]
+    return config
+
+
 class Uploads:
     """New adapters and new versions, over the registry's storage and parts."""
 
@@ -154,7 +169,7 @@ class Uploads:
                 rank=spec.r,
                 alpha=spec.lora_alpha,
                 target_modules=list(spec.target_modules),
-                config=spec.to_config(),
+                config=stored_config(spec, folder, self.checks),
                 sha256=digest,
                 size_bytes=weights_path.stat().st_size,
                 object_key=object_key(digest),

@@ -179,15 +179,16 @@ async def receive_multipart(request: Request, scratch: Path, max_bytes: int) -> 
 def read_local(path: Path, scratch: Path, max_bytes: int) -> Received:
     """Copy a local adapter, a PEFT folder (its ``adapter_config.json`` and
     ``adapter_model.safetensors``, and its ``chat_template.jinja`` and
-    ``tokenizer_config.json`` and ``added_tokens.json`` when there: the registry checks its added
-    tokens against the base's) or one archive file, into a new folder under
+    ``tokenizer_config.json``, ``tokenizer.json`` and ``added_tokens.json`` when there: the
+    registry checks its added tokens against the base's and stores its own for serving) or one archive file, into a new folder under
     ``scratch``, under the size cap. Symlinks are never followed (``O_NOFOLLOW``) and only
     regular files are read; the caller decided that ``path`` may be read. Runs in a
     worker thread."""
     import os
     import stat
 
-    names = ["adapter_config.json", "adapter_model.safetensors", *CHAT_FILES, "added_tokens.json"] \
+    names = ["adapter_config.json", "adapter_model.safetensors", *CHAT_FILES, "tokenizer.json",
+             "added_tokens.json"] \
         if path.is_dir() else [None]
     scratch.mkdir(parents=True, exist_ok=True)
     received = Received(Path(tempfile.mkdtemp(prefix="local-", dir=scratch)))

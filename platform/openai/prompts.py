@@ -23,6 +23,10 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_prompts = max_prompts
 
+    def using(self, tokenizer) -> PromptBuilder:
+        """This builder with ``tokenizer`` (an adapter's own, when it adds tokens)."""
+        return self if tokenizer is self.tokenizer else PromptBuilder(tokenizer, self.max_prompts)
+
     async def encode(self, text: str) -> list[int]:
         if len(text) > LONG_PROMPT_CHARS:
             return await run_in_threadpool(lambda: self.tokenizer(text).input_ids)

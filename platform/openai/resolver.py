@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loramux.adapters.added_tokens import TOKEN_FILES
 from loramux.engine.lora_request import LoRARequest
 from loramux.platform.bulkheads import Dependencies
 from loramux.platform.errors import ModelNotFound
@@ -90,9 +91,10 @@ def _int_id(key: str) -> int:
 
 
 def folder_digest(path: Path) -> str:
-    """sha256 over an adapter folder's config and weights (static adapters)."""
+    """sha256 over an adapter folder's config, weights and added-token files (static
+    adapters: their identity keys the engine's slots, prefix cache and tokenizers)."""
     h = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
+    for name in ("adapter_config.json", "adapter_model.safetensors", *TOKEN_FILES):
         p = path / name
         if p.is_file():
             with open(p, "rb") as f:

@@ -31,6 +31,12 @@ class ResponseRenderer(TokenRenderer):
         super().__init__(tokenizer)
         self.fingerprint = fingerprint
 
+    def using(self, tokenizer) -> ResponseRenderer:
+        """This renderer with ``tokenizer`` (an adapter's own, when it adds tokens)."""
+        if tokenizer is self.tokenizer:
+            return self
+        return ResponseRenderer(tokenizer, self.fingerprint)
+
     def head(self, ctx: RequestContext, stream: bool) -> dict[str, Any]:
         obj = {
             ("cmpl", False): "text_completion", ("cmpl", True): "text_completion",
@@ -238,6 +244,8 @@ class RequestContext:
     parse_failed: bool = False
     """Some choice's text looked like a call but did not parse (served as content)."""
     reasoning_tokens: int = 0
+    render: ResponseRenderer | None = None
+    """Its bodies and chunks, with its tokenizer (an adapter's own, when it adds tokens)."""
 
     def __post_init__(self) -> None:
         self.rid = f"{self.kind}-{uuid.uuid4().hex}"

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -89,12 +90,14 @@ class OpenAIServing:
         served = await self.resolver.resolve(caller, req.model, user=req.user,
                                              pinned=pinned_version(request.headers))
         built = build_params(req, served.preset, default_max_tokens=16)
-        prompts = await self.prompts.completion_prompts(req.prompt)
+        tokenizer = await self._tokenizer(served)
+        prompts = await self.prompts.using(tokenizer).completion_prompts(req.prompt)
         if req.echo and built.params.logprobs is not None:
             built.params = built.params.clone(prompt_logprobs=built.params.logprobs)
         self.gate.check_caps(built.params)
         ctx = RequestContext("cmpl", req.model, served, built, prompts, bool(req.echo), "prompt", "completions",
-                             fairness_key=_fairness_key(caller), caller=caller)
+                             fairness_key=_fairness_key(caller), caller=caller,
+                             render=self.render.using(tokenizer))
         return await self._respond(ctx, req, request, caller)
 
     async def chat(self, req: ChatCompletionRequest, caller: Caller, request: Request, *,
@@ -106,7 +109,8 @@ class OpenAIServing:
                                              pinned=pinned_version(request.headers))
         config = self.parsing.for_model(served.tool_call_parser, served.reasoning_parser)
         plan = plan_tools(req, config, self.gate.limits.max_tools)
-        parsing = ChatParsing(plan, config.reasoning_parser_class(), self.engine.tokenizer,
+        tokenizer = await self._tokenizer(served)
+        parsing = ChatParsing(plan, config.reasoning_parser_class(), tokenizer,
                               req.chat_template_kwargs,
                               include_reasoning=req.include_reasoning is not False)
         built = build_params(req, served.preset, default_max_tokens=None,
@@ -120,35 +124,43 @@ class OpenAIServing:
         if parsing.keep_special_tokens:  # the parsers' markers may be special tokens
             built.params = built.params.clone(skip_special_tokens=False)
         self.gate.check_caps(built.params)
-        prompt = await self._chat_prompt(req, served, plan.template_tools(config))
+        prompt = await self._chat_prompt(req, served, plan.template_tools(config), tokenizer)
         if parsing.reasoning_cls is not None and not config.enable_in_reasoning:
             built.params = gate_after_thought(built.params, parsing, prompt["prompt_token_ids"])
         ctx = RequestContext("chatcmpl", req.model, served, built, [prompt], False, "messages", endpoint,
                              fairness_key=_fairness_key(caller), caller=caller,
-                             parsing=parsing if parsing.active else None)
+                             parsing=parsing if parsing.active else None,
+                             render=self.render.using(tokenizer))
         return await self._respond(ctx, req, request, caller)
 
+    async def _tokenizer(self, served: ServedModel) -> Any:
+        """The tokenizer of ``served``'s requests: the base's, or the adapter's own when it
+        adds tokens (read and built in a worker thread the first time)."""
+        tokenizers = self.engine.tokenizers
+        found = tokenizers.peek(served.lora)
+        return found if found is not None else await run_in_threadpool(tokenizers.get, served.lora)
+
     async def _chat_prompt(self, req: ChatCompletionRequest, served: ServedModel,
-                           tools: list[dict] | None) -> dict:
+                           tools: list[dict] | None, tokenizer: Any) -> dict:
         """The conversation rendered with the caller's template (if trusted), else the
-        adapter's own (sandboxed: it is tenant input), else the model's."""
+        adapter's own (sandboxed: it is tenant input), else the model's; tokenized with
+        ``tokenizer`` (the adapter's own when it adds tokens)."""
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        conversation = self.prompts.conversation(req)
+        prompts = self.prompts.using(tokenizer)
+        conversation = prompts.conversation(req)
         add_generation_prompt = bool(req.add_generation_prompt)
         if req.chat_template is not None:  # the caller's own: refused unless trusted
             text = await self.gate.render_template(
-                req.chat_template, conversation, self.engine.tokenizer, add_generation_prompt,
-                kwargs)
-            return await self.prompts.rendered_prompt(text)
+                req.chat_template, conversation, tokenizer, add_generation_prompt, kwargs)
+            return await prompts.rendered_prompt(text)
         if served.chat_template is not None:  # the adapter's: tenant input, sandboxed
             text = await self.gate.render_adapter_template(
-                served.chat_template, conversation, self.engine.tokenizer, add_generation_prompt,
-                kwargs)
-            return await self.prompts.rendered_prompt(text)
+                served.chat_template, conversation, tokenizer, add_generation_prompt, kwargs)
+            return await prompts.rendered_prompt(text)
         size = len(json.dumps([m.model_dump() for m in req.messages])) + len(json.dumps(tools or []))
         if size > LONG_PROMPT_CHARS:
-            return await run_in_threadpool(self.prompts.chat_prompt, req, tools)
-        return self.prompts.chat_prompt(req, tools)
+            return await run_in_threadpool(prompts.chat_prompt, req, tools)
+        return prompts.chat_prompt(req, tools)
 
     def _check_lengths(self, ctx: RequestContext) -> None:
         """min_tokens must fit in the context (the engine would not stop at max_model_len)."""
@@ -229,7 +241,7 @@ class OpenAIServing:
             err = to_api_error(exc, self._error_context(ctx))
             self._record(ctx, pump, metric_label(exc), error=err.code or err.type)
             raise err from None
-        body = self.render.completion_body(ctx, finals) if ctx.kind == "cmpl" else self.render.chat_body(ctx, finals)
+        body = ctx.render.completion_body(ctx, finals) if ctx.kind == "cmpl" else ctx.render.chat_body(ctx, finals)
         self._record(ctx, pump, "ok", usage=body.usage.model_dump())
         timing = timing_header(pump.tracks)
         if timing is not None:
@@ -316,7 +328,7 @@ class OpenAIServing:
                       ) -> AsyncIterator[str]:
         state = StreamState(ctx)
         # every chunk shares its head: render it once
-        prefix = dumps(self.render.head(ctx, stream=True))[:-1] + ',"choices":['
+        prefix = dumps(ctx.render.head(ctx, stream=True))[:-1] + ',"choices":['
         try:
             pending = list(first)
             while True:
@@ -331,7 +343,7 @@ class OpenAIServing:
                 pending = []
                 parts = []
                 for i, out in latest.items():
-                    for choice in self.render.chunks(ctx, state, i, out):
+                    for choice in ctx.render.chunks(ctx, state, i, out):
                         tail = ""
                         if include_usage:
                             tail = ',"usage":' + (dumps(state.usage()) if continuous else "null")
@@ -340,7 +352,7 @@ class OpenAIServing:
                     yield "".join(parts)
             self._record(ctx, pump, "ok", usage=state.usage())  # before the client hears the end
             if include_usage:
-                yield sse({**self.render.head(ctx, stream=True), "choices": [],
+                yield sse({**ctx.render.head(ctx, stream=True), "choices": [],
                            "usage": state.usage()})
             yield sse("[DONE]")
         except (asyncio.CancelledError, GeneratorExit):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.lora_fixtures import make_peft_adapter, peft_reference, teacher_forcing_gaps
-from support.tiny_models import make_tiny_llama
+from support.added_tokens import PROMPT, SEP, TOOL, make_tokens_adapter
+from support.lora_fixtures import peft_reference, teacher_forcing_gaps
 
 from loramux.adapters.added_tokens import MAX_ADDED_TOKENS, check_added_tokens
 from loramux.adapters.errors import AdapterValidationError
@@ -21,27 +21,11 @@ from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.errors import LoRAError
 from loramux.engine.sequence import Sequence
 
-TOOL, SEP = "<tool>", "<|sep|>"
-PROMPT = "Call the tool: <tool> now"
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, default_model_dir):
     """(base folder, adapter folder, the adapter's tokenizer, the base's)."""
-    from transformers import AutoTokenizer
-
-    tmp = tmp_path_factory.mktemp("added-tokens")
-    base_tok = AutoTokenizer.from_pretrained(default_model_dir)
-    base = make_tiny_llama(tmp / "base", default_model_dir, vocab_size=len(base_tok) + 64)
-    tok = AutoTokenizer.from_pretrained(base)
-    tok.add_tokens([TOOL])
-    tok.add_tokens([SEP], special_tokens=True)
-    new = tok.convert_tokens_to_ids([TOOL, SEP])
-    assert new == [len(base_tok), len(base_tok) + 1]
-    adapter = make_peft_adapter(base, tmp / "adapter", target_modules=["q_proj"],
-                                trainable_token_indices=new, std=0.5)
-    tok.save_pretrained(adapter)
-    return base, adapter, AutoTokenizer.from_pretrained(adapter), base_tok
+    return make_tokens_adapter(tmp_path_factory.mktemp("added-tokens"), default_model_dir)
 
 
 @pytest.fixture(scope="module")

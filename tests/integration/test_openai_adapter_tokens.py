@@ -1,0 +1,85 @@
+"""An adapter's own added tokens through the ``openai`` client against a live server: the
+adapter uploaded to the registry (its tokens stored with it and read back from the engine's
+cached folder) and the same folder as a static ``--lora-modules`` adapter (its tokenizer
+files read as PEFT saved them). Its prompts count ``<tool>`` as one token and its outputs
+(text, logprobs' tokens, streamed deltas, chat content) show the new tokens' text; the base
+model's requests split ``<tool>`` and never show it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from support.added_tokens import PROMPT, SEP, TOOL, make_tokens_adapter
+from support.server import make_engine, make_registry, serve_in_thread
+
+from loramux.adapters.added_tokens import STORED_KEY
+from loramux.platform.app import create_app
+from loramux.platform.settings import Settings
+from loramux.platform.state import close_state
+
+BASE = "tiny-padded"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("openai-added-tokens")
+    base, adapter, tok, base_tok = make_tokens_adapter(root, default_model_dir)
+    engine = make_engine(base, max_model_len=128, max_num_seqs=8, max_loras=2)
+    registry = make_registry(root / "registry", base)
+    tenant, key = registry.create_tenant("acme")
+    handle = registry.upload(tenant.id, "tools", adapter)
+    stored = handle.config[STORED_KEY]
+    assert [(t["content"], t["id"], t["special"]) for t in stored] == [
+        (TOOL, len(base_tok), False), (SEP, len(base_tok) + 1, True)]
+    settings = Settings(served_model_name=[BASE], lora_modules=[f"static-tools={adapter}"])
+    app = create_app(settings, engine=engine, registry=registry)
+    with serve_in_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60), tok, base_tok
+    close_state(app.services)
+    engine.shutdown()
+    registry.db.dispose()
+
+
+def _bias(tok, token: str) -> dict:
+    return {str(tok.convert_tokens_to_ids(token)): 100}
+
+
+@pytest.mark.parametrize("model", ["tools", "static-tools"])
+def test_completions_use_the_adapters_tokens(server, model):
+    client, tok, base_tok = server
+    kwargs = dict(prompt=PROMPT, max_tokens=3, temperature=0, logit_bias=_bias(tok, TOOL), logprobs=1)
+    mine = client.completions.create(model=model, **kwargs)
+    assert mine.choices[0].text == TOOL * 3
+    assert mine.choices[0].logprobs.tokens == [TOOL] * 3
+    assert mine.usage.prompt_tokens == len(tok(PROMPT).input_ids)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, stream=True, **kwargs) if c.choices)
+    assert streamed == TOOL * 3
+    echo = client.completions.create(model=model, echo=True, **{**kwargs, "logprobs": None})
+    assert echo.choices[0].text == PROMPT + TOOL * 3
+    base = client.completions.create(model=BASE, **kwargs)
+    assert base.usage.prompt_tokens == len(base_tok(PROMPT).input_ids) > mine.usage.prompt_tokens
+    assert TOOL not in base.choices[0].text and base.choices[0].text == ""
+
+
+def test_chat_uses_the_adapters_tokens(server):
+    client, tok, base_tok = server
+    messages = [{"role": "user", "content": PROMPT}]
+    kwargs = dict(messages=messages, max_tokens=2, temperature=0)
+    mine = client.chat.completions.create(model="tools", logit_bias=_bias(tok, TOOL), **kwargs)
+    assert mine.choices[0].message.content == TOOL * 2
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert mine.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False).input_ids)
+    base = client.chat.completions.create(model=BASE, logit_bias=_bias(tok, TOOL), **kwargs)
+    assert base.usage.prompt_tokens == len(base_tok(rendered, add_special_tokens=False).input_ids)
+    assert not base.choices[0].message.content
+    # the special one: skipped unless asked for (vLLM's skip_special_tokens)
+    sep = _bias(tok, SEP)
+    out = client.chat.completions.create(model="tools", logit_bias=sep, **kwargs)
+    assert out.choices[0].message.content == ""
+    out = client.chat.completions.create(model="tools", logit_bias=sep, **kwargs,
+                                         extra_body={"skip_special_tokens": False})
+    assert out.choices[0].message.content == SEP * 2
+    stream = client.chat.completions.create(model="tools", logit_bias=_bias(tok, TOOL),
+                                            stream=True, **kwargs)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == TOOL * 2
