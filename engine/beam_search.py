@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loramux.engine.intake import tokenize
+
 BEAM_SEARCH_READS = frozenset({
     "n", "best_of", "max_tokens", "ignore_eos", "length_penalty", "early_stopping", "logprobs",
     "use_beam_search", "include_stop_str_in_output", "skip_special_tokens",
@@ -119,8 +121,10 @@ class BeamSearch:
         ]
         self.rounds += 1
 
-    def results(self, tokenizer) -> list[BeamSearchOutput]:
-        """The best ``beam_width`` beams of each prompt by length-penalized score."""
+    def results(self, tokenizers) -> list[BeamSearchOutput]:
+        """The best ``beam_width`` beams of each prompt by length-penalized score, their text
+        decoded with their adapter's tokenizer (``tokenizers.get(lora_request)``,
+        :class:`~loramux.engine.adapter_tokenizers.AdapterTokenizers`)."""
         out = []
         for i, ids in enumerate(self.prompt_ids):
             for beam in self.live[i]:
@@ -129,7 +133,8 @@ class BeamSearch:
             best = sorted(pool, key=lambda b: _score(b, len(ids), self.params.length_penalty), reverse=True)
             best = best[: self.params.beam_width]
             for beam in best:
-                beam.text = tokenizer.decode(beam.tokens[len(ids):], skip_special_tokens=True)
+                beam.text = tokenizers.get(beam.lora_request).decode(beam.tokens[len(ids):],
+                                                                     skip_special_tokens=True)
             out.append(BeamSearchOutput(best))
         return out
 
@@ -138,7 +143,9 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
     """Run beam search for every prompt; ``llm`` is a :class:`loramux.engine.LLM`."""
     engine = llm.llm_engine
     loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-    search = BeamSearch([engine.tokenize(p)[1] for p in prompts], params, loras, engine.eos_token_ids)
+    tokenizers = engine.detokenizer.tokenizers
+    search = BeamSearch([tokenize(tokenizers.get(lr), p)[1] for p, lr in zip(prompts, loras, strict=True)],
+                        params, loras, engine.eos_token_ids)
     while flat := search.pending():
         outs = llm.generate(
             [{"prompt_token_ids": b.tokens} for _, b in flat],
@@ -146,7 +153,7 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, lora_request=None)
             lora_request=[b.lora_request for _, b in flat],
         )
         search.advance(flat, outs)
-    return search.results(engine.tokenizer)
+    return search.results(tokenizers)
 
 
 async def beam_search_request(engine, prompt, params, request_id: str, lora_request=None,
@@ -161,7 +168,8 @@ async def beam_search_request(engine, prompt, params, request_id: str, lora_requ
 
     metrics = RequestMetrics(time.monotonic())
     core = engine.engine
-    text, ids = await engine.call(lambda: core.tokenize(prompt))
+    tokenizers = core.detokenizer.tokenizers
+    text, ids = await engine.call(lambda: tokenize(tokenizers.get(lora_request), prompt))
     max_tokens = params.max_tokens or max(1, core.max_model_len - len(ids))
     search = BeamSearch(
         [ids],
@@ -183,7 +191,7 @@ async def beam_search_request(engine, prompt, params, request_id: str, lora_requ
             *(expand(f"{request_id}-r{search.rounds}-b{j}", b) for j, (_, b) in enumerate(flat))
         )
         search.advance(flat, outs)
-    (result,) = search.results(core.tokenizer)
+    (result,) = search.results(tokenizers)
     metrics.first_token_time = metrics.finished_time = time.monotonic()
     outputs = [
         CompletionOutput(

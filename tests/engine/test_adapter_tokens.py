@@ -15,7 +15,7 @@ from support.lora_fixtures import peft_reference, teacher_forcing_gaps
 
 from loramux.adapters.added_tokens import MAX_ADDED_TOKENS, check_added_tokens
 from loramux.adapters.errors import AdapterValidationError
-from loramux.engine import LLM, LoRARequest, SamplingParams
+from loramux.engine import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from loramux.engine.adapter_tokenizers import AdapterTokenizers
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.errors import LoRAError
@@ -155,3 +155,15 @@ def test_engine_refuses_tokens_its_base_would_place_elsewhere(setup, tmp_path):
     (bad / "added_tokens.json").write_text(json.dumps({TOOL: len(base_tok) + 3}))
     with pytest.raises(LoRAError, match="'<tool>' has id 49155"):
         AdapterTokenizers(base_tok).get(LoRARequest("bad", 3, str(bad)))
+
+
+def test_beam_search_uses_the_adapters_tokenizer(llm, setup):
+    _, adapter, tok, base_tok = setup
+    lora = LoRARequest("tools", 1, str(adapter))
+    mine, base = llm.beam_search([PROMPT, PROMPT], BeamSearchParams(beam_width=2, max_tokens=2),
+                                 lora_request=[lora, None])
+    n = len(tok(PROMPT).input_ids)
+    for beam in mine.sequences:
+        assert beam.tokens[:n] == tok(PROMPT).input_ids
+        assert beam.text == tok.decode(beam.tokens[n:], skip_special_tokens=True)
+    assert base.sequences[0].tokens[:len(base_tok(PROMPT).input_ids)] == base_tok(PROMPT).input_ids
