@@ -9,9 +9,11 @@ unquantized method returns the plain :class:`~loramux.engine.model.linear.Linear
 weight-only method returns a :class:`QuantLinear`, whose call is the method's
 :meth:`WeightOnlyMethod.apply` and whose bytes are :meth:`WeightOnlyMethod.weight_bytes`.
 
-:meth:`WeightOnlyMethod.apply` here is the pure-torch path every device runs: it
-dequantizes ``TILE_ELEMS`` weights at a time (a band of output rows, never the whole matrix)
-and multiplies the activations by each band in the activations' matmul dtype.
+:meth:`WeightOnlyMethod.apply` here runs a layer on a CUDA device by the Triton kernel
+(``triton_wq.py``: the integer weights converted to its layout once, when the layer is made);
+elsewhere it is the pure-torch path: it dequantizes ``TILE_ELEMS`` weights at a time (a band
+of output rows, never the whole matrix) and multiplies the activations by each band in the
+activations' matmul dtype.
 """
 
 from __future__ import annotations
@@ -87,8 +89,13 @@ class WeightOnlyMethod(QuantMethod):
         library dequantizes them ([stop - start, in], in its scales' dtype)."""
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + b`` for x [T, in] → [T, out] in the layer's dtype, a band of rows of W
-        dequantized at a time (``TILE_ELEMS``) into the activations' matmul dtype."""
+        """``x @ W.T + b`` for x [T, in] → [T, out] in the layer's dtype: the Triton kernel
+        for a layer converted to its layout at load (CUDA, ``triton_wq.py``); else a band of
+        rows of W dequantized at a time (``TILE_ELEMS``) into the activations' matmul dtype."""
+        if "wq_weight" in layer.params:
+            from loramux.engine.model.quant import triton_wq
+
+            return triton_wq.apply(layer, x)
         x = x.to(layer.compute_dtype)
         y = x.new_empty(x.shape[0], layer.out_features)  # [T, out]
         b = layer.bias  # [out] or None
@@ -120,6 +127,11 @@ class QuantLinear:
         self.compute_dtype = matmul_dtype(dtype, self.device)
         self.bias = bias.to(self.compute_dtype) if bias is not None else None  # [out]
         self._row_norms: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            from loramux.engine.model.quant import triton_wq
+
+            if triton_wq.HAS_TRITON:
+                triton_wq.prepare(self)  # the stored tensors → the Triton kernel's layout, once
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
@@ -132,10 +144,13 @@ class QuantLinear:
     def bands(self, rows: int | None = None):
         """``(start, stop, W[start:stop])`` over the dequantized weight in bands of ``rows``
         output rows (default: ``TILE_ELEMS`` weights a band)."""
+        from loramux.engine.model.quant import triton_wq
+
         rows = rows or max(1, TILE_ELEMS // self.in_features)
         for r0 in range(0, self.out_features, rows):
             r1 = min(r0 + rows, self.out_features)
-            yield r0, r1, self.method.dequantize_rows(self, r0, r1)
+            yield r0, r1, (triton_wq.dequantize_rows(self, r0, r1) if "wq_weight" in self.params
+                           else self.method.dequantize_rows(self, r0, r1))
 
     def row_norms(self) -> torch.Tensor:
         """``‖W[i]‖`` of the dequantized rows, float32 [out] (DoRA's per-row scale)."""
