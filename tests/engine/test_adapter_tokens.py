@@ -167,3 +167,16 @@ def test_beam_search_uses_the_adapters_tokenizer(llm, setup):
         assert beam.tokens[:n] == tok(PROMPT).input_ids
         assert beam.text == tok.decode(beam.tokens[n:], skip_special_tokens=True)
     assert base.sequences[0].tokens[:len(base_tok(PROMPT).input_ids)] == base_tok(PROMPT).input_ids
+
+
+def test_a_grammar_never_produces_the_adapters_tokens(llm, setup):
+    """Structured outputs keep the base's xgrammar token table (documented): under a grammar
+    the adapter's own ids are masked however strongly they are pushed."""
+    from loramux.engine.structured_params import StructuredOutputsParams
+
+    _, adapter, tok, _ = setup
+    tool = tok.convert_tokens_to_ids(TOOL)
+    p = SamplingParams(temperature=0, max_tokens=4, logit_bias={tool: 100.0},
+                       structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    (o,) = llm.generate([PROMPT], p, lora_request=LoRARequest("tools", 1, str(adapter)))
+    assert tool not in o.outputs[0].token_ids and TOOL not in o.outputs[0].text
