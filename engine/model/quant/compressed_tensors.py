@@ -1,5 +1,6 @@
 """compressed-tensors checkpoints (llm-compressor's output, ``quant_method:
-"compressed-tensors"``): integer weight-only schemes in the ``pack-quantized`` format.
+"compressed-tensors"``): integer weight-only schemes in the ``pack-quantized`` format, FP8
+weights in the ``float-quantized`` / ``naive-quantized`` formats (``fp8.py``).
 
 ``quantization_config`` is read as the library writes it: ``config_groups`` (each a scheme:
 ``targets``, ``weights``, ``input_activations``, ``format``), the top-level ``format`` and
@@ -12,9 +13,10 @@
 Served: 4- and 8-bit integer weights, per channel or grouped (any group size dividing the input
 features), symmetric or asymmetric (``weight_zero_point``: int32 [out·bits/32, G], packed along
 the output dimension; unpacked to int8 [out, G] at load). Refused at start, naming the field:
-activation quantization (W8A8), other formats (FP8
-``float-quantized`` / ``naive-quantized``, ``int-quantized``, sparsity), ``actorder: group``
-(``weight_g_idx``), a KV-cache scheme, transforms.
+integer activation quantization (W8A8), other formats (``int-quantized``, sparsity, NVFP4 /
+MXFP4), ``actorder: group`` (``weight_g_idx``), a KV-cache scheme, transforms. FP8 schemes
+that declare dynamic activation quantization load with the activations kept in the model's
+dtype (no FP8 math on the CPU; logged at start).
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ from loramux.engine.model.quant.base import (
     UnquantizedMethod,
     WeightOnlyMethod,
 )
+from loramux.engine.model.quant.fp8 import (
+    FLOAT_FORMATS,
+    FloatScheme,
+    dequantize_fp8_rows,
+    parse_float_scheme,
+    read_fp8,
+)
 from loramux.engine.model.quant.int_packed import (
     PACKED_BITS,
     dequantize_int,
@@ -55,6 +64,8 @@ STORED = ("weight_packed", "weight_scale", "weight_shape")
 """A quantized module's tensors (and ``weight_zero_point`` when asymmetric), kept in their
 stored dtypes."""
 ZERO_POINT = "weight_zero_point"
+PROJECTION = re.compile(r"(_proj|lm_head)$")
+"""The modules a ``Linear`` target can name (a norm's ``.weight`` is never quantized)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """Activation and output dtypes the compiled kernel takes (others run the torch path)."""
 
@@ -82,7 +93,7 @@ class ConfigGroup:
 
     name: str
     targets: tuple[str, ...]
-    scheme: IntScheme
+    scheme: IntScheme | FloatScheme
 
 
 def _refuse(source: str, field: str, value: Any, why: str) -> ModelLoadError:
@@ -92,10 +103,16 @@ def _refuse(source: str, field: str, value: Any, why: str) -> ModelLoadError:
 def _parse_group(name: str, group: Mapping[str, Any], top_format: Any, source: str) -> ConfigGroup:
     """One config group, every field checked (a refusal names the field)."""
     at = f"config_groups.{name}"
+    targets = group.get("targets")
+    if not targets or not all(isinstance(t, str) for t in targets):
+        raise _refuse(source, f"{at}.targets", targets, "a list of module names is required")
     fmt = group.get("format") or top_format
+    if fmt in FLOAT_FORMATS:
+        return ConfigGroup(name, tuple(targets), parse_float_scheme(
+            at, group, lambda field, value, why: _refuse(source, field, value, why)))
     if fmt not in FORMATS:
-        raise _refuse(source, f"{at}.format", fmt, f"supported formats: {', '.join(FORMATS)} "
-                      "(int4 / int8 weight-only)")
+        raise _refuse(source, f"{at}.format", fmt, "supported formats: "
+                      f"{', '.join(FORMATS + FLOAT_FORMATS)} (int4 / int8 weight-only, FP8 weights)")
     for key in ("input_activations", "output_activations"):
         if group.get(key) is not None:
             raise _refuse(source, f"{at}.{key}", "...", "activation quantization is not "
@@ -122,9 +139,6 @@ def _parse_group(name: str, group: Mapping[str, Any], top_format: Any, source: s
         if not isinstance(group_size, int) or group_size < 1:
             raise _refuse(source, f"{at}.weights.group_size", group_size, "a positive integer "
                           "is required with strategy group")
-    targets = group.get("targets")
-    if not targets or not all(isinstance(t, str) for t in targets):
-        raise _refuse(source, f"{at}.targets", targets, "a list of module names is required")
     return ConfigGroup(name, tuple(targets),
                        IntScheme(w["num_bits"], group_size, w.get("symmetric", True)))
 
@@ -172,7 +186,7 @@ class CompressedTensorsMethod(WeightOnlyMethod):
                            for g in self.groups)
         return f"compressed-tensors pack-quantized ({groups}; ignore {list(self.ignore)})"
 
-    def scheme_of(self, module: str) -> IntScheme | None:
+    def scheme_of(self, module: str) -> IntScheme | FloatScheme | None:
         """The scheme of canonical module ``module`` (None: stored unquantized)."""
         if any(_matches(module, i) for i in self.ignore):
             return None
@@ -183,7 +197,11 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         return found[0].scheme if found else None
 
     def keeps_stored_dtype(self, name: str) -> bool:
-        return name.rsplit(".", 1)[-1] in (*STORED, ZERO_POINT)
+        module, suffix = name.rsplit(".", 1) if "." in name else ("", name)
+        if suffix == "weight":  # an FP8 projection's weight stays FP8
+            return PROJECTION.search(module) is not None and isinstance(self.scheme_of(module),
+                                                                        FloatScheme)
+        return suffix in (*STORED, ZERO_POINT)
 
     def create_linear(self, modules: Sequence[str], take: Take, bias: torch.Tensor | None, *,
                       shapes: Sequence[Shape], dtype: torch.dtype):
@@ -194,6 +212,8 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         scheme = schemes.pop()
         if scheme is None:
             return UnquantizedMethod().create_linear(modules, take, bias, shapes=shapes, dtype=dtype)
+        if isinstance(scheme, FloatScheme):
+            return self._fp8_linear(modules, scheme, take, bias, shapes, dtype)
         parts = [self._read(m, scheme, shape, take) for m, shape in zip(modules, shapes, strict=True)]
         in_features = {k for _, k in parts}
         if len(in_features) > 1:
@@ -206,6 +226,24 @@ class CompressedTensorsMethod(WeightOnlyMethod):
             params = self._repack(params, scheme, k)
         return QuantLinear(self, params, bias, out_features=out, in_features=k, dtype=dtype,
                            scheme=scheme)
+
+    def _fp8_linear(self, modules: Sequence[str], scheme: FloatScheme, take: Take,
+                    bias: torch.Tensor | None, shapes: Sequence[Shape], dtype: torch.dtype):
+        """A projection of FP8 weights (``fp8.py``), dequantized a band of rows at a time."""
+        parts = [read_fp8(m, scheme, shape, take, self._bad) for m, shape in zip(modules, shapes,
+                                                                                  strict=True)]
+        in_features = {p["weight"].shape[1] for p in parts}
+        if len(in_features) > 1:
+            raise ModelLoadError(f"{self.source}: fused modules {list(modules)} have different "
+                                 f"input features {sorted(in_features)}")
+        params = {n: torch.cat([p[n] for p in parts]) if len(parts) > 1 else parts[0][n]
+                  for n in parts[0]}
+        if (scheme, "fp8") not in self._logged:
+            self._logged.add((scheme, "fp8"))
+            logger.info("quantized linears (%s): torch dequantize-then-matmul, a band of rows at "
+                        "a time into %s", scheme.describe(), dtype)
+        return QuantLinear(self, params, bias, out_features=params["weight"].shape[0],
+                           in_features=in_features.pop(), dtype=dtype, scheme=scheme)
 
     def _runs_kernel(self, scheme: IntScheme, device: torch.device) -> bool:
         """Whether this projection runs the compiled kernel (``loramux::wq_linear``); logs
@@ -290,6 +328,8 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         return super().apply(layer, x)
 
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
+        if isinstance(layer.scheme, FloatScheme):
+            return dequantize_fp8_rows(layer.params, start, stop)
         scheme: IntScheme = layer.scheme
         if "kernel_weight" in layer.params:  # repacked at load for the kernel
             return kernel_dequantize(layer.params, scheme.num_bits, layer.in_features,

@@ -121,7 +121,7 @@ WEIGHTS = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, 
     ("weights.strategy", {"weights": {**WEIGHTS, "strategy": "tensor"}}, "channel, group"),
     ("weights.actorder", {"weights": {**WEIGHTS, "actorder": "group"}}, "weight_g_idx"),
     ("input_activations", {"input_activations": {"type": "int", "num_bits": 8}}, "activation"),
-    ("format", {"format": "float-quantized"}, "supported formats: pack-quantized"),
+    ("format", {"format": "int-quantized"}, "supported formats: pack-quantized"),
 ])
 def test_an_unsupported_scheme_is_refused_naming_its_field(copy, field, change, why):
     group = {"targets": ["Linear"], "weights": WEIGHTS, "format": "pack-quantized", **change}
