@@ -7,7 +7,9 @@ requests use it (vLLM's per-LoRA tokenizer).
 Bounded against a tenant uploading many adapters with long added-token lists: at most
 :data:`~loramux.adapters.added_tokens.MAX_ADDED_TOKENS` tokens an adapter (refused at upload
 past it), one build at a time, and an LRU of ``max_entries`` built tokenizers (each a copy of
-the base's); adapters without tokens of their own cost one small entry in a second LRU.
+the base's; one still held by a running request or a server handler is found again while it
+lives, so an eviction never makes the engine thread build it again mid-flight); adapters
+without tokens of their own cost one small entry in a second LRU.
 Structured outputs (xgrammar) keep the base's token table: under a grammar an adapter's own
 tokens are never produced."""
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +70,7 @@ class AdapterTokenizers:
         self.vocab_size = vocab_size
         self.max_entries = max_entries
         self._built: OrderedDict[str, Any] = OrderedDict()
+        self._live: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._plain: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
@@ -100,7 +104,7 @@ class AdapterTokenizers:
             tok = self._built.get(key)
             if tok is not None:
                 self._built.move_to_end(key)
-            return tok
+            return tok if tok is not None else self._live.get(key)
 
     def _folder(self, request: LoRARequest) -> Path | None:
         if request.lora_path is not None:
@@ -124,7 +128,7 @@ class AdapterTokenizers:
                 while len(self._plain) > MAX_PLAIN:
                     self._plain.popitem(last=False)
             else:
-                self._built[key] = tok
+                self._built[key] = self._live[key] = tok
                 while len(self._built) > self.max_entries:
                     self._built.popitem(last=False)
         if tokens:
@@ -136,4 +140,5 @@ class AdapterTokenizers:
         """Drop ``request``'s adapter's tokenizer (its folder changed or it was deleted)."""
         with self._lock:
             self._built.pop(request.prefix_cache_id, None)
+            self._live.pop(request.prefix_cache_id, None)
             self._plain.pop(request.prefix_cache_id, None)

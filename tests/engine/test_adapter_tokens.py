@@ -7,6 +7,7 @@ base requests in the same batch keep the base's."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -104,7 +105,11 @@ def test_cache_is_bounded_and_keyed_by_identity(setup, tmp_path):
     for i in range(3):
         cache.get(LoRARequest(f"b{i}", 2 + i, str(adapter)))
     assert len(cache._built) == 2
-    assert cache.get(LoRARequest("a", 1, str(adapter))) is not first  # evicted, built again
+    assert cache.get(LoRARequest("a", 1, str(adapter))) is first  # evicted, still held: found
+    del first
+    gc.collect()
+    again = cache.get(LoRARequest("a", 1, str(adapter)))  # evicted and dropped: built again
+    assert again.convert_tokens_to_ids(TOOL) == tok.convert_tokens_to_ids(TOOL)
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "adapter_config.json").write_text("{}")
