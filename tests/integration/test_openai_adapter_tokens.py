@@ -7,6 +7,10 @@ model's requests split ``<tool>`` and never show it."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
+import httpx
 import openai
 import pytest
 from support.added_tokens import PROMPT, SEP, TOOL, make_tokens_adapter
@@ -34,7 +38,7 @@ def server(tmp_path_factory, default_model_dir):
     settings = Settings(served_model_name=[BASE], lora_modules=[f"static-tools={adapter}"])
     app = create_app(settings, engine=engine, registry=registry)
     with serve_in_thread(app) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60), tok, base_tok
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60), tok, base_tok, adapter
     close_state(app.services)
     engine.shutdown()
     registry.db.dispose()
@@ -46,7 +50,7 @@ def _bias(tok, token: str) -> dict:
 
 @pytest.mark.parametrize("model", ["tools", "static-tools"])
 def test_completions_use_the_adapters_tokens(server, model):
-    client, tok, base_tok = server
+    client, tok, base_tok, _ = server
     kwargs = dict(prompt=PROMPT, max_tokens=3, temperature=0, logit_bias=_bias(tok, TOOL), logprobs=1)
     mine = client.completions.create(model=model, **kwargs)
     assert mine.choices[0].text == TOOL * 3
@@ -63,7 +67,7 @@ def test_completions_use_the_adapters_tokens(server, model):
 
 
 def test_chat_uses_the_adapters_tokens(server):
-    client, tok, base_tok = server
+    client, tok, base_tok, _ = server
     messages = [{"role": "user", "content": PROMPT}]
     kwargs = dict(messages=messages, max_tokens=2, temperature=0)
     mine = client.chat.completions.create(model="tools", logit_bias=_bias(tok, TOOL), **kwargs)
@@ -83,3 +87,32 @@ def test_chat_uses_the_adapters_tokens(server):
     stream = client.chat.completions.create(model="tools", logit_bias=_bias(tok, TOOL),
                                             stream=True, **kwargs)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == TOOL * 2
+
+
+def _upload(client, name: str, folder, names) -> httpx.Response:
+    files = [("file", (n, (folder / n).read_bytes())) for n in names]
+    return httpx.post(f"{client.base_url}adapters", data={"name": name}, files=files, timeout=60,
+                      headers={"Authorization": f"Bearer {client.api_key}"})
+
+
+def test_http_upload_serves_or_refuses_the_tokens(server, tmp_path):
+    """Through ``POST /v1/adapters`` (multipart): the tokenizer files reach the registry and
+    the adapter's requests; an upload whose ``added_tokens.json`` leaves a gap is refused
+    with 422 naming the token and the file."""
+    client, tok, _, folder = server
+    names = ["adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
+             "tokenizer_config.json"]
+    assert _upload(client, "tools-http", folder, names).status_code in (200, 201)
+    out = client.completions.create(model="tools-http", prompt=PROMPT, max_tokens=2, temperature=0,
+                                    logit_bias=_bias(tok, TOOL))
+    assert out.choices[0].text == TOOL * 2
+    assert out.usage.prompt_tokens == len(tok(PROMPT).input_ids)
+    for n in names[:2]:
+        shutil.copy(folder / n, tmp_path / n)
+    gap = tok.convert_tokens_to_ids(TOOL) + 1
+    (tmp_path / "added_tokens.json").write_text(json.dumps({TOOL: gap}))
+    r = _upload(client, "gap", tmp_path, [*names[:2], "added_tokens.json"])
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert f"'{TOOL}' has id {gap}" in err["message"] and "added_tokens.json" in err["message"]
+    assert "gap" not in [m.id for m in client.models.list()]
