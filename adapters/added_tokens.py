@@ -22,7 +22,7 @@ from typing import Any
 from loramux.adapters.errors import AdapterValidationError
 
 __all__ = ["MAX_ADDED_TOKENS", "MAX_TOKEN_CHARS", "STORED_KEY", "AddedTokenSpec",
-           "base_token_ids", "check_added_tokens", "own_tokens"]
+           "base_token_ids", "check_added_tokens", "own_tokens", "tokenizer_with", "with_adapter_tokens"]
 
 MAX_ADDED_TOKENS = 4096
 """The most tokens of its own an adapter may add to the base's tokenizer."""
@@ -196,3 +196,31 @@ def check_added_tokens(folder, vocab_size: int | None,
     of the base's tokenizer would not give them (:func:`own_tokens`). Returns the adapter's
     own tokens, to be stored under :data:`STORED_KEY`."""
     return own_tokens(folder, base_token_ids(base_folder), vocab_size)[0]
+
+
+def tokenizer_with(base: Any, tokens: list[AddedTokenSpec]) -> Any:
+    """A copy of the transformers tokenizer ``base`` with ``tokens`` added in id order
+    (special ones as special); :class:`AdapterValidationError` naming the token unless each
+    lands on its id."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    tok = copy.deepcopy(base)
+    tok.add_tokens([AddedToken(t.content, special=t.special, lstrip=t.lstrip, rstrip=t.rstrip,
+                               single_word=t.single_word,
+                               normalized=(not t.special) if t.normalized is None else t.normalized)
+                    for t in tokens])
+    for t in tokens:
+        got = tok.convert_tokens_to_ids(t.content)
+        if got != t.id:
+            raise _refuse("added_tokens", f"added token {t.content!r} has id {t.id} in the adapter's "
+                          f"files but lands on id {got} in the base model's tokenizer")
+    return tok
+
+
+def with_adapter_tokens(base: Any, folder) -> Any:
+    """``base`` (a transformers tokenizer), or a copy of it holding the own added tokens the
+    adapter in ``folder`` ships (its export's tokenizer)."""
+    tokens = own_tokens(folder, dict(base.get_vocab()), None)[0]
+    return tokenizer_with(base, tokens) if tokens else base

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from loramux.adapters.added_tokens import with_adapter_tokens
 from loramux.adapters.arch import MODULE_PARENT, base_dims
 from loramux.adapters.archive import CONFIG_NAME, WEIGHTS_NAME, adapter_folder
 from loramux.adapters.errors import AdapterValidationError
@@ -275,7 +276,8 @@ def export_merged(
             merged.save_pretrained(staging, safe_serialization=True)
             _write_export_metadata(staging, base_config, weights, dtype)
             try:
-                AutoTokenizer.from_pretrained(base_model).save_pretrained(staging)
+                with_adapter_tokens(AutoTokenizer.from_pretrained(base_model), folder
+                                    ).save_pretrained(staging)  # the adapter's own tokens too
             except (OSError, ValueError) as e:
                 logger.warning("no tokenizer copied from %s: %s", base_model, e)
             if out.exists():

@@ -15,7 +15,6 @@ tokens are never produced."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import weakref
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loramux.adapters.added_tokens import AddedTokenSpec, own_tokens
+from loramux.adapters.added_tokens import AddedTokenSpec, own_tokens, tokenizer_with
 from loramux.adapters.errors import AdapterValidationError
 from loramux.engine.errors import LoRAError
 from loramux.engine.lora_request import LoRARequest
@@ -42,19 +41,10 @@ MAX_PLAIN = 4096
 def build_tokenizer(base: Any, tokens: list[AddedTokenSpec], name: str = "adapter") -> Any:
     """A copy of ``base`` with ``tokens`` added in id order; :class:`LoRAError` naming the
     token unless each lands on its id."""
-    from tokenizers import AddedToken
-
-    tok = copy.deepcopy(base)
-    tok.add_tokens([AddedToken(t.content, special=t.special, lstrip=t.lstrip, rstrip=t.rstrip,
-                               single_word=t.single_word,
-                               normalized=(not t.special) if t.normalized is None else t.normalized)
-                    for t in tokens])
-    for t in tokens:
-        got = tok.convert_tokens_to_ids(t.content)
-        if got != t.id:
-            raise LoRAError(f"adapter {name!r}: added token {t.content!r} has id {t.id} in the "
-                            f"adapter's files but lands on id {got} in the base model's tokenizer")
-    return tok
+    try:
+        return tokenizer_with(base, tokens)
+    except AdapterValidationError as e:
+        raise LoRAError(f"adapter {name!r}: {e}") from None
 
 
 class AdapterTokenizers:

@@ -185,3 +185,28 @@ def test_a_grammar_never_produces_the_adapters_tokens(llm, setup):
                        structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
     (o,) = llm.generate([PROMPT], p, lora_request=LoRARequest("tools", 1, str(adapter)))
     assert tool not in o.outputs[0].token_ids and TOOL not in o.outputs[0].text
+
+
+def test_export_ships_the_adapters_tokens(setup, tmp_path):
+    """The merged export's tokenizer holds the adapter's own tokens, from PEFT's files or from
+    the form the registry stores (the config's ``loramux_added_tokens``, which PEFT ignores)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from loramux.adapters.added_tokens import STORED_KEY
+    from loramux.adapters.merge import export_merged
+
+    base, adapter, tok, _ = setup
+    stored = tmp_path / "stored"
+    stored.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(adapter / name, stored / name)
+    config = json.loads((stored / "adapter_config.json").read_text())
+    config[STORED_KEY] = [t.to_dict() for t in check_added_tokens(adapter, None, str(base))]
+    (stored / "adapter_config.json").write_text(json.dumps(config))
+    for i, folder in enumerate([adapter, stored]):
+        out = export_merged(base, folder, tmp_path / f"merged{i}", check=True, progress=False)
+        merged_tok = AutoTokenizer.from_pretrained(out)
+        assert merged_tok(PROMPT).input_ids == tok(PROMPT).input_ids
+        assert merged_tok.decode(tok.convert_tokens_to_ids([TOOL, SEP])) == TOOL + SEP
