@@ -9,16 +9,18 @@ Parts, in the order they run (each writes the JSON as it ends, so a cut run keep
    error, time, bandwidth as a fraction of the copy rate.
 3. ``attention``: Triton paged attention vs ``scaled_dot_product_attention`` on the same
    contexts (decode; a prompt chunk over a cached prefix), MHA d128 and GQA d64.
-4. ``greedy``: greedy outputs of the device path vs the torch path (CPU) on a tiny random
+4. ``quant``: Triton W4A16 / W8A16 GEMMs on Llama-7B projections vs bf16 (``gpu_check_quant``).
+5. ``greedy``: greedy outputs of the device path vs the torch path (CPU) on a tiny random
    model, base rows mixed with two adapters, checked by teacher forcing.
-5. ``engine``: random Llama-7B- then 1B-shaped models (bf16, fixed seed, drawn on the
+6. ``engine``: random Llama-7B- then 1B-shaped models (bf16, fixed seed, drawn on the
    device, loaded from a folder like any model): decode tokens/s of a 64-row batch for the
    base model and for 1, 8, 32 distinct rank-16 adapters; ratio base ÷ LoRA.
 
-Goals (evaluated on a GPU only): SGMV >= 60% of the copy rate on bf16 decode shapes that
-move >= 32 MiB (below that a launch's fixed cost, not bandwidth, sets the time); 32
-distinct r16 adapters in a 64-row batch on the 7B shape <= 15% slower than the base
-model; every kernel within bf16 tolerance (``gpu_check_kernels``); greedy outputs agree.
+Goals (evaluated on a GPU only): SGMV >= 60% of the copy rate on bf16 decode shapes that move
+>= 32 MiB (below that a launch's fixed cost, not bandwidth, sets the time); 32 distinct r16
+adapters in a 64-row batch on the 7B shape <= 15% slower than the base model; every kernel
+within bf16 tolerance (``gpu_check_kernels``); greedy outputs agree; W4A16 decode (T <= 16)
+faster than the bf16 matmul on every projection.
 
 Runs from the repository root with the machine's own ``python3`` (no install: see
 ``source_tree.py``) in about 8 minutes on an H200, cases past ``--budget-s`` skipped:
@@ -46,10 +48,12 @@ import time
 import traceback
 from pathlib import Path
 
+from bench.gpu_check_quant import QUANT_DRY, QUANT_GPU, print_quant, quant_goals, quant_part
+
 T_START = time.monotonic()  # the budget counts the imports too
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
-PARTS = ("copy", "sgmv", "attention", "greedy", "engine")
+PARTS = ("copy", "sgmv", "attention", "quant", "greedy", "engine")
 BW_GOAL, BW_MIN_BYTES, OVERHEAD_GOAL = 0.6, 32 << 20, 1.15
 
 GPU_PLAN = dict(
@@ -63,7 +67,8 @@ GPU_PLAN = dict(
     engine=dict(batch=64, prompt_len=128, new_tokens=64, reps=2, counts=(0, 1, 8, 32)),
     engine_need_s={"7b": 150, "1b": 70},
     greedy=dict(prompt_lens=[7, 16, 23, 31, 40, 64], new_tokens=24),
-    ends={"sgmv": 0.38, "attention": 0.46, "greedy": 0.52},  # fraction of the budget
+    quant=QUANT_GPU,
+    ends={"sgmv": 0.38, "attention": 0.46, "quant": 0.55, "greedy": 0.60},  # fraction of the budget
 )  # fmt: skip
 DRY_PLAN = dict(
     GPU_PLAN, budget_s=600, copy_bytes=8 << 20, dtypes=("float32", "float16"),
@@ -74,6 +79,7 @@ DRY_PLAN = dict(
     engine=dict(batch=8, prompt_len=8, new_tokens=4, reps=1, counts=(0, 1, 2, 4)),
     engine_need_s={"7b": 0, "1b": 0},
     greedy=dict(prompt_lens=[5, 17, 33], new_tokens=6),
+    quant=QUANT_DRY,
 )  # fmt: skip
 
 
@@ -188,6 +194,9 @@ class Check:
             for mode, (batch, prefix, chunk) in self.plan["attn_cases"].items()
         ]
         return self._cases("attention", attention_case, grid)
+
+    def quant(self) -> dict:
+        return quant_part(self)
 
     def greedy(self) -> dict:
         import shutil
@@ -305,6 +314,7 @@ def goals(report: dict) -> dict:
         "target": f"base ÷ LoRA decode tok/s <= {OVERHEAD_GOAL} (32 distinct r16, 64 rows)",
         "adapters": top["adapters"] if top else None, "value": ratio,
         "pass": (ratio <= OVERHEAD_GOAL) if ratio is not None and gpu else None}
+    out.update(quant_goals(report))
     greedy = report.get("greedy") or {}
     out["greedy_device_vs_torch"] = {"target": "every token an argmax within TIE_TOL; paths part only at ties",
                                      "pass": greedy.get("ok")}  # fmt: skip
@@ -331,6 +341,7 @@ def print_table(report: dict) -> None:
         print(f"attn {c['dtype']:9} {c['mode']:6} H{c['heads']}/{c['kv_heads']} d{c['head_dim']} "
               f"B{c['batch']} ctx{c['prefix'] + c['new']}: err {c['err']:.1e} (tol {c['tol']:.1e}) "
               f"{c['s'] * 1e6:8.1f} us, SDPA {c['s_sdpa'] * 1e6:8.1f} us")
+    print_quant(report)
     g = report.get("greedy") or {}
     if g:
         print(f"greedy device vs torch: {g['identical']}/{g['sequences']} identical, ok={g['ok']}")
@@ -361,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = [x for x in args.parts.split(",") if x]
     if unknown := set(parts) - set(PARTS):
         p.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
-    if "sgmv" in parts and "copy" not in parts:
+    if {"sgmv", "quant"} & set(parts) and "copy" not in parts:
         parts.insert(0, "copy")  # the bandwidth fractions need the copy rate
     parts.sort(key=PARTS.index)
     if args.out is None:

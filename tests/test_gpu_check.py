@@ -30,7 +30,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["errors"] == {}
-    assert set(report["part_s"]) == {"copy", "sgmv", "attention", "greedy", "engine"}
+    assert set(report["part_s"]) == {"copy", "sgmv", "attention", "quant", "greedy", "engine"}
     assert report["copy"]["bytes_per_s"] > 0
 
     sgmv = report["sgmv"]
@@ -49,6 +49,13 @@ def test_dry_run_runs_every_part(tmp_path):
     }
     assert all(c["ok"] and c["err"] <= c["tol"] for c in attn), attn
 
+    quant = report["quant"]
+    assert quant["skipped"] == 0 and quant["failed"] == []
+    assert {(c["scheme"], c["T"]) for c in quant["cases"]} == {
+        (s, t) for s in ("w4a16_g128", "w8a16_channel") for t in (1, 5, 40)
+    }
+    assert all(c["ok"] and c["s"] > 0 and c["bw_frac"] > 0 for c in quant["cases"]), quant
+
     greedy = report["greedy"]
     assert greedy["ok"] and greedy["sequences"] == 3
     assert {r["adapter"] for r in greedy["rows"]} == {None, "a0", "a1"}
@@ -63,9 +70,12 @@ def test_dry_run_runs_every_part(tmp_path):
     assert goals["kernels_within_tolerance"]["pass"] is True
     assert goals["kernels_within_tolerance"]["checked"] == 2 * len(sgmv["cases"]) + len(attn)
     assert goals["greedy_device_vs_torch"]["pass"] is True
+    assert goals["quant_within_tolerance"]["pass"] is True
+    assert goals["quant_within_tolerance"]["checked"] == len(quant["cases"])
     # speed goals are judged on a GPU only
     assert goals["sgmv_decode_bandwidth"]["pass"] is None
     assert goals["lora_overhead_7b"]["pass"] is None and goals["lora_overhead_7b"]["value"] > 0
+    assert goals["quant_w4a16_decode_vs_bf16"]["pass"] is None
     assert "GOAL kernels_within_tolerance: PASS" in proc.stdout
 
 
@@ -105,3 +115,23 @@ def test_a_failing_case_is_recorded_and_the_others_run(tmp_path, monkeypatch):
     check.report["attention"] = out
     goal = gpu_check.goals(check.report)["kernels_within_tolerance"]
     assert goal["failed"] == 1 and goal["pass"] is False
+
+
+def test_quant_goal_is_judged_on_every_w4a16_decode_case(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.gpu_check_quant import quant_goals
+
+    def case(bits, T, speedup, proj="qkv"):
+        return {"bits": bits, "T": T, "speedup_vs_torch": speedup, "proj": proj, "ok": True,
+                "dtype": "bfloat16"}
+
+    cases = [case(4, 1, 2.5), case(4, 16, 1.4, "down"), case(4, 1024, 0.3), case(8, 1, 0.9)]
+    report = {"dry_run": False, "quant": {"cases": cases, "skipped": 0, "failed": []}}
+    goal = quant_goals(report)["quant_w4a16_decode_vs_bf16"]
+    assert goal["pass"] is True and goal["cases"] == 2 and goal["worst"] == "down T=16"
+    assert goal["min_speedup_w8"] == 0.9  # reported, not judged
+    cases[1]["speedup_vs_torch"] = 0.95
+    assert quant_goals(report)["quant_w4a16_decode_vs_bf16"]["pass"] is False
+    cases[0]["ok"] = False
+    tolerance = quant_goals(report)["quant_within_tolerance"]
+    assert tolerance["failed"] == 1 and tolerance["pass"] is False
