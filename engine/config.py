@@ -116,6 +116,11 @@ class SchedulerConfig:
     a prompt alone gets the whole token budget); while keys compete a step aims at half of it.
     None = derived: 3× the measured one-row decode step (for a key alone, at least 3× the
     step of its running decodes)."""
+    target_ttft_ms: float | None = None
+    """Time-to-first-token objective in milliseconds: beside the ITL target it makes the
+    goodput count (``engine/goodput.py``) by which a step gives waiting prompts more than the
+    ITL target's chunk while the running streams keep their TPOT. None = derived per prompt:
+    3× the measured cost of computing that prompt alone."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -124,8 +129,10 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
-        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
-            raise ValueError(f"target_itl_ms must be > 0, got {self.target_itl_ms}")
+        for name in ("target_itl_ms", "target_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.fairness_policy not in ("vtc", "fcfs"):
             raise ValueError(f"fairness_policy must be vtc or fcfs, got {self.fairness_policy!r}")
 

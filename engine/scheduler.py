@@ -75,7 +75,8 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         """Every sequence queued or running, by id (rows of a plan name them so)."""
         self.num_preemptions = 0
-        self.budget = StepBudget(config.target_itl_ms) if config.enable_step_budget else None
+        self.budget = StepBudget(config.target_itl_ms, target_ttft_ms=config.target_ttft_ms,
+                                 token_budget=self.max_num_batched_tokens) if config.enable_step_budget else None
         """The step-time budget (None = token/sequence limits only)."""
 
     # --- queue ---------------------------------------------------------------
@@ -349,17 +350,15 @@ class Scheduler:
     def _limits(self) -> StepLimits:
         """The step budget's limits for the next step (uncapped without a budget); sets the
         fairness policy's slack to one step's charge of the rows that run."""
-        decodes = []
-        prompts = {s.fairness_key for s in self.waiting}
+        decodes, prefills = [], []
         for s in self.running:
-            if self._is_decode(s):
-                decodes.append(s)
-            else:
-                prompts.add(s.fairness_key)
+            (decodes if self._is_decode(s) else prefills).append(s)
+        prompts = {s.fairness_key for s in self.waiting} | {s.fairness_key for s in prefills}
         adapters = len({s.lora_key for s in self.running if s.lora_key is not None})
         if self.budget is None:
             return StepLimits.uncapped(len(decodes), adapters)
-        limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc")
+        limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc",
+                                  prompts=[*prefills, *self.waiting])
         capped = limits.decode is not None  # slack: one full step's charge of this step
         self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
         return limits

@@ -56,6 +56,8 @@ class Sequence:
     fairness_weight: float = 1.0
     """Share weight of the request: a key's tokens are charged ``1 / weight`` each."""
     arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    """When its first output token was appended (monotonic; the step budget's TPOT slack)."""
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
@@ -128,3 +130,5 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
+from loramux.engine.goodput import MAX_PROMPTS, PromptDemand, best_prompt_cap, stream_slack
 from loramux.engine.sequence import Sequence
 
 DEFAULT_MULTIPLE = 3.0
@@ -211,8 +212,14 @@ class StepLimits:
 class StepBudget:
     """Fills a step up to the target step time; the scheduler asks it once per step."""
 
-    def __init__(self, target_itl_ms: float | None = None, model: StepCostModel | None = None) -> None:
+    def __init__(self, target_itl_ms: float | None = None, model: StepCostModel | None = None, *,
+                 target_ttft_ms: float | None = None, token_budget: int | None = None) -> None:
+        """``target_ttft_ms``: the first-token objective of the goodput count (None: derived per
+        prompt, :data:`DEFAULT_MULTIPLE` × its own prefill alone); ``token_budget``: the most
+        tokens a step takes (None: the goodput objective never raises the prompt cap)."""
         self.target_s = target_itl_ms / 1000.0 if target_itl_ms else None
+        self.ttft_s = target_ttft_ms / 1000.0 if target_ttft_ms else None
+        self.token_budget = token_budget
         self.model = model or StepCostModel()
         self.steps = 0
         self.last_target: float | None = None
@@ -239,14 +246,16 @@ class StepBudget:
         self.model.observe(shape, seconds)
 
     def plan(self, candidates: list[Sequence], keys_with_prompts: set, adapters: int,
-             fair: bool = True) -> StepLimits:
+             fair: bool = True, prompts: list[Sequence] = ()) -> StepLimits:
         """The limits of the next step (called once per step, before it is planned): which of
         the running decode ``candidates`` (oldest first) run, how many prompt tokens may join
         them, and what a drafted token costs. ``keys_with_prompts``: fairness keys with a
         waiting or part-way prompt (their share of the rows is kept for it); ``adapters``:
         distinct adapters of the running sequences. ``fair`` False (FCFS admission): every
-        row counts as one key's."""
-        decode, prefill = self._decode_and_prefill(candidates, keys_with_prompts, adapters, fair)
+        row counts as one key's. ``prompts``: the sequences with prompt tokens to compute, in the
+        order the scheduler takes them (part-way first): the goodput objective may give them more
+        of the step (``goodput.py``)."""
+        decode, prefill = self._decode_and_prefill(candidates, keys_with_prompts, adapters, fair, prompts)
         m = self.model
         coef, c_draft = (m.coef, m.c_draft) if m.warm else (None, 0.0)
         c_pre = float(m.coef[2]) if m.warm else 0.0
@@ -258,7 +267,8 @@ class StepBudget:
         )
 
     def _decode_and_prefill(self, candidates: list[Sequence], keys_with_prompts: set,
-                            adapters: int, fair: bool) -> tuple[list[Sequence], int | None]:
+                            adapters: int, fair: bool, prompts: list[Sequence] = (),
+                            ) -> tuple[list[Sequence], int | None]:
         """The decode rows that run and the prompt-token cap (None = none) of :meth:`plan`."""
         self.steps += 1
         now = self.clock()
@@ -311,7 +321,29 @@ class StepBudget:
         if c_pre <= 0:  # no prompt cost learnt yet: a bounded chunk, which teaches it
             return decode, COLD_CHUNK_TOKENS
         left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
-        return decode, max(MIN_CHUNK_TOKENS, int(left / c_pre))
+        floor = max(MIN_CHUNK_TOKENS, int(left / c_pre))
+        return decode, self._goodput_cap(floor, decode, prompts, c0 + decode_cost, target, now)
+
+    def _goodput_cap(self, floor: int, decode: list[Sequence], prompts: list[Sequence],
+                     fixed: float, tpot_s: float, now: float) -> int:
+        """The prompt-token cap that meets the most TTFT and TPOT objectives (``goodput.py``):
+        ``floor`` (the ITL target's), or more where prompts about to miss their first token can
+        have it while the streams keep their TPOT. ``fixed``: the step's cost without prompts."""
+        if self.token_budget is None or not prompts:
+            return floor
+        c0, c_pre = float(self.model.coef[0]), float(self.model.coef[2])
+
+        def cost(p: int) -> float:
+            return fixed + c_pre * p
+
+        base = cost(floor)
+        slacks = [stream_slack(now, s.first_token_time, s.num_output_tokens,
+                               (s.params.max_tokens or 0) - s.num_output_tokens, tpot_s, base)
+                  for s in decode if s.first_token_time is not None]
+        demands = [PromptDemand(s.num_tokens - s.num_computed_tokens, s.arrival_time + (
+            self.ttft_s if self.ttft_s is not None else DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens)))
+            for s in prompts[:MAX_PROMPTS]]
+        return best_prompt_cap(floor, self.token_budget - len(decode), cost, demands, slacks, now)
 
 
 def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,

@@ -124,6 +124,11 @@ class Settings(_LimitSettings):
         "Inter-token latency target in milliseconds: while any decode runs, a step's predicted "
         "time stays within it (prompt chunks take what is left); None = 3x the measured cost "
         "of a one-row decode step. /metrics counts the tokens that missed it."))
+    target_ttft_ms: float | None = Field(default=SchedulerConfig.target_ttft_ms, gt=0, description=(
+        "Time-to-first-token objective in milliseconds: a step gives waiting prompts more than "
+        "the ITL target's chunk (up to the whole token budget) when that meets more requests' "
+        "TTFT and TPOT objectives than it costs the running streams; None = 3x the measured "
+        "cost of computing each prompt alone."))
     goodput_ttft_ms: float = Field(default=2000.0, gt=0, description=(
         "Goodput target: a request meets it when its time to first token is at most this (and "
         "its time per output token at most goodput_tpot_ms); /metrics exports the share."))
