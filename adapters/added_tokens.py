@@ -28,6 +28,9 @@ MAX_ADDED_TOKENS = 4096
 """The most tokens of its own an adapter may add to the base's tokenizer."""
 MAX_TOKEN_CHARS = 256
 """The longest added token, in characters."""
+MAX_STORED_BYTES = 512 * 1024
+"""The most bytes the adapter's own tokens may take in its stored config (which the engine
+reads under ``adapters.spec.MAX_CONFIG_BYTES``)."""
 MAX_LISTED = 1 << 17
 """The most added tokens one file may list (the base's own included)."""
 MAX_FILE_BYTES = 64 * 2**20
@@ -51,7 +54,8 @@ class AddedTokenSpec:
     """None: the tokenizers default (``not special``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The stored form: content, id and the flags that are set."""
+        return {k: v for k, v in asdict(self).items() if v not in (False, None)}
 
 
 def _refuse(field_name: str, message: str) -> AdapterValidationError:
@@ -194,8 +198,13 @@ def check_added_tokens(folder, vocab_size: int | None,
     ``added_tokens``, ``tokenizer_config.json``'s ``added_tokens_decoder``) with ids beyond the
     base's vocabulary, or (where the served base's tokenizer is in ``base_folder``) ids a copy
     of the base's tokenizer would not give them (:func:`own_tokens`). Returns the adapter's
-    own tokens, to be stored under :data:`STORED_KEY`."""
-    return own_tokens(folder, base_token_ids(base_folder), vocab_size)[0]
+    own tokens, to be stored under :data:`STORED_KEY` (refused past :data:`MAX_STORED_BYTES`)."""
+    tokens, name = own_tokens(folder, base_token_ids(base_folder), vocab_size)
+    size = len(json.dumps([t.to_dict() for t in tokens], indent=2))
+    if size > MAX_STORED_BYTES:
+        raise _refuse(name, f"the adapter's {len(tokens)} added tokens take {size} bytes stored, "
+                      f"above the limit of {MAX_STORED_BYTES}")
+    return tokens
 
 
 def tokenizer_with(base: Any, tokens: list[AddedTokenSpec]) -> Any:

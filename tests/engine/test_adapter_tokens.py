@@ -139,6 +139,9 @@ def test_upload_refusals_name_the_token(setup, tmp_path):
     many = {f"<t{i}>": n + i for i in range(MAX_ADDED_TOKENS + 1)}
     with pytest.raises(AdapterValidationError, match="4097 added tokens .* limit of 4096"):
         check_added_tokens(_folder(tmp_path, many), n + len(many), str(base))
+    long = {f"<{i:03d}" + "é" * 250 + ">": n + i for i in range(600)}
+    with pytest.raises(AdapterValidationError, match="600 added tokens take .* above the limit"):
+        check_added_tokens(_folder(tmp_path, long), n + len(long), str(base))
     with pytest.raises(AdapterValidationError, match="longer than 256"):
         check_added_tokens(_folder(tmp_path, {"x" * 300: n}), vocab, str(base))
     both = _folder(tmp_path, {"added_tokens_decoder": {str(n): {"content": SEP, "special": True}}},

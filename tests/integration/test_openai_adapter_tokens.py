@@ -33,7 +33,7 @@ def server(tmp_path_factory, default_model_dir):
     tenant, key = registry.create_tenant("acme")
     handle = registry.upload(tenant.id, "tools", adapter)
     stored = handle.config[STORED_KEY]
-    assert [(t["content"], t["id"], t["special"]) for t in stored] == [
+    assert [(t["content"], t["id"], t.get("special", False)) for t in stored] == [
         (TOOL, len(base_tok), False), (SEP, len(base_tok) + 1, True)]
     settings = Settings(served_model_name=[BASE], lora_modules=[f"static-tools={adapter}"])
     app = create_app(settings, engine=engine, registry=registry)
