@@ -109,15 +109,19 @@ def _added_tokens(folder) -> dict[str, list[AddedTokenSpec]]:
     :data:`STORED_KEY`) alone when the folder has it."""
     folder = Path(folder)
     config = folder / "adapter_config.json"
-    if config.is_file() and config.stat().st_size <= MAX_FILE_BYTES:
+    if config.is_file() and config.stat().st_size <= MAX_FILE_BYTES:  # else refused as a config
         stored = _read_json(config)
         if isinstance(stored, dict) and STORED_KEY in stored:
             return {"adapter_config.json": _listed(STORED_KEY, stored[STORED_KEY])}
     out: dict[str, list[AddedTokenSpec]] = {}
     for name in TOKEN_FILES:
         path = folder / name
-        if path.is_file() and path.stat().st_size <= MAX_FILE_BYTES:
-            out[name] = _listed(name, _read_json(path))
+        if not path.is_file():
+            continue
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise _refuse(name, f"{path.stat().st_size} bytes, above the limit of {MAX_FILE_BYTES} "
+                          f"for a tokenizer file")
+        out[name] = _listed(name, _read_json(path))
     return out
 
 
