@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from loramux.engine.lora.manager import ResidencySnapshot
 from loramux.platform.admin.activity import Activity
+from loramux.platform.goodput_metrics import GoodputMetrics
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -31,12 +32,11 @@ class Metrics:
 
     def __init__(self, goodput_ttft_s: float = 2.0, goodput_tpot_s: float = 0.25) -> None:
         """``goodput_*``: the per-request targets (Settings ``goodput_ttft_ms``/``_tpot_ms``)."""
-        self.goodput_ttft_s, self.goodput_tpot_s = goodput_ttft_s, goodput_tpot_s
         self.activity = Activity()
         """The rolling in-process window the dashboard reads (in flight, last minute)."""
         r = self.registry = CollectorRegistry()
         self._request_series(r)
-        self._goodput_series(r)
+        self.goodput = GoodputMetrics(r, goodput_ttft_s, goodput_tpot_s)
         self._latency_series(r)
         self._adapter_series(r)
         self._engine_series(r)
@@ -73,23 +73,6 @@ class Metrics:
             "loramux_time_per_output_token_seconds", "Mean time between output tokens per request.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-
-    def _goodput_series(self, r: CollectorRegistry) -> None:
-        """Requests that met the goodput targets, and their share."""
-        self.goodput = Counter(
-            "loramux_goodput_requests", "Finished requests that met both goodput targets "
-            "(TTFT and TPOT); the share is this over loramux_goodput_eligible_requests.",
-            ["adapter"], registry=r,
-        )
-        self.goodput_eligible = Counter(
-            "loramux_goodput_eligible_requests", "Finished requests checked against the "
-            "goodput targets (those with a first token).", ["adapter"], registry=r,
-        )
-        self.goodput_share = Gauge(
-            "loramux_goodput_share", "Share of checked requests that met both goodput targets.",
-            registry=r,
-        )
-        self._goodput = [0, 0]  # met, checked
 
     def _latency_series(self, r: CollectorRegistry) -> None:
         """Gaps between a request's tokens, their target, end-to-end latency."""
@@ -244,7 +227,9 @@ class Metrics:
         ttft: float | None = None,
         tpot: float | None = None,
         e2e: float | None = None,
+        tenant: str = "",
     ) -> None:
+        """Once per finished request (``tenant``: its id, empty for the server's own keys)."""
         self.requests.labels(adapter, endpoint, status).inc()
         if prompt_tokens:
             self.prompt_tokens.labels(adapter).inc(prompt_tokens)
@@ -257,13 +242,7 @@ class Metrics:
         if e2e is not None:
             self.e2e.labels(adapter).observe(e2e)
         if ttft is not None and status == "ok":
-            met = ttft <= self.goodput_ttft_s and (tpot is None or tpot <= self.goodput_tpot_s)
-            self.goodput_eligible.labels(adapter).inc()
-            self._goodput[1] += 1
-            if met:
-                self.goodput.labels(adapter).inc()
-                self._goodput[0] += 1
-            self.goodput_share.set(self._goodput[0] / self._goodput[1])
+            self.goodput.observe(tenant, adapter, ttft, tpot)
 
     def observe_itl(self, adapter: str, gaps: list[float], misses: int, target: float | None) -> None:
         """One finished request's gaps between tokens and how many missed the ITL target."""
@@ -292,15 +271,12 @@ class Metrics:
             self.version_tpot.labels(*labels).observe(tpot)
 
     def goodput_share_value(self) -> float | None:
-        """Share of checked requests that met both targets (None before any)."""
-        met, checked = self._goodput
-        return met / checked if checked else None
+        """Share of checked requests that met both goodput objectives (None before any)."""
+        return self.goodput.share_value()
 
     def goodput_report(self) -> dict[str, float | int | None]:
-        """The targets, the counts and the share, for the dashboard's overview."""
-        met, checked = self._goodput
-        return {"ttft_ms": 1000 * self.goodput_ttft_s, "tpot_ms": 1000 * self.goodput_tpot_s,
-                "met": met, "checked": checked, "share": self.goodput_share_value()}
+        """The objectives, the counts and the share, for the dashboard's overview."""
+        return self.goodput.report()
 
     def on_adapter_event(self, event: str, adapter: str) -> None:
         """The engine's adapter listener (engine thread): counts evictions; safe from any

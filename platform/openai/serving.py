@@ -280,6 +280,8 @@ class OpenAIServing:
         ctx.recorded = True
         self.metrics.activity.end(ctx.rid, sum(t.output_tokens for t in pump.tracks))
         label = ctx.served.label
+        caller = ctx.caller or Caller()
+        tenant = str(caller.tenant_id) if caller.tenant_id is not None else ""
         for t in pump.tracks:
             ttft = (t.first - t.start) if t.first is not None else None
             tpot = None
@@ -288,7 +290,7 @@ class OpenAIServing:
             e2e = (t.end - t.start) if t.end is not None else None
             self.metrics.observe_request(
                 label, ctx.endpoint, status, prompt_tokens=t.prompt_tokens,
-                generated_tokens=t.output_tokens, ttft=ttft, tpot=tpot, e2e=e2e,
+                generated_tokens=t.output_tokens, ttft=ttft, tpot=tpot, e2e=e2e, tenant=tenant,
             )
             if t.engine is not None:
                 m = t.engine
@@ -298,7 +300,6 @@ class OpenAIServing:
                 label, ctx.parsing.plan.parser_name,
                 tools_called=ctx.tools_called, parse_failed=ctx.parse_failed,
                 reasoning_tokens=ctx.reasoning_tokens)
-        caller = ctx.caller or Caller()
         record = usage_record(
             request_id=ctx.rid, tenant_id=caller.tenant_id, key_prefix=caller.key_prefix,
             adapter=ctx.served.adapter, version=ctx.served.version, endpoint=ctx.endpoint,

@@ -9,16 +9,27 @@ from loramux.platform.metrics import Metrics
 def test_goodput_share_counts_requests_that_met_both_targets():
     m = Metrics(goodput_ttft_s=1.0, goodput_tpot_s=0.1)
     assert m.goodput_share_value() is None
-    m.observe_request("a", "completions", "ok", ttft=0.5, tpot=0.05)  # met both
-    m.observe_request("a", "completions", "ok", ttft=1.5, tpot=0.05)  # TTFT missed
-    m.observe_request("b", "completions", "ok", ttft=0.2, tpot=0.3)  # TPOT missed
+    m.observe_request("a", "completions", "ok", ttft=0.5, tpot=0.05, tenant="1")  # met both
+    m.observe_request("a", "completions", "ok", ttft=1.5, tpot=0.05, tenant="1")  # TTFT missed
+    m.observe_request("b", "completions", "ok", ttft=0.2, tpot=0.3, tenant="2")  # TPOT missed
     m.observe_request("b", "completions", "ok", ttft=0.2)  # one token: TTFT decides
     m.observe_request("b", "completions", "cancelled", ttft=0.2, tpot=0.01)  # not checked
     assert m.goodput_share_value() == 0.5
     text = m.render().decode()
     assert "loramux_goodput_share 0.5" in text
-    assert 'loramux_goodput_requests_total{adapter="a"} 1.0' in text
-    assert 'loramux_goodput_eligible_requests_total{adapter="b"} 2.0' in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def value(name, **labels):
+        return samples.get((name, tuple(sorted(labels.items()))))
+
+    assert value("loramux_goodput_requests_total", tenant="1", adapter="a", objective_met="true") == 1.0
+    assert value("loramux_goodput_requests_total", tenant="1", adapter="a", objective_met="false") == 1.0
+    assert value("loramux_goodput_requests_total", tenant="", adapter="b", objective_met="true") == 1.0
+    assert value("loramux_goodput_misses_total", tenant="1", adapter="a", objective="ttft") == 1.0
+    assert value("loramux_goodput_misses_total", tenant="2", adapter="b", objective="tpot") == 1.0
 
 
 def test_a_broken_adapter_is_audited_off_the_engine_thread():
