@@ -169,11 +169,12 @@ class RepackedMethod(WeightOnlyMethod):
 
     def _log(self, scheme: RepackedScheme, device: torch.device) -> None:
         """Logs once per scheme which path its layers run."""
-        why = ("not on the CPU" if device.type != "cpu"
-               else f"CPU kernels {loader.status().state}" if not loader.available()
+        why = (f"CPU kernels {loader.status().state}" if not loader.available()
                else None if kernel_fits(scheme.group_size)
                else f"group size {scheme.group_size} is not a multiple of 32")
-        note = (f"torch dequantize-then-matmul ({why})" if why
+        note = (f"{device.type}: WeightOnlyMethod.apply's device path (Triton where it runs this "
+                "layer, else torch bands)" if device.type != "cpu"
+                else f"torch dequantize-then-matmul ({why})" if why
                 else f"loramux::wq_linear ({loader.status().isa} variant)")
         if (scheme, note) not in self._logged:
             self._logged.add((scheme, note))
