@@ -50,7 +50,6 @@ request; at 1 ms a neighbour's short request beside a flood spends ~25% less tim
 
 logger = logging.getLogger(__name__)
 
-
 __all__ = ["AdapterGoneError", "AsyncEngine", "EngineDeadError", "EngineStats"]
 
 
@@ -173,6 +172,10 @@ class AsyncEngine:
         """The engine's counters (the same :class:`EngineStats` as ``LLMEngine.stats()``)."""
         return self.engine.stats()
 
+    def set_objectives(self, key: str | None, ttft_ms: float | None, itl_ms: float | None) -> None:
+        """A fairness key's own goodput objectives (a tenant's quotas; None: the engine's)."""
+        self.engine.scheduler.set_objectives(key, ttft_ms, itl_ms)
+
     def load_report(self) -> LoadReport | None:
         """The latest :class:`LoadReport` the engine thread published; never waits. The
         first call starts the publishing (None until the loop's next turn)."""
@@ -259,14 +262,12 @@ class AsyncEngine:
 
     @property
     def weight_format(self) -> str:
-        """How the base's projections are stored: ``float`` (the model's dtype) or the
-        quantization method's description (``quant/``)."""
-        quant = getattr(self.engine.model, "quant", None)
-        return quant.describe() if quant is not None and quant.quantized else "float"
+        """How the base's projections are stored: ``float`` or the quantization's description."""
+        quant = self.engine.model.quant
+        return quant.describe() if quant.quantized else "float"
 
     @property
-    def weight_bytes(self) -> int:
-        """Bytes the base's weights take (quantized ones as stored)."""
+    def weight_bytes(self) -> int:  # the base's weights' bytes (quantized ones as stored)
         return int(self.engine.model.weight_bytes())
 
     @property

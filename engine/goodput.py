@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_PROMPTS", "PromptDemand", "best_prompt_cap", "met_count", "stream_slack"]
+__all__ = ["MAX_PROMPTS", "KeyObjectives", "PromptDemand", "best_prompt_cap", "met_count", "stream_slack"]
 
 MAX_PROMPTS = 32
 """Prompts the count looks at (the first in the scheduler's order): a deep queue's tail cannot
@@ -95,3 +95,22 @@ def best_prompt_cap(floor: int, ceiling: int, cost: Callable[[int], float],
         if met > best_met:
             best, best_met = cap, met
     return best
+
+
+class KeyObjectives:
+    """Per fairness key (the platform's tenant), its own TTFT and ITL objectives in seconds
+    (None: the engine's); set from any thread, read by the step budget on the engine thread."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[object, tuple[float | None, float | None]] = {}
+
+    def set(self, key: object, ttft_ms: float | None, itl_ms: float | None) -> None:
+        """``key``'s objectives from its next step on; both None drops them."""
+        if ttft_ms is None and itl_ms is None:
+            self._by_key.pop(key, None)
+        else:
+            self._by_key[key] = (ttft_ms / 1000 if ttft_ms else None, itl_ms / 1000 if itl_ms else None)
+
+    def get(self, key: object) -> tuple[float | None, float | None]:
+        """``(ttft_s, itl_s)`` of ``key`` (each None: the engine's)."""
+        return self._by_key.get(key, (None, None))

@@ -368,6 +368,11 @@ class Scheduler:
         """True when ``seq``'s prompt is computed: its next row decodes one token."""
         return seq.num_computed_tokens >= seq.num_tokens - 1
 
+    def set_objectives(self, key: str | None, ttft_ms: float | None, itl_ms: float | None) -> None:
+        """Fairness key ``key``'s own goodput objectives (None: the engine's targets)."""
+        if self.budget is not None:
+            self.budget.objectives.set(key, ttft_ms, itl_ms)
+
     def itl_target(self) -> float | None:
         """The inter-token latency target now (seconds; None: no step budget, or not known
         yet)."""

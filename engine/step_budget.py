@@ -50,7 +50,13 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from loramux.engine.goodput import MAX_PROMPTS, PromptDemand, best_prompt_cap, stream_slack
+from loramux.engine.goodput import (
+    MAX_PROMPTS,
+    KeyObjectives,
+    PromptDemand,
+    best_prompt_cap,
+    stream_slack,
+)
 from loramux.engine.sequence import Sequence
 
 DEFAULT_MULTIPLE = 3.0
@@ -220,6 +226,8 @@ class StepBudget:
         self.target_s = target_itl_ms / 1000.0 if target_itl_ms else None
         self.ttft_s = target_ttft_ms / 1000.0 if target_ttft_ms else None
         self.token_budget = token_budget
+        self.objectives = KeyObjectives()
+        """Per fairness key, its own objectives in the goodput count (tenants' quotas)."""
         self.model = model or StepCostModel()
         self.steps = 0
         self.last_target: float | None = None
@@ -336,12 +344,13 @@ class StepBudget:
         def cost(p: int) -> float:
             return fixed + c_pre * p
 
-        base = cost(floor)
+        base, own = cost(floor), self.objectives.get
         slacks = [stream_slack(now, s.first_token_time, s.num_output_tokens,
-                               (s.params.max_tokens or 0) - s.num_output_tokens, tpot_s, base)
+                               (s.params.max_tokens or 0) - s.num_output_tokens,
+                               own(s.fairness_key)[1] or tpot_s, base)
                   for s in decode if s.first_token_time is not None]
         demands = [PromptDemand(s.num_tokens - s.num_computed_tokens, s.arrival_time + (
-            self.ttft_s if self.ttft_s is not None else DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens)))
+            own(s.fairness_key)[0] or self.ttft_s or DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens)))
             for s in prompts[:MAX_PROMPTS]]
         return best_prompt_cap(floor, self.token_budget - len(decode), cost, demands, slacks, now)
 

@@ -202,6 +202,8 @@ class TenantQuota(Base):
     max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
     max_versions_per_adapter: Mapped[int | None]
     max_embedding_copy_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    ttft_objective_ms: Mapped[int | None]
+    itl_objective_ms: Mapped[int | None]
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 

@@ -1,6 +1,6 @@
 """Per-tenant quotas: what a tenant may use at once, per minute, and in storage.
 
-A field left ``None`` is unlimited. A tenant without its own row in ``tenant_quotas``
+A field left ``None`` is unlimited (the two objectives: the server's). A tenant without its own row in ``tenant_quotas``
 gets the operator's defaults (``RegistryService(default_quotas=...)``). The registry
 enforces ``max_adapters``, ``max_stored_bytes``, ``max_embedding_copy_bytes`` and
 ``max_versions_per_adapter`` at upload; the platform's limiter
@@ -37,6 +37,12 @@ class Quotas:
         "Bytes of one adapter's embed_tokens / lm_head rows that differ from the base model "
         "(PEFT's full copies: modules_to_save, save_embedding_layers), served as its own rows; "
         "0 (the default) refuses such adapters, null allows any size.")})
+    ttft_objective_ms: int | None = field(default=None, metadata={"doc": (
+        "The tenant's time-to-first-token objective in ms, in the engine's goodput count (a "
+        "step gives prompts due sooner more of it); null: the server's --target-ttft-ms.")})
+    itl_objective_ms: int | None = field(default=None, metadata={"doc": (
+        "The tenant's mean inter-token objective in ms, in the engine's goodput count (its "
+        "streams' slack); null: the server's --target-itl-ms.")})
     max_versions_per_adapter: int | None = field(default=5, metadata={"doc": (
         "Versions kept per adapter: an upload past it removes the oldest version no rollout "
         "uses (and its weights); when every older version is in use the upload is refused.")})

@@ -106,6 +106,9 @@ class QuotaHold:
         self.lease = lease
         self.cost = cost
         self.actual_tokens: int | None = None
+        self.objectives: tuple[int | None, int | None] = (None, None)
+        """The tenant's goodput objectives ``(ttft_ms, itl_ms)`` from its quotas (None: the
+        engine's), handed to the engine's step budget for its requests."""
 
     def charge(self, tokens: int) -> None:
         """Record the tokens the request really used (prompt + generated, all sequences);

@@ -123,6 +123,7 @@ class RequestGate:
         key = str(caller.tenant.id) if caller.tenant is not None else ANONYMOUS
         quotas = await self.quotas(caller)
         async with self.limiter.hold(key, quotas, cost) as hold:
+            hold.objectives = (quotas.ttft_objective_ms, quotas.itl_objective_ms)
             yield hold
 
     async def aclose(self) -> None:

@@ -195,6 +195,8 @@ class OpenAIServing:
             caller, [len(p["prompt_token_ids"]) for p in ctx.prompts], ctx.built.params,
             self.max_model_len,
         ))
+        if ctx.fairness_key is not None:  # the tenant's own objectives in the engine's goodput count
+            self.engine.set_objectives(ctx.fairness_key, *hold.objectives)
         pump = Pump(self.engine, ctx.prompts, ctx.built.params, ctx.rid, ctx.served, ctx.fairness_key,
                     every_step=bool(req.stream))
         self.metrics.activity.begin(ctx.rid, ctx.served.label, getattr(request.state, "caller", None))

@@ -99,3 +99,16 @@ def test_the_step_budget_gives_a_prompt_about_to_miss_more_of_the_step():
     tight = [_stream(f"s{i}", 20, 400, first_token_time=98.58) for i in range(2)]
     assert budget.plan(tight, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens == floor
     assert budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=100.0 + 30)]).prefill_tokens == floor
+
+
+def test_a_keys_own_objectives_take_part_in_the_count():
+    """A tenant's quotas set its own TTFT objective (``KeyObjectives``): the same prompt, not
+    pressed under the engine's 30 s objective, is pressed under its tenant's 480 ms one."""
+    budget = _warm_budget(target_itl_ms=60, target_ttft_ms=30_000)
+    streams = [_stream(f"s{i}", 20, 400, first_token_time=99.6) for i in range(2)]
+    floor = budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens
+    budget.objectives.set("k", 500, None)
+    pressed = budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens
+    assert floor < pressed <= 400
+    budget.objectives.set("k", None, None)  # dropped: the engine's again
+    assert budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens == floor

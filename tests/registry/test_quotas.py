@@ -24,6 +24,7 @@ def test_quotas_validation():
         ("max_stored_bytes", "10"),
         ("max_versions_per_adapter", 0),
         ("max_embedding_copy_bytes", -1),
+        ("ttft_objective_ms", 0),
     ]:
         with pytest.raises(InvalidQuota, match=field):
             Quotas(**{field: bad})
