@@ -25,6 +25,10 @@ class QuotaValues(BaseModel):
     max_stored_bytes: int | None
     max_embedding_copy_bytes: int | None = Field(
         None, description="Bytes of one adapter's embedding / lm_head rows that differ from the base.")
+    ttft_objective_ms: int | None = Field(None, description="Your time-to-first-token objective "
+                                          "in the engine's goodput count (null: the server's).")
+    itl_objective_ms: int | None = Field(None, description="Your mean inter-token objective in "
+                                         "the engine's goodput count (null: the server's).")
 
 
 class StorageUsage(BaseModel):
