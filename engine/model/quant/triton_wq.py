@@ -19,22 +19,31 @@ one ``BLOCK_K`` tile at a time, a tile never spans two groups (``BLOCK_K`` divid
 so it unpacks the tile's integers in registers, subtracts the zero point (a [BLOCK_N] vector,
 or the midpoint), runs ``tl.dot`` with fp32 accumulation and scales the tile's product by the
 group's [BLOCK_N] scales (per channel: once at the end). Decode shapes split K so the grid
-covers the GPU; the fp32 partials are summed by torch. Tested on the CPU under
+covers the GPU; the fp32 partials are summed by torch. From ``DENSE_ROWS`` rows (prefill) the
+product is compute-bound and the vendor GEMM beats any dequantizing one: the weight is
+dequantized whole into a transient [in, out] copy (:func:`dequantize_t`, as vLLM does for AWQ
+from 256 tokens) and torch multiplies. Tested on the CPU under
 ``TRITON_INTERPRET=1`` (fp32/fp16); timed only on a GPU (``bench/gpu_check_quant.py``).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
 from loramux.engine.model.quant.int_packed import KERNEL_BLOCK, unpack_int32
 from loramux.engine.model.triton_import import HAS_TRITON, tl, triton
 
-__all__ = ["HAS_TRITON", "apply", "dequantize_rows", "fits", "make_layout", "prepare", "wq_matmul"]
+__all__ = ["HAS_TRITON", "Config", "apply", "dequantize_rows", "dequantize_t", "fits", "make_layout",
+           "prepare", "wq_matmul"]
 
 LAYOUT_KEYS = ("wq_weight", "wq_scale", "wq_zero")
 BAND_ELEMS = 1 << 22
 """Weights converted at once while the layout is made."""
+DENSE_ROWS = 256
+"""Rows of x from which the weight is dequantized whole (transient) and torch multiplies."""
 
 if HAS_TRITON:
 
@@ -93,6 +102,34 @@ if HAS_TRITON:
         out = y_ptr + pid_k * stride_ys + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
+    @triton.jit
+    def _wq_dequant(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wk, stride_sg, stride_ok,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK], one group
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        cmask = cols < N
+        mask = (ks < K)[:, None] & cmask[None, :]
+        if BITS == 8:
+            u = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk + cols[None, :], mask=mask,
+                        other=0).to(tl.int32)
+        else:
+            byte = tl.load(w_ptr + (ks // 2)[:, None].to(tl.int64) * stride_wk + cols[None, :],
+                           mask=mask, other=0).to(tl.int32)
+            u = (byte >> ((ks % 2) * 4)[:, None]) & 15
+        if GROUP != 0:
+            g = (tl.program_id(0) * BLOCK_K) // GROUP
+        else:
+            g = 0
+        scale = tl.load(s_ptr + g * stride_sg + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + g * stride_sg + cols, mask=cmask, other=0).to(tl.float32)
+        else:
+            zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+        w = (u.to(tl.float32) - zero[None, :]) * scale[None, :]  # [BK, BN]
+        tl.store(out_ptr + ks[:, None].to(tl.int64) * stride_ok + cols[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 def _block_k(group_size: int | None, cap: int) -> int:
     """The largest power of two <= ``cap`` dividing the group (per channel: ``cap``)."""
@@ -107,10 +144,28 @@ def fits(group_size: int | None) -> bool:
     return _block_k(group_size, 128) >= 16
 
 
+class Config(NamedTuple):
+    """A launch of :func:`_wq_gemm`: tile sizes, K split into ``split`` ranges of ``per`` tiles,
+    warps and pipeline stages."""
+
+    bm: int
+    bn: int
+    bk: int
+    split: int
+    per: int
+    warps: int
+    stages: int
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _config(m: int, n: int, k: int, group_size: int | None, device: torch.device,
-            split_k: int | None) -> tuple[int, int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, split, tiles_per_split, num_warps)`` for an [m, k] x [k, n]
-    product: small-M (decode) tiles split K until the grid covers the GPU's SMs ~4 times."""
+            split_k: int | None = None) -> Config:
+    """The launch for an [m, k] x [k, n] product: small-M (decode) tiles split K until the
+    grid covers the GPU's SMs ~4 times (``split_k`` overrides)."""
     if m <= 16:
         bm, bn, cap, warps = 16, 64, 128, 4
     elif m <= 64:
@@ -120,19 +175,19 @@ def _config(m: int, n: int, k: int, group_size: int | None, device: torch.device
     bk = _block_k(group_size, cap)
     k_tiles = triton.cdiv(k, bk)
     if split_k is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         grid = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        split_k = max(1, min(4 * sms // grid, k_tiles // 2))
+        split_k = max(1, min(4 * _sm_count(device) // grid, k_tiles // 2))
     per = triton.cdiv(k_tiles, max(1, min(split_k, k_tiles)))
-    return bm, bn, bk, triton.cdiv(k_tiles, per), per, warps
+    return Config(bm, bn, bk, triton.cdiv(k_tiles, per), per, warps, 3)
 
 
 def wq_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], bits: int, group_size: int | None,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-              split_k: int | None = None) -> torch.Tensor:
+              split_k: int | None = None, config: Config | None = None) -> torch.Tensor:
     """``x @ W.T + b``: x [M, in] (fp16 / bf16 / fp32) and W in :func:`make_layout`'s layout
-    → [M, out] ``out_dtype`` (default x's), fp32 accumulation. ``split_k`` overrides the
-    heuristic (tests)."""
+    → [M, out] ``out_dtype`` (default x's), fp32 accumulation. From ``DENSE_ROWS`` rows the
+    weight is dequantized into x's dtype and multiplied by torch (compute-bound: the vendor
+    GEMM wins). ``split_k`` / ``config`` override the heuristic (tests, tuning)."""
     if not HAS_TRITON:
         raise RuntimeError("the Triton weight-only GEMM needs the triton package")
     w, scale, zero = layout["wq_weight"], layout["wq_scale"], layout.get("wq_zero")
@@ -143,23 +198,42 @@ def wq_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], bits: int, group
         x = x.contiguous()
     if m == 0:
         return x.new_empty(0, n, dtype=out_dtype)
-    bm, bn, bk, split, per, warps = _config(m, n, k, group_size, x.device, split_k)
-    y = torch.empty((split, m, n) if split > 1 else (m, n), device=x.device,
-                    dtype=torch.float32 if split > 1 else out_dtype)
-    b = bias if bias is not None and split == 1 else None
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    if m >= DENSE_ROWS and config is None:
+        wt = dequantize_t(layout, bits, group_size, k, x.dtype)  # [in, out]
+        y = torch.addmm(bias.to(x.dtype), x, wt) if bias is not None else x @ wt
+        return y.to(out_dtype)
+    c = config or _config(m, n, k, group_size, x.device, split_k)
+    y = torch.empty((c.split, m, n) if c.split > 1 else (m, n), device=x.device,
+                    dtype=torch.float32 if c.split > 1 else out_dtype)
+    b = bias if bias is not None and c.split == 1 else None
+    grid = (triton.cdiv(m, c.bm), triton.cdiv(n, c.bn), c.split)
     _wq_gemm[grid](x, w, scale, zero if zero is not None else scale, b if b is not None else scale, y,
-                   m, n, k, per, x.stride(0), w.stride(0), scale.stride(0), y.stride(-2),
-                   y.stride(0) if split > 1 else 0, BITS=bits, GROUP=group_size or 0,
-                   HAS_ZERO=zero is not None, HAS_BIAS=b is not None, BLOCK_M=bm, BLOCK_N=bn,
-                   BLOCK_K=bk, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-                   num_warps=warps)  # fp32: no TF32
-    if split == 1:
+                   m, n, k, c.per, x.stride(0), w.stride(0), scale.stride(0), y.stride(-2),
+                   y.stride(0) if c.split > 1 else 0, BITS=bits, GROUP=group_size or 0,
+                   HAS_ZERO=zero is not None, HAS_BIAS=b is not None, BLOCK_M=c.bm, BLOCK_N=c.bn,
+                   BLOCK_K=c.bk, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+                   num_warps=c.warps, num_stages=c.stages)  # fp32: no TF32
+    if c.split == 1:
         return y
     y = y.sum(0)  # [M, N] fp32
     if bias is not None:
         y += bias.float()
     return y.to(out_dtype)
+
+
+def dequantize_t(layout: dict[str, torch.Tensor], bits: int, group_size: int | None, k: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight transposed, ``W.T`` [in, out] in ``dtype`` (``(u - zero) * scale`` in
+    float32, rounded once), by :func:`_wq_dequant` (a prefill's transient copy)."""
+    w, scale, zero = layout["wq_weight"], layout["wq_scale"], layout.get("wq_zero")
+    n = w.shape[1]
+    out = torch.empty(k, n, device=w.device, dtype=dtype)
+    bk, bn = _block_k(group_size, 64), 128
+    _wq_dequant[(triton.cdiv(k, bk), triton.cdiv(n, bn))](
+        w, scale, zero if zero is not None else scale, out, n, k, w.stride(0), scale.stride(0),
+        out.stride(0), BITS=bits, GROUP=group_size or 0, HAS_ZERO=zero is not None,
+        BLOCK_N=bn, BLOCK_K=bk)
+    return out
 
 
 def pack(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

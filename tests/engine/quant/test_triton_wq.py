@@ -66,7 +66,7 @@ def test_kernel_equals_dequantize_then_matmul(bits, group, k, symmetric, dtype):
     layout = triton_wq.pack(values, scale, zp, bits)
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(N, generator=g)
-    for m in (1, 3, 8, 64):
+    for m in (1, 3, 8, 64, triton_wq.DENSE_ROWS + 3):  # the last: dequantize, torch matmul
         x = torch.randn(m, k, generator=g).to(dtype)
         b = bias.to(dtype) if m % 2 else None
         _check(triton_wq.wq_matmul(x, layout, bits, group, b), x, w,
@@ -82,6 +82,15 @@ def test_split_k_sums_the_partials(bits, group):
     x, bias = torch.randn(5, k), torch.randn(N)
     for split in (1, 2, 3, 64):  # 64: more splits than tiles
         _check(triton_wq.wq_matmul(x, layout, bits, group, bias, split_k=split), x, w, bias)
+
+
+@pytest.mark.parametrize("bits, group, symmetric", [(4, 32, False), (8, None, True), (4, None, False)])
+def test_dequantize_t_is_the_reference_weight(bits, group, symmetric):
+    k = 96
+    values, scale, zp = quantized(N, k, bits, group, symmetric, seed=5)
+    layout = triton_wq.pack(values, scale, zp, bits)
+    w = triton_wq.dequantize_t(layout, bits, group, k, torch.float32)  # [k, N]
+    torch.testing.assert_close(w, dequantize_int(values, scale, group, zp).T, rtol=0, atol=0)
 
 
 def test_fits_and_refused_groups():
