@@ -84,8 +84,10 @@ class LLM:
         self.llm_engine = LLMEngine(config, adapter_source)
         self._counter = 0
 
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self, lora_request: LoRARequest | None = None):
+        """The base's tokenizer, or (vLLM's ``lora_request``) that adapter's: its own when it
+        adds tokens."""
+        return self.llm_engine.detokenizer.tokenizers.get(lora_request)
 
     def generate(
         self,

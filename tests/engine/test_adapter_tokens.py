@@ -48,6 +48,8 @@ def test_adapter_requests_use_the_adapters_tokenizer(llm, setup):
     outs = llm.generate([PROMPT, PROMPT, PROMPT], [forced, forced, SamplingParams(
         temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)], lora_request=[lora, None, lora])
     assert outs[0].prompt_token_ids == tok(PROMPT).input_ids
+    assert llm.get_tokenizer(lora)(PROMPT).input_ids == tok(PROMPT).input_ids
+    assert llm.get_tokenizer() is llm.llm_engine.tokenizer
     assert tool in outs[0].prompt_token_ids
     assert outs[1].prompt_token_ids == base_tok(PROMPT).input_ids
     assert tool not in outs[1].prompt_token_ids
