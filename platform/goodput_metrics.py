@@ -27,6 +27,7 @@ class GoodputMetrics:
         self.share = Gauge("loramux_goodput_share", "Share of checked requests that met both "
                            "goodput objectives.", registry=r)
         self._counts = [0, 0]  # met, checked
+        self._by_tenant: dict[str, list[int]] = {}  # tenant id ("": the server's keys) -> met, checked
 
     def observe(self, tenant: str, adapter: str, ttft: float, tpot: float | None) -> None:
         """One finished request with a first token (``tpot`` None: a single token, the TTFT
@@ -36,8 +37,9 @@ class GoodputMetrics:
         for name in missed:
             self.misses.labels(tenant, adapter, name).inc()
         self.requests.labels(tenant, adapter, "false" if missed else "true").inc()
-        self._counts[1] += 1
-        self._counts[0] += not missed
+        for counts in (self._counts, self._by_tenant.setdefault(tenant, [0, 0])):
+            counts[1] += 1
+            counts[0] += not missed
         self.share.set(self._counts[0] / self._counts[1])
 
     def share_value(self) -> float | None:
@@ -45,8 +47,10 @@ class GoodputMetrics:
         met, checked = self._counts
         return met / checked if checked else None
 
-    def report(self) -> dict[str, float | int | None]:
-        """The objectives, the counts and the share, for the dashboard's overview."""
+    def report(self) -> dict:
+        """The objectives, the counts and the share, and the counts per tenant id, for the
+        dashboard's overview."""
         met, checked = self._counts
         return {"ttft_ms": 1000 * self.ttft_s, "tpot_ms": 1000 * self.tpot_s,
-                "met": met, "checked": checked, "share": self.share_value()}
+                "met": met, "checked": checked, "share": self.share_value(),
+                "tenants": {t: {"met": m, "checked": c} for t, (m, c) in sorted(self._by_tenant.items())}}

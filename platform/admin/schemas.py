@@ -106,6 +106,8 @@ class Goodput(BaseModel):
     checked: int
     share: float | None
     """``met / checked``; None before the first checked request."""
+    tenants: dict[str, dict[str, int]] = {}
+    """Per tenant (its name; ``-`` for requests without one): ``{"met": n, "checked": n}``."""
 
 
 class Overview(BaseModel):

@@ -9,6 +9,7 @@ engines first. Registry reads run in worker threads, never on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
@@ -88,7 +89,23 @@ class AdminService:
                         dtype=self.dtype, device=self.device, weight_format=self.weight_format,
                         weight_bytes=self.weight_bytes, engines=[v.summary for v in views], dependencies=deps,
                         dependency_reasons=reasons,
-                        goodput=self.goodput() if self.goodput is not None else None)
+                        goodput=await self._goodput_by_name())
+
+    async def _goodput_by_name(self) -> dict | None:
+        """The goodput report with tenants by name (the metrics count them by id; by id where
+        the registry does not answer within a second: the overview never waits on it)."""
+        if self.goodput is None:
+            return None
+        report = dict(self.goodput())
+        names: dict[str, str] = {}
+        if self.registry is not None and report.get("tenants"):
+            try:
+                tenants = await asyncio.wait_for(asyncio.to_thread(self.registry.list_tenants), 1.0)
+                names = {str(t.id): t.name for t in tenants}
+            except Exception:  # a slow or failing database: ids instead of names
+                logger.warning("tenant names for the goodput overview unavailable", exc_info=True)
+        report["tenants"] = {names.get(t, t) or "-": c for t, c in report.get("tenants", {}).items()}
+        return report
 
     async def adapters(self) -> Residency:
         """Every adapter per engine (and the registry's not loaded anywhere)."""

@@ -112,6 +112,7 @@ async def test_overview_tenants_and_keys(client, env):
     goodput = (await client.get("/admin/overview", headers=ADMIN)).json()["goodput"]
     assert goodput["checked"] >= 1 and goodput["met"] <= goodput["checked"]
     assert goodput["share"] == goodput["met"] / goodput["checked"]
+    assert goodput["tenants"]["alpha"]["checked"] >= 1  # by tenant name
     tenants = {t["name"]: t for t in (await client.get("/admin/tenants", headers=ADMIN)).json()["data"]}
     alpha = tenants["alpha"]
     quotas = {q["name"]: q for q in alpha["quotas"]}
