@@ -358,7 +358,7 @@ class Scheduler:
         if self.budget is None:
             return StepLimits.uncapped(len(decodes), adapters)
         limits = self.budget.plan(decodes, prompts, adapters, fair=self.config.fairness_policy == "vtc",
-                                  prompts=[*prefills, *self.waiting])
+                                  prompts=[*prefills, *self.slot_admission.ready(self.waiting)])
         capped = limits.decode is not None  # slack: one full step's charge of this step
         self.policy.slack = DECODE_COST * len(limits.decode) if capped else self._full_slack
         return limits

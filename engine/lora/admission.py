@@ -291,3 +291,10 @@ class SlotAdmission:
         if key in self.closed:
             return False
         return key in in_use or key in self._places
+
+    def ready(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+        """The ``waiting`` sequences a step could start now as far as adapters go: the base
+        model's and those whose adapter is in a slot (one waiting on a load cannot be helped by
+        a larger step: the goodput count leaves it out, ``engine/goodput.py``)."""
+        gate = self.gate
+        return [s for s in waiting if s.lora_key is None or gate is None or gate.is_resident(s.lora_key)]

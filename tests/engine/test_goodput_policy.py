@@ -112,3 +112,18 @@ def test_a_keys_own_objectives_take_part_in_the_count():
     assert floor < pressed <= 400
     budget.objectives.set("k", None, None)  # dropped: the engine's again
     assert budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens == floor
+
+
+def test_a_prompt_waiting_on_its_adapters_load_is_left_out_of_the_count():
+    """A step cannot start a prompt whose adapter is still loading, so a larger step cannot
+    help it: the count sees only prompts of the base model and of resident adapters."""
+    from loramux.engine.lora.admission import SlotAdmission
+
+    class Gate:
+        def is_resident(self, key):
+            return key == "hot"
+
+    seqs = [_prompt(10, 1.0), _prompt(10, 1.0), _prompt(10, 1.0)]
+    seqs[1].lora_key, seqs[2].lora_key = "hot", "cold"
+    assert SlotAdmission(Gate(), 4).ready(seqs) == seqs[:2]
+    assert SlotAdmission(None, 4).ready(seqs) == seqs
