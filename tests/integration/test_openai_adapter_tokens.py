@@ -13,7 +13,7 @@ import shutil
 import httpx
 import openai
 import pytest
-from support.added_tokens import PROMPT, SEP, TOOL, make_tokens_adapter
+from support.added_tokens import PROMPT, SEP, TOOL, add_tokens_adapter, make_tokens_adapter
 from support.server import make_engine, make_registry, serve_in_thread
 
 from loramux.adapters.added_tokens import STORED_KEY
@@ -32,6 +32,8 @@ def server(tmp_path_factory, default_model_dir):
     registry = make_registry(root / "registry", base)
     tenant, key = registry.create_tenant("acme")
     handle = registry.upload(tenant.id, "tools", adapter)
+    thinker, _ = add_tokens_adapter(base, root / "thinker", [], ["<think>", "</think>"], seed=1)
+    registry.upload(tenant.id, "thinker", thinker, reasoning_parser="qwen3")
     stored = handle.config[STORED_KEY]
     assert [(t["content"], t["id"], t.get("special", False)) for t in stored] == [
         (TOOL, len(base_tok), False), (SEP, len(base_tok) + 1, True)]
@@ -116,3 +118,15 @@ def test_http_upload_serves_or_refuses_the_tokens(server, tmp_path):
     err = r.json()["error"]
     assert f"'{TOOL}' has id {gap}" in err["message"] and "added_tokens.json" in err["message"]
     assert "gap" not in [m.id for m in client.models.list()]
+
+
+def test_reasoning_parser_sees_the_adapters_tokens(server):
+    """The adapter names the qwen3 reasoning parser and adds ``<think>`` / ``</think>``: the
+    parser finds their ids in the adapter's tokenizer, so a first ``</think>`` ends the thought
+    at once (with the base's tokenizer the ids are unknown: every token would be thought)."""
+    client, tok, _, _ = server
+    end = len(tok) - 2 + 1  # the thinker's </think>: the base's length + 1
+    out = client.chat.completions.create(
+        model="thinker", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0, logit_bias={str(end): 100})
+    assert out.usage.completion_tokens_details.reasoning_tokens == 0
