@@ -184,7 +184,10 @@ class CompressedTensorsMethod(WeightOnlyMethod):
     def describe(self) -> str:
         groups = "; ".join(f"{g.name}: {g.scheme.describe()} on {', '.join(g.targets)}"
                            for g in self.groups)
-        return f"compressed-tensors pack-quantized ({groups}; ignore {list(self.ignore)})"
+        formats = "pack-quantized" if all(isinstance(g.scheme, IntScheme) for g in self.groups) \
+            else "float-quantized" if all(isinstance(g.scheme, FloatScheme) for g in self.groups) \
+            else "mixed"
+        return f"compressed-tensors {formats} ({groups}; ignore {list(self.ignore)})"
 
     def scheme_of(self, module: str) -> IntScheme | FloatScheme | None:
         """The scheme of canonical module ``module`` (None: stored unquantized)."""
