@@ -59,7 +59,7 @@ class Weights:
             groups = k // group if group else 1
             # scales so that W's rows have the norm of a trained projection's (~ 1/sqrt(k))
             scale = (torch.rand(n, groups, generator=g, device=device) * 0.5 + 0.75) / (-lo * k**0.5)
-            self.layout = pack(values, scale, None, bits)
+            self.layout = pack(values, scale, None, bits, group)
             self.ref = dequantize_int(values, scale, group)  # [n, k] float32
             self.dense = self.ref.to(dtype)  # [n, k] what a bf16 model holds
             self.key = key

@@ -63,7 +63,7 @@ CASES = [  # (bits, group, K, symmetric)
 def test_kernel_equals_dequantize_then_matmul(bits, group, k, symmetric, dtype):
     values, scale, zp = quantized(N, k, bits, group, symmetric, seed=k)
     w = dequantize_int(values, scale, group, zp)  # [N, k] float32, the reference weight
-    layout = triton_wq.pack(values, scale, zp, bits)
+    layout = triton_wq.pack(values, scale, zp, bits, group)
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(N, generator=g)
     for m in (1, 3, 8, 64, triton_wq.DENSE_ROWS + 3):  # the last: dequantize, torch matmul
@@ -78,7 +78,7 @@ def test_split_k_sums_the_partials(bits, group):
     k = 320
     values, scale, zp = quantized(N, k, bits, group, False, seed=3)
     w = dequantize_int(values, scale, group, zp)
-    layout = triton_wq.pack(values, scale, zp, bits)
+    layout = triton_wq.pack(values, scale, zp, bits, group)
     x, bias = torch.randn(5, k), torch.randn(N)
     for split in (1, 2, 3, 64):  # 64: more splits than tiles
         _check(triton_wq.wq_matmul(x, layout, bits, group, bias, split_k=split), x, w, bias)
@@ -88,14 +88,14 @@ def test_split_k_sums_the_partials(bits, group):
 def test_dequantize_t_is_the_reference_weight(bits, group, symmetric):
     k = 96
     values, scale, zp = quantized(N, k, bits, group, symmetric, seed=5)
-    layout = triton_wq.pack(values, scale, zp, bits)
+    layout = triton_wq.pack(values, scale, zp, bits, group)
     w = triton_wq.dequantize_t(layout, bits, group, k, torch.float32)  # [k, N]
     torch.testing.assert_close(w, dequantize_int(values, scale, group, zp).T, rtol=0, atol=0)
 
 
 def test_fits_and_refused_groups():
-    assert triton_wq.fits(None) and triton_wq.fits(32) and triton_wq.fits(48)
-    assert not triton_wq.fits(24) and not triton_wq.fits(8)
+    assert triton_wq.fits(None) and triton_wq.fits(32) and triton_wq.fits(96)
+    assert triton_wq.fits(48, bits=8) and not triton_wq.fits(48) and not triton_wq.fits(8, bits=8)
     params = {"weight_packed": ct_packed(torch.zeros(4, 48, dtype=torch.int32), 4),
               "weight_scale": torch.ones(4, 2)}
     assert triton_wq.make_layout(params, 4, 24, 48) is None
