@@ -9,9 +9,12 @@ fallback) — median of timed calls, ratios to float32 of the same run. Decode s
 model loaded in float32, bf16 and as compressed-tensors int8 per channel / int4 g64 checkpoints
 written here from its weights (576 input features: 128 does not divide them); the time per
 decode step is (time of 1 + n steps - time of 1 step) / n for 1 and 4 greedy sequences.
+``--formats awq,gptq,fp8`` adds the same model as an AWQ GEMM and a GPTQ (v1) int4 g64
+checkpoint (W4A16, packed as their loaders read them; both repacked at load for the same
+kernel) and a compressed-tensors FP8 per-channel one (dequantized a band at a time).
 Writes ``bench/results/quantized.json``.
 
-    python -m bench.quantized [--threads 2] [--quick]
+    python -m bench.quantized [--threads 2] [--quick] [--formats awq,gptq,fp8]
 """
 
 from __future__ import annotations
@@ -139,6 +142,55 @@ def write_checkpoint(src: Path, dst: Path, bits: int, group: int | None) -> Path
     return dst
 
 
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's: slot i of a word holds column 8c + AWQ_ORDER[i]
+
+
+def pack_columns(u: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Unsigned 4-bit u [r, c] → int32 [r, c / 8], slot i of word j holding column 8j + order[i]."""
+    v = u.long().view(u.shape[0], -1, 8)[:, :, order]  # [r, words, 8 slots]
+    words = (v << torch.arange(0, 32, 4)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def write_other_format(src: Path, dst: Path, fmt: str) -> Path:
+    """The model folder ``src`` with every decoder projection as ``fmt``: ``awq`` (GEMM) or
+    ``gptq`` (v1) int4 g64 symmetric (zero points 8), or compressed-tensors ``fp8`` per channel."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        w, p = tensors.pop(name).float(), name.removesuffix("weight")
+        if fmt == "fp8":
+            scale = w.abs().amax(1, keepdim=True).clamp_min(1e-8) / 448  # [out, 1]
+            tensors[p + "weight"] = (w / scale).to(torch.float8_e4m3fn)
+            tensors[p + "weight_scale"] = scale
+            continue
+        q, scale = quantize(w, 4, 64)
+        u, zeros = q + 8, torch.full((scale.shape[1], scale.shape[0]), 8)  # [out, in], [G, out]
+        if fmt == "awq":
+            tensors[p + "qweight"], tensors[p + "qzeros"] = pack_columns(u.T, AWQ_ORDER), pack_columns(zeros, AWQ_ORDER)
+        else:
+            tensors[p + "qweight"] = pack_columns(u, list(range(8))).T.contiguous()  # [in / 8, out]
+            tensors[p + "qzeros"] = pack_columns(zeros - 1, list(range(8)))  # v1: zero - 1
+            tensors[p + "g_idx"] = (torch.arange(w.shape[1]) // 64).to(torch.int32)
+        tensors[p + "scales"] = scale.T.half().contiguous()  # [G, out] fp16, as they store it
+    save_file(tensors, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": True,
+                 "checkpoint_format": "gptq"},
+        "fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                "quantization_status": "compressed", "config_groups": {"group_0": {
+                    "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+                    "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
+                                          "dynamic": True}}}},
+    }[fmt]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def decode_step(folder: Path, dtype: str, steps: int) -> dict:
     from loramux.engine import LLM, SamplingParams
 
@@ -164,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = bench_parser(__doc__, dtype=None, quick="shorter timings", out="quantized")
     ap.add_argument("--size", type=int, default=2048)
     ap.add_argument("--no-model", action="store_true", help="the projection only")
+    ap.add_argument("--formats", default="", help="also decode awq,gptq,fp8 checkpoints of the model")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from loramux.engine.model.kernels import loader
@@ -179,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             folders = {"float32": (src, "float32"), "bf16": (src, "bfloat16"),
                        "int8": (write_checkpoint(src, Path(tmp) / "int8", 8, None), "float32"),
                        "int4_g64": (write_checkpoint(src, Path(tmp) / "int4", 4, 64), "float32")}
+            for fmt in filter(None, args.formats.split(",")):
+                name = {"awq": "awq_int4_g64", "gptq": "gptq_int4_g64", "fp8": "fp8_channel"}[fmt]
+                folders[name] = (write_other_format(src, Path(tmp) / fmt, fmt), "float32")
             for name, (folder, dtype) in folders.items():
                 models[name] = decode_step(folder, dtype, steps)
         for m in ROWS:
