@@ -137,9 +137,6 @@ class DecoderModel:
         self.norms = Norms(self.ops, self.dims.rms_norm_eps, spec.norm_offset)
         self.quant = quant_method(self.hf_config, quantization, str(path))
         """How the checkpoint stores the projections (``quant/``)."""
-        if self.quant.quantized and spec.mlp is not None:
-            raise ModelLoadError(f"{path}: quantized checkpoints of {self.family.name} (its own "
-                                 "feed-forward block: MoE experts) are not supported yet")
         self._load(load_state_dict(path, dtype, device, self.arch, self.quant.keeps_stored_dtype))
         self.attention_windows = spec.windows
         """The distinct sliding windows of the layers (the runner builds metadata per window)."""
@@ -181,8 +178,11 @@ class DecoderModel:
         act = gated_activation(s.activation, ops)
         mlp = None
         if s.mlp is not None:
-            mlp = s.mlp(LayerContext(index=i, prefix=p, dims=self.dims, activation=act, take=take,
-                                     source=str(self.path)))
+            mlp = s.mlp(LayerContext(
+                index=i, prefix=p, dims=self.dims, activation=act, take=take, source=str(self.path),
+                quantized=self.quant.quantized,
+                linear=lambda modules, shapes: self.quant.create_linear(
+                    modules, take, None, shapes=shapes, dtype=self.dtype)))
         if mlp is None:
             down = self._linear([p + "mlp.down_proj"], take, sd.pop(p + "mlp.down_proj.bias", None))
             mlp = GatedMLP(self._gate_up(sd, p, take), down, act)

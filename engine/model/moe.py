@@ -70,19 +70,22 @@ class MoEBlock:
     def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  top_k: int, norm_topk_prob: bool, act: Callable, *, weights_in_float: bool,
                  backend: str = "torch") -> None:
-        """``gate_up`` [E, 2I, H], ``down`` [E, H, I]; ``backend``: ``torch`` (one packed
-        ``Linear`` per expert, the CPU) or ``triton`` (the stacked weights and one grouped GEMM
-        launch per projection, ``triton_moe.py``: CUDA)."""
+        """``gate_up`` [E, 2I, H], ``down`` [E, H, I] — or lists of E projections a quantized
+        checkpoint's method made (``QuantLinear``; run one expert at a time, any device);
+        ``backend``: ``torch`` (one packed ``Linear`` per expert, the CPU) or ``triton`` (the
+        stacked weights and one grouped GEMM launch per projection, ``triton_moe.py``: CUDA)."""
         self.router = router  # [E, H] model dtype (plain: the matmul transformers runs)
         self.backend = backend
-        if backend == "triton":
+        if isinstance(gate_up, list):  # per-expert projections made by the quantization method
+            self.stacked, self.gate_up, self.down = None, gate_up, down
+        elif backend == "triton":
             self.stacked = (gate_up.contiguous(), down.contiguous())
             self.gate_up = self.down = None
         else:
             self.stacked = None
             self.gate_up = [Linear(w.contiguous()) for w in gate_up.unbind(0)]  # E x [2 I, H]
             self.down = [Linear(w.contiguous()) for w in down.unbind(0)]  # E x [H, I]
-        self.num_experts = gate_up.shape[0]
+        self.num_experts = len(gate_up)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.act = act
@@ -191,6 +194,8 @@ def load_moe_block(ctx: LayerContext, *, names: ExpertNames, norm_topk_prob: boo
         if router is None:
             continue
         experts = _take_experts(take, prefix, parent, names, dims.num_experts)
+        if experts is None and ctx.quantized and ctx.linear is not None:
+            experts = (None, None)  # per-expert projections, made by the quantization method
         if experts is None:
             raise ModelLoadError(f"{ctx.source}: {prefix}{parent}.experts: no expert weights "
                                  f"(expected {parent}.experts.gate_up_proj or per-expert tensors)")
@@ -198,11 +203,26 @@ def load_moe_block(ctx: LayerContext, *, names: ExpertNames, norm_topk_prob: boo
         if router.shape[0] != dims.num_experts:
             raise ModelLoadError(f"{ctx.source}: {prefix}{parent}.gate.weight has {router.shape[0]} "
                                  f"experts, the config {dims.num_experts}")
-        backend = "triton" if router.device.type == "cuda" and _has_triton() else "torch"
+        if gate_up is None:
+            gate_up, down = _quantized_experts(ctx, f"{prefix}{parent}.experts.", names)
+            backend = "torch"  # one expert projection at a time (the method's own kernels)
+        else:
+            backend = "triton" if router.device.type == "cuda" and _has_triton() else "torch"
         return MoEBlock(router, gate_up, down, dims.num_experts_per_tok, norm_topk_prob,
                         ctx.activation, weights_in_float=weights_in_float, backend=backend)
     raise ModelLoadError(f"{ctx.source}: tensor {prefix}{names.parents[0]}.gate.weight (the router) "
                          f"is missing")
+
+
+def _quantized_experts(ctx: LayerContext, p: str, names: ExpertNames) -> tuple[list, list]:
+    """Each expert's gate|up and down projections of a quantized checkpoint's per-expert
+    tensors (``<p><e>.<gate|up|down>``), as its method stores them (ignored modules: float)."""
+    dims = ctx.dims
+    inter, hidden = dims.moe_intermediate_size, dims.hidden_size
+    gate_up = [ctx.linear([f"{p}{e}.{names.gate}", f"{p}{e}.{names.up}"], [(inter, hidden)] * 2)
+               for e in range(dims.num_experts)]
+    down = [ctx.linear([f"{p}{e}.{names.down}"], [(hidden, inter)]) for e in range(dims.num_experts)]
+    return gate_up, down
 
 
 def _has_triton() -> bool:

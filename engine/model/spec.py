@@ -59,6 +59,12 @@ class LayerContext:
     loading is refused as unexpected."""
     source: str
     """Where the weights come from (the model folder), for error messages."""
+    linear: Callable[[list[str], list[tuple[int, int]]], Any] | None = None
+    """``linear(modules, shapes)``: one projection of ``modules`` (canonical names without
+    ``.weight``, fused along the output rows; ``shapes`` their ``(out, in)``), stored as the
+    checkpoint's quantization method says (a quantized checkpoint's MoE experts)."""
+    quantized: bool = False
+    """Whether the checkpoint stores projections quantized (``quant/``)."""
 
 
 @dataclass(frozen=True)
