@@ -31,13 +31,16 @@ from 256 tokens) and torch multiplies. Tested on the CPU under
 
 from __future__ import annotations
 
+import collections
 import functools
-from typing import NamedTuple
+import logging
 
 import torch
 
 from loramux.engine.model.quant.int_packed import KERNEL_BLOCK, unpack_int32
 from loramux.engine.model.triton_import import HAS_TRITON, tl, triton
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HAS_TRITON", "Config", "apply", "dequantize_rows", "dequantize_t", "fits", "make_layout",
            "prepare", "wq_matmul"]
@@ -172,17 +175,9 @@ def fits(group_size: int | None, bits: int = 4) -> bool:
     return _block_k(group_size, 128) >= (32 if bits == 4 else 16)
 
 
-class Config(NamedTuple):
-    """A launch of :func:`_wq_gemm`: tile sizes, K split into ``split`` ranges of ``per`` tiles,
-    warps and pipeline stages."""
-
-    bm: int
-    bn: int
-    bk: int
-    split: int
-    per: int
-    warps: int
-    stages: int
+Config = collections.namedtuple("Config", "bm bn bk split per warps stages")
+"""A launch of :func:`_wq_gemm`: tiles (M, N, K), K split into ``split`` ranges of ``per``
+tiles, warps and pipeline stages."""
 
 
 @functools.cache
@@ -335,12 +330,20 @@ def prepare(layer) -> bool:
     """Replaces a :class:`~loramux.engine.model.quant.base.QuantLinear`'s stored tensors by the
     kernel's layout (called once at load for a layer on a CUDA device, where Triton is
     installed); False, nothing changed, when the kernel does not run this layer."""
-    layout = make_layout(layer.params, getattr(layer.scheme, "num_bits", 0),
-                         getattr(layer.scheme, "group_size", None), layer.in_features)
+    bits, group = getattr(layer.scheme, "num_bits", 0), getattr(layer.scheme, "group_size", None)
+    layout = make_layout(layer.params, bits, group, layer.in_features)
+    note = ("Triton wq_gemm" if layout is not None else "torch dequantize-then-matmul (the Triton "
+            "kernel takes int4 / int8 per channel or groups of 32k (int4) / 16k (int8))")
+    if (layer.scheme, note) not in _LOGGED:
+        _LOGGED.add((layer.scheme, note))
+        logger.info("quantized linears on %s (%s): %s", layer.device, layer.scheme.describe(), note)
     if layout is None:
         return False
     layer.params = layout
     return True
+
+
+_LOGGED: set = set()  # (scheme, path) pairs logged
 
 
 def _parts(layer):
