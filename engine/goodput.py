@@ -75,26 +75,57 @@ def met_count(cap: int, floor: int, cost: Callable[[int], float], prompts: Seque
     return met
 
 
-def best_prompt_cap(floor: int, ceiling: int, cost: Callable[[int], float],
-                    prompts: Sequence[PromptDemand], slacks: Sequence[float], now: float) -> int:
-    """The cap in ``[floor, ceiling]`` that meets the most objectives (:func:`met_count`), the
-    smallest such. Evaluates the floor and every cap at which one prompt needs a step fewer."""
-    if ceiling <= floor or floor <= 0 or not prompts:
-        return floor
-    caps, done = {floor}, 0
+def _last_within(cost: Callable[[int], float], lo: int, hi: int, limit: float) -> int | None:
+    """The largest cap in ``[lo, hi]`` whose step costs at most ``limit`` (None: not even ``lo``);
+    the cost grows with the cap."""
+    if lo > hi or cost(lo) > limit:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= limit else (lo, mid - 1)
+    return lo
+
+
+def _endpoints(floor: int, lo: int, hi: int, cost: Callable[[int], float],
+               prompts: Sequence[PromptDemand], slacks: Sequence[float], now: float) -> set[int]:
+    """Every cap where one objective's met set begins or ends: each is a union of intervals of
+    caps (a prompt's, one per number of floor steps it still needs; a stream's, one), so the
+    count's best caps nearest the floor are among these, the bounds and the floor."""
+    base = cost(floor)
+    caps = {lo, floor, hi}
+    for slack in slacks:
+        caps.add(_last_within(cost, lo, hi, base + slack) or lo)
+    done = 0
     for demand in prompts[:MAX_PROMPTS]:
         done += demand.tokens
-        # its first token moves a step earlier at done, done - floor, done - 2 floor, ...
-        p = done - max(0, math.ceil((done - ceiling) / floor)) * floor
-        while p > floor and len(caps) < MAX_BREAKPOINTS:
-            caps.add(p)
-            p -= floor
-    best, best_met = floor, met_count(floor, floor, cost, prompts, slacks, now)
-    for cap in sorted(caps):
-        met = met_count(cap, floor, cost, prompts, slacks, now)
-        if met > best_met:
-            best, best_met = cap, met
-    return best
+        k = 0  # floor steps after this one; the cap range where it needs exactly k
+        while len(caps) < MAX_BREAKPOINTS:
+            start, stop = (done, hi) if k == 0 else (done - k * floor, done - (k - 1) * floor - 1)
+            start, stop = max(start, lo), min(stop, hi)
+            if stop < lo:
+                break
+            last = _last_within(cost, start, stop, demand.deadline - now - k * base)
+            if last is not None:
+                caps.update((start, last))
+            k += 1
+    return {c for c in caps if lo <= c <= hi}
+
+
+def best_prompt_cap(floor: int, ceiling: int, cost: Callable[[int], float],
+                    prompts: Sequence[PromptDemand], slacks: Sequence[float], now: float,
+                    lowest: int | None = None) -> int:
+    """The cap in ``[lowest, ceiling]`` (``lowest`` default: ``floor``) that meets the most
+    objectives (:func:`met_count`), the nearest the floor among equals: above it when prompts
+    about to miss gain by it, below it when streams about to miss do."""
+    lo = floor if lowest is None else min(lowest, floor)
+    hi = max(ceiling, floor)
+    if floor <= 0 or (not prompts and not slacks) or hi <= lo:
+        return floor
+
+    def rank(cap: int) -> tuple[int, int]:
+        return met_count(cap, floor, cost, prompts, slacks, now), -abs(cap - floor)
+
+    return max(sorted(_endpoints(floor, lo, hi, cost, prompts, slacks, now)), key=rank)
 
 
 class KeyObjectives:

@@ -335,9 +335,10 @@ class StepBudget:
     def _goodput_cap(self, floor: int, decode: list[Sequence], prompts: list[Sequence],
                      fixed: float, tpot_s: float, now: float) -> int:
         """The prompt-token cap that meets the most TTFT and TPOT objectives (``goodput.py``):
-        ``floor`` (the ITL target's), or more where prompts about to miss their first token can
-        have it while the streams keep their TPOT. ``fixed``: the step's cost without prompts."""
-        if self.token_budget is None or not prompts:
+        ``floor`` (the ITL target's), more where prompts about to miss their first token can
+        have it while the streams keep their TPOT, less (down to :data:`MIN_CHUNK_TOKENS`) where
+        streams about to miss theirs need it. ``fixed``: the step's cost without prompts."""
+        if self.token_budget is None:
             return floor
         c0, c_pre = float(self.model.coef[0]), float(self.model.coef[2])
 
@@ -352,7 +353,8 @@ class StepBudget:
         demands = [PromptDemand(s.num_tokens - s.num_computed_tokens, s.arrival_time + (
             own(s.fairness_key)[0] or self.ttft_s or DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens)))
             for s in prompts[:MAX_PROMPTS]]
-        return best_prompt_cap(floor, self.token_budget - len(decode), cost, demands, slacks, now)
+        return best_prompt_cap(floor, self.token_budget - len(decode), cost, demands, slacks, now,
+                               lowest=MIN_CHUNK_TOKENS)
 
 
 def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,
