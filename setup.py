@@ -27,7 +27,7 @@ CSRC = "engine/model/csrc"
 KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c",
                                                   "wq_linear.c")]
 HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_prefill.h",
-                                         "sgmv_shrink.h", "wq_kernels.h")]
+                                         "sgmv_shrink.h", "sgmv_bf16.h", "wq_kernels.h")]
 C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]
 """Flags of every kernel object. OpenMP: the process's libgomp at run time is torch's own."""
 
@@ -38,6 +38,9 @@ are guarded by the compiler's ISA macros, so ``scalar`` is the plain C)."""
 if X86_LINUX:
     ISA_VARIANTS["avx2"] = ["-mavx2", "-mfma"]
     ISA_VARIANTS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]
+    # avx512 + the native bf16 dot product (VDPBF16PS): the kernels' bf16 paths (sgmv_bf16.h,
+    # wq_linear.c); run only where the CPU reports avx512_bf16 (isa.cpp)
+    ISA_VARIANTS["avx512bf16"] = [*ISA_VARIANTS["avx512"], "-mavx512bf16"]
 
 
 class BuildKernels(BuildExtension):

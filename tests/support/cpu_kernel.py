@@ -30,7 +30,7 @@ def require_cpu_kernel() -> None:
     raise AssertionError(f"a compiler is present but the CPU kernels are {st.state}: {st.reason}")
 
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
 """Every ISA variant the build may carry (parametrize with it; :func:`forced_isa` skips the
 ones this CPU cannot run)."""
 

@@ -1,6 +1,6 @@
-// The ISA variants of the CPU kernels: the best of avx512 / avx2 / scalar that both this binary
-// carries (setup.py's LMX_HAVE_* defines) and the CPU runs (__builtin_cpu_supports), chosen
-// once at first use; loramux::select_isa overrides it (tests force each one).
+// The ISA variants of the CPU kernels: the best of avx512bf16 / avx512 / avx2 / scalar that
+// both this binary carries (setup.py's LMX_HAVE_* defines) and the CPU runs
+// (__builtin_cpu_supports), chosen once at first use; loramux::select_isa overrides it (tests force each one).
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -30,12 +30,20 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512dq");
 }
+// avx512 + AVX512_BF16 (VDPBF16PS): the native bf16 dot products of the kernels' bf16 paths
+bool cpu_has_avx512bf16() {
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
 #endif
 bool always() { return true; }
 
 // best first; only the variants this binary was built with (setup.py's LMX_HAVE_* defines)
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = {
+#ifdef LMX_HAVE_AVX512BF16
+      LMX_VARIANT(avx512bf16, cpu_has_avx512bf16),
+#endif
 #ifdef LMX_HAVE_AVX512
       LMX_VARIANT(avx512, cpu_has_avx512),
 #endif

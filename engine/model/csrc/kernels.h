@@ -42,6 +42,9 @@ LMX_DECLARE_KERNELS(avx2)
 #ifdef LMX_HAVE_AVX512
 LMX_DECLARE_KERNELS(avx512)
 #endif
+#ifdef LMX_HAVE_AVX512BF16
+LMX_DECLARE_KERNELS(avx512bf16)
+#endif
 #ifdef LMX_ISA /* compiling a kernel source: its definitions must match these */
 #define LMX_DECLARE_FOR(isa) LMX_DECLARE_KERNELS(isa)
 LMX_DECLARE_FOR(LMX_ISA)

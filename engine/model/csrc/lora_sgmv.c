@@ -14,6 +14,8 @@
  * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
  * The caller (ops.cpp) has checked every shape, stride, dtype, run and rank.
  * The shrink's dot products of x with A rows are sgmv_shrink.h's.
+ * In the ISA variant built with AVX512_BF16 (sgmv_bf16.h), bf16 x and bf16 A / B take the
+ * native bf16 dot products instead (VDPBF16PS, fp32 sums; v rounded to bf16 before the expand).
  * Returns 0, or -1 when the work buffer cannot be allocated.
  */
 #include <stdint.h>
@@ -23,6 +25,7 @@
 #include "bf16.h"
 #include "kernels.h"
 #include "sgmv_shrink.h"
+#include "sgmv_bf16.h"
 
 #define TILE 64 /* output columns per expand work item */
 #define SHRINK_TOKENS 3 /* tokens of a run per shrink work item (dot4x3) */
@@ -242,6 +245,16 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
         row += len, npairs += (len + SHRINK_TOKENS - 1) / SHRINK_TOKENS;
     }
     int64_t w_slot_b = (int64_t)SR * N;
+    uint32_t *vb = NULL; /* vb[row, s*Rh + p]: v[row, s*R + 2p .. 2p+1] as two bf16 */
+#ifdef LMX_SGMV_BH
+    const int Rh = (R + 1) / 2; /* pairs of v a slice (the bf16 expand's operand) */
+    const int bh = x_dtype == 1 && w_dtype == 1;
+    if (bh && (vb = (uint32_t *)malloc((size_t)ntok * S * Rh * sizeof(uint32_t))) == NULL) {
+        free(v);
+        free(row_of_run);
+        return -1;
+    }
+#endif
     int big = ntok * (int64_t)SR * (K + N) >= PARALLEL_MIN_MACS;
 
 #pragma omp parallel num_threads(nthreads) if (big)
@@ -255,6 +268,16 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
             int64_t t = runs[3 * r] + k;
             int64_t left = runs[3 * r + 1] - t;
             int n = left < SHRINK_TOKENS ? (int)left : SHRINK_TOKENS;
+#ifdef LMX_SGMV_BH
+            if (bh) {
+                int64_t slot = runs[3 * r + 2], row0 = row_of_run[r] + k;
+                if (k == 0) /* the run's A comes from DRAM: each slice's rank rows as one span */
+                    for (int s = 0; s < S; s++) prefetch_span(a, 1, (slot * SR + s * R) * (int64_t)K, ranks[slot] * K);
+                shrink_tokens_bh((const uint16_t *)x, x_stride, t, n, (const uint16_t *)a, slot, (int)ranks[slot], S,
+                                 R, K, v + row0 * SR, vb + row0 * S * Rh);
+                continue;
+            }
+#endif
             shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
                           v + (row_of_run[r] + k) * SR);
         }
@@ -272,6 +295,23 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
                 if (ahead < (int64_t)nruns * ntiles)
                     prefetch_item(b, w_dtype, runs, ranks, slice_off, ahead, ntiles, S, R, N);
                 float acc[TILE];
+#ifdef LMX_SGMV_BH
+                if (bh) { /* n tokens at a time share each B load; masked loads past c1 */
+                    const uint32_t *vb0 = vb + (row_of_run[r] - t) * S * Rh; /* + t * S * Rh: token t */
+                    for (; t < end; t += 3) {
+                        float acc2[TILE], acc3[TILE];
+                        float *at[3] = {acc, acc2, acc3};
+                        const uint32_t *vq[3] = {vb0 + t * S * Rh, vb0 + (t + 1) * S * Rh, vb0 + (t + 2) * S * Rh};
+                        const uint16_t *bb = (const uint16_t *)b;
+                        int n = end - t < 3 ? (int)(end - t) : 3;
+                        if (n == 3) expand_bh(vq, 3, bb, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, at);
+                        else if (n == 2) expand_bh(vq, 2, bb, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, at);
+                        else expand_bh(vq, 1, bb, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, at);
+                        for (int q = 0; q < n; q++) add_tile(y, y_dtype, (t + q) * y_stride, c0, c1, at[q]);
+                    }
+                    continue;
+                }
+#endif
 #ifdef VEC
                 float acc2[TILE], acc3[TILE];
                 for (; t + 3 <= end && c1 - c0 == TILE; t += 3) { /* three tokens share each B load */
@@ -295,6 +335,7 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
         }
     }
     free(v);
+    free(vb);
     free(row_of_run);
     return 0;
 }

@@ -26,6 +26,9 @@ using WqFn = decltype(&loramux_wq_linear_scalar);
 
 WqFn wq_variant() {
   const std::string name = isa();
+#ifdef LMX_HAVE_AVX512BF16
+  if (name == "avx512bf16") return loramux_wq_linear_avx512bf16;
+#endif
 #ifdef LMX_HAVE_AVX512
   if (name == "avx512") return loramux_wq_linear_avx512;
 #endif

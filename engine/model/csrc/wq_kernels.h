@@ -23,6 +23,9 @@ LMX_DECLARE_WQ(avx2)
 #ifdef LMX_HAVE_AVX512
 LMX_DECLARE_WQ(avx512)
 #endif
+#ifdef LMX_HAVE_AVX512BF16
+LMX_DECLARE_WQ(avx512bf16)
+#endif
 #ifdef LMX_ISA /* compiling wq_linear.c: its definition must match */
 #define LMX_DECLARE_WQ_FOR(isa) LMX_DECLARE_WQ(isa)
 LMX_DECLARE_WQ_FOR(LMX_ISA)
