@@ -197,23 +197,33 @@ LAYER_PARTS = {  # engine layer attribute → its checkpoint modules (separate, 
 }
 
 
-def check_engine_weights(model, ref: dict[str, torch.Tensor]) -> int:
+def check_engine_weights(model, ref: dict[str, torch.Tensor]) -> set[str]:
     """Assert every projection of the engine's ``model`` dequantizes (its method's
     ``dequantize_rows``, over the whole layer) to exactly the reference weights ``ref`` (module
     → [out, in]) of its modules concatenated; modules absent from ``ref`` must be float layers.
-    Returns how many quantized layers were compared."""
+    Returns the modules compared (MoE experts each their own projection)."""
     from loramux.engine.model.quant.base import QuantLinear
 
-    compared = 0
+    compared: set[str] = set()
     for i, layer in enumerate(model.layers):
         for attr, choices in LAYER_PARTS.items():
             lin = getattr(layer, attr, None) or getattr(layer.mlp, attr)
-            names = next((c for c in choices if f"model.layers.{i}.{c[0]}" in ref), None)
-            if names is None:
-                assert not isinstance(lin, QuantLinear), (i, attr)
-                continue
-            want = torch.cat([ref[f"model.layers.{i}.{n}"] for n in names])
-            got = lin.method.dequantize_rows(lin, 0, lin.out_features).float()
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-            compared += 1
+            lins, options = [lin], [choices]
+            if isinstance(lin, list):  # MoE experts, one projection each (mlp.experts.<e>.)
+                parts = [c.replace("mlp.", "") for c in choices[0]]
+                lins, options = lin, [(tuple(f"mlp.experts.{e}.{n}" for n in parts),)
+                                      for e in range(len(lin))]
+            for one, opts in zip(lins, options, strict=True):
+                compared |= _compare(one, opts, ref, f"model.layers.{i}.", QuantLinear)
     return compared
+
+
+def _compare(lin, choices, ref: dict[str, torch.Tensor], prefix: str, quant_type) -> set[str]:
+    names = next((c for c in choices if prefix + c[0] in ref), None)
+    if names is None:
+        assert not isinstance(lin, quant_type), (prefix, choices)
+        return set()
+    want = torch.cat([ref[prefix + n] for n in names])
+    got = lin.method.dequantize_rows(lin, 0, lin.out_features).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return {prefix + n for n in names}
