@@ -116,14 +116,16 @@ def write_awq(src: Path, out: Path, *, group_size: int = 32, zero_point: bool = 
 
 
 def write_gptq(src: Path, out: Path, *, bits: int = 4, group_size: int = 32, desc_act: bool = False,
-               sym: bool = True, fmt: str = "gptq", shared_perm: bool = False, seed: int = 0) -> Path:
+               sym: bool = True, fmt: str = "gptq", shared_perm: bool = False, seed: int = 0,
+               lm_head: bool = False) -> Path:
     """The float folder ``src`` quantized to a GPTQ checkpoint at ``out`` (``fmt``: ``gptq``
     v1 zeros - 1, or ``gptq_v2``). ``desc_act``: each module's groups follow a random
-    permutation of its input columns (one per input width when ``shared_perm``)."""
+    permutation of its input columns (one per input width when ``shared_perm``); ``lm_head``:
+    the (untied) ``lm_head`` quantized too, as GPTQModel's ``lm_head=True``."""
     tensors = load_file(src / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
     perms: dict[int, torch.Tensor] = {}
-    for m in _targets(tensors, ()):
+    for m in _targets(tensors, ()) + (["lm_head"] if lm_head else []):
         w = tensors.pop(m + ".weight").float()
         k = w.shape[1]
         g = group_size if group_size > 0 else k
@@ -139,7 +141,7 @@ def write_gptq(src: Path, out: Path, *, bits: int = 4, group_size: int = 32, des
         tensors[m + ".scales"] = s
         tensors[m + ".g_idx"] = g_idx
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
-          "sym": sym, "lm_head": False, "checkpoint_format": fmt, "pack_dtype": "int32",
+          "sym": sym, "lm_head": lm_head, "checkpoint_format": fmt, "pack_dtype": "int32",
           "true_sequential": True, "damp_percent": 0.01, "static_groups": False,
           "meta": {"quantizer": ["loramux-tests"]}}
     return _save(src, out, tensors, qc)
@@ -215,7 +217,7 @@ def check_engine_weights(model, ref: dict[str, torch.Tensor]) -> set[str]:
                                       for e in range(len(lin))]
             for one, opts in zip(lins, options, strict=True):
                 compared |= _compare(one, opts, ref, f"model.layers.{i}.", QuantLinear)
-    return compared
+    return compared | _compare(model.lm_head, [("lm_head",)], ref, "", QuantLinear)
 
 
 def _compare(lin, choices, ref: dict[str, torch.Tensor], prefix: str, quant_type) -> set[str]:

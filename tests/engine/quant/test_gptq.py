@@ -24,6 +24,7 @@ CASES = {  # name: (family, bits, group_size, write_gptq options)
     "gemma3-int4-g32-asym-v2": ("gemma3", 4, 32, dict(sym=False, fmt="gptq_v2", desc_act=True)),
     "llama-int8-g16-desc-act": ("llama", 8, 16, dict(desc_act=True)),  # torch path: 16 < 32
     "qwen3-moe-int4-g32-desc-act": ("qwen3_moe", 4, 32, dict(desc_act=True)),  # per-expert
+    "phi3-int4-g32-lm-head": ("phi3", 4, 32, dict(lm_head=True)),  # GPTQModel's lm_head=True
 }
 
 
@@ -36,7 +37,7 @@ def test_gptq_matches_reference_dequantization(name, tmp_path, default_model_dir
               max_num_batched_tokens=48, quantization="gptq")
     model = llm.llm_engine.model
     assert model.quant.name == "gptq"
-    assert not isinstance(model.lm_head, QuantLinear)
+    assert isinstance(model.lm_head, QuantLinear) == opts.get("lm_head", False)
     ref_weights = reference_weights(folder)
     assert check_engine_weights(model, ref_weights) == set(ref_weights)
     qkv = model.layers[0].qkv
