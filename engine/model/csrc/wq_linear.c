@@ -20,6 +20,9 @@
  * copied to an fp32 [M, Kp] buffer; y (fp32 or bf16, rounded once) is contiguous [M, N]; bias
  * fp32 [N] or NULL.
  *
+ * In the ISA variant built with AVX512_BF16, bf16 x takes wq_bf16.h's native bf16 dot products
+ * instead (the same weight layout; x repacked once per call), below and from GEMM_MIN_M rows.
+ *
  * Threads split the output rows in tiles of NT when the call has PARALLEL_MIN_MACS of work
  * (a decode call of a small projection stays on the calling thread: no OpenMP fork).
  * Returns 0, or -1 when a work buffer cannot be allocated.
@@ -189,6 +192,8 @@ static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, c
     }
 }
 
+#include "wq_bf16.h" /* the avx512bf16 variant's bf16-activation tile (rows_tile_bh) */
+
 #ifdef WL
 #define GEMM_MIN_M 32 /* from this many rows of x: dequantize a tile once, then a GEMM over it */
 #define GR (WL / 2)   /* weight rows per GEMM register tile (by 2 vectors of WL rows of x) */
@@ -288,11 +293,37 @@ int LMX_FN(loramux_wq_linear)(const void *x, int64_t x_stride, int xd, const uin
         for (int64_t k = 0; k < Kp; k++) xs[m * G + k / group] += xp[m * Kp + k];
     }
     const int tiles = (N + NT - 1) / NT;
+#ifdef LMX_WQ_BH
+    if (xd == 1 && M >= GEMM_MIN_M) { /* bf16 x, prefill: the bf16 GEMM over exact bf16 weights */
+        int rc = gemm_call_bh((const uint16_t *)x, x_stride, xs, M, K, Kp, w, bits, scale, zero, G, group, bias,
+                              y, yd, N, tiles, nthreads);
+        free(xp);
+        return rc;
+    }
+#endif
 #ifdef WL
     if (M >= GEMM_MIN_M) {
         int rc = gemm_call(xp, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, K, tiles, nthreads);
         free(xp);
         return rc;
+    }
+#endif
+#ifdef LMX_WQ_BH
+    if (xd == 1) { /* bf16 x, decode: the native bf16 dot products over x repacked once */
+        uint16_t *xr = (uint16_t *)malloc((size_t)(M * Kp) * sizeof(uint16_t));
+        if (xr == NULL) {
+            free(xp);
+            return -1;
+        }
+        repack_x_bh((const uint16_t *)x, x_stride, M, K, Kp, group, bits, xr);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
+        for (int t = 0; t < tiles; t++) {
+            int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
+            rows_tile_bh(xr, xs, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1);
+        }
+        free(xr);
+        free(xp);
+        return 0;
     }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)

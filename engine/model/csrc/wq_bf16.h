@@ -1,0 +1,248 @@
+/* wq_linear.c's native-bf16 path, compiled only into the ISA variant built with -mavx512bf16
+ * (isa.cpp runs it only where the CPU has AVX512_BF16): bf16 activations, fewer than
+ * the weights in the kernel's unchanged layout. Below GEMM_MIN_M rows (decode) tile_bh works on
+ * the stored values in registers; from GEMM_MIN_M rows (prefill) gemm_call_bh widens a tile of
+ * them to bf16 once and runs a GEMM over it (as wq_linear.c's fp32 paths do).
+ *
+ * Each stored value becomes a bf16 exactly, then VDPBF16PS (_mm512_dpbf16_ps) multiplies pairs
+ * of them by pairs of x (bf16 x bf16 products are exact in fp32) into fp32 accumulators:
+ *   int4  u | 0x4300 is the bf16 128 + u (exponent of 128, u in the 7 mantissa bits), so the
+ *         sum is over x * (128 + u); the 128 is folded into the zero-point correction
+ *         scale * (zero + 128) * sum(x). 32 bytes (two blocks) widened to 32 u16 lanes give the
+ *         low nibbles of both blocks (k 0..15 of each) and the high nibbles (k 16..31 of each):
+ *         x is repacked once per call into that order (each 64 values of a group as
+ *         x[0..15], x[32..47], x[16..31], x[48..63]; a group's lone last block, when its length
+ *         is an odd number of blocks, stays in k order: its nibbles are put back in order).
+ *   int8  int8 -> int32 -> fp32 -> bf16 (_mm512_cvtne2ps_pbh): exact for |q| <= 256, k order.
+ * The sums are fp32 as on the fp32-FMA path, in another order (and int4's through the offset
+ * of 128): close to it, not bit-identical. Included by wq_linear.c only. */
+#ifndef LORAMUX_WQ_BF16_H
+#define LORAMUX_WQ_BF16_H
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <stdint.h>
+
+#define LMX_WQ_BH 1
+
+/* x rows (bf16, row stride x_stride) -> xr [M, Kp] bf16, zero padded, in the order of the
+ * weight vectors of `bits` (above) */
+static void repack_x_bh(const uint16_t *x, int64_t x_stride, int64_t M, int K, int64_t Kp, int group,
+                        int bits, uint16_t *xr) {
+    for (int64_t m = 0; m < M; m++) {
+        uint16_t *d = xr + m * Kp;
+        memcpy(d, x + m * x_stride, (size_t)K * sizeof(uint16_t));
+        memset(d + K, 0, (size_t)(Kp - K) * sizeof(uint16_t));
+        if (bits != 4) continue;
+        for (int64_t g0 = 0; g0 < Kp; g0 += group)
+            for (int64_t k = g0; k + 64 <= g0 + group; k += 64)
+                for (int i = 0; i < 16; i++) { /* swap x[k+16..31] and x[k+32..47] */
+                    uint16_t t = d[k + 16 + i];
+                    d[k + 16 + i] = d[k + 32 + i];
+                    d[k + 32 + i] = t;
+                }
+    }
+}
+
+/* one block of 32 stored values (at p) as 32 bf16 lanes in k order */
+static inline __m512bh block_bh(const uint8_t *p, int bits) {
+    if (bits == 8) {
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        return _mm512_cvtne2ps_pbh(hi, lo);
+    }
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i o = _mm256_set1_epi16(0x4300);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(15)), o);
+    const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(b, 4), o);
+    return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* tile (wq_linear.c) for bf16 x: y rows m0..m0+mr of output rows n0..n0+nr, before the bias */
+static inline __attribute__((always_inline)) void tile_bh(const uint16_t *xr, int64_t Kp, const float *xs,
+                                                          const uint8_t *w, int64_t row_bytes, int bits,
+                                                          const float *scale, const float *zero, int G,
+                                                          int group, int n0, const int nr, const int mr,
+                                                          float out[MR][2]) {
+    const float off = bits == 4 ? 128.0f : 0.0f; /* the value the stored one stands for, less */
+    const __m512i m15 = _mm512_set1_epi16(15), o4 = _mm512_set1_epi16(0x4300);
+    __m512 tot[MR][2];
+    float corr[MR][2] = {{0}};
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) tot[m][r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512 acc[MR][2];
+        for (int m = 0; m < mr; m++)
+            for (int r = 0; r < nr; r++) acc[m][r] = _mm512_setzero_ps();
+        int64_t k = (int64_t)g * group;
+        const int64_t ge = k + group;
+        if (bits == 4)
+            for (; k + 64 <= ge; k += 64) { /* two blocks: low nibbles, then high nibbles */
+                __m512bh lo[2], hi[2];
+                for (int r = 0; r < nr; r++) {
+                    const __m512i b = _mm512_cvtepu8_epi16(
+                        _mm256_loadu_si256((const __m256i *)(w + (int64_t)(n0 + r) * row_bytes + k / 2)));
+                    lo[r] = (__m512bh)_mm512_or_si512(_mm512_and_si512(b, m15), o4);
+                    hi[r] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), o4);
+                }
+                for (int m = 0; m < mr; m++) {
+                    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xr + m * Kp + k);
+                    const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xr + m * Kp + k + 32);
+                    for (int r = 0; r < nr; r++)
+                        acc[m][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[m][r], x0, lo[r]), x1, hi[r]);
+                }
+            }
+        for (; k < ge; k += 32) { /* int8, or int4's lone last block: k order */
+            __m512bh wv[2];
+            for (int r = 0; r < nr; r++) wv[r] = block_bh(w + (int64_t)(n0 + r) * row_bytes + k / 32 * bits * 4, bits);
+            for (int m = 0; m < mr; m++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + m * Kp + k);
+                for (int r = 0; r < nr; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const int64_t at = (int64_t)(n0 + r) * G + g;
+            const float sc = scale[at], z = (zero ? zero[at] : (bits == 4 ? 8.0f : 0.0f)) + off;
+            const __m512 vs = _mm512_set1_ps(sc);
+            for (int m = 0; m < mr; m++) {
+                tot[m][r] = _mm512_fmadd_ps(vs, acc[m][r], tot[m][r]);
+                corr[m][r] += sc * z * xs[m * G + g];
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) out[m][r] = _mm512_reduce_add_ps(tot[m][r]) - corr[m][r];
+}
+
+/* rows_tile (wq_linear.c) on the bf16 tile: output rows n0..n1 for every row of x */
+static void rows_tile_bh(const uint16_t *xr, const float *xs, int64_t M, int64_t Kp, const uint8_t *w,
+                         int bits, const float *scale, const float *zero, int G, int group,
+                         const float *bias, void *y, int yd, int N, int n0, int n1) {
+    const int64_t row_bytes = Kp * bits / 8;
+    float out[MR][2];
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+        const uint16_t *xm = xr + m0 * Kp;
+        const float *xsm = xs + m0 * G;
+        for (int n = n0; n < n1; n += 2) {
+            const int nr = n1 - n >= 2 ? 2 : 1;
+#define LMX_TILE_BH(NR, MRC) tile_bh(xm, Kp, xsm, w, row_bytes, bits, scale, zero, G, group, n, NR, MRC, out)
+            if (nr == 2) {
+                if (mr == 4) LMX_TILE_BH(2, 4); else if (mr == 3) LMX_TILE_BH(2, 3);
+                else if (mr == 2) LMX_TILE_BH(2, 2); else LMX_TILE_BH(2, 1);
+            } else {
+                if (mr == 4) LMX_TILE_BH(1, 4); else if (mr == 3) LMX_TILE_BH(1, 3);
+                else if (mr == 2) LMX_TILE_BH(1, 2); else LMX_TILE_BH(1, 1);
+            }
+#undef LMX_TILE_BH
+            for (int m = 0; m < mr; m++)
+                for (int r = 0; r < nr; r++) {
+                    float v = out[m][r] + (bias ? bias[n + r] : 0.0f);
+                    int64_t i = (m0 + m) * N + n + r;
+                    if (yd == 0) ((float *)y)[i] = v;
+                    else ((uint16_t *)y)[i] = f32_to_bf16(v);
+                }
+        }
+    }
+}
+
+/* ---- prefill (GEMM_MIN_M rows and more): a GEMM over a tile of stored values as bf16 ---- */
+#define GR_BH 4 /* weight rows per register tile (by 2 vectors of 16 rows of x; 16 + 2 zmm) */
+
+/* y[m0 .. m0+32, n .. n+nr] from xt2 [Kp/2, Mp] (x pairs (x[m, 2p], x[m, 2p+1]) as bf16, zero
+ * padded), xst [G, Mp] (x's sums per group) and wr [nr, Kp] (the stored values as bf16, plus
+ * off): per group the pairs' products are summed, then scale * (acc - (zero + off) * sum x) */
+static inline __attribute__((always_inline)) void gemm_block_bh(const uint32_t *xt2, const float *xst,
+                                                                int64_t Mp, int64_t M, int64_t Kp,
+                                                                const uint16_t *wr, int G, int group,
+                                                                int bits, const float *scale,
+                                                                const float *zero, int64_t m0, const int nr,
+                                                                const float *bias, void *y, int yd, int N,
+                                                                int n) {
+    const float off = bits == 4 ? 128.0f : 0.0f;
+    __m512 tot[GR_BH][2];
+    for (int r = 0; r < nr; r++) tot[r][0] = tot[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512 acc[GR_BH][2];
+        for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t p = (int64_t)g * group / 2; p < (int64_t)(g + 1) * group / 2; p++) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xt2 + p * Mp + m0);
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xt2 + p * Mp + m0 + 16);
+            for (int r = 0; r < nr; r++) {
+                uint32_t pair;
+                memcpy(&pair, wr + r * Kp + 2 * p, sizeof pair);
+                const __m512bh wk = (__m512bh)_mm512_set1_epi32((int)pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x0, wk);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x1, wk);
+            }
+        }
+        const __m512 s0 = _mm512_loadu_ps(xst + g * Mp + m0), s1 = _mm512_loadu_ps(xst + g * Mp + m0 + 16);
+        for (int r = 0; r < nr; r++) {
+            const int64_t at = (int64_t)(n + r) * G + g;
+            const float sc = scale[at], z = (zero ? zero[at] : (bits == 4 ? 8.0f : 0.0f)) + off;
+            const __m512 vs = _mm512_set1_ps(sc), vz = _mm512_set1_ps(-sc * z);
+            tot[r][0] = _mm512_fmadd_ps(vz, s0, _mm512_fmadd_ps(vs, acc[r][0], tot[r][0]));
+            tot[r][1] = _mm512_fmadd_ps(vz, s1, _mm512_fmadd_ps(vs, acc[r][1], tot[r][1]));
+        }
+    }
+    float lanes[32];
+    for (int r = 0; r < nr; r++) {
+        _mm512_storeu_ps(lanes, tot[r][0]);
+        _mm512_storeu_ps(lanes + 16, tot[r][1]);
+        for (int l = 0; l < 32 && m0 + l < M; l++) {
+            const float v = lanes[l] + (bias ? bias[n + r] : 0.0f);
+            const int64_t i = (m0 + l) * N + n + r;
+            if (yd == 0) ((float *)y)[i] = v;
+            else ((uint16_t *)y)[i] = f32_to_bf16(v);
+        }
+    }
+}
+
+/* gemm_call (wq_linear.c) for bf16 x: x as bf16 pairs transposed once (xt2 [Kp/2, Mp], Mp = M
+ * rounded up to 32) with its sums per group (xst [G, Mp]); per tile of NT rows, the stored
+ * values widened once to bf16 (block_bh: exact) into a per-thread buffer, then gemm_block_bh */
+static int gemm_call_bh(const uint16_t *x, int64_t x_stride, const float *xs, int64_t M, int K, int64_t Kp,
+                        const uint8_t *w, int bits, const float *scale, const float *zero, int G, int group,
+                        const float *bias, void *y, int yd, int N, int tiles, int nthreads) {
+    const int64_t Mp = (M + 31) / 32 * 32, row_bytes = Kp * bits / 8;
+    uint32_t *xt2 = (uint32_t *)calloc((size_t)(Kp / 2 * Mp + G * Mp), sizeof(uint32_t));
+    if (xt2 == NULL) return -1;
+    float *xst = (float *)(xt2 + Kp / 2 * Mp);
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xm = x + m * x_stride;
+        for (int64_t k = 0; k < K; k++) xt2[k / 2 * Mp + m] |= (uint32_t)xm[k] << (16 * (k & 1));
+        for (int g = 0; g < G; g++) xst[g * Mp + m] = xs[m * G + g];
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
+    {
+        uint16_t *wr = (uint16_t *)malloc((size_t)(NT * Kp) * sizeof(uint16_t));
+        if (wr == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            const int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
+            if (wr == NULL) continue;
+            for (int n = n0; n < n1; n++)
+                for (int64_t k = 0; k < Kp; k += 32)
+                    _mm512_storeu_si512(wr + (n - n0) * Kp + k,
+                                        (__m512i)block_bh(w + n * row_bytes + k / 32 * bits * 4, bits));
+            for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                int n = n0;
+                for (; n + GR_BH <= n1; n += GR_BH)
+                    gemm_block_bh(xt2, xst, Mp, M, Kp, wr + (n - n0) * Kp, G, group, bits, scale, zero, m0,
+                                  GR_BH, bias, y, yd, N, n);
+                for (; n < n1; n++)
+                    gemm_block_bh(xt2, xst, Mp, M, Kp, wr + (n - n0) * Kp, G, group, bits, scale, zero, m0, 1,
+                                  bias, y, yd, N, n);
+            }
+        }
+        free(wr);
+    }
+    free(xt2);
+    return failed ? -1 : 0;
+}
+
+#endif
+#endif

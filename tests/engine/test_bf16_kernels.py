@@ -1,0 +1,165 @@
+"""The native-bf16 CPU kernels (the ``avx512bf16`` ISA variant: VDPBF16PS) against fp32
+references, and the variant's selection by the CPU's flags.
+
+The bf16 paths multiply bf16 pairs exactly (a bf16 x bf16 product fits in fp32) and sum in
+fp32, in another order than the fp32-FMA paths: results are close to those, not bit-identical,
+so each test bounds the difference by what its inputs justify (fp32 summation error, and the
+one bf16 rounding of the SGMV's intermediate that a torch bf16 ``(x @ A.T) @ B`` has as well).
+On a CPU without AVX512_BF16 the variant must not run: the tests of its paths skip (saying so),
+and the selection test checks that the fallback (the best other variant) is chosen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.cpu_kernel import forced_isa, require_cpu_kernel
+
+from loramux.engine.model.kernels import loader
+
+BF16 = "avx512bf16"
+U = 2.0**-24  # fp32 unit roundoff
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def test_bf16_variant_runs_only_where_the_cpu_has_it():
+    require_cpu_kernel()
+    runs = loader.isas()
+    if cpu_has_bf16() and "avx512" in runs:
+        assert runs[0] == BF16 and loader.select_isa("auto") == BF16
+        return
+    assert BF16 not in runs  # built or not, a CPU without the flag never runs it
+    with pytest.raises(ValueError, match="cannot run|unknown ISA"):
+        loader.select_isa(BF16)
+    assert loader.select_isa("auto") == runs[0] != BF16  # the fallback: the best other variant
+
+
+def _sgmv_inputs(S, R, K, widths, ranks, runs, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = sum(widths)
+    offs = [0]
+    for w in widths:
+        offs.append(offs[-1] + w)
+    slots = len(ranks)
+    a = torch.full((slots, S, R, K), float("nan"))  # rows past a rank are never read
+    b = torch.full((slots, S * R, N), float("nan"))
+    for slot, r in enumerate(ranks):
+        a[slot, :, :r] = torch.randn(S, r, K, generator=g) * 0.1
+        b[slot, :, :] = 0
+        for s in range(S):
+            b[slot, s * R : s * R + r, offs[s] : offs[s + 1]] = torch.randn(r, widths[s], generator=g) * 0.1
+    for slot, r in enumerate(ranks):
+        for s in range(S):
+            b[slot, s * R + r : (s + 1) * R] = float("nan")
+    x = torch.randn(T, K, generator=g).bfloat16()
+    return x, a.bfloat16(), b.bfloat16(), torch.tensor(runs), torch.tensor(ranks), torch.tensor(offs)
+
+
+@pytest.mark.parametrize("case", [
+    # S, R, K, slice widths, slot ranks, runs (start, end, slot), tokens
+    (3, 16, 576, (576, 192, 192), [16, 8, 16, 12], [(0, 4, 0), (4, 8, 1), (8, 12, 2), (12, 16, 3)], 16),  # qkv decode
+    (2, 32, 576, (1536, 1536), [32], [(0, 64, 0)], 64),  # gate_up prefill chunk
+    (1, 8, 1536, (576,), [8, 5], [(0, 7, 1), (9, 12, 0)], 12),  # down, odd rank, base rows 7-8
+    (3, 8, 45, (50, 40, 61), [7, 3, 8], [(0, 1, 2), (1, 4, 0), (6, 7, 1), (7, 13, 2)], 13),  # off the widths
+])
+def test_sgmv_bf16_path_against_fp32_reference(case):
+    """``lora_sgmv`` in the bf16 variant, bf16 x and slots, fp32 y: each run's
+    ``(x @ A.T) @ B`` in float64 with the intermediate rounded to bf16 (as the kernel and torch's
+    bf16 matmuls round it). Bound: the shrink's fp32 sums can round v to the bf16 next to the
+    reference's (one bf16 ulp, 2**-8 relative), plus fp32 summation of both dot products."""
+    S, R, K, widths, ranks, runs, T = case
+    x, a, b, runs_t, ranks_t, offs = _sgmv_inputs(S, R, K, widths, ranks, runs, T)
+    y0 = torch.randn(T, sum(widths), generator=torch.Generator().manual_seed(1))
+    with forced_isa(BF16):
+        y = y0.clone()
+        torch.ops.loramux.lora_sgmv(y, x, a, b, runs_t, ranks_t, offs)
+    want, bound = y0.double().clone(), torch.zeros_like(y0, dtype=torch.float64)
+    for start, end, slot in runs:
+        r = ranks[slot]
+        for s in range(S):
+            ar = a[slot, s, :r].double()
+            br = b[slot, s * R : s * R + r, offs[s] : offs[s + 1]].double()
+            xv = x[start:end].double()
+            v = xv @ ar.T
+            vb = v.to(torch.bfloat16).double()
+            want[start:end, offs[s] : offs[s + 1]] += vb @ br
+            vmag = xv.abs() @ ar.abs().T
+            bound[start:end, offs[s] : offs[s + 1]] += ((2**-8 * vb.abs() + 2 * K * U * vmag) @ br.abs()
+                                                        + 2 * r * U * (vb.abs() @ br.abs()))
+    err = (y.double() - want).abs()
+    assert torch.all(err <= bound + 1e-6), float((err - bound).max())
+    base = [t for t in range(T) if not any(s <= t < e for s, e, _ in runs)]
+    assert torch.equal(y[base], y0[base])
+
+
+def test_sgmv_bf16_path_close_to_fp32_fma_path():
+    """The bf16 and fp32-FMA variants on the same bf16 qkv decode call with a bf16 y: within one
+    bf16 rounding of y plus the intermediate's (bit-exactness is not expected)."""
+    x, a, b, runs, ranks, offs = _sgmv_inputs(3, 16, 576, (576, 192, 192), [16, 16],
+                                              [(0, 5, 0), (5, 9, 1)], 9, seed=3)
+    y0 = torch.randn(9, 960, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = {}
+    for isa in ("avx512", BF16):
+        with forced_isa(isa):
+            out[isa] = y0.clone()
+            torch.ops.loramux.lora_sgmv(out[isa], x, a, b, runs, ranks, offs)
+    torch.testing.assert_close(out[BF16].float(), out["avx512"].float(), rtol=2**-6, atol=2e-2)
+    assert not torch.equal(out[BF16].float() - y0.float(), torch.zeros(9, 960))
+
+
+def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N, K] signed values -> the wq kernel's layout (wq_linear.c), Kp = K rounded up to 32."""
+    n, k = values.shape
+    kp = (k + 31) // 32 * 32
+    padded = torch.zeros(n, kp, dtype=torch.int32)
+    padded[:, :k] = values
+    if bits == 8:
+        return padded.to(torch.int8).view(torch.uint8)
+    u = (padded + 8).view(n, kp // 32, 32)
+    return (u[..., :16] | (u[..., 16:] << 4)).to(torch.uint8).reshape(n, kp // 2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group, k", [(64, 576), (128, 1536), (32, 96), (96, 576), (0, 576), (0, 608), (0, 100)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
+    """``wq_linear`` in the bf16 variant, bf16 x (1 to 31 rows: the decode path; 33 and 64: the
+    prefill GEMM over a tile widened to bf16), fp32 and bf16 y, against float64 ``x @ dequant(W).T``. Groups of two blocks and lone blocks (96 = 64 + 32,
+    K = 608 per channel) exercise both of the int4 repacked orders. Bound: fp32 summation of
+    the sums the kernel forms (int4's through the exact offset of 128, taken off again with
+    the zero point), K * 2**-24 relative to their magnitudes; a bf16 y adds one rounding."""
+    g = torch.Generator().manual_seed(bits * 1000 + k + group)
+    n = 37
+    lo = -(1 << (bits - 1))
+    q = torch.randint(lo, -lo, (n, k), generator=g, dtype=torch.int32)
+    groups = k // group if group else 1
+    scale = torch.rand(n, groups, generator=g) * 0.05 + 0.005
+    zp = None if symmetric else torch.randint(lo, -lo, (n, groups), generator=g).float()
+    gs = group or k
+    zero_stored = (zp if zp is not None else torch.zeros(n, groups)) + (8 if bits == 4 else 0)
+    deq = (q.double() - (zp if zp is not None else torch.zeros(n, groups)).double().repeat_interleave(gs, 1)) \
+        * scale.double().repeat_interleave(gs, 1)
+    w = _pack(q, bits)
+    bias = torch.randn(n, generator=g)
+    off = 128 + 8 if bits == 4 else 0
+    mag_w = (q.double().abs() + zero_stored.double().abs().repeat_interleave(gs, 1) + off) \
+        * scale.double().repeat_interleave(gs, 1)
+    with forced_isa(BF16):
+        for m in (1, 3, 4, 5, 31, 33, 64):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            want = x.double() @ deq.T + bias.double()
+            bound = 4 * k * U * (x.double().abs() @ mag_w.T) + 1e-6
+            for out_dtype in (torch.float32, torch.bfloat16):
+                y = torch.ops.loramux.wq_linear(x, w, scale, zero_stored if not symmetric else None, bias, bits,
+                                                k, group, out_dtype)
+                err = (y.double() - want).abs()
+                limit = bound + (2**-8 * want.abs() if out_dtype == torch.bfloat16 else 0)
+                assert torch.all(err <= limit), (m, out_dtype, float((err - limit).max()))
