@@ -22,15 +22,18 @@ CASES = {  # name: (family, bits, group_size, write_gptq options)
     "qwen2-int4-g32-desc-act-shared": ("qwen2", 4, 32, dict(desc_act=True, shared_perm=True)),
     "phi3-int8-channel-asym": ("phi3", 8, -1, dict(sym=False)),  # fused qkv_proj / gate_up_proj
     "gemma3-int4-g32-asym-v2": ("gemma3", 4, 32, dict(sym=False, fmt="gptq_v2", desc_act=True)),
-    "llama-int8-g16-desc-act": ("llama", 8, 16, dict(desc_act=True)),  # torch path: 16 < 32
-    "qwen3-moe-int4-g32-desc-act": ("qwen3_moe", 4, 32, dict(desc_act=True)),  # per-expert
-    "phi3-int4-g32-lm-head": ("phi3", 4, 32, dict(lm_head=True)),  # GPTQModel's lm_head=True
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gptq_matches_reference_dequantization(name, tmp_path, default_model_dir):
-    family, bits, group, opts = CASES[name]
+    check_gptq(CASES[name], tmp_path, default_model_dir)
+
+
+def check_gptq(case, tmp_path, default_model_dir) -> None:
+    """Write ``case`` (family, bits, group_size, ``write_gptq`` options) from a tiny random
+    model, load it, and check its weights and teacher-forced outputs against the references."""
+    family, bits, group, opts = case
     src = make_tiny_model(tmp_path / "float", default_model_dir, family)
     folder = write_gptq(src, tmp_path / "gptq", bits=bits, group_size=group, **opts)
     llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=128,
