@@ -11,7 +11,9 @@ ratios within this run are reported):
 - ``sgmv``: the LoRA shrink + expand kernel (``lora_sgmv``) per fused projection, ranks 8 /
   16 / 32, decode (16 tokens over 4 adapters) and a prefill chunk (64 tokens of one adapter);
 - ``wq``: the weight-only int4 / int8 linear (``wq_linear``, group 64 or per channel; int8 per channel), bf16
-  activations, decode (4 rows) and prefill (256 rows).
+  activations, decode (4 rows) and prefill (256 rows);
+- ``paged_attention``: decode rows over a bf16 KV cache (16 sequences of 256 / 1024 tokens):
+  the scores by the native bf16 dot product, p . v as before.
 
 ``speedup`` = median time of ``avx512`` / median time of ``avx512bf16`` (> 1: the bf16 path is
 faster). Writes ``bench/results/bf16_kernels.json`` with the CPU's name.
@@ -101,6 +103,22 @@ def wq_case(K: int, N: int, bits: int, group: int, rows: int):
     return lambda: torch.ops.loramux.wq_linear(x, w, scale, zero, None, bits, K, group, torch.bfloat16)
 
 
+def attention_case(seqs: int, ctx: int, block: int = 16):
+    """A decode ``paged_attention`` call: ``seqs`` rows, each over ``ctx`` cached bf16 keys
+    (9 query heads over 3 KV heads of 64, as the default model)."""
+    g = torch.Generator().manual_seed(2)
+    H, Hkv, D = 9, 3, 64
+    width = (ctx + block - 1) // block
+    tables = torch.randperm(seqs * width, generator=g).int().view(seqs, width).contiguous()
+    k_cache = torch.randn(seqs * width * block, Hkv, D, generator=g).bfloat16()
+    v_cache = torch.randn(seqs * width * block, Hkv, D, generator=g).bfloat16()
+    q = torch.randn(seqs, H, D, generator=g).bfloat16()
+    out = torch.empty(seqs, H * D, dtype=torch.bfloat16)
+    rows, ones, lens = torch.arange(seqs).int(), torch.ones(seqs).int(), torch.full((seqs,), ctx).int()
+    return lambda: torch.ops.loramux.paged_attention(q, k_cache, v_cache, out, tables, rows, ones, lens, block,
+                                                     D**-0.5, 0, 0.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7, help="alternating repetitions per case")
@@ -132,11 +150,16 @@ def main(argv: list[str] | None = None) -> int:
                        **compare(wq_case(K, N, bits, group, rows), args.reps, max(iters // (rows // 4), 5))}
                 wq.append(row)
                 print("wq", row, flush=True)
+    attention = []
+    for seqs, ctx in ((16, 256), (16, 1024)):
+        row = {"phase": "decode", "seqs": seqs, "ctx": ctx, **compare(attention_case(seqs, ctx), args.reps, iters // 4)}
+        attention.append(row)
+        print("attention", row, flush=True)
     path = write_json("bf16_kernels", {
         "cpu": cpu_name(), "dtype": "bfloat16", "threads": args.threads, "reps": args.reps,
         "clock": "thread CPU time" if args.threads == 1 else "wall",
         "compared": f"{FP32_PATH} (fp32 FMAs on widened bf16) / {BF16_PATH} (VDPBF16PS)",
-        "sgmv": sgmv, "wq_linear": wq,
+        "sgmv": sgmv, "wq_linear": wq, "paged_attention": attention,
     })
     print(f"wrote {path}")
     return 0

@@ -163,3 +163,43 @@ def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
                 err = (y.double() - want).abs()
                 limit = bound + (2**-8 * want.abs() if out_dtype == torch.bfloat16 else 0)
                 assert torch.all(err <= limit), (m, out_dtype, float((err - limit).max()))
+
+
+@pytest.mark.parametrize("D, window, softcap", [(64, 0, 0.0), (48, 40, 0.0), (64, 0, 30.0)])
+def test_attention_bf16_decode_scores_against_fp64(D, window, softcap):
+    """``paged_attention`` in the bf16 variant on a bf16 cache, decode rows (the per-row path,
+    GQA group 3 as the default model): scores by VDPBF16PS on q and the keys where they lie,
+    against float64 attention on the same bf16 values, and close to the fp32-FMA variant. The
+    scores differ from exact sums by fp32 summation only (D * 2**-24 relative); the output
+    rounds once to bf16, so one bf16 ulp (2**-8 relative) bounds the difference."""
+    g = torch.Generator().manual_seed(D + window)
+    H, Hkv, bs, ctx = 9, 3, 16, [1, 37, 130, 64]
+    nseq = len(ctx)
+    width = max((c + bs - 1) // bs for c in ctx)
+    perm = torch.randperm(nseq * width, generator=g).int()
+    tables = perm.view(nseq, width).contiguous()
+    k_cache = torch.randn(nseq * width * bs, Hkv, D, generator=g).bfloat16()
+    v_cache = torch.randn(nseq * width * bs, Hkv, D, generator=g).bfloat16()
+    q = torch.randn(nseq, H, D, generator=g).bfloat16()
+    scale = D**-0.5
+    args = (tables, torch.arange(nseq).int(), torch.ones(nseq).int(), torch.tensor(ctx).int(), bs, scale,
+            window, softcap)
+    out = {}
+    for isa in ("avx512", BF16):
+        with forced_isa(isa):
+            out[isa] = torch.zeros(nseq, H * D, dtype=torch.bfloat16)
+            torch.ops.loramux.paged_attention(q, k_cache, v_cache, out[isa], *args)
+    want = torch.zeros(nseq, H * D, dtype=torch.float64)
+    for s, c in enumerate(ctx):
+        pos = torch.arange(c)
+        slots = (tables[s][pos // bs].long() * bs + pos % bs)
+        if window:
+            slots = slots[max(0, c - window):]
+        keys = k_cache[slots].double().repeat_interleave(H // Hkv, 1)  # [n, H, D]
+        vals = v_cache[slots].double().repeat_interleave(H // Hkv, 1)
+        sc = torch.einsum("hd,nhd->hn", q[s].double(), keys) * scale
+        if softcap:
+            sc = softcap * torch.tanh(sc / softcap)
+        want[s] = torch.einsum("hn,nhd->hd", torch.softmax(sc, -1), vals).reshape(-1)
+    torch.testing.assert_close(out[BF16].double(), want, rtol=2**-7, atol=2e-3)
+    torch.testing.assert_close(out[BF16].float(), out["avx512"].float(), rtol=2**-7, atol=2e-3)

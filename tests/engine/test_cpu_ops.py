@@ -231,9 +231,13 @@ def test_every_isa_variant_agrees_with_the_scalar_one(isa):
     with forced_isa(isa):
         assert loader.status().isa == isa
         got = run_all()
+    # the avx512bf16 variant's bf16 paths (VDPBF16PS) round the attention's probabilities to bf16
+    # for p . v (as torch's bf16 attention does): up to 2**-9 of the p-weighted |v| (~1 here),
+    # not of the output, so bf16 outputs near zero need an absolute bound
+    atol_bf16 = 4e-3 if isa == "avx512bf16" else 1e-5
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g.float(), e.float(), rtol=2e-2 if g.dtype == torch.bfloat16 else 1e-5,
-                                   atol=1e-5)
+                                   atol=atol_bf16 if g.dtype == torch.bfloat16 else 1e-5)
 
 
 def test_an_isa_this_cpu_lacks_is_refused():

@@ -61,6 +61,13 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
     const int qpos0 = ctx - n; /* position of the sequence's first new row */
     const float *krow[KEY_CHUNK], *vrow[KEY_CHUNK];
     float sbuf[KEY_CHUNK];
+#ifdef LMX_ATTN_BH
+    /* a bf16 cache, rows taking the per-row path (decode; not the block path's tiles): q . k
+     * and p . v by the native bf16 dot product on the rows as they lie (no fp32 copies), the
+     * scale applied to each score, p rounded to bf16 for p . v (the sum of p stays fp32) */
+    const int bh = dtype == 1 && M < 8;
+    const uint16_t *khrow[KEY_CHUNK], *vhrow[KEY_CHUNK];
+#endif
     for (int i = 0; i < m; i++)
         for (int g = 0; g < G; g++) {
             float *dst = qbuf + (int64_t)(i * G + g) * D;
@@ -80,6 +87,15 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
     }
     for (int c0 = lo; c0 <= hi; c0 += KEY_CHUNK) {
         const int c1 = c0 + KEY_CHUNK - 1 < hi ? c0 + KEY_CHUNK - 1 : hi; /* inclusive */
+#ifdef LMX_ATTN_BH
+        if (bh)
+            for (int j = c0; j <= c1; j++) {
+                const int64_t off = (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
+                khrow[j - c0] = (const uint16_t *)k_cache + off;
+                vhrow[j - c0] = (const uint16_t *)v_cache + off;
+            }
+        else
+#endif
         gather_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, dtype, c0, c1, kbuf, vbuf, krow, vrow);
 #ifdef HAVE_BLOCK_PATH
         if (M >= 8) {
@@ -97,6 +113,12 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
             if (window > 0 && pos - window + 1 > jmin) jmin = pos - window + 1;
             if (jmax < jmin) continue;
             const int cnt = jmax - jmin + 1;
+#ifdef LMX_ATTN_BH
+            if (bh) {
+                const int64_t qoff = (int64_t)(row0 + tile->r0 + i / G) * q_tok_stride + (int64_t)(kvh * G + i % G) * D;
+                scores_bh((const uint16_t *)q + qoff, khrow + (jmin - c0), cnt, D, scale, sbuf);
+            } else
+#endif
             scores(qbuf + (int64_t)i * D, krow + (jmin - c0), cnt, D, sbuf);
             if (softcap > 0.0f) softcap_scores(sbuf, cnt, softcap);
             float bmax = sbuf[0];
@@ -104,6 +126,11 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
             const float newm = bmax > mx[i] ? bmax : mx[i];
             const float corr = expf(mx[i] - newm); /* 0 when mx[i] is -inf */
             const float sum = softmax_exp(sbuf, cnt, newm);
+#ifdef LMX_ATTN_BH
+            if (bh)
+                accumulate_bh(acc + (int64_t)i * D, corr, sbuf, vhrow + (jmin - c0), cnt, D);
+            else
+#endif
             accumulate(acc + (int64_t)i * D, corr, sbuf, vrow + (jmin - c0), cnt, D);
             ls[i] = ls[i] * corr + sum;
             mx[i] = newm;
