@@ -40,7 +40,7 @@ class ModelConfig:
     place (falls back to torch, logging why, when the compiled kernels are missing), Triton on CUDA;
     torch: the torch path (gathers each context, then SDPA)."""
     quantization: str | None = None
-    """vLLM's option: the quantization method the checkpoint must have (``compressed-tensors``;
+    """vLLM's option: the quantization method the checkpoint must have (``compressed-tensors``, ``awq``, ``gptq``;
     ``engine/model/quant/``); None = whatever its ``quantization_config`` says (none: float)."""
     enforce_eager: bool = False
     """vLLM's flag: run the layer's small ops (residual add + RMSNorm, rotary embedding,

@@ -98,7 +98,7 @@ class Settings(_LimitSettings):
         "auto: the C kernel reading the paged KV cache in place on the CPU (Triton on CUDA); "
         "torch: gather each context, then SDPA (the reference path)."))
     quantization: str | None = Field(ModelConfig.quantization, description=(
-        "vLLM's option: the quantization method the checkpoint must have (compressed-tensors); "
+        "vLLM's option: the quantization method the checkpoint must have (compressed-tensors, awq, gptq); "
         "None = what its quantization_config says."))
     enforce_eager: bool = Field(ModelConfig.enforce_eager, description=(
         "vLLM's flag: the layer's small ops as separate torch ops instead of the fused CPU "
