@@ -9,7 +9,9 @@ shared and noisy: each figure is the median of ``--reps`` alternating repetition
 ratios within this run are reported):
 
 - ``sgmv``: the LoRA shrink + expand kernel (``lora_sgmv``) per fused projection, ranks 8 /
-  16 / 32, decode (16 tokens over 4 adapters) and a prefill chunk (64 tokens of one adapter);
+  16 / 32, decode (16 tokens over 4 adapters; 4 tokens of 4 adapters, one each: there the
+  adapters' weights, read from cache, bound the time) and a prefill chunk (64 tokens of one
+  adapter);
 - ``wq``: the weight-only int4 / int8 linear (``wq_linear``, group 64 or per channel; int8 per channel), bf16
   activations, decode (4 rows) and prefill (256 rows);
 - ``paged_attention``: decode rows over a bf16 KV cache (16 sequences of 256 / 1024 tokens):
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = (16,) if args.quick else (8, 16, 32)
     iters = 20 if args.quick else 100
     sgmv = []
-    for phase, tokens, adapters in (("decode", 16, 4), ("prefill", 64, 1)):
+    for phase, tokens, adapters in (("decode", 16, 4), ("decode_1_per_adapter", 4, 4), ("prefill", 64, 1)):
         for rank in ranks:
             for proj in PROJ:
                 row = {"phase": phase, "proj": proj, "rank": rank, "tokens": tokens, "adapters": adapters,

@@ -42,7 +42,8 @@ class KernelStatus:
     reason: str | None = None
     """Why not ``ok`` (may name paths: shown to the admin only)."""
     isa: str | None = None
-    """The ISA variant the kernels run (``avx512``, ``avx2``, ``scalar``) when loaded."""
+    """The ISA variant the kernels run (``avx512bf16``, ``avx512``, ``avx2``, ``scalar``) when
+    loaded."""
 
     @property
     def available(self) -> bool:
