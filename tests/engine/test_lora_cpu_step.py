@@ -12,6 +12,7 @@ from support.cpu_kernel import require_cpu_kernel
 
 from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run
+from loramux.engine.lora.norms import NormSlots
 from loramux.engine.lora.step import LoRAStepBatch
 from loramux.engine.lora.vocab import VocabSlots
 
@@ -44,7 +45,8 @@ def make_buffers(seed: int = 0, layers: int = 2):
         b_layers.append(b_l)
     return SimpleNamespace(blockdiag=True, scale=None, ranks=torch.tensor(RANKS), a=a_layers, b=b_layers,
                            slice_offsets=offsets, experts=None, dora=[frozenset()] * len(RANKS),
-                           vocab=VocabSlots(torch.float32, "cpu", False, 64, 64))  # no vocab parts
+                           vocab=VocabSlots(torch.float32, "cpu", False, 64, 64),  # no vocab parts
+                           norms=NormSlots(torch.float32, "cpu"))  # no module copies
 
 
 def dense(y, x, a, b, token_slots):
