@@ -21,6 +21,7 @@ import shutil
 import sys
 
 from setuptools import setup
+from setuptools.errors import CompileError
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 CSRC = "engine/model/csrc"
@@ -42,6 +43,25 @@ if X86_LINUX:
     # wq_linear.c); run only where the CPU reports avx512_bf16 (isa.cpp)
     ISA_VARIANTS["avx512bf16"] = [*ISA_VARIANTS["avx512"], "-mavx512bf16"]
 
+PROBES = {"avx512bf16": "#include <immintrin.h>\n"
+                        "__m512 f(__m512 a, __m512bh b) { return _mm512_dpbf16_ps(a, b, b); }\n"}
+"""ISA variant -> a C source its compiler must build, else the variant is left out of the build
+(a compiler too old for ``-mavx512bf16``: the other variants still build, and run)."""
+
+
+def compiler_builds(compiler, isa: str, build_temp: str) -> bool:
+    """Whether ``compiler`` builds :data:`PROBES`'s source for ``isa`` with its flags."""
+    os.makedirs(build_temp, exist_ok=True)
+    src = os.path.join(build_temp, f"probe_{isa}.c")
+    with open(src, "w") as f:
+        f.write(PROBES[isa])
+    try:
+        compiler.compile([src], output_dir=os.path.join(build_temp, "probe"),
+                         extra_postargs=[*C_FLAGS, *ISA_VARIANTS[isa]])
+    except CompileError:
+        return False
+    return True
+
 
 class BuildKernels(BuildExtension):
     """torch's ``BuildExtension``, plus: the kernel objects per ISA variant (compiled here with
@@ -57,6 +77,13 @@ class BuildKernels(BuildExtension):
                   f"slower on the CPU) and report itself degraded.\n{banner}\n", file=sys.stderr)
             self.extensions = []
             return
+        for isa in [name for name in ISA_VARIANTS if name in PROBES]:
+            if not compiler_builds(self.compiler, isa, self.build_temp):
+                print(f"loramux: {cc} does not build the {isa} kernels ({' '.join(ISA_VARIANTS[isa])}); "
+                      "that variant is left out", file=sys.stderr)
+                del ISA_VARIANTS[isa]
+                for ext in self.extensions:
+                    ext.define_macros = [m for m in ext.define_macros if m[0] != f"LMX_HAVE_{isa.upper()}"]
         for ext in self.extensions:
             objects = []
             for isa, flags in ISA_VARIANTS.items():
