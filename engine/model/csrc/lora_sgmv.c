@@ -221,6 +221,78 @@ static inline void prefetch_item(const void *b, int w_dtype, const int64_t *runs
     }
 }
 
+/* the expand of a run's tokens t .. end on columns c0..c1 (fp32 v; v0 + t * SR: token t's row):
+ * three, then two tokens at a time share each B load over a full tile, then one at a time */
+static void expand_run(const float *v0, int64_t t, int64_t end, const void *b, int bd, int64_t b0, int S,
+                       int R, int rank, int N, int c0, int c1, const int64_t *off, void *y, int yd,
+                       int64_t y_stride) {
+    const int SR = S * R;
+    float acc[TILE];
+#ifdef VEC
+    float acc2[TILE], acc3[TILE];
+    for (; t + 3 <= end && c1 - c0 == TILE; t += 3) {
+        const float *vt[3] = {v0 + t * SR, v0 + (t + 1) * SR, v0 + (t + 2) * SR};
+        float *at[3] = {acc, acc2, acc3};
+        expand_tile3(vt, b, bd, b0, S, R, rank, N, c0, off, at);
+        for (int q = 0; q < 3; q++) add_tile(y, yd, (t + q) * y_stride, c0, c1, at[q]);
+    }
+    for (; t + 2 <= end && c1 - c0 == TILE; t += 2) {
+        expand_tile2(v0 + t * SR, v0 + (t + 1) * SR, b, bd, b0, S, R, rank, N, c0, off, acc, acc2);
+        add_tile(y, yd, t * y_stride, c0, c1, acc);
+        add_tile(y, yd, (t + 1) * y_stride, c0, c1, acc2);
+    }
+#endif
+    for (; t < end; t++) {
+        expand_tile(v0 + t * SR, b, bd, b0, S, R, rank, N, c0, c1, off, acc);
+        add_tile(y, yd, t * y_stride, c0, c1, acc);
+    }
+}
+
+#ifdef LMX_SGMV_BH
+/* expand_run by the bf16 path (sgmv_bf16.h): vb0 + t * SRh is token t's row of bf16 pairs of v;
+ * three tokens at a time share each B load, masked loads past c1 */
+static void expand_run_bh(const uint32_t *vb0, int64_t SRh, int64_t t, int64_t end, const void *b, int64_t b0,
+                          int S, int R, int rank, int N, int c0, int c1, const int64_t *off, void *y, int yd,
+                          int64_t y_stride) {
+    const uint16_t *bb = (const uint16_t *)b;
+    for (; t < end; t += 3) {
+        float a0[TILE], a1[TILE], a2[TILE];
+        float *at[3] = {a0, a1, a2};
+        const uint32_t *vq[3] = {vb0 + t * SRh, vb0 + (t + 1) * SRh, vb0 + (t + 2) * SRh};
+        const int n = end - t < 3 ? (int)(end - t) : 3;
+        if (n == 3) expand_bh(vq, 3, bb, b0, S, R, rank, N, c0, c1, off, at);
+        else if (n == 2) expand_bh(vq, 2, bb, b0, S, R, rank, N, c0, c1, off, at);
+        else expand_bh(vq, 1, bb, b0, S, R, rank, N, c0, c1, off, at);
+        for (int q = 0; q < n; q++) add_tile(y, yd, (t + q) * y_stride, c0, c1, at[q]);
+    }
+}
+
+/* shrink_tokens by the bf16 path: n tokens from t of a run on `slot` into v and vb rows (the
+ * run's first group asks for its A rows ahead: they come from DRAM) */
+static void shrink_group_bh(const void *x, int64_t x_stride, int64_t t, int n, int first, const void *a,
+                            int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi, uint32_t *vb) {
+    if (first)
+        for (int s = 0; s < S; s++)
+            prefetch_span(a, 1, (slot * S * R + s * R) * (int64_t)K, ranks[slot] * K);
+    shrink_tokens_bh((const uint16_t *)x, x_stride, t, n, (const uint16_t *)a, slot, (int)ranks[slot], S, R, K,
+                     vi, vb);
+}
+#define SGMV_BH(x_dtype, w_dtype) ((x_dtype) == 1 && (w_dtype) == 1)
+#else /* no bf16 path in this variant: never called (SGMV_BH is 0) */
+static void expand_run_bh(const uint32_t *vb0, int64_t SRh, int64_t t, int64_t end, const void *b, int64_t b0,
+                          int S, int R, int rank, int N, int c0, int c1, const int64_t *off, void *y, int yd,
+                          int64_t y_stride) {
+    (void)vb0, (void)SRh, (void)t, (void)end, (void)b, (void)b0, (void)S, (void)R, (void)rank, (void)N;
+    (void)c0, (void)c1, (void)off, (void)y, (void)yd, (void)y_stride;
+}
+static void shrink_group_bh(const void *x, int64_t x_stride, int64_t t, int n, int first, const void *a,
+                            int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi, uint32_t *vb) {
+    (void)x, (void)x_stride, (void)t, (void)n, (void)first, (void)a, (void)slot, (void)ranks, (void)S;
+    (void)R, (void)K, (void)vi, (void)vb;
+}
+#define SGMV_BH(x_dtype, w_dtype) 0
+#endif
+
 int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, const void *a,
                               const void *b, int w_dtype, void *y, int64_t y_stride, int y_dtype,
                               const int64_t *runs, int nruns, const int64_t *ranks, int S, int R,
@@ -229,7 +301,12 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
     for (int r = 0; r < nruns; r++) ntok += runs[3 * r + 1] - runs[3 * r];
     if (ntok == 0) return 0;
     int SR = S * R;
-    float *v = (float *)malloc((size_t)ntok * SR * sizeof(float)); /* v[row, s*R + i] */
+    /* bf16 x and slots in the avx512bf16 variant: the bf16 path, v's rows also as bf16 pairs */
+    const int bh = SGMV_BH(x_dtype, w_dtype);
+    const int64_t SRh = bh ? (int64_t)S * ((R + 1) / 2) : 0;
+    /* v[row, s*R + i], then vb[row, s*Rh + p]: v[row, s*R + 2p .. 2p+1] as two bf16 */
+    float *v = (float *)malloc((size_t)ntok * (SR + SRh) * sizeof(float));
+    uint32_t *vb = (uint32_t *)(v + ntok * SR);
     /* row_of_run[r]: the run's first row of v; pair_of_run[r]: its first group of SHRINK_TOKENS */
     int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * 2 * sizeof(int64_t));
     if (v == NULL || row_of_run == NULL) {
@@ -245,16 +322,6 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
         row += len, npairs += (len + SHRINK_TOKENS - 1) / SHRINK_TOKENS;
     }
     int64_t w_slot_b = (int64_t)SR * N;
-    uint32_t *vb = NULL; /* vb[row, s*Rh + p]: v[row, s*R + 2p .. 2p+1] as two bf16 */
-#ifdef LMX_SGMV_BH
-    const int Rh = (R + 1) / 2; /* pairs of v a slice (the bf16 expand's operand) */
-    const int bh = x_dtype == 1 && w_dtype == 1;
-    if (bh && (vb = (uint32_t *)malloc((size_t)ntok * S * Rh * sizeof(uint32_t))) == NULL) {
-        free(v);
-        free(row_of_run);
-        return -1;
-    }
-#endif
     int big = ntok * (int64_t)SR * (K + N) >= PARALLEL_MIN_MACS;
 
 #pragma omp parallel num_threads(nthreads) if (big)
@@ -268,18 +335,13 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
             int64_t t = runs[3 * r] + k;
             int64_t left = runs[3 * r + 1] - t;
             int n = left < SHRINK_TOKENS ? (int)left : SHRINK_TOKENS;
-#ifdef LMX_SGMV_BH
-            if (bh) {
-                int64_t slot = runs[3 * r + 2], row0 = row_of_run[r] + k;
-                if (k == 0) /* the run's A comes from DRAM: each slice's rank rows as one span */
-                    for (int s = 0; s < S; s++) prefetch_span(a, 1, (slot * SR + s * R) * (int64_t)K, ranks[slot] * K);
-                shrink_tokens_bh((const uint16_t *)x, x_stride, t, n, (const uint16_t *)a, slot, (int)ranks[slot], S,
-                                 R, K, v + row0 * SR, vb + row0 * S * Rh);
-                continue;
-            }
-#endif
-            shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
-                          v + (row_of_run[r] + k) * SR);
+            int64_t row0 = row_of_run[r] + k;
+            if (bh)
+                shrink_group_bh(x, x_stride, t, n, k == 0, a, runs[3 * r + 2], ranks, S, R, K, v + row0 * SR,
+                                vb + row0 * SRh);
+            else
+                shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
+                              v + row0 * SR);
         }
         /* expand: (run, column tile) per iteration; rows of B beyond the rank are skipped */
         int ntiles = (N + TILE - 1) / TILE;
@@ -290,52 +352,19 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
                 int rank = (int)ranks[slot];
                 int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
                 int64_t t = runs[3 * r], end = runs[3 * r + 1];
-                const float *v0 = v + row_of_run[r] * SR - t * SR; /* v0 + t * SR: token t's row */
                 int64_t ahead = (int64_t)r * ntiles + tile + PF_TILES; /* the item PF_TILES on */
                 if (ahead < (int64_t)nruns * ntiles)
                     prefetch_item(b, w_dtype, runs, ranks, slice_off, ahead, ntiles, S, R, N);
-                float acc[TILE];
-#ifdef LMX_SGMV_BH
-                if (bh) { /* n tokens at a time share each B load; masked loads past c1 */
-                    const uint32_t *vb0 = vb + (row_of_run[r] - t) * S * Rh; /* + t * S * Rh: token t */
-                    for (; t < end; t += 3) {
-                        float acc2[TILE], acc3[TILE];
-                        float *at[3] = {acc, acc2, acc3};
-                        const uint32_t *vq[3] = {vb0 + t * S * Rh, vb0 + (t + 1) * S * Rh, vb0 + (t + 2) * S * Rh};
-                        const uint16_t *bb = (const uint16_t *)b;
-                        int n = end - t < 3 ? (int)(end - t) : 3;
-                        if (n == 3) expand_bh(vq, 3, bb, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, at);
-                        else if (n == 2) expand_bh(vq, 2, bb, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, at);
-                        else expand_bh(vq, 1, bb, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, at);
-                        for (int q = 0; q < n; q++) add_tile(y, y_dtype, (t + q) * y_stride, c0, c1, at[q]);
-                    }
-                    continue;
-                }
-#endif
-#ifdef VEC
-                float acc2[TILE], acc3[TILE];
-                for (; t + 3 <= end && c1 - c0 == TILE; t += 3) { /* three tokens share each B load */
-                    const float *vt[3] = {v0 + t * SR, v0 + (t + 1) * SR, v0 + (t + 2) * SR};
-                    float *at[3] = {acc, acc2, acc3};
-                    expand_tile3(vt, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, slice_off, at);
-                    for (int q = 0; q < 3; q++) add_tile(y, y_dtype, (t + q) * y_stride, c0, c1, at[q]);
-                }
-                for (; t + 2 <= end && c1 - c0 == TILE; t += 2) { /* two tokens share each B load */
-                    expand_tile2(v0 + t * SR, v0 + (t + 1) * SR, b, w_dtype, slot * w_slot_b, S, R, rank,
-                                 N, c0, slice_off, acc, acc2);
-                    add_tile(y, y_dtype, t * y_stride, c0, c1, acc);
-                    add_tile(y, y_dtype, (t + 1) * y_stride, c0, c1, acc2);
-                }
-#endif
-                for (; t < end; t++) {
-                    expand_tile(v0 + t * SR, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, c1, slice_off, acc);
-                    add_tile(y, y_dtype, t * y_stride, c0, c1, acc);
-                }
+                if (bh) /* vb + (row_of_run[r] - t) * SRh + t * SRh: token t's row */
+                    expand_run_bh(vb + (row_of_run[r] - t) * SRh, SRh, t, end, b, slot * w_slot_b, S, R, rank, N,
+                                  c0, c1, slice_off, y, y_dtype, y_stride);
+                else /* v0 + t * SR: token t's row */
+                    expand_run(v + row_of_run[r] * SR - t * SR, t, end, b, w_dtype, slot * w_slot_b, S, R, rank,
+                               N, c0, c1, slice_off, y, y_dtype, y_stride);
             }
         }
     }
     free(v);
-    free(vb);
     free(row_of_run);
     return 0;
 }

@@ -34,13 +34,18 @@ typedef struct {
 } Tile;
 
 /* krow[j - c0], vrow[j - c0]: the KV head's key and value rows of positions c0..c1 (inclusive)
- * as fp32, in place in an fp32 cache, else converted into kbuf / vbuf. */
+ * as fp32, in place in an fp32 cache, else converted into kbuf / vbuf; with bh (the bf16 path
+ * of a bf16 cache) khrow / vhrow instead: the bf16 rows where they lie. */
 static inline void gather_chunk(const void *k_cache, const void *v_cache, const int32_t *table, int bs,
                                 int Hkv, int kvh, int D, int dtype, int c0, int c1, float *kbuf,
-                                float *vbuf, const float **krow, const float **vrow) {
+                                float *vbuf, const float **krow, const float **vrow, int bh,
+                                const uint16_t **khrow, const uint16_t **vhrow) {
     for (int j = c0; j <= c1; j++) {
         const int64_t off = (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
-        if (dtype == 0) {
+        if (bh) {
+            khrow[j - c0] = (const uint16_t *)k_cache + off;
+            vhrow[j - c0] = (const uint16_t *)v_cache + off;
+        } else if (dtype == 0) {
             krow[j - c0] = (const float *)k_cache + off;
             vrow[j - c0] = (const float *)v_cache + off;
         } else {
@@ -52,6 +57,21 @@ static inline void gather_chunk(const void *k_cache, const void *v_cache, const 
     }
 }
 
+/* The avx512bf16 variant's bf16 path: a bf16 cache, rows taking the per-row path (decode; not
+ * the block path's tiles): q . k and p . v by the native bf16 dot product on the rows where
+ * they lie (no fp32 copies), the scale applied to each score, p rounded to bf16 for p . v. */
+#ifdef LMX_ATTN_BH
+#define ATTN_BH(dtype, M) ((dtype) == 1 && (M) < 8)
+#else /* no bf16 path in this variant: never called (ATTN_BH is 0) */
+#define ATTN_BH(dtype, M) 0
+static void scores_bh(const uint16_t *q, const uint16_t *const *k, int cnt, int D, float scale, float *s) {
+    (void)q, (void)k, (void)cnt, (void)D, (void)scale, (void)s;
+}
+static void accumulate_bh(float *acc, float corr, const float *p, const uint16_t *const *v, int cnt, int D) {
+    (void)acc, (void)corr, (void)p, (void)v, (void)cnt, (void)D;
+}
+#endif
+
 static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
                      void *out, const int32_t *table, int row0, int n, int ctx, const Tile *tile,
                      int kvh, int H, int Hkv, int G, int D, int bs, int window, float scale,
@@ -61,13 +81,8 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
     const int qpos0 = ctx - n; /* position of the sequence's first new row */
     const float *krow[KEY_CHUNK], *vrow[KEY_CHUNK];
     float sbuf[KEY_CHUNK];
-#ifdef LMX_ATTN_BH
-    /* a bf16 cache, rows taking the per-row path (decode; not the block path's tiles): q . k
-     * and p . v by the native bf16 dot product on the rows as they lie (no fp32 copies), the
-     * scale applied to each score, p rounded to bf16 for p . v (the sum of p stays fp32) */
-    const int bh = dtype == 1 && M < 8;
+    const int bh = ATTN_BH(dtype, M);
     const uint16_t *khrow[KEY_CHUNK], *vhrow[KEY_CHUNK];
-#endif
     for (int i = 0; i < m; i++)
         for (int g = 0; g < G; g++) {
             float *dst = qbuf + (int64_t)(i * G + g) * D;
@@ -87,16 +102,8 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
     }
     for (int c0 = lo; c0 <= hi; c0 += KEY_CHUNK) {
         const int c1 = c0 + KEY_CHUNK - 1 < hi ? c0 + KEY_CHUNK - 1 : hi; /* inclusive */
-#ifdef LMX_ATTN_BH
-        if (bh)
-            for (int j = c0; j <= c1; j++) {
-                const int64_t off = (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
-                khrow[j - c0] = (const uint16_t *)k_cache + off;
-                vhrow[j - c0] = (const uint16_t *)v_cache + off;
-            }
-        else
-#endif
-        gather_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, dtype, c0, c1, kbuf, vbuf, krow, vrow);
+        gather_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, dtype, c0, c1, kbuf, vbuf, krow, vrow, bh, khrow,
+                     vhrow);
 #ifdef HAVE_BLOCK_PATH
         if (M >= 8) {
             chunk_block(qbuf, M, G, D, qpos0 + tile->r0, c0, c1 - c0 + 1, window, softcap, krow,
@@ -113,25 +120,17 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
             if (window > 0 && pos - window + 1 > jmin) jmin = pos - window + 1;
             if (jmax < jmin) continue;
             const int cnt = jmax - jmin + 1;
-#ifdef LMX_ATTN_BH
-            if (bh) {
-                const int64_t qoff = (int64_t)(row0 + tile->r0 + i / G) * q_tok_stride + (int64_t)(kvh * G + i % G) * D;
-                scores_bh((const uint16_t *)q + qoff, khrow + (jmin - c0), cnt, D, scale, sbuf);
-            } else
-#endif
-            scores(qbuf + (int64_t)i * D, krow + (jmin - c0), cnt, D, sbuf);
+            const int64_t qo = (int64_t)(row0 + tile->r0 + i / G) * q_tok_stride + (int64_t)(kvh * G + i % G) * D;
+            if (bh) scores_bh((const uint16_t *)q + qo, khrow + (jmin - c0), cnt, D, scale, sbuf);
+            else scores(qbuf + (int64_t)i * D, krow + (jmin - c0), cnt, D, sbuf);
             if (softcap > 0.0f) softcap_scores(sbuf, cnt, softcap);
             float bmax = sbuf[0];
             for (int j = 1; j < cnt; j++) bmax = sbuf[j] > bmax ? sbuf[j] : bmax;
             const float newm = bmax > mx[i] ? bmax : mx[i];
             const float corr = expf(mx[i] - newm); /* 0 when mx[i] is -inf */
             const float sum = softmax_exp(sbuf, cnt, newm);
-#ifdef LMX_ATTN_BH
-            if (bh)
-                accumulate_bh(acc + (int64_t)i * D, corr, sbuf, vhrow + (jmin - c0), cnt, D);
-            else
-#endif
-            accumulate(acc + (int64_t)i * D, corr, sbuf, vrow + (jmin - c0), cnt, D);
+            if (bh) accumulate_bh(acc + (int64_t)i * D, corr, sbuf, vhrow + (jmin - c0), cnt, D);
+            else accumulate(acc + (int64_t)i * D, corr, sbuf, vrow + (jmin - c0), cnt, D);
             ls[i] = ls[i] * corr + sum;
             mx[i] = newm;
         }
