@@ -10,9 +10,9 @@ import pytest
 import torch
 from support.cpu_kernel import require_cpu_kernel
 
+from loramux.engine.lora.norms import NormSlots
 from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run
-from loramux.engine.lora.norms import NormSlots
 from loramux.engine.lora.step import LoRAStepBatch
 from loramux.engine.lora.vocab import VocabSlots
 
