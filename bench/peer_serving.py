@@ -11,7 +11,12 @@ round-robin over the 4 adapters.
 Targets: ``loramux`` (the defaults), ``loramux-eager`` (every part on torch ops:
 ``--enforce-eager``, ``--attention-backend torch``, ``LORAMUX_CPU_KERNELS=0``) and ``vllm``.
 Prints and writes (bench/results/peer_serving.json, .png) per target and run: output tok/s,
-TTFT and TPOT p50/p99, and the ratios loramux ÷ vLLM, LoRA ÷ base, new ÷ eager.
+TTFT and TPOT p50/p99, ITL p50/p99, goodput (the client's ``request_goodput``: completed
+requests per second that met every ``--goodput`` objective, default TTFT ≤ 2 s and TPOT ≤
+250 ms), and the ratios loramux ÷ vLLM, LoRA ÷ base, new ÷ eager, p99 ITL ÷ TPOT p50.
+The JSON's ``roofline`` line is bench/roofline.py's, run after the servers in the served
+dtype (``--no-roofline`` leaves it out): the step's GEMM time against the best GEMM this CPU
+does at those shapes.
 
     python -m bench.peer_serving                          # bf16, all targets (~15-30 min)
     python -m bench.peer_serving --dtype float32 --num-prompts 24
@@ -30,14 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, write_json
+from bench.common import RESULTS, module_command, write_json
 from bench.lora_throughput import make_adapters
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "bench" / "vllm_client.py"
 ADAPTERS = ("a0", "a1", "a2", "a3")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-           "median_itl_ms", "completed", "duration")
+           "median_itl_ms", "p99_itl_ms", "request_goodput", "completed", "duration")
 
 
 def free_port() -> int:
@@ -108,7 +113,8 @@ def bench_run(args, model: Path, port: int, lora: bool, out: Path) -> dict:
             "--random-prefix-len", str(args.prefix_len), "--num-prompts", str(args.num_prompts),
             "--request-rate", str(args.rate), "--seed", "7", "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+            "--goodput", *args.goodput.split()]
     if lora:
         argv += ["--lora-modules", *ADAPTERS, "--lora-assignment", "round-robin"]
     env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}  # anonymous
@@ -135,11 +141,15 @@ def ratios(results: dict) -> dict:
             tp, otp = get("loramux", run, "output_throughput"), get(other, run, "output_throughput")
             if tp and otp:
                 r[f"{run}: loramux {tag} throughput"] = tp / otp
-            for m in ("median_tpot_ms", "median_ttft_ms"):
+            for m in ("median_tpot_ms", "median_ttft_ms", "request_goodput"):
                 a, b = get("loramux", run, m), get(other, run, m)
                 if a and b:
                     r[f"{run}: loramux {tag} {m}"] = a / b
     for target in results:
+        for run in ("base", "lora"):
+            itl, tpot = get(target, run, "p99_itl_ms"), get(target, run, "median_tpot_ms")
+            if itl and tpot:
+                r[f"{target} {run}: p99 ITL ÷ TPOT p50"] = itl / tpot
         b, lo = get(target, "base", "output_throughput"), get(target, "lora", "output_throughput")
         if b and lo:
             r[f"{target}: lora÷base throughput"] = lo / b
@@ -147,6 +157,15 @@ def ratios(results: dict) -> dict:
         if b and lo:
             r[f"{target}: lora÷base TPOT p50"] = lo / b
     return r
+
+
+def roofline_line(dtype: str) -> dict:
+    """bench/roofline.py's per-step line (its run in a new interpreter, the servers stopped)."""
+    proc = subprocess.run(module_command("roofline", "--dtype", dtype), cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr)[-1500:]}
+    data = json.loads((RESULTS / f"roofline_{dtype}.json").read_text())
+    return {"cpu": data["cpu"], **data["roofline"], "machine_limits": data["machine_limits"]}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -183,9 +202,12 @@ def main() -> None:
     ap.add_argument("--range-ratio", type=float, default=0.8, help="vLLM random dataset's")
     ap.add_argument("--prefix-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--goodput", default="ttft:2000 tpot:250",
+                    help="the client's goodput objectives (ms): requests meeting both count")
     ap.add_argument("--cpus", default="0-1", help="cores the vLLM server binds")
     ap.add_argument("--run-timeout", type=int, default=1200)
     ap.add_argument("--name", default="peer_serving")
+    ap.add_argument("--no-roofline", action="store_true", help="skip bench/roofline.py's line")
     args = ap.parse_args()
     if not Path(args.client).is_file() or not (Path(args.peer).expanduser() / "bin" / "python").is_file():
         sys.exit(f"needs the client {args.client} and the peer's venv {args.peer} (docs/peer-benchmark.md)")
@@ -223,7 +245,10 @@ def main() -> None:
     r = ratios(results)
     for k, v in r.items():
         print(f"{k:45s} {v:6.2f}")
-    out = write_json(args.name, {"workload": vars(args), "results": results, "ratios": r})
+    payload = {"workload": vars(args), "results": results, "ratios": r}
+    if not args.no_roofline:
+        payload["roofline"] = roofline_line(args.dtype)
+    out = write_json(args.name, payload)
     plot(results, RESULTS / f"{args.name}.png")
     print(f"wrote {out}")
 
