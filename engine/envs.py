@@ -20,7 +20,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0" turns the compiled CPU kernels off: every part of the step runs on torch ops (the
     # benchmarks' baseline). Read when an engine picks its paths and at each LoRA layer call.
     "LORAMUX_CPU_KERNELS": lambda: os.environ.get("LORAMUX_CPU_KERNELS", "1") != "0",
-    # The CPU kernels' ISA variant: "auto" (the best this CPU runs), or one of "avx512",
+    # The CPU kernels' ISA variant: "auto" (the best this CPU runs), or one of "avx512bf16", "avx512",
     # "avx2", "scalar" (one the CPU cannot run makes the kernels unavailable, saying why).
     # Read once, when the kernels load.
     "LORAMUX_CPU_ISA": lambda: os.environ.get("LORAMUX_CPU_ISA", "auto").strip().lower() or "auto",
