@@ -203,3 +203,55 @@ def test_grace_period_and_prestop_follow_the_shutdown_timeout(helm):
         assert spec["terminationGracePeriodSeconds"] == 45 + 7 + 10
         pre = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
         assert pre == ["sleep", "7"]
+
+
+def engine_pod(docs: list[dict]) -> tuple[dict, dict]:
+    """(pod spec, engine container) of the engine StatefulSet."""
+    spec = one(docs, "StatefulSet", "lmx-loramux-engine")["spec"]["template"]["spec"]
+    return spec, spec["containers"][0]
+
+
+@pytest.mark.parametrize("which", sorted(VALUE_SETS))
+def test_tensor_parallel_engine_pods(helm, which):
+    """engine.tensorParallelSize=2: the flag, one GPU per rank, a memory /dev/shm of 2 x 1Gi."""
+    import kubernetes_validate
+
+    docs = render(helm, *VALUE_SETS[which], sets=("engine.tensorParallelSize=2",))
+    spec, c = engine_pod(docs)
+    assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 2
+    (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) not in CRD_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("which", sorted(VALUE_SETS))
+def test_default_tensor_parallel_size_adds_no_flag_and_no_shm(helm, which):
+    for sets in ((), ("engine.tensorParallelSize=1",)):
+        spec, c = engine_pod(render(helm, *VALUE_SETS[which], sets=sets))
+        assert "--tensor-parallel-size" not in c["args"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert "volumes" not in spec
+        assert all(m["mountPath"] != "/dev/shm" for m in c["volumeMounts"])
+
+
+def test_tensor_parallel_shm_per_rank_and_cpu_only_engines(helm):
+    """shmSizePerRank scales with the ranks; CPU-only engines (gpus: 0) keep their CPU request."""
+    docs = render(helm, sets=("engine.tensorParallelSize=4", "engine.shmSizePerRank=512Mi",
+                              "engine.gpus=0"))
+    spec, c = engine_pod(docs)
+    assert spec["volumes"][0]["emptyDir"]["sizeLimit"] == "2048Mi"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 0
+    assert c["resources"]["requests"]["cpu"] == "2"
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "two"])
+def test_bad_tensor_parallel_size_is_refused(helm, value):
+    proc = run_helm(helm, "template", "lmx", str(CHART), "--set",
+                    f"engine.tensorParallelSize={value}", check=False)
+    assert proc.returncode != 0
+    assert "engine.tensorParallelSize must be an integer >= 1" in proc.stderr

@@ -166,3 +166,25 @@ app.kubernetes.io/component: endpoint-picker
 {{ include "loramux.selectorLabels" . }}
 app.kubernetes.io/component: engine
 {{- end }}
+
+{{/* engine.tensorParallelSize, checked: ranks in one engine pod (one device each), an integer >= 1. */}}
+{{- define "loramux.tensorParallelSize" -}}
+{{- $n := .Values.engine.tensorParallelSize }}
+{{- if not (or (kindIs "int" $n) (kindIs "int64" $n) (kindIs "float64" $n)) }}
+{{- fail (printf "engine.tensorParallelSize must be an integer >= 1, got %v" $n) }}
+{{- end }}
+{{- if or (lt (float64 $n) 1.0) (ne (float64 $n) (float64 (int $n))) }}
+{{- fail (printf "engine.tensorParallelSize must be an integer >= 1, got %v" $n) }}
+{{- end }}
+{{- int $n }}
+{{- end }}
+
+{{/* Size of the engine's /dev/shm: engine.shmSizePerRank times the ranks (1Gi x 2 = 2Gi). */}}
+{{- define "loramux.shmSize" -}}
+{{- $per := toString .Values.engine.shmSizePerRank }}
+{{- if not (regexMatch "^[0-9]+([KMGTPE]i|[kMGTPE])?$" $per) }}
+{{- fail (printf "engine.shmSizePerRank must be a whole quantity such as 1Gi or 512Mi, got %q" $per) }}
+{{- end }}
+{{- $num := regexFind "^[0-9]+" $per }}
+{{- printf "%d%s" (mul (atoi $num) (include "loramux.tensorParallelSize" . | atoi)) (trimPrefix $num $per) }}
+{{- end }}
