@@ -207,6 +207,30 @@ class LoRAConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is spread over devices (``engine/distributed/``; vLLM's names)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks the weights are sharded over (one device each; on the CPU, the cores are split
+    between them): q/k/v and gate/up by output rows, o and down by input columns with one
+    all-reduce each, LoRA B sliced by rows on the first and A by columns on the second."""
+    distributed_executor_backend: str = "mp"
+    """``mp``: this process is rank 0 and starts the other ranks as local processes."""
+    tensor_parallel_timeout: float = 120.0
+    """Seconds a collective or a worker's start may take before the engine gives up on its
+    workers (fails the step's requests, restarts them)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend != "mp":
+            raise ValueError("distributed_executor_backend must be 'mp' (local worker processes), "
+                             f"got {self.distributed_executor_backend!r}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError("tensor_parallel_timeout must be > 0")
+
+
+@dataclass
 class StructuredOutputConfig:
     """Grammar compilation limits (structured outputs)."""
 
@@ -235,6 +259,7 @@ class EngineConfig:
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's ``speculative_config``); None = off."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_options(cls, *, enable_lora: bool = False, speculative_config: Any = None,
@@ -246,7 +271,7 @@ class EngineConfig:
         parts: dict[str, Any] = {"speculative": SpeculativeConfig.parse(speculative_config)}
         for name, part in (("model", ModelConfig), ("cache", CacheConfig),
                            ("scheduler", SchedulerConfig), ("structured", StructuredOutputConfig),
-                           ("lora", LoRAConfig)):
+                           ("parallel", ParallelConfig), ("lora", LoRAConfig)):
             given = {f.name: options.pop(f.name) for f in fields(part) if f.name in options}
             parts[name] = part(**given) if name != "lora" or enable_lora else None
         if options:

@@ -22,6 +22,7 @@ import torch
 from loramux.engine.block_manager import KVCacheManager, KVEventListener
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
+from loramux.engine.distributed.driver import make_runner
 from loramux.engine.errors import (
     AdapterNumericsError,
     ContextLengthError,
@@ -47,7 +48,7 @@ from loramux.engine.output_processor import OutputProcessor
 from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
 from loramux.engine.postprocess import Postprocessor
 from loramux.engine.request import Request
-from loramux.engine.runner import ModelRunner, plan_num_blocks
+from loramux.engine.runner import plan_num_blocks
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
@@ -69,7 +70,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, adapter_source: AdapterSource | None = None) -> None:
         self.config = config
-        base = load_base(config.model)
+        base = load_base(config.model, config.parallel)
         self.model_path, self.device, self.model = base.path, base.device, base.model
         self.tokenizer, self.eos_token_ids = base.tokenizer, base.eos_token_ids
         dims = self.model.dims
@@ -82,8 +83,7 @@ class LLMEngine:
                                             gpu_utilization=cc.gpu_memory_utilization)
         num_blocks = plan_num_blocks(self.model, cc, self.max_model_len, sc.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size,
-                                  config.model.attention_backend, adapters=self.lora_manager)
+        self.runner = make_runner(self.model, num_blocks, config, self.lora_manager, base.path)
         self.detokenizer = Detokenizer(self.tokenizer, adapter_source, dims.vocab_size)
         self.sampler = Sampler(dims.vocab_size, self.eos_token_ids,
                                torch.Generator().manual_seed(config.model.seed))
@@ -363,6 +363,7 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self._cycle = None
         self._awaiting_adapter.clear()
+        self.runner.reset()  # tensor parallelism: new workers
 
     def stats(self) -> EngineStats:
         """Counters for the platform's metrics: queue lengths, KV usage, preemptions and the

@@ -13,6 +13,7 @@ from loramux.engine.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from loramux.engine.engine import AdapterSource, LLMEngine, PromptType
@@ -58,6 +59,8 @@ class LLM:
         lora_memory: int | None = LoRAConfig.lora_memory,
         lora_load_workers: int = LoRAConfig.lora_load_workers,
         speculative_config: dict | str | None = None,
+        tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
+        distributed_executor_backend: str = ParallelConfig.distributed_executor_backend,
         adapter_source: AdapterSource | None = None,
         **unused,
     ) -> None:
@@ -80,6 +83,8 @@ class LLM:
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             lora_backend=lora_backend, lora_memory=lora_memory,
             lora_load_workers=lora_load_workers, speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
         )
         self.llm_engine = LLMEngine(config, adapter_source)
         self._counter = 0
@@ -207,7 +212,6 @@ class _Unserved:
 
 
 _VLLM_UNSERVED: dict[str, _Unserved] = {
-    "tensor_parallel_size": _Unserved(1, True, "this engine runs one process on one device"),
     "swap_space": _Unserved(4, False, "preempted sequences are recomputed, never swapped"),
     "trust_remote_code": _Unserved(False, False, "no remote code is run: every family has its "
                                    "own implementation here"),

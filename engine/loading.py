@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from loramux.engine.config import ModelConfig
+from loramux.engine.config import ModelConfig, ParallelConfig
 from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.model.registry import load_model
 
@@ -92,14 +92,20 @@ def eos_token_ids(tokenizer, model_path: Path) -> set[int]:
     return ids
 
 
-def load_base(mc: ModelConfig) -> LoadedBase:
-    """Load the base model and tokenizer of ``mc``."""
+def load_base(mc: ModelConfig, parallel: ParallelConfig | None = None) -> LoadedBase:
+    """Load the base model and tokenizer of ``mc``; under tensor parallelism (``parallel``)
+    this process is rank 0 and loads rank 0's share (on the CPU with its share of the cores)."""
     from transformers import AutoTokenizer
+
+    from loramux.engine.distributed.group import cpu_threads
 
     path = model_folder(mc.model)
     device = resolve_device(mc.device)
     dtype = resolve_dtype(mc.dtype, device, path)
+    world = parallel.tensor_parallel_size if parallel is not None else 1
+    if world > 1 and device.type == "cpu":
+        torch.set_num_threads(cpu_threads(world))
     model = load_model(path, dtype, device, enforce_eager=mc.enforce_eager,
-                       quantization=mc.quantization)
+                       quantization=mc.quantization, tensor_parallel=(0, world) if world > 1 else None)
     tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or path)
     return LoadedBase(path, device, dtype, model, tokenizer, eos_token_ids(tokenizer, path))

@@ -127,7 +127,7 @@ class ModelRunner:
             logger.info("CPU attention: %s", "C paged kernel" if self.cpu_kernel else "torch")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        d = model.dims
+        d = model.local_dims  # under tensor parallelism: this rank's KV heads
         self.pad_slot = pad_slot(num_blocks, block_size)
         slots = self.pad_slot + 1  # the last slot is the zeroed one padding reads
         self.kv_caches = [
@@ -137,6 +137,10 @@ class ModelRunner:
             )
             for _ in range(d.num_layers)
         ]
+
+    def reset(self) -> None:
+        """After the engine's loop died (``LLMEngine.reset``): one process has nothing to
+        rebuild (the KV contents are dropped with the engine's block bookkeeping)."""
 
     def order(self, plan: SchedulerOutput, slot_of: Mapping[str, int]) -> StepBatch:
         """Decode rows first, then prefills and verify rows (speculative decoding: several

@@ -16,6 +16,7 @@ from loramux.engine.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     StructuredOutputConfig,
 )
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from loramux.registry.service import RegistryService
 
 ENGINE_OPTIONS = tuple(f.name for part in (ModelConfig, CacheConfig, SchedulerConfig,
-                                          StructuredOutputConfig, LoRAConfig)
+                                          StructuredOutputConfig, ParallelConfig, LoRAConfig)
                        for f in dataclasses.fields(part) if f.name in Settings.model_fields)
 """The Settings fields that are engine options (same name, passed through as is)."""
 

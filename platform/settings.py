@@ -28,6 +28,7 @@ from loramux.engine.config import (
     CacheConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     StructuredOutputConfig,
 )
@@ -105,6 +106,14 @@ class Settings(_LimitSettings):
         "kernels (engine/model/small_ops.py)."))
     max_model_len: int | None = Field(ModelConfig.max_model_len, description=(
         "Longest prompt + output in tokens; None = the model's own limit."))
+    tensor_parallel_size: int = Field(ParallelConfig.tensor_parallel_size, description=(
+        "vLLM's option: ranks (devices; on the CPU, shares of the cores) the model and its "
+        "adapters are sharded over, each a local worker process (docs/tensor-parallel.md)."))
+    distributed_executor_backend: Literal["mp"] = Field(
+        ParallelConfig.distributed_executor_backend, description=(
+            "vLLM's option: how the tensor-parallel workers run (mp: local processes)."))
+    tensor_parallel_timeout: float = Field(ParallelConfig.tensor_parallel_timeout, description=(
+        "Seconds a collective or a worker's start may take before the engine restarts its workers."))
     max_num_seqs: int = Field(SchedulerConfig.max_num_seqs, description=(
         "Most sequences in one engine step."))
     max_num_batched_tokens: int | None = Field(SchedulerConfig.max_num_batched_tokens, description=(

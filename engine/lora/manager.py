@@ -39,7 +39,7 @@ from loramux.engine.lora.loader import LoadResult, LoadStats
 from loramux.engine.lora.slot_table import SlotTable
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.state import AdapterListener, AdapterState, ResidencySnapshot
-from loramux.engine.lora.step import LoRAStepBatch
+from loramux.engine.lora.step import LoRAStepBatch, lay_out_step
 from loramux.engine.lora.tiers import AdapterTiers
 from loramux.engine.lora_request import LoRARequest
 from loramux.engine.model.decoder import DecoderModel
@@ -94,10 +94,11 @@ class LoRAManager:
             self.max_loras, "derived from memory" if self.capacity.derived else "max_loras",
             self.max_cpu_loras, self.capacity.slot_bytes / 2**20, self.backend,
         )
-        self.buffers = SlotBuffers(
-            model.dims, self.max_loras, config.max_lora_rank, dtype, model.device,
+        self.buffers = SlotBuffers(  # under tensor parallelism: this rank's share of each slot
+            model.local_dims, self.max_loras, config.max_lora_rank, dtype, model.device,
             blockdiag=blockdiag, scale_dtype=model.dtype,
         )
+        self.buffers.shard = model.shard
         self.buffers.vocab.allowance = self.capacity.adapter_allowance
         self.buffers.vocab.pool = self.capacity.vocab_pool
         self.buffers.norms.base = model.norm_weights() if hasattr(model, "norm_weights") else {}
@@ -283,15 +284,7 @@ class LoRAManager:
         """Lay out this step's adapters for the layers (once per step, before the forward
         pass): the step's tokens in batch order are runs of ``row_num_tokens[i]`` tokens of
         adapter ``row_lora_keys[i]`` (None: none; an aLoRA row's tokens before its start)."""
-        keys = frozenset(k for k in row_lora_keys if k is not None)
-        if not keys:
-            self.hook.clear()
-            return
-        self.buffers.wait_ready()
-        slot_of = self.slots.slot_of
-        row_slots = [slot_of[k] if k is not None else -1 for k in row_lora_keys]
-        groups = frozenset().union(*(self.buffers.groups[slot_of[k]] for k in keys))
-        self.hook.prepare(keys, row_slots, row_num_tokens, groups)
+        lay_out_step(self.buffers, self.hook, self.slots.slot_of, row_lora_keys, row_num_tokens)
 
     def finish_step(self) -> None:
         """After the forward pass (also a failed one): release the step's slots and run the

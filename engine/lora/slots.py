@@ -24,6 +24,8 @@ fills every slice of its group: the same A in each slice, B split by the slices'
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from loramux.adapters.arch import GROUP_FUSED_MODULE, PROJECTION_GROUPS
@@ -32,6 +34,16 @@ from loramux.engine.lora.experts import ExpertSlots
 from loramux.engine.lora.norms import NormSlots
 from loramux.engine.lora.vocab import VocabSlots
 from loramux.engine.model.weights import ModelDims
+
+
+class SlotMirror(Protocol):
+    """What hears a rank's slot writes to repeat them elsewhere."""
+
+    def wrote(self, slot: int, weights: LoraWeights) -> None:
+        """``weights`` (the whole adapter) were written into ``slot``."""
+
+    def cleared(self, slot: int) -> None:
+        """``slot`` was emptied."""
 
 
 class SlotBuffers:
@@ -44,6 +56,7 @@ class SlotBuffers:
         self.dims = dims
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.dtype, self.scale_dtype = dtype, scale_dtype
         shapes = dims.module_shapes()
         self.slice_offsets: dict[str, list[int]] = {}
         self.a: list[dict[str, torch.Tensor]] = []
@@ -99,6 +112,12 @@ class SlotBuffers:
         """Projection groups each slot's adapter targets (others are all zero)."""
         self.dora: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         """Per slot, the ``(layer, group)`` pairs its DoRA adapter scales (empty: plain LoRA)."""
+        self.shard = None
+        """Under tensor parallelism, this rank's share (``TensorShard``): an adapter is cut to
+        it as it is written (the buffers are built with the rank's ``local_dims``)."""
+        self.mirror: SlotMirror | None = None
+        """Rank 0 under tensor parallelism: told of every write and clear (whole adapters), to
+        repeat them on the other ranks."""
         # CUDA: slot writes run on a side stream; the forward pass waits on ``ready``.
         dev = torch.device(device)
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -114,6 +133,11 @@ class SlotBuffers:
             raise ValueError("a DoRA adapter needs its per-row scales (dora.dora_scales) first")
         self.vocab.check(weights, slot)
         self.norms.entries(weights)  # raises for a norm the model has not
+        whole = weights
+        if self.shard is not None:
+            weights = self.shard.lora(weights)
+        if self.mirror is not None:
+            self.mirror.wrote(slot, whole)
         if self.stream is None:
             self._write(slot, weights, r)
             return
@@ -197,6 +221,8 @@ class SlotBuffers:
 
     def clear(self, slot: int) -> None:
         """Mark ``slot`` empty (its weights are overwritten by the next write)."""
+        if self.mirror is not None:
+            self.mirror.cleared(slot)
         self.ranks[slot] = 0
         self.scale[slot] = 0.0
         self.groups[slot] = frozenset()

@@ -11,7 +11,7 @@ nothing when the step has none). Runs on the engine thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +24,21 @@ from loramux.engine.lora.norms import NormFn, NormKey, NormStep
 from loramux.engine.lora.ops import cpu_step
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.vocab import VocabStep
+
+
+def lay_out_step(buffers: SlotBuffers, hook: LoRAStepBatch, slot_of: Mapping[str, int],
+                 row_lora_keys: Sequence[str | None], row_num_tokens: Sequence[int]) -> None:
+    """Lay out a step's adapters in ``hook`` (once per step, before the forward pass): its
+    tokens in batch order are runs of ``row_num_tokens[i]`` tokens of adapter
+    ``row_lora_keys[i]`` (None: none), each in its slot ``slot_of[key]``."""
+    keys = frozenset(k for k in row_lora_keys if k is not None)
+    if not keys:
+        hook.clear()
+        return
+    buffers.wait_ready()
+    row_slots = [slot_of[k] if k is not None else -1 for k in row_lora_keys]
+    groups = frozenset().union(*(buffers.groups[slot_of[k]] for k in keys))
+    hook.prepare(keys, row_slots, row_num_tokens, groups)
 
 
 class LoRAStepBatch:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from loramux.adapters.arch import PROJECTION_GROUPS, resolve_architecture
+from loramux.engine.distributed.group import all_reduce
+from loramux.engine.distributed.shard import TensorShard
 from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from loramux.engine.model.hooks import LoRAHook
 from loramux.engine.model.layers import Norms, gated_activation
@@ -107,9 +109,11 @@ class DecoderModel:
         enforce_eager: bool = False,
         hf_config=None,
         quantization: str | None = None,
+        tensor_parallel: tuple[int, int] | None = None,
     ) -> None:
         """``quantization``: ``--quantization`` (None: whatever the checkpoint's
-        ``quantization_config`` says; see ``quant/select.py``)."""
+        ``quantization_config`` says; see ``quant/select.py``); ``tensor_parallel``: (rank,
+        world) to hold only that rank's share (``engine/distributed/shard.py``)."""
         path = Path(path)
         self.path = path
         self.hf_config = hf_config if hf_config is not None else read_hf_config(path)
@@ -119,6 +123,10 @@ class DecoderModel:
         if len(spec.layers) != self.dims.num_layers:
             raise ModelLoadError(f"{path}: {len(spec.layers)} layer specs for {self.dims.num_layers} layers")
         self.spec = spec
+        self.shard = TensorShard(*tensor_parallel, self.dims) if tensor_parallel else None
+        self.local_dims = self.shard.local_dims if self.shard is not None else self.dims
+        """The dimensions this process computes with (its heads under tensor parallelism)."""
+        self._reduce = all_reduce if self.shard is not None and self.shard.world > 1 else None
         self.family = self.dims.family
         self.dtype = dtype
         self.device = device
@@ -137,7 +145,10 @@ class DecoderModel:
         self.norms = Norms(self.ops, self.dims.rms_norm_eps, spec.norm_offset)
         self.quant = quant_method(self.hf_config, quantization, str(path))
         """How the checkpoint stores the projections (``quant/``)."""
-        self._load(load_state_dict(path, dtype, device, self.arch, self.quant.keeps_stored_dtype))
+        if self.shard is not None and self.quant.quantized:
+            raise ModelLoadError(f"{path}: quantized checkpoints run with tensor_parallel_size 1 for now")
+        self._load(load_state_dict(path, dtype, device, self.arch, self.quant.keeps_stored_dtype,
+                                   take=self.shard.take if self.shard is not None else None))
         self.attention_windows = spec.windows
         """The distinct sliding windows of the layers (the runner builds metadata per window)."""
         self.embed_scale = (
@@ -213,7 +224,7 @@ class DecoderModel:
         name = module.rsplit(".", 1)[-1]
         if name == "lm_head":
             return self.dims.vocab_size, self.dims.hidden_size
-        shapes = self.dims.module_shapes()
+        shapes = self.local_dims.module_shapes()
         return (shapes[name][1], shapes[name][0]) if name in shapes else None
 
     def _qkv(self, sd: dict, prefix: str, take) -> Linear | QuantLinear:
@@ -268,7 +279,7 @@ class DecoderModel:
         """One step over the batch's new tokens; ``attn`` holds the step's attention metadata
         per sliding window (:attr:`attention_windows`); ``lora``: the step's adapters (the
         runner's hook, laid out for this step; None or inactive: base model only)."""
-        d, s = self.dims, self.spec
+        d, s, reduce = self.local_dims, self.spec, self._reduce
         lora = lora if lora is not None and lora.active() else None
         norms = self.norms
         if isinstance(attn, AttentionMetadata):
@@ -311,6 +322,8 @@ class DecoderModel:
             o = w.o(a)
             if lora is not None:
                 lora.add(i, "o", a, o)
+            if reduce is not None:  # row-parallel: the ranks' partial sums (LoRA's included)
+                reduce(o)
             if w.attn_out_norm is not None:
                 o, raw = norms.sandwich(o, w.attn_out_norm), o
                 if lora is not None:
@@ -319,6 +332,8 @@ class DecoderModel:
             if lora is not None:
                 lora.norm((i, names.ffn), add_norm, residual, x)
             delta = w.mlp(x, i, lora)
+            if reduce is not None:
+                reduce(delta)
             if w.ffn_out_norm is not None:
                 delta, raw = norms.sandwich(delta, w.ffn_out_norm), delta
                 if lora is not None:
@@ -355,7 +370,7 @@ class DecoderModel:
         return qk
 
     def kv_bytes_per_token(self) -> int:
-        d = self.dims
+        d = self.local_dims
         return 2 * d.num_layers * d.kv_size * torch.finfo(self.dtype).bits // 8
 
     def _add_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -35,13 +35,15 @@ def decoder_spec(config) -> DecoderSpec:
 
 def load_model(
     path: str | Path, dtype: torch.dtype, device: torch.device, *, enforce_eager: bool = False,
-    quantization: str | None = None,
+    quantization: str | None = None, tensor_parallel: tuple[int, int] | None = None,
 ) -> DecoderModel:
     """Build the base model of the folder ``path`` (config + safetensors; quantized as its
     ``quantization_config`` says, which ``quantization`` must match when given). Raises
     :class:`~loramux.engine.model.weights.ModelLoadError` for an unsupported architecture or
-    quantization, naming the supported ones. Called once when the engine starts."""
+    quantization, naming the supported ones. ``tensor_parallel``: (rank, world) to load only
+    that rank's share (``engine/distributed/``). Called once when the engine starts."""
     path = Path(path)
     config = read_hf_config(path)
     return DecoderModel(path, dtype, device, enforce_eager=enforce_eager,
-                        spec=decoder_spec(config), hf_config=config, quantization=quantization)
+                        spec=decoder_spec(config), hf_config=config, quantization=quantization,
+                        tensor_parallel=tensor_parallel)

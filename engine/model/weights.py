@@ -90,16 +90,21 @@ def canonical_name(key: str, arch: Architecture) -> str | None:
 
 def load_state_dict(
     path: Path, dtype: torch.dtype, device: torch.device, arch: Architecture | None = None,
-    keep_dtype: Callable[[str], bool] | None = None,
+    keep_dtype: Callable[[str], bool] | None = None, take: Callable | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor the text model uses, by :func:`canonical_name`, cast to ``dtype`` on ``device``
-    (except those ``keep_dtype(name)`` keeps as stored: a quantized checkpoint's integers and scales)."""
+    (except those ``keep_dtype(name)`` keeps as stored: a quantized checkpoint's integers and scales).
+    ``take(name, slice)``: the part of each tensor to read (a tensor-parallel rank's share, from
+    the file's slice, so the rest is never read; None: leave the tensor out)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensor_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name = canonical_name(key, arch) if arch is not None else key
-                if name is not None:
-                    keep = keep_dtype is not None and keep_dtype(name)
-                    tensors[name] = f.get_tensor(key).to(device=device, dtype=None if keep else dtype)
+                if name is None:
+                    continue
+                keep = keep_dtype is not None and keep_dtype(name)
+                t = f.get_tensor(key) if take is None else take(name, f.get_slice(key))
+                if t is not None:
+                    tensors[name] = t.to(device=device, dtype=None if keep else dtype)
     return tensors

@@ -13,14 +13,19 @@ from loramux.engine.llm import check_vllm_arguments
 def test_vllm_defaults_pass_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_vllm_arguments({"tensor_parallel_size": 1, "swap_space": 4,
+        check_vllm_arguments({"swap_space": 4,
                               "trust_remote_code": False, "tokenizer_mode": "auto"})
 
 
-@pytest.mark.parametrize("name, value", [("tensor_parallel_size", 2)])
-def test_what_the_engine_cannot_do_is_refused_naming_the_argument(name, value):
-    with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
-        check_vllm_arguments({name: value})
+@pytest.mark.parametrize("options, why", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be in"),
+    (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be 'mp'"),
+])
+def test_bad_parallel_options_are_refused_naming_them(options, why):
+    from loramux.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=why):
+        EngineConfig.from_options(**options)
 
 
 @pytest.mark.parametrize("name, value", [("swap_space", 16), ("trust_remote_code", True),

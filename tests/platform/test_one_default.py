@@ -14,6 +14,7 @@ from loramux.engine.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     StructuredOutputConfig,
 )
@@ -21,7 +22,7 @@ from loramux.engine.llm import LLM
 from loramux.platform.builders import ENGINE_OPTIONS, engine_config
 from loramux.platform.settings import Settings, setting_default
 
-PARTS = (ModelConfig, CacheConfig, SchedulerConfig, StructuredOutputConfig, LoRAConfig)
+PARTS = (ModelConfig, CacheConfig, SchedulerConfig, StructuredOutputConfig, ParallelConfig, LoRAConfig)
 DIFFERENT_ON_PURPOSE = {"max_waiting"}  # the service bounds its queue
 
 

@@ -1,0 +1,192 @@
+"""Rank 0's side of tensor parallelism: the engine's runner when ``tensor_parallel_size > 1``.
+
+The engine's process is rank 0: it keeps the scheduler, the block manager, the adapter tiers
+and the HTTP server, and runs its own share of every step. :class:`WorkerGroup` starts the
+other ranks as local processes (``distributed_executor_backend="mp"``: ``python -m
+loramux.engine.distributed.worker``, so no caller needs a ``__main__`` guard), waits for
+them to load their shares, and joins the group with them. Each step
+:class:`TensorParallelRunner` broadcasts the plan (plus the adapter slot writes since the last
+step, whole adapters that each rank cuts to its share) before running rank 0's share; the
+all-reduces inside the forward pass keep the ranks in step, and rank 0's logits are sampled.
+
+A worker that dies (or a collective that fails or stalls past ``tensor_parallel_timeout``)
+fails the step's requests and raises :class:`EngineDeadError` from the step: the engine's
+loop restarts, and :meth:`TensorParallelRunner.reset` replaces every worker (their slots are
+written again from rank 0's record; the prefix cache starts empty). Workers exit when rank 0
+says so, when it goes away (a pipe to it closes, or it was killed), never left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from loramux.engine.config import EngineConfig
+from loramux.engine.distributed import group
+from loramux.engine.distributed.worker import SlotSetup, WorkerSetup
+from loramux.engine.errors import EngineDeadError
+from loramux.engine.model.decoder import DecoderModel
+from loramux.engine.runner import ModelRunner, StepAdapters
+from loramux.engine.step_data import ModelOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerGroup:
+    """The ranks 1..N-1 as local processes, and rank 0's membership of their group."""
+
+    def __init__(self, config: EngineConfig, path: str, device: torch.device) -> None:
+        self.config, self.path, self.device = config, path, device
+        self.world = config.parallel.tensor_parallel_size
+        self.timeout = config.parallel.tensor_parallel_timeout
+        self.procs: list[subprocess.Popen] = []
+        self.control = None
+
+    def start(self) -> None:
+        """Start the workers, wait until each loaded its share, join the group with them."""
+        init = group.rendezvous()
+        pipes = []
+        for rank in range(1, self.world):
+            ours, theirs = os.pipe()
+            args = dict(rank=rank, world=self.world, init_method=init, path=self.path,
+                        model_config=dataclasses.asdict(self.config.model), timeout=self.timeout,
+                        status_fd=theirs, parent=os.getpid())
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "loramux.engine.distributed.worker", json.dumps(args)],
+                pass_fds=(theirs,)))
+            os.close(theirs)
+            pipes.append(os.fdopen(ours, "rb"))
+        deadline = time.monotonic() + self.timeout * 5  # loading the shares may take a while
+        for rank, pipe in enumerate(pipes, start=1):
+            with pipe:
+                line = b""
+                while not line and self.procs[rank - 1].poll() is None:
+                    if time.monotonic() > deadline:
+                        break
+                    if select.select([pipe], [], [], 0.2)[0]:
+                        line = pipe.readline()
+            state = line.decode(errors="replace").strip()
+            if state != "loaded":
+                self.stop()
+                raise EngineDeadError(f"tensor-parallel rank {rank} did not start: "
+                                      f"{state or 'it exited or timed out while loading'}")
+        group.join(0, self.world, init, self.device, self.timeout)
+        self.control = group.control_group()
+        logger.info("tensor parallel: %d ranks joined (%s)", self.world, init)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def send(self, message) -> None:
+        group.send(message, self.control)
+
+    def stop(self) -> None:
+        """Tell the workers to leave (when they can hear it), then make sure they are gone."""
+        if self.control is not None and self.alive():
+            try:
+                self.send(None)
+            except Exception:  # a worker went away meanwhile: it is killed below
+                logger.warning("a tensor-parallel worker did not hear the stop")
+        for p in self.procs:
+            try:
+                p.wait(5.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+        self.procs, self.control = [], None
+        group.leave()
+
+
+def _broken(error: BaseException | None) -> bool:
+    """Whether a failed step's error came from the group (a rank gone or stalled)."""
+    if error is None:
+        return False
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection"))
+
+
+class TensorParallelRunner:
+    """The engine's runner under tensor parallelism (the :class:`ModelRunner` interface)."""
+
+    def __init__(self, model: DecoderModel, num_blocks: int, config: EngineConfig,
+                 adapters: StepAdapters, path: str) -> None:
+        cc = config.cache
+        self.local = ModelRunner(model, num_blocks, cc.block_size, config.model.attention_backend,
+                                 adapters=adapters)
+        self.adapters = adapters
+        buffers = getattr(adapters, "buffers", None)
+        slots = SlotSetup.of(buffers, adapters.backend) if buffers is not None else None
+        self._setup = WorkerSetup(num_blocks, cc.block_size, slots)
+        self._lock = threading.Lock()
+        self._ops: list = []
+        self._slots: dict[int, object] = {}
+        """Each slot's whole adapter as last written (written again into new workers)."""
+        if buffers is not None:
+            buffers.mirror = self
+        self.workers = WorkerGroup(config, path, model.device)
+        self._finalizer = weakref.finalize(self, self.workers.stop)
+        self._start()
+
+    def _start(self) -> None:
+        self.workers.start()
+        self.workers.send(self._setup)
+
+    # --- SlotMirror: rank 0's slot writes, repeated on the workers at the next step ------
+    def wrote(self, slot: int, weights) -> None:
+        with self._lock:
+            self._ops.append(("write", slot, weights))
+            self._slots[slot] = weights
+
+    def cleared(self, slot: int) -> None:
+        with self._lock:
+            self._ops.append(("clear", slot, None))
+            self._slots.pop(slot, None)
+
+    # --- the runner's interface -----------------------------------------------------------
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """Send the step to every rank, run rank 0's share, return rank 0's logits. Raises
+        :class:`EngineDeadError` when a worker is gone (the step's rows fail with it)."""
+        if not self.workers.alive():
+            raise EngineDeadError("a tensor-parallel worker died; the engine restarts its workers")
+        with self._lock:
+            ops, self._ops = self._ops, []
+        try:
+            self.workers.send((ops, dict(self.adapters.slot_of), plan))
+        except Exception as e:
+            raise EngineDeadError(f"a tensor-parallel worker cannot be reached: {e}") from e
+        output = self.local.execute(plan)
+        if _broken(output.error) or (output.error is not None and not self.workers.alive()):
+            raise EngineDeadError(f"tensor-parallel step failed: {output.error}") from output.error
+        return output
+
+    def reset(self) -> None:
+        """Replace every worker (after the engine's loop died): new processes, a new group,
+        the slots written again."""
+        self.workers.stop()
+        with self._lock:
+            self._ops = [("write", slot, w) for slot, w in self._slots.items()]
+        self._start()
+
+    def shutdown(self) -> None:
+        """Stop the workers now (also done when the runner is collected and at exit)."""
+        self._finalizer()
+
+
+def make_runner(model: DecoderModel, num_blocks: int, config: EngineConfig,
+                adapters: StepAdapters, path: str) -> ModelRunner | TensorParallelRunner:
+    """The engine's runner: one process, or rank 0 of ``tensor_parallel_size`` ranks."""
+    if config.parallel.tensor_parallel_size == 1:
+        return ModelRunner(model, num_blocks, config.cache.block_size,
+                           config.model.attention_backend, adapters=adapters)
+    return TensorParallelRunner(model, num_blocks, config, adapters, str(path))

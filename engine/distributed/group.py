@@ -1,0 +1,83 @@
+"""The ranks' process group on torch.distributed: gloo on the CPU, NCCL on CUDA.
+
+Rank 0 (the engine's process) is the rendezvous: its ``tcp://`` address and a free port,
+or, when ``MASTER_ADDR`` / ``MASTER_PORT`` are set (torchrun, a multi-node launch), the
+standard ``env://`` rendezvous. On the CPU the cores are split between the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the rendezvous binds it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rendezvous() -> str:
+    """The init method for a new group: ``env://`` under torchrun (``MASTER_ADDR`` and
+    ``MASTER_PORT`` set), else a local TCP address on a free port."""
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return "env://"
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def device_of(rank: int, device: torch.device) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:<rank>`` on CUDA (one GPU per rank), else the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def cpu_threads(world: int) -> int:
+    """Intra-op threads per rank: the CPUs this process may use, split evenly."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // world)
+
+
+def join(rank: int, world: int, init_method: str, device: torch.device, timeout: float) -> None:
+    """Join the group as ``rank`` (blocks until every rank has joined, at most ``timeout``)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+
+
+def leave() -> None:
+    """Leave the group (no-op when this process is in none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the ranks, in place; returns it."""
+    dist.all_reduce(t)
+    return t
+
+
+_FOREVER = timedelta(days=365)
+
+
+def control_group():
+    """A gloo group for rank 0's messages (every rank calls it, in the same order): workers
+    wait on it for the next step as long as the engine is idle, so it never times out."""
+    return dist.new_group(backend="gloo", timeout=_FOREVER)
+
+
+def send(message, control) -> None:
+    """Rank 0: broadcast a picklable ``message`` to every rank of ``control``."""
+    dist.broadcast_object_list([message], src=0, group=control)
+
+
+def receive(control):
+    """A worker: the next message rank 0 broadcasts on ``control`` (blocks until it comes)."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]

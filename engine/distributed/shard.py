@@ -1,0 +1,149 @@
+"""One rank's share of the weights under tensor parallelism (Megatron's layout, vLLM's rules).
+
+Column-parallel projections (q, k, v, gate, up and the fused ``qkv_proj`` / ``gate_up_proj``
+of Phi-3) keep this rank's output rows: its query heads, its KV heads and its slice of the
+intermediate size. Row-parallel ones (o, down) keep the matching input columns; their outputs
+are partial sums that one all-reduce per layer and block adds up (their bias stays on rank 0
+only, so it is added once). With fewer KV heads than ranks every KV head is replicated on
+``world / num_kv_heads`` ranks, each rank holding the one its query heads read (vLLM's rule).
+Everything else (embedding, norms, ``lm_head``) is replicated.
+
+A LoRA follows its projection: on a column-parallel layer A stays whole and B keeps the rank's
+rows; on a row-parallel one A keeps the rank's input columns and B stays whole, so the delta
+is a partial sum too and joins the base output before the all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from loramux.adapters.weights import LoraWeights
+from loramux.engine.errors import LoRAError, ModelLoadError
+from loramux.engine.model.weights import ModelDims
+
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj",
+                             "gate_up_proj"})
+"""Projections whose output rows are split over the ranks."""
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+"""Projections whose input columns are split over the ranks (their outputs are summed)."""
+
+Ranges = list[tuple[int, int]]
+
+
+def check_shardable(dims: ModelDims, world: int) -> None:
+    """Raise :class:`ModelLoadError` naming why ``dims`` cannot be split over ``world`` ranks."""
+    name = f"tensor_parallel_size {world} cannot split {dims.model_type}"
+    if dims.num_experts:
+        raise ModelLoadError(f"{name}: MoE bases run with tensor_parallel_size 1 for now")
+    why = []
+    if dims.num_heads % world:
+        why.append(f"its {dims.num_heads} attention heads")
+    if dims.num_kv_heads % world and world % dims.num_kv_heads:
+        why.append(f"its {dims.num_kv_heads} KV heads (nor {world} by them)")
+    if dims.intermediate_size % world:
+        why.append(f"its intermediate size {dims.intermediate_size}")
+    if why:
+        raise ModelLoadError(f"{name}: " + ", ".join(why) + f" are not divisible by {world}")
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """Rank ``rank`` of ``world``: which rows and columns of each projection it holds."""
+
+    rank: int
+    world: int
+    dims: ModelDims
+    """The whole model's dimensions."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world}")
+        check_shardable(self.dims, self.world)
+
+    @property
+    def num_heads(self) -> int:
+        return self.dims.num_heads // self.world
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(1, self.dims.num_kv_heads // self.world)
+
+    @property
+    def intermediate(self) -> int:
+        return self.dims.intermediate_size // self.world
+
+    @property
+    def local_dims(self) -> ModelDims:
+        """The dimensions this rank computes with (heads, KV heads, intermediate size)."""
+        return dataclasses.replace(self.dims, num_heads=self.num_heads,
+                                   num_kv_heads=self.num_kv_heads,
+                                   intermediate_size=self.intermediate)
+
+    # --- which rows --------------------------------------------------------------------
+    def _q(self) -> tuple[int, int]:
+        n = self.num_heads * self.dims.head_dim
+        return self.rank * n, (self.rank + 1) * n
+
+    def _kv(self) -> tuple[int, int]:
+        d, kv = self.dims.head_dim, self.dims.num_kv_heads
+        first = (self.rank * kv // self.world if kv >= self.world
+                 else self.rank // (self.world // kv))
+        return first * d, (first + self.num_kv_heads) * d
+
+    def _mlp(self) -> tuple[int, int]:
+        return self.rank * self.intermediate, (self.rank + 1) * self.intermediate
+
+    def out_ranges(self, module: str) -> Ranges:
+        """The rows of a column-parallel ``module``'s output this rank keeps, in order."""
+        q, kv, inter = self.dims.q_size, self.dims.kv_size, self.dims.intermediate_size
+        k0, k1 = self._kv()
+        m0, m1 = self._mlp()
+        return {
+            "q_proj": [self._q()], "k_proj": [(k0, k1)], "v_proj": [(k0, k1)],
+            "qkv_proj": [self._q(), (q + k0, q + k1), (q + kv + k0, q + kv + k1)],
+            "gate_proj": [(m0, m1)], "up_proj": [(m0, m1)],
+            "gate_up_proj": [(m0, m1), (inter + m0, inter + m1)],
+        }[module]
+
+    def in_range(self, module: str) -> tuple[int, int]:
+        """The input columns of a row-parallel ``module`` this rank keeps."""
+        return self._q() if module == "o_proj" else self._mlp()
+
+    # --- base weights --------------------------------------------------------------------
+    def take(self, name: str, tensor) -> torch.Tensor | None:
+        """This rank's part of the checkpoint tensor ``name`` (canonical), read from ``tensor``
+        (a safetensors slice, so only these rows are read, or a tensor); None: not on this
+        rank (a row-parallel bias off rank 0)."""
+        parts = name.split(".")
+        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if module in COLUMN_PARALLEL and kind in ("weight", "bias"):
+            return torch.cat([tensor[a:b] for a, b in self.out_ranges(module)])
+        if module in ROW_PARALLEL and kind == "bias":
+            return tensor[:] if self.rank == 0 else None
+        if module in ROW_PARALLEL and kind == "weight":
+            a, b = self.in_range(module)
+            return tensor[:, a:b]
+        return tensor[:]
+
+    # --- adapters --------------------------------------------------------------------------
+    def lora(self, weights: LoraWeights) -> LoraWeights:
+        """This rank's part of an adapter: B's rows of column-parallel projections, A's columns
+        of row-parallel ones (the rest, vocabulary and norm parts included, is replicated)."""
+        if weights.spec.use_dora:
+            raise LoRAError("DoRA adapters are not served with tensor_parallel_size > 1 yet "
+                            "(their row norms need the whole rows)")
+        layers = {}
+        for i, modules in weights.layers.items():
+            out = {}
+            for name, (a, b) in modules.items():
+                if name in COLUMN_PARALLEL:
+                    b = torch.cat([b[s:e] for s, e in self.out_ranges(name)])
+                elif name in ROW_PARALLEL:
+                    s, e = self.in_range(name)
+                    a = a[:, s:e]
+                out[name] = (a.contiguous(), b.contiguous())
+            layers[i] = out
+        return dataclasses.replace(weights, layers=layers)

@@ -1,0 +1,148 @@
+"""Tensor parallelism on the CPU (gloo, 2-4 worker processes): every dense family's tiny
+model, with GQA where the KV heads divide among the ranks and where they are replicated, in
+mixed batches of base rows and LoRA adapters (split and fused projections), every token
+teacher-forced against transformers + PEFT (float32); chunked prefill and prefix hits; adapter
+loads and evictions while running; a worker killed mid-run fails the step's requests, the
+engine restarts its workers and serves again; no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from support.lora_fixtures import ALL_MODULES, make_peft_adapter
+from support.peft_harness import check_rows_match_peft, peft_prompts
+from support.tiny_models import make_tiny_model
+
+from loramux.engine import LLM, LoRARequest, SamplingParams
+from loramux.engine.errors import EngineDeadError, ModelLoadError
+
+pytestmark = pytest.mark.timeout(600)
+
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+CASES = {  # name: (family, tp, model overrides, [(rank, targets)])
+    "llama-tp2": ("llama", 2, {}, [(8, ALL_MODULES), (4, ["q_proj", "v_proj"])]),
+    "qwen3-tp2-tied": ("qwen3", 2, {}, [(16, ALL_MODULES)]),
+    "gemma2-tp2-softcap": ("gemma2", 2, {}, [(8, ["o_proj", "down_proj"])]),
+    "phi3-tp2-fused": ("phi3", 2, {}, [(8, FUSED), (4, ["qkv_proj"])]),
+    "gemma3-tp4-replicated-kv": ("gemma3", 4, {}, [(8, ALL_MODULES)]),
+    "qwen2-tp3-one-kv-head": ("qwen2", 3, dict(num_attention_heads=6, num_key_value_heads=1,
+                                               hidden_size=96, intermediate_size=96), [(8, ALL_MODULES)]),
+}
+
+
+def _workers() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [p for p in me.children(recursive=True)
+            if "loramux.engine.distributed.worker" in " ".join(p.cmdline())]
+
+
+def _gone(timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _workers():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir):
+    return peft_prompts(default_model_dir, 40)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_model_and_adapters_match_peft(name, tmp_path, default_model_dir, prompts):
+    family, tp, overrides, specs = CASES[name]
+    base = make_tiny_model(tmp_path / name, default_model_dir, family, **overrides)
+    adapters = [make_peft_adapter(base, tmp_path / f"a{i}", r=r, target_modules=t, seed=i, std=0.1)
+                for i, (r, t) in enumerate(specs)]
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
+              max_loras=len(adapters), max_lora_rank=16, max_num_batched_tokens=48,
+              tensor_parallel_size=tp)
+    assert len(_workers()) == tp - 1
+    choice = [i % (len(adapters) + 1) for i in range(len(prompts))]
+    choice = [None if c == len(adapters) else c for c in choice]
+    loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    moved = check_rows_match_peft(base, adapters, prompts, choice, outs)
+    assert set(moved) == set(range(len(adapters)))  # every adapter changed its rows' numbers
+    # the same prompts again: prefix-cache hits on every rank give the same tokens
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    llm.llm_engine.runner.shutdown()
+    assert _gone()
+
+
+def test_adapters_load_and_evict_across_ranks(tmp_path, default_model_dir, prompts):
+    """Four adapters through one slot: each load and eviction is repeated on the workers."""
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "qwen3")
+    adapters = [make_peft_adapter(base, tmp_path / f"a{i}", r=8, target_modules=ALL_MODULES, seed=i,
+                                  std=0.1) for i in range(4)]
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
+              max_loras=1, max_cpu_loras=4, max_lora_rank=8, tensor_parallel_size=2)
+    rows = prompts[:8]
+    choice = [i % 4 for i in range(len(rows))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    outs = [llm.generate({"prompt_token_ids": p}, params,
+                         lora_request=LoRARequest(f"a{c}", c + 1, str(adapters[c])))[0]
+            for p, c in zip(rows, choice, strict=True)]
+    assert llm.llm_engine.lora_manager.max_loras == 1  # so each adapter replaced the last
+    check_rows_match_peft(base, adapters, rows, choice, outs, against_base=False)
+    llm.llm_engine.runner.shutdown()
+
+
+def test_a_killed_worker_fails_the_step_and_the_workers_restart(tmp_path, default_model_dir):
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+    engine = llm.llm_engine
+    (worker,) = _workers()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(10)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="tensor-parallel"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - started < 30  # never a hang
+    engine.reset()  # what the async engine's loop does after a death
+    (fresh,) = _workers()
+    assert fresh.pid != worker.pid
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids == want
+    engine.runner.shutdown()
+    assert _gone()
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tmp_path, default_model_dir):
+    import subprocess
+    import sys
+
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
+    code = ("import sys, time; from loramux.engine import LLM; "
+            f"llm = LLM({str(base)!r}, dtype='float32', device='cpu', max_model_len=64, "
+            "tensor_parallel_size=2); print('up', flush=True); time.sleep(600)")
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "up"
+        workers = [p for p in psutil.Process(driver.pid).children(recursive=True)
+                   if "loramux.engine.distributed.worker" in " ".join(p.cmdline())]
+        assert len(workers) == 1
+        driver.kill()
+        driver.wait(10)
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive
+    finally:
+        driver.kill()
+
+
+def test_a_model_that_does_not_split_is_refused(tmp_path, default_model_dir):
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 cannot split"):
+        LLM(str(base), dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=3)
+    assert _gone()
