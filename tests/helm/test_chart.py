@@ -230,13 +230,14 @@ def test_tensor_parallel_engine_pods(helm, which):
 
 
 @pytest.mark.parametrize("which", sorted(VALUE_SETS))
-def test_default_tensor_parallel_size_adds_no_flag_and_no_shm(helm, which):
+def test_default_tensor_parallel_size_adds_no_flag_and_an_unsized_shm(helm, which):
     for sets in ((), ("engine.tensorParallelSize=1",)):
         spec, c = engine_pod(render(helm, *VALUE_SETS[which], sets=sets))
         assert "--tensor-parallel-size" not in c["args"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert "volumes" not in spec
-        assert all(m["mountPath"] != "/dev/shm" for m in c["volumeMounts"])
+        (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory"}  # as before tensor parallelism
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
 def test_tensor_parallel_shm_per_rank_and_cpu_only_engines(helm):
