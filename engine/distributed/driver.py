@@ -54,7 +54,16 @@ class WorkerGroup:
         self.control = None
 
     def start(self) -> None:
-        """Start the workers, wait until each loaded its share, join the group with them."""
+        """Start the workers, wait until each loaded its share, join the group with them
+        (under a launcher the workers are its processes: only join them)."""
+        launched = group.launched_rank()
+        if launched is not None:
+            if launched != (0, self.world):
+                raise ValueError(f"RANK, WORLD_SIZE are {launched}: the engine must be rank 0 "
+                                 f"of tensor_parallel_size {self.world}")
+            group.join(0, self.world, "env://", self.device, self.timeout)
+            self.control = group.control_group()
+            return
         init = group.rendezvous()
         pipes = []
         for rank in range(1, self.world):

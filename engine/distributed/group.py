@@ -22,6 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launched_rank() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` when a launcher (torchrun, one process per rank, possibly on
+    several nodes) started this process; None otherwise."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return None
+    return int(rank), int(world)
+
+
 def rendezvous() -> str:
     """The init method for a new group: ``env://`` under torchrun (``MASTER_ADDR`` and
     ``MASTER_PORT`` set), else a local TCP address on a free port."""

@@ -138,6 +138,18 @@ def run_worker(rank: int, world: int, init_method: str, mc: ModelConfig, path: s
         group.leave()
 
 
+def run_launched_worker(mc: ModelConfig, timeout: float) -> bool:
+    """Under a launcher (torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
+    a rank other than 0 runs as a worker until rank 0 stops (True); else nothing (False)."""
+    from loramux.engine.loading import model_folder
+
+    launched = group.launched_rank()
+    if launched is None or launched[0] == 0:
+        return False
+    run_worker(launched[0], launched[1], "env://", mc, str(model_folder(mc.model)), timeout)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m loramux.engine.distributed.worker '<json>'``: a local worker as rank 0
     starts it (the JSON: rank, world, init_method, model_config, path, timeout, status_fd,

@@ -58,6 +58,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
     configure_logging(settings.log_level, settings.log_format)
     check_parser_flags(settings)  # vLLM refuses bad parser flags before loading the model
+    if settings.tensor_parallel_size > 1:  # under torchrun, ranks but 0 are the engine's workers
+        from loramux.engine.distributed.worker import run_launched_worker
+        from loramux.platform.builders import engine_config
+
+        if run_launched_worker(engine_config(settings).model, settings.tensor_parallel_timeout):
+            return 0
     if settings.role != "all":
         from loramux.platform.cluster.roles import build_role_app
 

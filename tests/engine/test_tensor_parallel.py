@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -146,3 +147,35 @@ def test_a_model_that_does_not_split_is_refused(tmp_path, default_model_dir):
     with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 cannot split"):
         LLM(str(base), dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=3)
     assert _gone()
+
+
+def test_a_launcher_started_rank_joins_through_the_env_rendezvous(tmp_path, default_model_dir,
+                                                                    monkeypatch):
+    """torchrun's way (also across nodes): each rank is its own process with RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT; rank 1 is ``loramux serve`` (it becomes a worker), rank 0 the
+    engine, which starts no worker of its own."""
+    import subprocess
+    import sys
+
+    from loramux.engine.distributed.group import free_port
+
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = LLM(str(base), dtype="float32", device="cpu", max_model_len=64).generate(
+        {"prompt_token_ids": [3, 4, 5]}, params)[0].outputs[0].token_ids
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    loramux = str(Path(sys.executable).with_name("loramux"))
+    rank1 = subprocess.Popen([loramux, "serve", "--model", str(base),
+                              "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2"],
+                             env=dict(env, RANK="1"))
+    try:
+        for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+            monkeypatch.setenv(k, env[k])
+        monkeypatch.setenv("RANK", "0")
+        llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=2)
+        assert not _workers()  # the launcher's rank, not ours
+        assert llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0].outputs[0].token_ids == want
+        llm.llm_engine.runner.shutdown()
+        assert rank1.wait(30) == 0  # it left when rank 0 said stop
+    finally:
+        rank1.kill()
