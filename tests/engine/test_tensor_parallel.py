@@ -179,3 +179,45 @@ def test_a_launcher_started_rank_joins_through_the_env_rendezvous(tmp_path, defa
         assert rank1.wait(30) == 0  # it left when rank 0 said stop
     finally:
         rank1.kill()
+
+
+def test_the_async_engine_restarts_its_workers_after_a_death(tmp_path, default_model_dir):
+    """The server's engine loop: a killed worker fails the request in flight with
+    EngineDeadError (never a hang), the loop restarts with new workers, /ready turns true
+    again and the same prompt gives the same tokens."""
+    import asyncio
+
+    from loramux.engine.async_engine import AsyncEngine
+    from loramux.engine.config import EngineConfig
+    from loramux.engine.engine import LLMEngine
+
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
+    config = EngineConfig.from_options(model=str(base), dtype="float32", device="cpu",
+                                       max_model_len=64, tensor_parallel_size=2)
+    engine = AsyncEngine(LLMEngine(config))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def run() -> list[int]:
+        last = None
+        async for out in engine.generate({"prompt_token_ids": [3, 4, 5]}, params):
+            last = out
+        return last.outputs[0].token_ids
+
+    try:
+        want = asyncio.run(run())
+        (worker,) = _workers()
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(run())
+        assert time.monotonic() - started < 30
+        deadline = time.monotonic() + 60
+        while not engine.is_ready:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert engine.restarts == 1 and len(_workers()) == 1
+        assert asyncio.run(run()) == want
+    finally:
+        engine.shutdown()
+        engine.engine.runner.shutdown()
+    assert _gone()
