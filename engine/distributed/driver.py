@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.distributed import group
+from loramux.engine.distributed.shm_reduce import CollectiveError, SharedMemoryReducer
 from loramux.engine.distributed.worker import SlotSetup, WorkerSetup
 from loramux.engine.errors import EngineDeadError
 from loramux.engine.model.decoder import DecoderModel
@@ -52,6 +53,8 @@ class WorkerGroup:
         self.timeout = config.parallel.tensor_parallel_timeout
         self.procs: list[subprocess.Popen] = []
         self.control = None
+        self.shared_memory: SharedMemoryReducer | None = None
+        """Local CPU ranks: the all-reduce's segment."""
 
     def start(self) -> None:
         """Start the workers, wait until each loaded its share, join the group with them
@@ -63,6 +66,7 @@ class WorkerGroup:
                                  f"of tensor_parallel_size {self.world}")
             group.join(0, self.world, "env://", self.device, self.timeout)
             self.control = group.control_group()
+            self.shared_memory = None  # the ranks may sit on several machines
             return
         init = group.rendezvous()
         pipes = []
@@ -92,6 +96,9 @@ class WorkerGroup:
                                       f"{state or 'it exited or timed out while loading'}")
         group.join(0, self.world, init, self.device, self.timeout)
         self.control = group.control_group()
+        if self.device.type == "cpu" and os.path.isdir("/dev/shm"):
+            self.shared_memory = SharedMemoryReducer(None, 0, self.world, self.timeout)
+            group.use_shared_memory(self.shared_memory)
         logger.info("tensor parallel: %d ranks joined (%s)", self.world, init)
 
     def alive(self) -> bool:
@@ -99,6 +106,15 @@ class WorkerGroup:
 
     def send(self, message) -> None:
         group.send(message, self.control)
+
+    def set_up(self, setup: WorkerSetup) -> None:
+        """Send the workers their setup (with the shared memory's name), wait until they
+        attached it, then remove its name (nothing is left in /dev/shm, even on a kill)."""
+        shm = self.shared_memory
+        self.send(dataclasses.replace(setup, shared_memory=shm.name if shm is not None else None))
+        group.barrier(self.control)
+        if shm is not None:
+            shm.unlink()
 
     def stop(self) -> None:
         """Tell the workers to leave (when they can hear it), then make sure they are gone."""
@@ -113,7 +129,7 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5.0)
-        self.procs, self.control = [], None
+        self.procs, self.control, self.shared_memory = [], None, None
         group.leave()
 
 
@@ -122,7 +138,9 @@ def _broken(error: BaseException | None) -> bool:
     if error is None:
         return False
     text = str(error).lower()
-    return isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection"))
+    if isinstance(error, (dist.DistError, CollectiveError)):
+        return True
+    return any(w in text for w in ("gloo", "nccl", "connection"))
 
 
 class TensorParallelRunner:
@@ -149,7 +167,7 @@ class TensorParallelRunner:
 
     def _start(self) -> None:
         self.workers.start()
-        self.workers.send(self._setup)
+        self.workers.set_up(self._setup)
 
     # --- SlotMirror: rank 0's slot writes, repeated on the workers at the next step ------
     def wrote(self, slot: int, weights) -> None:

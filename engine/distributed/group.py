@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
 
 
 def free_port() -> int:
@@ -60,14 +63,43 @@ def join(rank: int, world: int, init_method: str, device: torch.device, timeout:
 
 
 def leave() -> None:
-    """Leave the group (no-op when this process is in none)."""
+    """Leave the group (no-op when this process is in none), and its shared memory."""
+    global _reducer
+    if _reducer is not None:
+        _reducer.close()
+        _reducer = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
+_reducer: SharedMemoryReducer | None = None
+
+
+def use_shared_memory(reducer: SharedMemoryReducer | None) -> None:
+    """Make :func:`all_reduce` go through ``reducer`` (CPU ranks on one machine; None: the
+    process group's backend)."""
+    global _reducer
+    _reducer = reducer
+
+
+_reduce_seconds = 0.0
+
+
+def reduce_seconds() -> float:
+    """Seconds this process spent in :func:`all_reduce` so far (the communication and the
+    wait for slower ranks; benchmarks read it)."""
+    return _reduce_seconds
+
+
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over the ranks, in place; returns it."""
-    dist.all_reduce(t)
+    global _reduce_seconds
+    started = time.perf_counter()
+    if _reducer is not None:
+        _reducer.all_reduce(t)
+    else:
+        dist.all_reduce(t)
+    _reduce_seconds += time.perf_counter() - started
     return t
 
 
@@ -90,3 +122,8 @@ def receive(control):
     box = [None]
     dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
+
+
+def barrier(control) -> None:
+    """Every rank of ``control`` reached this point."""
+    dist.barrier(group=control)

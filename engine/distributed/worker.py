@@ -22,6 +22,7 @@ import torch
 
 from loramux.engine.config import ModelConfig
 from loramux.engine.distributed import group
+from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
 from loramux.engine.loading import resolve_device, resolve_dtype
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.step import LoRAStepBatch, lay_out_step
@@ -56,6 +57,8 @@ class WorkerSetup:
     num_blocks: int
     block_size: int
     slots: SlotSetup | None
+    shared_memory: str | None = None
+    """The all-reduce's shared-memory segment (CPU ranks on one machine; None: gloo's)."""
 
 
 class FollowerAdapters:
@@ -125,6 +128,9 @@ def run_worker(rank: int, world: int, init_method: str, mc: ModelConfig, path: s
     group.join(rank, world, init_method, device, timeout)
     control = group.control_group()
     setup: WorkerSetup = group.receive(control)
+    if setup.shared_memory is not None:
+        group.use_shared_memory(SharedMemoryReducer(setup.shared_memory, rank, world, timeout))
+    group.barrier(control)  # every rank attached: rank 0 removes the segment's name
     adapters = FollowerAdapters(model, setup.slots) if setup.slots is not None else None
     runner = ModelRunner(model, setup.num_blocks, setup.block_size, mc.attention_backend, adapters)
     logger.info("rank %d of %d ready: %d KV blocks", rank, world, setup.num_blocks)

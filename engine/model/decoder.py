@@ -340,10 +340,11 @@ class DecoderModel:
                     lora.norm((i, names.ffn_out), norms.sandwich, raw, delta)
         if delta is not None:
             residual.add_(delta)
+        if self.shard is not None and self.shard.rank:  # rank 0 alone samples: no logits here
+            return residual.new_empty(len(logits_rows), 0)
         last = residual.index_select(0, logits_rows)
         # A hidden state that overflowed (its squared norm is not finite) would normalize to
-        # zeros and serve garbage as if fine: its logits row reads NaN instead, so the engine
-        # fails that request alone (adapter_numerics).
+        # zeros and serve garbage as if fine: its logits row reads NaN instead (that request fails).
         overflow = ~torch.isfinite(last.float().pow(2).sum(-1))
         hidden = norms.add_norm(last, None, self.norm)
         if lora is not None:
