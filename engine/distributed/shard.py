@@ -29,6 +29,12 @@ COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj
 """Projections whose output rows are split over the ranks."""
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 """Projections whose input columns are split over the ranks (their outputs are summed)."""
+EXPERT_COLUMN = frozenset({"gate_proj", "up_proj", "w1", "w3"})
+EXPERT_ROW = frozenset({"down_proj", "w2"})
+"""One expert's projections as checkpoints name them (``<parent>.experts.<e>.<name>.weight``;
+Mixtral's ``w1`` / ``w3`` / ``w2``): every rank holds every expert, with its share of the
+expert's intermediate size (sharded experts, as vLLM's default: the block's output is a
+partial sum like a dense MLP's, and the router stays whole, so no token moves between ranks)."""
 
 Ranges = list[tuple[int, int]]
 
@@ -36,9 +42,9 @@ Ranges = list[tuple[int, int]]
 def check_shardable(dims: ModelDims, world: int) -> None:
     """Raise :class:`ModelLoadError` naming why ``dims`` cannot be split over ``world`` ranks."""
     name = f"tensor_parallel_size {world} cannot split {dims.model_type}"
-    if dims.num_experts:
-        raise ModelLoadError(f"{name}: MoE bases run with tensor_parallel_size 1 for now")
     why = []
+    if dims.num_experts and dims.moe_intermediate_size % world:
+        why.append(f"its experts' intermediate size {dims.moe_intermediate_size}")
     if dims.num_heads % world:
         why.append(f"its {dims.num_heads} attention heads")
     if dims.num_kv_heads % world and world % dims.num_kv_heads:
@@ -80,7 +86,8 @@ class TensorShard:
         """The dimensions this rank computes with (heads, KV heads, intermediate size)."""
         return dataclasses.replace(self.dims, num_heads=self.num_heads,
                                    num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.intermediate)
+                                   intermediate_size=self.intermediate,
+                                   moe_intermediate_size=self.dims.moe_intermediate_size // self.world)
 
     # --- which rows --------------------------------------------------------------------
     def _q(self) -> tuple[int, int]:
@@ -119,12 +126,33 @@ class TensorShard:
         rank (a row-parallel bias off rank 0)."""
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+        if "experts" in parts:
+            return self._expert(parts, tensor)
         if module in COLUMN_PARALLEL and kind in ("weight", "bias"):
             return torch.cat([tensor[a:b] for a, b in self.out_ranges(module)])
         if module in ROW_PARALLEL and kind == "bias":
             return tensor[:] if self.rank == 0 else None
         if module in ROW_PARALLEL and kind == "weight":
             a, b = self.in_range(module)
+            return tensor[:, a:b]
+        return tensor[:]
+
+    def _expert_range(self) -> tuple[int, int]:
+        n = self.dims.moe_intermediate_size // self.world
+        return self.rank * n, (self.rank + 1) * n
+
+    def _expert(self, parts: list[str], tensor) -> torch.Tensor:
+        """An expert tensor's share: per expert ``[I, H]`` rows / ``[H, I]`` columns, or the
+        fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] of transformers 5."""
+        a, b = self._expert_range()
+        inter = self.dims.moe_intermediate_size
+        if parts[-2] == "experts" and parts[-1] == "gate_up_proj":
+            return torch.cat([tensor[:, a:b], tensor[:, inter + a : inter + b]], dim=1)
+        if parts[-2] == "experts" and parts[-1] == "down_proj":
+            return tensor[:, :, a:b]
+        if parts[-2] in EXPERT_COLUMN and parts[-1] == "weight":
+            return tensor[a:b]
+        if parts[-2] in EXPERT_ROW and parts[-1] == "weight":
             return tensor[:, a:b]
         return tensor[:]
 
@@ -146,4 +174,16 @@ class TensorShard:
                     a = a[:, s:e]
                 out[name] = (a.contiguous(), b.contiguous())
             layers[i] = out
-        return dataclasses.replace(weights, layers=layers)
+        a0, a1 = self._expert_range()
+        inter = self.dims.moe_intermediate_size
+        experts = {}
+        for i, params in weights.experts.items():
+            out = dict(params)  # the router's LoRA stays whole
+            if "gate_up_proj" in params:  # A [E, r, H], B [E, 2I, r]: B's rows
+                a, b = params["gate_up_proj"]
+                out["gate_up_proj"] = (a, torch.cat([b[:, a0:a1], b[:, inter + a0 : inter + a1]], 1))
+            if "down_proj" in params:  # A [E, r, I], B [E, H, r]: A's columns
+                a, b = params["down_proj"]
+                out["down_proj"] = (a[:, :, a0:a1].contiguous(), b)
+            experts[i] = out
+        return dataclasses.replace(weights, layers=layers, experts=experts)

@@ -221,3 +221,34 @@ def test_the_async_engine_restarts_its_workers_after_a_death(tmp_path, default_m
         engine.shutdown()
         engine.engine.runner.shutdown()
     assert _gone()
+
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+MOE = {  # name: (family, overrides, [(rank, target_modules, target_parameters)])
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1]), [
+        (8, ["q_proj", "v_proj"], EXPERTS), (4, ["o_proj"], ["mlp.experts.down_proj"]),
+        (8, "all-linear", None)]),  # attention, the dense layer's MLP, the experts and the router
+    "mixtral": ("mixtral", {}, [(8, ["q_proj"], EXPERTS), (8, ["v_proj"], ["mlp.gate.weight"])]),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_sharded_experts_and_expert_adapters_match_peft(name, tmp_path, default_model_dir, prompts):
+    """MoE bases: each rank holds every expert with its share of the intermediate size (the
+    router whole); expert LoRA sliced the same way."""
+    family, overrides, specs = MOE[name]
+    base = make_tiny_model(tmp_path / name, default_model_dir, family, **overrides)
+    adapters = [make_peft_adapter(base, tmp_path / f"a{i}", r=r, target_modules=m, seed=i + 2, std=0.3,
+                                  **({"target_parameters": p} if p else {}))
+                for i, (r, m, p) in enumerate(specs)]
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
+              max_loras=len(adapters), max_lora_rank=16, max_num_batched_tokens=40,
+              tensor_parallel_size=2)
+    rows = prompts[:12]
+    choice = [i % (len(adapters) + 1) for i in range(len(rows))]
+    choice = [None if c == len(adapters) else c for c in choice]
+    loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
+    assert set(check_rows_match_peft(base, adapters, rows, choice, outs)) == set(range(len(adapters)))
+    llm.llm_engine.runner.shutdown()
