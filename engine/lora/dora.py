@@ -55,6 +55,9 @@ class BaseProjections:
             self.slice_offsets[group] = offs
 
     def linear(self, layer: int, group: str) -> Linear | QuantLinear:
+        if getattr(self.model, "shard", None) is not None:
+            raise LoRAError("DoRA adapters are not served with tensor_parallel_size > 1 yet: "
+                            "their per-row norms need the whole rows, which no rank holds")
         weights = self.model.layers[layer]
         lin = weights.qkv if group == "qkv" else weights.o if group == "o" else getattr(
             weights.mlp, group, None)

@@ -252,3 +252,17 @@ def test_sharded_experts_and_expert_adapters_match_peft(name, tmp_path, default_
     outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
     assert set(check_rows_match_peft(base, adapters, rows, choice, outs)) == set(range(len(adapters)))
     llm.llm_engine.runner.shutdown()
+
+
+def test_a_dora_adapter_is_refused_naming_why_and_the_neighbour_is_served(tmp_path, default_model_dir):
+    from loramux.engine.errors import LoRAError
+
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
+    dora = make_peft_adapter(base, tmp_path / "dora", r=4, target_modules=["q_proj", "o_proj"], use_dora=True)
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=64, enable_lora=True, max_loras=1,
+              tensor_parallel_size=2)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(LoRAError, match="DoRA adapters are not served with tensor_parallel_size > 1"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, params, lora_request=LoRARequest("d", 1, str(dora)))
+    assert len(llm.generate({"prompt_token_ids": [1, 2, 3]}, params)[0].outputs[0].token_ids) == 3
+    llm.llm_engine.runner.shutdown()
