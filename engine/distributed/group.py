@@ -124,6 +124,20 @@ def receive(control):
     return box[0]
 
 
+def gather_columns(part: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+    """Rank 0: every rank's ``part`` [B, widths[r]] side by side, ``[B, sum(widths)]``;
+    the other ranks: None (they send theirs)."""
+    rank = dist.get_rank()
+    if _reducer is not None:
+        return _reducer.gather_columns(part, widths)
+    most = max(widths)
+    padded = torch.zeros(part.shape[0], most, dtype=part.dtype, device=part.device)
+    padded[:, : part.shape[1]] = part
+    parts = [torch.empty_like(padded) for _ in widths] if rank == 0 else None
+    dist.gather(padded, parts, dst=0)
+    return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], 1) if rank == 0 else None
+
+
 def barrier(control) -> None:
     """Every rank of ``control`` reached this point."""
     dist.barrier(group=control)

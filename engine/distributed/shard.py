@@ -51,6 +51,8 @@ def check_shardable(dims: ModelDims, world: int) -> None:
         why.append(f"its {dims.num_kv_heads} KV heads (nor {world} by them)")
     if dims.intermediate_size % world:
         why.append(f"its intermediate size {dims.intermediate_size}")
+    if dims.vocab_size < world:
+        why.append(f"its vocabulary of {dims.vocab_size}")
     if why:
         raise ModelLoadError(f"{name}: " + ", ".join(why) + f" are not divisible by {world}")
 
@@ -100,6 +102,14 @@ class TensorShard:
                  else self.rank // (self.world // kv))
         return first * d, (first + self.num_kv_heads) * d
 
+    def vocab_range(self, rank: int | None = None) -> tuple[int, int]:
+        """The vocabulary rows (token ids) of the embedding and ``lm_head`` that ``rank``
+        (default: this one) holds: ``ceil(vocab / world)`` each, the last rank the rest."""
+        rank = self.rank if rank is None else rank
+        vocab = self.dims.vocab_size
+        per = -(-vocab // self.world)
+        return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
     def _mlp(self) -> tuple[int, int]:
         return self.rank * self.intermediate, (self.rank + 1) * self.intermediate
 
@@ -128,6 +138,9 @@ class TensorShard:
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
         if "experts" in parts:
             return self._expert(parts, tensor)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary-parallel
+            a, b = self.vocab_range()
+            return tensor[a:b]
         if module in COLUMN_PARALLEL and kind in ("weight", "bias"):
             return torch.cat([tensor[a:b] for a, b in self.out_ranges(module)])
         if module in ROW_PARALLEL and kind == "bias":

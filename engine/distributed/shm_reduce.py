@@ -85,6 +85,27 @@ class SharedMemoryReducer:
             self._round(flat[start : start + step], t.dtype)
         return t
 
+    def gather_columns(self, part: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank 0: every rank's ``part`` [B, widths[r]] side by side (None on the others)."""
+        rows = part.shape[0]
+        sizes = [rows * w * part.element_size() for w in widths]
+        mine = part.contiguous().view(-1).view(torch.uint8)
+        out = [torch.empty(n, dtype=torch.uint8) for n in sizes] if self.rank == 0 else None
+        for start in range(0, max(sizes), SLOT_BYTES):
+            self.round += 1
+            slot = self.round % 2
+            n = max(0, min(SLOT_BYTES, sizes[self.rank] - start))
+            self.data[self.rank, slot, :n].copy_(mine[start : start + n])
+            self.rounds[self.rank] = self.round
+            self._wait()
+            if out is not None:
+                for r, size in enumerate(sizes):
+                    m = max(0, min(SLOT_BYTES, size - start))
+                    out[r][start : start + m].copy_(self.data[r, slot, :m])
+        if out is None:
+            return None
+        return torch.cat([o.view(part.dtype).view(rows, w) for o, w in zip(out, widths, strict=True)], 1)
+
     def _round(self, part: torch.Tensor, dtype: torch.dtype) -> None:
         self.round += 1
         slot = self.round % 2

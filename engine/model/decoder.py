@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loramux.adapters.arch import PROJECTION_GROUPS, resolve_architecture
-from loramux.engine.distributed.group import all_reduce
-from loramux.engine.distributed.shard import TensorShard
+from loramux.engine.distributed.vocab import rank_parts
 from loramux.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from loramux.engine.model.hooks import LoRAHook
 from loramux.engine.model.layers import Norms, gated_activation
@@ -123,10 +122,8 @@ class DecoderModel:
         if len(spec.layers) != self.dims.num_layers:
             raise ModelLoadError(f"{path}: {len(spec.layers)} layer specs for {self.dims.num_layers} layers")
         self.spec = spec
-        self.shard = TensorShard(*tensor_parallel, self.dims) if tensor_parallel else None
-        self.local_dims = self.shard.local_dims if self.shard is not None else self.dims
-        """The dimensions this process computes with (its heads under tensor parallelism)."""
-        self._reduce = all_reduce if self.shard is not None and self.shard.world > 1 else None
+        # this rank's share, the dimensions it computes with, its all-reduce, its vocabulary
+        self.shard, self.local_dims, self._reduce, self.vocab = rank_parts(tensor_parallel, self.dims)
         self.family = self.dims.family
         self.dtype = dtype
         self.device = device
@@ -223,7 +220,8 @@ class DecoderModel:
         """``(out, in)`` of a projection as the config says (None: a name it does not know)."""
         name = module.rsplit(".", 1)[-1]
         if name == "lm_head":
-            return self.dims.vocab_size, self.dims.hidden_size
+            vocab = self.dims.vocab_size if self.vocab is None else self.vocab.end - self.vocab.start
+            return vocab, self.dims.hidden_size
         shapes = self.local_dims.module_shapes()
         return (shapes[name][1], shapes[name][0]) if name in shapes else None
 
@@ -284,7 +282,8 @@ class DecoderModel:
         norms = self.norms
         if isinstance(attn, AttentionMetadata):
             attn = dict.fromkeys(self.attention_windows, attn)
-        residual = F.embedding(input_ids, self.embed)  # [T, H], updated in place by each layer
+        residual = (F.embedding(input_ids, self.embed) if self.vocab is None  # [T, H], updated
+                    else self.vocab.embed(input_ids, self.embed))  # in place by each layer
         if lora is not None:
             lora.embed(input_ids, residual)
         if self.embed_scale is not None:
@@ -340,8 +339,6 @@ class DecoderModel:
                     lora.norm((i, names.ffn_out), norms.sandwich, raw, delta)
         if delta is not None:
             residual.add_(delta)
-        if self.shard is not None and self.shard.rank:  # rank 0 alone samples: no logits here
-            return residual.new_empty(len(logits_rows), 0)
         last = residual.index_select(0, logits_rows)
         # A hidden state that overflowed (its squared norm is not finite) would normalize to
         # zeros and serve garbage as if fine: its logits row reads NaN instead (that request fails).
@@ -349,7 +346,9 @@ class DecoderModel:
         hidden = norms.add_norm(last, None, self.norm)
         if lora is not None:
             lora.norm((None, "norm"), add_norm, last, hidden, logits_rows)
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float() if self.vocab is None else self.vocab.logits(hidden, self.lm_head)
+        if logits is None:  # a worker: rank 0 has the whole logits and samples
+            return hidden.new_empty(len(logits_rows), 0)
         if lora is not None:
             lora.head(hidden, logits, logits_rows)
         cap = s.final_softcap

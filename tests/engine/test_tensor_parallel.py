@@ -266,3 +266,29 @@ def test_a_dora_adapter_is_refused_naming_why_and_the_neighbour_is_served(tmp_pa
         llm.generate({"prompt_token_ids": [1, 2, 3]}, params, lora_request=LoRARequest("d", 1, str(dora)))
     assert len(llm.generate({"prompt_token_ids": [1, 2, 3]}, params)[0].outputs[0].token_ids) == 3
     llm.llm_engine.runner.shutdown()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_vocabulary_parallel_with_trainable_tokens_and_embedding_lora_match_peft(tied, tmp_path,
+                                                                                default_model_dir, prompts):
+    """Each rank holds its share of the embedding and lm_head rows (tied or not); the
+    adapters' trainable tokens and embed_tokens / lm_head LoRA still apply on every rank's
+    embedding output and on rank 0's gathered logits."""
+    from support.tiny_models import make_tiny_llama
+
+    base = make_tiny_llama(tmp_path / "base", default_model_dir, tie_word_embeddings=tied)
+    rows = (prompts + prompts)[:8]
+    ids = sorted({rows[0][1], rows[2][0], rows[3][2], 42, 40000})  # both ranks' halves of the vocabulary
+    specs = [dict(target_modules=["q_proj"], trainable_token_indices=ids),
+             dict(target_modules=["embed_tokens", "lm_head"]),
+             dict(target_modules=["embed_tokens", "o_proj"], ensure_weight_tying=True)]
+    adapters = [make_peft_adapter(base, tmp_path / f"v{i}", r=8, seed=i, std=0.1, **extra)
+                for i, extra in enumerate(specs)]
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
+              max_loras=len(adapters), max_lora_rank=8, tensor_parallel_size=2)
+    choice = [0, 1, 2, None, 0, 1, 2, None]
+    loras = [None if c is None else LoRARequest(f"v{c}", c + 1, str(adapters[c])) for c in choice]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
+    check_rows_match_peft(base, adapters, rows, choice, outs, against_base=False)
+    llm.llm_engine.runner.shutdown()
