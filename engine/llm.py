@@ -212,6 +212,9 @@ class _Unserved:
 
 
 _VLLM_UNSERVED: dict[str, _Unserved] = {
+    "fully_sharded_loras": _Unserved(False, True, "adapters are sharded as their projections are "
+                                     "(B by rows on column-parallel layers, A by columns on row-parallel "
+                                     "ones); the S-LoRA layout that also splits A by rank is not built"),
     "swap_space": _Unserved(4, False, "preempted sequences are recomputed, never swapped"),
     "trust_remote_code": _Unserved(False, False, "no remote code is run: every family has its "
                                    "own implementation here"),

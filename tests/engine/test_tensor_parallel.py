@@ -292,3 +292,30 @@ def test_vocabulary_parallel_with_trainable_tokens_and_embedding_lora_match_peft
     outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
     check_rows_match_peft(base, adapters, rows, choice, outs, against_base=False)
     llm.llm_engine.runner.shutdown()
+
+
+def test_speculative_decoding_structured_output_beams_and_seeds_as_in_one_process(tmp_path, default_model_dir):
+    """What runs on rank 0 alone (drafts and their verify rows, grammars, beams, seeded
+    sampling, prompt logprobs) gives under TP 2 what one process gives."""
+    from loramux.engine import BeamSearchParams
+
+    base = make_tiny_model(tmp_path / "m", default_model_dir, "qwen3")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]}
+    asks = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2),
+            SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, n=2),
+            SamplingParams(temperature=0, max_tokens=6, structured_outputs={"regex": "[a-z]{2,5}"})]
+
+    def run(tp: int):
+        llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, speculative_config=spec,
+                  tensor_parallel_size=tp)
+        outs = [[(c.token_ids, c.text) for c in o.outputs] for o in llm.generate([prompt] * 3, asks)]
+        outs.append([round(lp.logprob, 4) for pos in llm.generate(prompt, asks[0])[0].prompt_logprobs[1:]
+                     for lp in pos.values()])
+        beams = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+        outs.append([b.tokens for b in beams[0].sequences])
+        if tp > 1:
+            llm.llm_engine.runner.shutdown()
+        return outs
+
+    assert run(2) == run(1)
