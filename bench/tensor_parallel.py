@@ -49,6 +49,7 @@ def run(model: Path, adapters: list[Path], tp: int, args) -> dict:
     from loramux.engine.engine import LLMEngine
     from loramux.engine.lora_request import LoRARequest
 
+    torch.set_num_threads(args.threads)  # a TP run's rank 0 took its share of the cores
     engine = LLMEngine(EngineConfig.from_options(
         model=str(model), dtype=args.dtype, device="cpu", max_model_len=args.prompt_len + args.new_tokens + 16,
         enable_lora=bool(adapters), max_loras=max(1, len(adapters)), max_lora_rank=16,
