@@ -37,6 +37,8 @@ expert's intermediate size (sharded experts, as vLLM's default: the block's outp
 partial sum like a dense MLP's, and the router stays whole, so no token moves between ranks)."""
 
 Ranges = list[tuple[int, int]]
+QUANTIZED = frozenset({"weight_packed", "weight_scale", "weight_zero_point", "weight_shape"})
+"""compressed-tensors' tensors of a quantized projection (FP8's ``weight`` is a plain one)."""
 
 
 def check_shardable(dims: ModelDims, world: int) -> None:
@@ -141,6 +143,8 @@ class TensorShard:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary-parallel
             a, b = self.vocab_range()
             return tensor[a:b]
+        if (module in COLUMN_PARALLEL or module in ROW_PARALLEL) and kind in QUANTIZED:
+            return self._quantized(module, kind, tensor)
         if module in COLUMN_PARALLEL and kind in ("weight", "bias"):
             return torch.cat([tensor[a:b] for a, b in self.out_ranges(module)])
         if module in ROW_PARALLEL and kind == "bias":
@@ -149,6 +153,39 @@ class TensorShard:
             a, b = self.in_range(module)
             return tensor[:, a:b]
         return tensor[:]
+
+    def _quantized(self, module: str, kind: str, tensor) -> torch.Tensor:
+        """A compressed-tensors tensor's share: integer weights packed 32 bits at a time along
+        the input, scales per row and group (FP8's per row or per tensor), zero points packed
+        along the rows, the stored ``weight_shape`` made the share's."""
+        shape = list(tensor.get_shape()) if hasattr(tensor, "get_shape") else list(tensor.shape)
+        k_in, n_out = self.dims.module_shapes()[module]
+        column = module in COLUMN_PARALLEL
+        a, b = self.in_range(module) if not column else (0, k_in)
+        if kind == "weight_shape":
+            rows = sum(e - s for s, e in self.out_ranges(module)) if column else n_out
+            return torch.tensor([rows, b - a], dtype=tensor[:].dtype)
+        if column and kind == "weight_zero_point":  # packed along the rows
+            per = n_out // shape[0]
+            return torch.cat([tensor[s // per : e // per]
+                              for s, e in self._aligned(self.out_ranges(module), per, module)])
+        if column:
+            if len(shape) < 2 or shape[0] != n_out:  # a per-tensor scale
+                return tensor[:]
+            return torch.cat([tensor[s:e] for s, e in self.out_ranges(module)])
+        if len(shape) < 2 or shape[1] == 1:  # per row (or tensor): every column shares it
+            return tensor[:]
+        per = k_in // shape[1]  # input values a stored column holds: a packed word, a group
+        ((s, e),) = self._aligned([(a, b)], per, module)
+        return tensor[:, s // per : e // per]
+
+    def _aligned(self, ranges: Ranges, per: int, module: str) -> Ranges:
+        """``ranges`` when each starts and ends on a stored unit of ``per`` values (a packed
+        word, a group), else a :class:`ModelLoadError` naming the module."""
+        if any(s % per or e % per for s, e in ranges):
+            raise ModelLoadError(f"tensor_parallel_size {self.world}: {module}'s share does not fall on "
+                                 f"its quantized layout's units of {per} values (groups or packed words)")
+        return ranges
 
     def _expert_range(self) -> tuple[int, int]:
         n = self.dims.moe_intermediate_size // self.world

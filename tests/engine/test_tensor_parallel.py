@@ -319,3 +319,46 @@ def test_speculative_decoding_structured_output_beams_and_seeds_as_in_one_proces
         return outs
 
     assert run(2) == run(1)
+
+
+def _write_fp8(src: Path, out: Path, strategy: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fp8_checkpoints", Path(__file__).parent / "quant" / "fp8_checkpoints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_fp8(src, out, strategy=strategy)
+
+
+@pytest.mark.parametrize("scheme", [dict(num_bits=4, group_size=16, symmetric=False),
+                                    dict(num_bits=8, group_size=None), dict(fp8="channel"), dict(fp8="tensor")],
+                         ids=["int4-g16-asym", "int8-channel", "fp8-channel", "fp8-tensor"])
+def test_a_quantized_base_shards_as_stored_and_serves_lora_as_one_process(scheme, tmp_path, default_model_dir,
+                                                                         prompts):
+    """compressed-tensors pack-quantized and FP8: each rank reads its rows (zero points packed
+    along them) or its packed words and groups of the input, a per-tensor scale whole; the
+    outputs are one process's."""
+    from support.quant_checkpoints import write_compressed
+
+    dense = make_tiny_model(tmp_path / "dense", default_model_dir, "qwen3")
+    base = (_write_fp8(dense, tmp_path / "q", scheme["fp8"]) if "fp8" in scheme
+            else write_compressed(dense, tmp_path / "q", **scheme))
+    adapter = make_peft_adapter(dense, tmp_path / "a", r=8, target_modules=ALL_MODULES, std=0.1)
+    rows = prompts[:4]
+    loras = [None, LoRARequest("a", 1, str(adapter))] * 2
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run(tp: int):
+        llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
+                  max_loras=1, max_lora_rank=8, tensor_parallel_size=tp)
+        outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
+        if tp > 1:
+            llm.llm_engine.runner.shutdown()
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+                for o in outs]
+
+    one, two = run(1), run(2)
+    assert [t for t, _ in two] == [t for t, _ in one]
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
