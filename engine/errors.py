@@ -84,6 +84,11 @@ class EngineDeadError(EngineError, RuntimeError):
     restarts in-process after an error; the HTTP layer answers 503."""
 
 
+class CollectiveError(EngineError, RuntimeError):
+    """Tensor parallelism: an all-reduce could not complete (a rank exited or stalled past
+    the timeout); the step fails and the engine replaces its workers (HTTP 503)."""
+
+
 class OutOfBlocksError(EngineError, RuntimeError):
     """The KV block pool has fewer free blocks than asked for (the scheduler checks first:
     reaching a caller means a bookkeeping bug)."""

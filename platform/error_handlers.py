@@ -142,6 +142,7 @@ def _engine_rows() -> Rows:
         e.EngineStepError: ErrorRow(500, _SERVER, "engine_step_failed"),
         e.AdapterNumericsError: ErrorRow(500, _SERVER, "adapter_numerics", "model"),
         e.EngineDeadError: ErrorRow(503, _SERVER, "engine_dead", detail=_retry_soon),
+        e.CollectiveError: ErrorRow(503, _SERVER, "engine_dead", detail=_retry_soon),
         e.OutOfBlocksError: ErrorRow(500, _SERVER, "engine_error", log=True,
                                      detail=_logged("the engine ran out of KV cache blocks")),
         e.ModelLoadError: ErrorRow(500, _SERVER, "model_load_failed", log=True,

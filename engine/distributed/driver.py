@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.distributed import group
-from loramux.engine.distributed.shm_reduce import CollectiveError, SharedMemoryReducer
+from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
 from loramux.engine.distributed.worker import SlotSetup, WorkerSetup
-from loramux.engine.errors import EngineDeadError
+from loramux.engine.errors import CollectiveError, EngineDeadError
 from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.runner import ModelRunner, StepAdapters
 from loramux.engine.step_data import ModelOutput, SchedulerOutput

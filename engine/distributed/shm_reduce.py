@@ -22,12 +22,10 @@ import time
 import numpy as np
 import torch
 
+from loramux.engine.errors import CollectiveError
+
 _LINE = 64  # bytes: each rank's counter on its own cache line
 SLOT_BYTES = 8 << 20
-
-
-class CollectiveError(RuntimeError):
-    """An all-reduce could not complete: a rank exited or stalled past the timeout."""
 
 
 def _dead(pid: int) -> bool:
