@@ -27,6 +27,7 @@ Runs from the repository root with the machine's own ``python3`` (no install: se
 
     python3 -m bench.gpu_check [--out bench/results/gpu_check.json] [--parts ...]
     python3 -m bench.gpu_check --dry-run   # CPU, toy sizes, Triton interpreted (CI)
+    python3 -m bench.gpu_check --tensor-parallel-size 2   # greedy and engine parts over 2 GPUs
     make gpu-check
 
 On a lent machine (device tool): ``PYTHONUNBUFFERED=1 python3 -m bench.gpu_check --out
@@ -116,6 +117,7 @@ class Check:
         self.timer = Timer(self.device)
         self.dtype = {n: getattr(torch, n) for n in plan["dtypes"]}
         self.report = {"dry_run": args.dry_run, "device": _device_name(self.device),
+                       "tensor_parallel_size": args.tensor_parallel_size,
                        "versions": _versions(), "budget_s": self.budget, "part_s": {}, "errors": {}}  # fmt: skip
 
     def left(self) -> float:
@@ -221,7 +223,8 @@ class Check:
             g = self.plan["greedy"]
             prompts = random_prompts(0, g["prompt_lens"], TINY["vocab_size"], seed=2)
             return greedy_check(work / "tiny", adapters, device=self.device, lora_backend="triton",
-                                prompts=prompts, new_tokens=g["new_tokens"])  # fmt: skip
+                                prompts=prompts, new_tokens=g["new_tokens"],
+                                tensor_parallel_size=self.args.tensor_parallel_size)  # fmt: skip
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -275,6 +278,7 @@ class Check:
                 work / "model", adapters, e["counts"], device=self.device,
                 dtype=self.plan["model_dtype"], batch=e["batch"], prompt_len=e["prompt_len"],
                 new_tokens=e["new_tokens"], reps=e["reps"], rank=rank, vocab=cfg["vocab_size"],
+                tensor_parallel_size=self.args.tensor_parallel_size,
             )  # fmt: skip
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -368,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON path (default bench/results/gpu_check.json; _dry_run.json with --dry-run)")
     p.add_argument("--budget-s", type=float, default=None, help="time budget (GPU default 450 s)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="the greedy and engine parts' device path sharded over this many devices")
     args = p.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        p.error("--tensor-parallel-size must be >= 1")
     parts = [x for x in args.parts.split(",") if x]
     if unknown := set(parts) - set(PARTS):
         p.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")

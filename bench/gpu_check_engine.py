@@ -181,7 +181,7 @@ def lora_requests(adapters: list[Path], n: int, rows: int, *, with_base: bool = 
 def engine_throughput(
     folder: Path, adapters: list[Path], counts: tuple[int, ...], *, device: torch.device,
     dtype: str, batch: int, prompt_len: int, new_tokens: int, reps: int, rank: int,
-    vocab: int, lora_backend: str = "auto",
+    vocab: int, lora_backend: str = "auto", tensor_parallel_size: int = 1,
 ) -> dict:
     """Decode tokens/s of one batch of ``batch`` rows with 0 (base) or ``n`` distinct
     adapters: ``t(N tokens) - t(1 token)`` over the same prompts, prefix caching off, best
@@ -194,7 +194,7 @@ def engine_throughput(
         str(folder), dtype=dtype, device=str(device), max_model_len=max_len, max_num_seqs=batch,
         enable_prefix_caching=False, enable_lora=True, max_loras=max(max(counts), 1),
         max_lora_rank=rank, max_cpu_loras=2 * max(max(counts), 1), lora_backend=lora_backend,
-        num_gpu_blocks_override=2 * batch * -(-max_len // 16),
+        num_gpu_blocks_override=2 * batch * -(-max_len // 16), tensor_parallel_size=tensor_parallel_size,
     )
     init_s = time.perf_counter() - t0
     prompts = random_prompts(batch, prompt_len, vocab, seed=1)
@@ -240,7 +240,7 @@ def engine_throughput(
 
 def greedy_check(
     folder: Path, adapters: list[Path], *, device: torch.device, lora_backend: str,
-    prompts: list[dict], new_tokens: int,
+    prompts: list[dict], new_tokens: int, tensor_parallel_size: int = 1,
 ) -> dict:
     """Greedy outputs of the device path (``device`` + ``lora_backend``) vs the torch path
     (CPU, torch backends), fp32, base rows mixed with two adapters in one batch. Checked as
@@ -256,10 +256,11 @@ def greedy_check(
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     loras = lora_requests(adapters, len(adapters), len(prompts), with_base=True)
     outs = {}
-    for name, dev, backend in (("device", device, lora_backend), ("torch", torch.device("cpu"), "torch")):
+    for name, dev, backend, tp in (("device", device, lora_backend, tensor_parallel_size),
+                                   ("torch", torch.device("cpu"), "torch", 1)):
         llm = LLM(str(folder), dtype="float32", device=str(dev), enable_lora=True,
                   max_loras=len(adapters), max_lora_rank=8, lora_backend=backend,
-                  max_model_len=256, num_gpu_blocks_override=512)  # fmt: skip
+                  max_model_len=256, num_gpu_blocks_override=512, tensor_parallel_size=tp)  # fmt: skip
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
         del llm
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

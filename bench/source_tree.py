@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -78,6 +79,7 @@ def use_source_tree(*, force: bool = False) -> str:
         return "installed"
     if "loramux" in sys.modules:
         raise RuntimeError("use_source_tree() must run before loramux is first imported")
+    os.environ["LORAMUX_SOURCE_TREE"] = str(ROOT)  # tensor-parallel workers map it too
     sys.meta_path.insert(0, SourceTreeFinder(package_dirs()))
     return "source"
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     LORAMUX_CPU_KERNELS: bool = True
     LORAMUX_CPU_ISA: str = "auto"
     LORAMUX_CACHE_DIR: str | None = None
+    LORAMUX_SOURCE_TREE: str | None = None
 
 environment_variables: dict[str, Callable[[], Any]] = {
     # "0" turns the compiled CPU kernels off: every part of the step runs on torch ops (the
@@ -26,6 +27,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LORAMUX_CPU_ISA": lambda: os.environ.get("LORAMUX_CPU_ISA", "auto").strip().lower() or "auto",
     # Where converted models are cached (default ~/.cache/loramux).
     "LORAMUX_CACHE_DIR": lambda: os.environ.get("LORAMUX_CACHE_DIR") or None,
+    # Set by bench/source_tree.py where loramux runs from its checkout, not installed (the GPU
+    # machine): tensor-parallel workers then map the same tree before they import loramux.
+    "LORAMUX_SOURCE_TREE": lambda: os.environ.get("LORAMUX_SOURCE_TREE") or None,
 }
 
 

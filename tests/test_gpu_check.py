@@ -14,8 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+def _run(*args: str, timeout: int = 600, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **env_vars)
     return subprocess.run(
         [sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
@@ -135,3 +135,16 @@ def test_quant_goal_is_judged_on_every_w4a16_decode_case(monkeypatch):
     cases[0]["ok"] = False
     tolerance = quant_goals(report)["quant_within_tolerance"]
     assert tolerance["failed"] == 1 and tolerance["pass"] is False
+
+
+def test_dry_run_greedy_part_under_tensor_parallelism(tmp_path):
+    """``--tensor-parallel-size 2``: the device path's greedy outputs from two ranks (CPU
+    workers here, started through the source-tree bootstrap the GPU machine's need), checked
+    as always."""
+    out = tmp_path / "gpu_check.json"
+    proc = _run("--dry-run", "--parts", "greedy", "--tensor-parallel-size", "2", "--out", str(out),
+                LORAMUX_SOURCE_TREE=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["tensor_parallel_size"] == 2 and report["errors"] == {}
+    assert report["greedy"]["ok"] and report["greedy"]["sequences"] == 3

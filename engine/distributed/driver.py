@@ -32,6 +32,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from loramux.engine import envs
 from loramux.engine.config import EngineConfig
 from loramux.engine.distributed import group
 from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
@@ -42,6 +43,20 @@ from loramux.engine.runner import ModelRunner, StepAdapters
 from loramux.engine.step_data import ModelOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+_SOURCE_TREE_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                     "from bench.source_tree import use_source_tree; use_source_tree(); "
+                     "from loramux.engine.distributed.worker import main; main(sys.argv[2:])")
+
+
+def worker_command(args: str) -> list[str]:
+    """The command of a local worker given its JSON ``args``: the installed package's module,
+    or, where loramux runs from its checkout (``LORAMUX_SOURCE_TREE``), that tree mapped first."""
+    root = envs.LORAMUX_SOURCE_TREE
+    if root is None:
+        return [sys.executable, "-m", "loramux.engine.distributed.worker", args]
+    return [sys.executable, "-c", _SOURCE_TREE_BOOT, root, args]
 
 
 class WorkerGroup:
@@ -75,9 +90,7 @@ class WorkerGroup:
             args = dict(rank=rank, world=self.world, init_method=init, path=self.path,
                         model_config=dataclasses.asdict(self.config.model), timeout=self.timeout,
                         status_fd=theirs, parent=os.getpid())
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "loramux.engine.distributed.worker", json.dumps(args)],
-                pass_fds=(theirs,)))
+            self.procs.append(subprocess.Popen(worker_command(json.dumps(args)), pass_fds=(theirs,)))
             os.close(theirs)
             pipes.append(os.fdopen(ours, "rb"))
         deadline = time.monotonic() + self.timeout * 5  # loading the shares may take a while
