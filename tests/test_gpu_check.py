@@ -100,7 +100,7 @@ def test_a_failing_case_is_recorded_and_the_others_run(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     from bench import gpu_check
 
-    args = argparse.Namespace(dry_run=True, budget_s=None, out=tmp_path / "r.json")
+    args = argparse.Namespace(dry_run=True, budget_s=None, out=tmp_path / "r.json", tensor_parallel_size=1)
     check = gpu_check.Check(args, gpu_check.DRY_PLAN)
 
     def case(i):
