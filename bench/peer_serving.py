@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def server_command(target: str, args, model: Path, adapters: list[Path], port: i
             "--max-model-len", "2048", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
             "--allow-anonymous", "--data-dir", str(work / f"data-{target}"), "--log-level", "warning",
             "--lora-modules", *modules]
+    argv += shlex.split(args.loramux_args)
     env = {"LORAMUX_CPU_KERNELS": "1"}
     if target == "loramux-eager":
         argv += ["--enforce-eager", "--attention-backend", "torch"]
@@ -207,6 +209,8 @@ def main() -> None:
     ap.add_argument("--cpus", default="0-1", help="cores the vLLM server binds")
     ap.add_argument("--run-timeout", type=int, default=1200)
     ap.add_argument("--name", default="peer_serving")
+    ap.add_argument("--loramux-args", default="",
+                    help="more `loramux serve` flags, e.g. '--target-ttft-ms 2000 --target-itl-ms 250'")
     ap.add_argument("--no-roofline", action="store_true", help="skip bench/roofline.py's line")
     args = ap.parse_args()
     if not Path(args.client).is_file() or not (Path(args.peer).expanduser() / "bin" / "python").is_file():

@@ -13,7 +13,7 @@ counter. A key alone gets the whole engine (the order within a key is arrival or
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from typing import Protocol
 
 from loramux.engine.sequence import Sequence
@@ -145,3 +145,36 @@ class VtcPolicy:
 def make_policy(name: str, slack: float = 0.0) -> FairnessPolicy:
     """The policy named by ``SchedulerConfig.fairness_policy``."""
     return VtcPolicy(slack) if name == "vtc" else FifoPolicy()
+
+
+def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,
+              by_key: bool = True) -> list[Sequence]:
+    """``max_rows`` of ``candidates`` shared across fairness keys by weighted
+    water-filling (small demands first; a key that needs less than its share leaves the
+    rest to the others; a key with only a waiting prompt holds one share for it), each
+    key's least recently run rows first (``by_key`` False: all rows as one key's).
+    Returned in ``candidates`` order."""
+    groups: dict = defaultdict(list)
+    for seq in candidates:
+        groups[seq.fairness_key if by_key else None].append(seq)
+    if not by_key:
+        waiting_keys = set()
+    weight = {k: seqs[0].fairness_weight for k, seqs in groups.items()}
+    need = {k: len(seqs) for k, seqs in groups.items()}
+    for k in waiting_keys:
+        if k not in need:
+            weight[k], need[k] = 1.0, 1  # a prompt's share: kept out of the decode rows
+    give = {}
+    left = max_rows
+    todo = sorted(need, key=lambda k: (need[k] / weight[k], str(k)))  # small demands first
+    for i, k in enumerate(todo):
+        rest = sum(weight[j] for j in todo[i:])
+        give[k] = min(need[k], left, max(1, int(left * weight[k] / rest)))
+        left -= give[k]
+    for k in groups:  # a key with decodes never stops (a waiting prompt's share cannot starve it)
+        give[k] = max(give[k], 1)
+    chosen: set[int] = set()
+    for k, seqs in groups.items():
+        rotation = sorted(seqs, key=lambda s: s.budget_ran)  # least recently run first
+        chosen.update(id(s) for s in rotation[: give[k]])
+    return [s for s in candidates if id(s) in chosen]

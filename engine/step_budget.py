@@ -44,17 +44,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import nnls
 
+from loramux.engine.fairness import fair_rows
 from loramux.engine.goodput import (
+    LONGEST_STEP_MULTIPLE,
     MAX_PROMPTS,
     KeyObjectives,
     PromptDemand,
+    PromptInflow,
+    StreamDemand,
     best_prompt_cap,
+    keeping_pace,
     stream_slack,
 )
 from loramux.engine.sequence import Sequence
@@ -233,6 +237,8 @@ class StepBudget:
         self.last_target: float | None = None
         """Seconds: the target the last step with decode rows was held to."""
         self._last_seen: dict = {}  # fairness key -> clock time it last had work
+        self._inflow = PromptInflow()
+        self.mean_step: float | None = None
         self.clock = time.monotonic
         """Seconds (monotonic); tests put a fake clock here."""
 
@@ -252,6 +258,8 @@ class StepBudget:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.model.observe(shape, seconds)
+        if math.isfinite(seconds) and seconds >= 0:  # the recent mean step (~32 steps)
+            self.mean_step = seconds if self.mean_step is None else self.mean_step + (seconds - self.mean_step) / 32
 
     def plan(self, candidates: list[Sequence], keys_with_prompts: set, adapters: int,
              fair: bool = True, prompts: list[Sequence] = ()) -> StepLimits:
@@ -330,61 +338,42 @@ class StepBudget:
             return decode, COLD_CHUNK_TOKENS
         left = max(target - c0 - decode_cost, CHUNK_SHARE * decode_cost)
         floor = max(MIN_CHUNK_TOKENS, int(left / c_pre))
-        return decode, self._goodput_cap(floor, decode, prompts, c0 + decode_cost, target, now)
+        return decode, self._goodput_cap(floor, decode, prompts, c0 + decode_cost, target, now, alone)
 
     def _goodput_cap(self, floor: int, decode: list[Sequence], prompts: list[Sequence],
-                     fixed: float, tpot_s: float, now: float) -> int:
+                     fixed: float, tpot_s: float, now: float, alone: bool = True) -> int:
         """The prompt-token cap that meets the most TTFT and TPOT objectives (``goodput.py``):
         ``floor`` (the ITL target's), more where prompts about to miss their first token can
         have it while the streams keep their TPOT, less (down to :data:`MIN_CHUNK_TOKENS`) where
-        streams about to miss theirs need it. ``fixed``: the step's cost without prompts."""
+        streams about to miss theirs need it. ``fixed``: the step's cost without prompts;
+        ``alone``: one fairness key has work (only then may the pace floor pass the ITL target:
+        under contention the target holds a flooder's queue back from its neighbours' streams)."""
         if self.token_budget is None:
             return floor
         c0, c_pre = float(self.model.coef[0]), float(self.model.coef[2])
+        own, inflow = self.objectives.get, self._inflow.observe(now, prompts)
+        ceiling = self.token_budget - len(decode)
+        # never below the pace prompts arrive at (a queue that only grows misses every TTFT), in
+        # steps growing toward it together: none past a few times the recent mean step
+        pace = keeping_pace(inflow, fixed, c_pre) if alone else 0
+        if self.mean_step and c_pre > 0:
+            pace = min(pace, int((LONGEST_STEP_MULTIPLE * self.mean_step - fixed) / c_pre))
+        floor = max(floor, min(ceiling, pace))
 
         def cost(p: int) -> float:
             return fixed + c_pre * p
 
-        base, own = cost(floor), self.objectives.get
-        slacks = [stream_slack(now, s.first_token_time, s.num_output_tokens,
-                               (s.params.max_tokens or 0) - s.num_output_tokens,
-                               own(s.fairness_key)[1] or tpot_s, base)
-                  for s in decode if s.first_token_time is not None]
+        streams = []
+        for s in decode:
+            if s.first_token_time is not None:
+                left = max(0, (s.params.max_tokens or 0) - s.num_output_tokens)
+                slack = stream_slack(now, s.first_token_time, s.num_output_tokens, left,
+                                     own(s.fairness_key)[1] or tpot_s, fixed)
+                streams.append(StreamDemand(slack, left, int(inflow * left * cost(floor))))
+        # every queued prompt's tokens (the streams share their steps with all of them); the
+        # first MAX_PROMPTS' deadlines
         demands = [PromptDemand(s.num_tokens - s.num_computed_tokens, s.arrival_time + (
-            own(s.fairness_key)[0] or self.ttft_s or DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens)))
-            for s in prompts[:MAX_PROMPTS]]
-        return best_prompt_cap(floor, self.token_budget - len(decode), cost, demands, slacks, now,
+            own(s.fairness_key)[0] or self.ttft_s or DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens))
+            if i < MAX_PROMPTS else math.inf) for i, s in enumerate(prompts)]
+        return best_prompt_cap(floor, ceiling, cost, demands, streams, now,
                                lowest=MIN_CHUNK_TOKENS)
-
-
-def fair_rows(candidates: list[Sequence], max_rows: int, waiting_keys: set,
-              by_key: bool = True) -> list[Sequence]:
-    """``max_rows`` of ``candidates`` shared across fairness keys by weighted
-    water-filling (small demands first; a key that needs less than its share leaves the
-    rest to the others; a key with only a waiting prompt holds one share for it), each
-    key's least recently run rows first (``by_key`` False: all rows as one key's).
-    Returned in ``candidates`` order."""
-    groups: dict = defaultdict(list)
-    for seq in candidates:
-        groups[seq.fairness_key if by_key else None].append(seq)
-    if not by_key:
-        waiting_keys = set()
-    weight = {k: seqs[0].fairness_weight for k, seqs in groups.items()}
-    need = {k: len(seqs) for k, seqs in groups.items()}
-    for k in waiting_keys:
-        if k not in need:
-            weight[k], need[k] = 1.0, 1  # a prompt's share: kept out of the decode rows
-    give = {}
-    left = max_rows
-    todo = sorted(need, key=lambda k: (need[k] / weight[k], str(k)))  # small demands first
-    for i, k in enumerate(todo):
-        rest = sum(weight[j] for j in todo[i:])
-        give[k] = min(need[k], left, max(1, int(left * weight[k] / rest)))
-        left -= give[k]
-    for k in groups:  # a key with decodes never stops (a waiting prompt's share cannot starve it)
-        give[k] = max(give[k], 1)
-    chosen: set[int] = set()
-    for k, seqs in groups.items():
-        rotation = sorted(seqs, key=lambda s: s.budget_ran)  # least recently run first
-        chosen.update(id(s) for s in rotation[: give[k]])
-    return [s for s in candidates if id(s) in chosen]

@@ -6,10 +6,19 @@ keep the floor."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from loramux.engine.goodput import PromptDemand, best_prompt_cap, met_count, stream_slack
+from loramux.engine.goodput import (
+    PromptDemand,
+    PromptInflow,
+    StreamDemand,
+    best_prompt_cap,
+    keeping_pace,
+    met_count,
+    stream_slack,
+)
 
 
 def _cost(c0, c_tok):
@@ -24,7 +33,7 @@ def test_best_cap_is_the_brute_force_maximum(seed):
     cost = _cost(rng.uniform(0.01, 0.1), rng.uniform(1e-4, 2e-3))
     now = 100.0
     prompts = [PromptDemand(rng.randint(1, 200), now + rng.uniform(0, 1.5)) for _ in range(rng.randint(0, 6))]
-    slacks = [rng.uniform(-0.2, 0.6) for _ in range(rng.randint(0, 8))]
+    slacks = [StreamDemand(rng.uniform(-0.2, 0.6), rng.randint(0, 30)) for _ in range(rng.randint(0, 8))]
     lowest = rng.choice([floor, rng.randint(1, floor)])
     cap = best_prompt_cap(floor, ceiling, cost, prompts, slacks, now, lowest=lowest)
     counts = {p: met_count(p, floor, cost, prompts, slacks, now) for p in range(lowest, max(floor, ceiling) + 1)}
@@ -39,15 +48,52 @@ def test_prompt_about_to_miss_gets_the_step_when_streams_have_slack():
     cost = _cost(0.05, 0.001)  # a 600-token prompt alone: 0.65 s
     now = 10.0
     prompt = [PromptDemand(600, now + 0.8)]  # at the floor's 64 a step it needs 10 steps: 1.1 s
-    cap = best_prompt_cap(64, 2048, cost, prompt, [1.0, 1.0], now)
+    relaxed = [StreamDemand(1.0, 2), StreamDemand(1.0, 2)]
+    cap = best_prompt_cap(64, 2048, cost, prompt, relaxed, now)
     assert cap == 408  # the least that meets it: 0.458 s now, then 3 floor steps of 0.114 s
-    assert met_count(cap, 64, cost, prompt, [1.0, 1.0], now) == 3
-    assert met_count(cap - 1, 64, cost, prompt, [1.0, 1.0], now) == 2
-    # the same prompt with streams that would miss their TPOT by the longer step: a tie of one
-    # prompt against two streams keeps the floor
-    assert best_prompt_cap(64, 2048, cost, prompt, [0.1, 0.1], now) == 64
+    assert met_count(cap, 64, cost, prompt, relaxed, now) == 3
+    assert met_count(cap - 1, 64, cost, prompt, relaxed, now) == 2
+    # the same prompt beside streams with two tokens left, whose TPOT pays for 0.1 s of prompt
+    # work (128 tokens at the floor's pace, 64+64): the longer step makes them miss; a tie of
+    # one prompt against two streams keeps the floor
+    tight = [StreamDemand(0.13, 2), StreamDemand(0.13, 2)]
+    assert best_prompt_cap(64, 2048, cost, prompt, tight, now) == 64
     # no deadline pressure: the floor (smoothest streams)
-    assert best_prompt_cap(64, 2048, cost, [PromptDemand(600, now + 5.0)], [1.0], now) == 64
+    assert best_prompt_cap(64, 2048, cost, [PromptDemand(600, now + 5.0)], relaxed[:1], now) == 64
+
+
+def test_prompt_work_a_stream_shares_anyway_costs_it_nothing_sooner():
+    """Streams that run for the whole queue's prefill at the floor's pace pay for all of it
+    either way: computing it sooner leaves their mean inter-token time as it was, so the
+    prompt gets the step even though the streams' slack is smaller than the longer step."""
+    cost = _cost(0.05, 0.001)
+    now = 10.0
+    prompt = [PromptDemand(600, now + 0.8)]
+    long_lived = [StreamDemand(0.62, 40), StreamDemand(0.62, 40)]  # 40 steps x 64 > 600 queued
+    assert best_prompt_cap(64, 2048, cost, prompt, long_lived, now) == 408
+    # streams with 2 tokens left absorb 128 tokens at the floor (0.128 s) but 472 with the
+    # prompt's cap: with 0.3 s of slack they would miss — they keep the floor
+    assert best_prompt_cap(64, 2048, cost, prompt, [StreamDemand(0.3, 2)] * 2, now) == 64
+
+
+def test_keeping_pace():
+    # 1000 prompt tokens/s, steps of 0.1 s + 0.5 ms a token: 200 tokens a step take 0.2 s
+    assert keeping_pace(1000.0, 0.1, 0.0005) == 200
+    assert keeping_pace(0.0, 0.1, 0.0005) == 0
+    assert keeping_pace(2000.0, 0.1, 0.0005) >= 1 << 30  # no step size keeps pace
+
+
+def test_prompt_inflow_counts_each_prompt_once_over_its_window():
+    def seq(seq_id, tokens):
+        return SimpleNamespace(seq_id=seq_id, num_tokens=tokens, num_computed_tokens=0)
+
+    inflow = PromptInflow()
+    a, b = seq(1, 100), seq(2, 50)
+    assert inflow.observe(0.0, [a]) == 0.0  # no time observed yet
+    assert inflow.observe(1.0, [a, b]) == pytest.approx(150.0)
+    assert inflow.observe(5.0, [a, b]) == pytest.approx(30.0)  # the same prompts: nothing new
+    assert inflow.observe(12.0, [b]) == 0.0  # both arrivals left the 10 s window
+    assert inflow.observe(13.0, [b, a]) == pytest.approx(10.0)  # a again (recomputed): work again
 
 
 def test_stream_slack():
@@ -97,8 +143,9 @@ def test_the_step_budget_gives_a_prompt_about_to_miss_more_of_the_step():
     floor = _warm_budget(target_itl_ms=60).plan(streams, {"k"}, 0).prefill_tokens
     pressed = budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)])
     assert floor < pressed.prefill_tokens <= 400
-    # streams with 0.1 s of slack would miss their TPOT by the longer step: two against one
-    tight = [_stream(f"s{i}", 20, 400, first_token_time=98.58) for i in range(2)]
+    # streams with 2 tokens left whose TPOT pays for 0.2 s of prompt work: at the floor they
+    # share 62 prompt tokens (0.06 s), with the prompt whole all 400: two against one
+    tight = [_stream(f"s{i}", 20, 22, first_token_time=98.996) for i in range(2)]
     assert budget.plan(tight, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens == floor
     assert budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=100.0 + 30)]).prefill_tokens == floor
 
@@ -129,3 +176,23 @@ def test_a_prompt_waiting_on_its_adapters_load_is_left_out_of_the_count():
     seqs[1].lora_key, seqs[2].lora_key = "hot", "cold"
     assert SlotAdmission(Gate(), 4).ready(seqs) == seqs[:2]
     assert SlotAdmission(None, 4).ready(seqs) == seqs
+
+
+def test_the_floor_keeps_pace_with_arriving_prompts_only_for_a_key_alone():
+    """800 prompt tokens arrived in the last second (0.8 s of prefill a second): the ITL
+    target's 31-token chunk would let the queue grow without bound, so a key alone gets the
+    pace (steps of 0.028 s + 0.001 s a token: 112 tokens); while another key waits, the
+    target holds (a flooder's arrivals must not stretch its neighbours' steps)."""
+    def cap(keys, arrivals: bool) -> int:
+        budget = _warm_budget(target_itl_ms=60, target_ttft_ms=30_000)  # no prompt is pressed
+        streams = [_stream(f"s{i}", 20, 400, first_token_time=99.6) for i in range(2)]
+        first, second = _prompt(400, 100.0), _prompt(400, 100.0)
+        if arrivals:  # seen over a second (no time observed: no inflow known)
+            budget.plan(streams, keys, 0, prompts=[first])
+            budget.clock = lambda: 101.0
+        return budget.plan(streams, keys, 0, prompts=[first, second]).prefill_tokens
+
+    floor = cap({"k"}, arrivals=False)
+    assert floor == 31
+    assert 108 <= cap({"k"}, arrivals=True) <= 116  # the fitted costs are within a percent
+    assert cap({"k", "j"}, arrivals=True) == cap({"k", "j"}, arrivals=False)

@@ -7,6 +7,7 @@ from support import scheduler_harness as harness
 
 from loramux.engine.block_manager import KVCacheManager
 from loramux.engine.config import SchedulerConfig
+from loramux.engine.fairness import fair_rows
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
@@ -21,7 +22,6 @@ from loramux.engine.step_budget import (
     StepBudget,
     StepCostModel,
     StepShape,
-    fair_rows,
 )
 from loramux.engine.step_data import SchedulerOutput
 
