@@ -65,8 +65,9 @@ def prompts(default_model_dir):
     return peft_prompts(default_model_dir, 60)  # longer than a step's budget: chunked prefill
 
 
-def _check(outs, prompts, choice, adapters, base, refs):
-    check_rows_match_peft(base, adapters, prompts, choice, outs, refs=refs, against_base=False)
+def _check(outs, prompts, choice, adapters, base, refs, logprob_tol: float = 1e-4):
+    check_rows_match_peft(base, adapters, prompts, choice, outs, refs=refs, against_base=False,
+                          logprob_tol=logprob_tol)
 
 
 CASES = {  # name: (family, slice_runs (None: the default), LoRA backend)
@@ -177,7 +178,9 @@ def test_default_model_dora_matches_peft(tmp_path, default_model_dir):
     dora, base = llm.generate([{"prompt_token_ids": ids}] * 2, params,
                               lora_request=[LoRARequest("a", 1, str(adapter)), None])
     assert dora.outputs[0].token_ids != base.outputs[0].token_ids
-    _check([dora], [ids], [0], [adapter], default_model_dir, {})
+    # 30 layers of DoRA on every projection: fp32 sums in another order (AVX2's 8-wide lanes
+    # against PEFT's) drift logprobs by ~1e-4 at the 6th token; the tokens themselves match
+    _check([dora], [ids], [0], [adapter], default_model_dir, {}, logprob_tol=3e-4)
 
 
 def test_dora_whose_rows_cancel_the_base_is_refused_at_load(tmp_path, default_model_dir):

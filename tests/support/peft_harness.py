@@ -29,11 +29,11 @@ def peft_prompts(tokenizer_dir, long_tail: int) -> list[list[int]]:
 
 def check_rows_match_peft(base: Path, adapters: list[Path], rows: list[list[int]],
                           choice: list[int | None], outs, *, refs: dict | None = None,
-                          against_base: bool = True) -> list[int]:
+                          against_base: bool = True, logprob_tol: float = 1e-4) -> list[int]:
     """Assert each engine row (prompt ``rows[i]``, adapter ``adapters[choice[i]]`` or the base
     model for ``None``, output ``outs[i]`` with ``logprobs``) is PEFT's: every token within
     ``TIE_TOL`` of the reference's max logit and every returned logprob the reference's
-    (1e-4). ``refs`` caches the PEFT models by choice across calls. With ``against_base``
+    (``logprob_tol``, 1e-4). ``refs`` caches the PEFT models by choice across calls. With ``against_base``
     returns, per adapter row whose logprobs differ from the base model's by over 1e-2, that
     row's adapter index (the adapters change the numbers, so the check can fail)."""
     refs = {} if refs is None else refs
@@ -46,7 +46,7 @@ def check_rows_match_peft(base: Path, adapters: list[Path], rows: list[list[int]
         assert max(gaps) <= TIE_TOL, (c, gaps)
         for j, entry in enumerate(comp.logprobs):
             for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(ref_lp[j, tid].item(), abs=1e-4, rel=1e-4), (c, j)
+                assert lp.logprob == pytest.approx(ref_lp[j, tid].item(), abs=logprob_tol, rel=logprob_tol), (c, j)
         if against_base and c is not None:
             if None not in refs:
                 refs[None] = peft_reference(base, None)
