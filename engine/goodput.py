@@ -37,8 +37,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_PROMPTS", "KeyObjectives", "PromptDemand", "LONGEST_STEP_MULTIPLE", "PromptInflow", "keeping_pace", "StreamDemand", "best_prompt_cap", "met_count",
-           "stream_slack"]
+__all__ = ["LONGEST_STEP_MULTIPLE", "MAX_PROMPTS", "KeyObjectives", "PromptDemand", "PromptInflow",
+           "StreamDemand", "best_prompt_cap", "keeping_pace", "met_count", "stream_slack"]
 
 MAX_PROMPTS = 32
 """Prompts the count looks at (the first in the scheduler's order): a deep queue's tail cannot
@@ -93,11 +93,12 @@ def _absorbed(cap: int, floor: int, queued: int, stream: StreamDemand) -> int:
 
 
 def met_count(cap: int, floor: int, cost: Callable[[int], float], prompts: Sequence[PromptDemand],
-              streams: Sequence[StreamDemand], now: float) -> int:
+              streams: Sequence[StreamDemand], now: float, queued: int | None = None) -> int:
     """Objectives met with a cap of ``cap`` prompt tokens this step (``floor`` after it):
     ``cost(p)`` is the predicted step with ``p`` prompt tokens (a cap above the queued prompt
-    tokens costs what they cost)."""
-    queued = sum(p.tokens for p in prompts)
+    tokens costs what they cost). ``queued``: every queued prompt token (default: ``prompts``'),
+    when ``prompts`` holds only the first of a deeper queue."""
+    queued = sum(p.tokens for p in prompts) if queued is None else queued
     step, base, bare = cost(min(cap, queued)), cost(min(floor, queued)), cost(0)
     met = sum(1 for s in streams if cost(_absorbed(cap, floor, queued, s)) - bare <= s.slack)
     done = 0
@@ -125,11 +126,11 @@ def _last_within(cost: Callable[[int], float], lo: int, hi: int, limit: float) -
 
 
 def _endpoints(floor: int, lo: int, hi: int, cost: Callable[[int], float],
-               prompts: Sequence[PromptDemand], streams: Sequence[StreamDemand], now: float) -> set[int]:
+               prompts: Sequence[PromptDemand], streams: Sequence[StreamDemand], now: float,
+               queued: int) -> set[int]:
     """Every cap where one objective's met set begins or ends: each is a union of intervals of
     caps (a prompt's, one per number of floor steps it still needs; a stream's, one), so the
     count's best caps nearest the floor are among these, the bounds and the floor."""
-    queued = sum(p.tokens for p in prompts)
     base, bare = cost(min(floor, queued)), cost(0)
     caps = {lo, floor, hi}
     for stream in streams:
@@ -155,19 +156,20 @@ def _endpoints(floor: int, lo: int, hi: int, cost: Callable[[int], float],
 
 def best_prompt_cap(floor: int, ceiling: int, cost: Callable[[int], float],
                     prompts: Sequence[PromptDemand], streams: Sequence[StreamDemand], now: float,
-                    lowest: int | None = None) -> int:
+                    lowest: int | None = None, queued: int | None = None) -> int:
     """The cap in ``[lowest, ceiling]`` (``lowest`` default: ``floor``) that meets the most
-    objectives (:func:`met_count`), the nearest the floor among equals: above it when prompts
-    about to miss gain by it, below it when streams about to miss do."""
+    objectives (:func:`met_count`, ``queued`` as there), the nearest the floor among equals:
+    above it when prompts about to miss gain by it, below it when streams about to miss do."""
     lo = floor if lowest is None else min(lowest, floor)
     hi = max(ceiling, floor)
     if floor <= 0 or (not prompts and not streams) or hi <= lo:
         return floor
+    queued = sum(p.tokens for p in prompts) if queued is None else queued
 
     def rank(cap: int) -> tuple[int, int]:
-        return met_count(cap, floor, cost, prompts, streams, now), -abs(cap - floor)
+        return met_count(cap, floor, cost, prompts, streams, now, queued), -abs(cap - floor)
 
-    return max(sorted(_endpoints(floor, lo, hi, cost, prompts, streams, now)), key=rank)
+    return max(sorted(_endpoints(floor, lo, hi, cost, prompts, streams, now, queued)), key=rank)
 
 
 def keeping_pace(inflow: float, fixed: float, c_token: float) -> int:

@@ -341,7 +341,7 @@ class StepBudget:
         return decode, self._goodput_cap(floor, decode, prompts, c0 + decode_cost, target, now, alone)
 
     def _goodput_cap(self, floor: int, decode: list[Sequence], prompts: list[Sequence],
-                     fixed: float, tpot_s: float, now: float, alone: bool = True) -> int:
+                     fixed: float, tpot_s: float, now: float, alone: bool) -> int:
         """The prompt-token cap that meets the most TTFT and TPOT objectives (``goodput.py``):
         ``floor`` (the ITL target's), more where prompts about to miss their first token can
         have it while the streams keep their TPOT, less (down to :data:`MIN_CHUNK_TOKENS`) where
@@ -370,10 +370,10 @@ class StepBudget:
                 slack = stream_slack(now, s.first_token_time, s.num_output_tokens, left,
                                      own(s.fairness_key)[1] or tpot_s, fixed)
                 streams.append(StreamDemand(slack, left, int(inflow * left * cost(floor))))
-        # every queued prompt's tokens (the streams share their steps with all of them); the
-        # first MAX_PROMPTS' deadlines
         demands = [PromptDemand(s.num_tokens - s.num_computed_tokens, s.arrival_time + (
-            own(s.fairness_key)[0] or self.ttft_s or DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens))
-            if i < MAX_PROMPTS else math.inf) for i, s in enumerate(prompts)]
+            own(s.fairness_key)[0] or self.ttft_s or DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens)))
+            for s in prompts[:MAX_PROMPTS]]
+        # the streams share their steps with every queued prompt, not only the first ones
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in prompts)
         return best_prompt_cap(floor, ceiling, cost, demands, streams, now,
-                               lowest=MIN_CHUNK_TOKENS)
+                               lowest=MIN_CHUNK_TOKENS, queued=queued)
