@@ -363,13 +363,19 @@ class StepBudget:
         def cost(p: int) -> float:
             return fixed + c_pre * p
 
+        def arriving(left: int) -> int:
+            """Prompt tokens expected while a stream runs ``left`` more steps; under contention
+            the queue is taken as never draining (a flooder may keep it full), so a stream is
+            charged for all prompt work taken sooner"""
+            return int(inflow * left * cost(floor)) if alone else 1 << 30
+
         streams = []
         for s in decode:
             if s.first_token_time is not None:
                 left = max(0, (s.params.max_tokens or 0) - s.num_output_tokens)
                 slack = stream_slack(now, s.first_token_time, s.num_output_tokens, left,
                                      own(s.fairness_key)[1] or tpot_s, fixed)
-                streams.append(StreamDemand(slack, left, int(inflow * left * cost(floor))))
+                streams.append(StreamDemand(slack, left, arriving(left)))
         demands = [PromptDemand(s.num_tokens - s.num_computed_tokens, s.arrival_time + (
             own(s.fairness_key)[0] or self.ttft_s or DEFAULT_MULTIPLE * (c0 + c_pre * s.num_tokens)))
             for s in prompts[:MAX_PROMPTS]]
