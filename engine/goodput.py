@@ -16,7 +16,8 @@ prompt tokens pay, with the learnt step costs and one count:
   meanwhile (:class:`PromptInflow`): prompt work the stream would share its steps with anyway
   costs it nothing more when it is computed sooner (its mean inter-token time is the same), so a
   queue that drains within a stream's life may be taken now — the first tokens come sooner and
-  nobody's TPOT objective pays for it.
+  nobody's TPOT objective pays for it. (While fairness keys compete the step budget takes the
+  queue as never draining: a flooder may keep it full.)
 
 The floor never falls below the prompt tokens a step must compute to keep pace with the inflow
 (:func:`keeping_pace`): the count cannot help a prompt already past its deadline, and a floor
