@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             folders = {"float32": (src, "float32"), "bf16": (src, "bfloat16"),
                        "int8": (write_checkpoint(src, Path(tmp) / "int8", 8, None), "float32"),
                        "int4_g64": (write_checkpoint(src, Path(tmp) / "int4", 4, 64), "float32")}
+            # W8A16 / W4A16 proper: the same checkpoints with bf16 activations (and lm_head)
+            folders["int8_bf16"] = (folders["int8"][0], "bfloat16")
+            folders["int4_g64_bf16"] = (folders["int4_g64"][0], "bfloat16")
             for fmt in filter(None, args.formats.split(",")):
                 name = {"awq": "awq_int4_g64", "gptq": "gptq_int4_g64", "fp8": "fp8_channel"}[fmt]
                 folders[name] = (write_other_format(src, Path(tmp) / fmt, fmt), "float32")
@@ -239,10 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                 models[name] = decode_step(folder, dtype, steps)
         for m in ROWS:
             base = models["float32"][f"M={m}"]["ms_per_step"]
+            bf16 = models["bf16"][f"M={m}"]["ms_per_step"]
             for r in models.values():
                 r[f"M={m}"]["speedup_vs_float32"] = base / r[f"M={m}"]["ms_per_step"]
-            print(f"decode step M={m}: " + ", ".join(
-                f"{n} {r[f'M={m}']['ms_per_step']:.2f} ms ({r[f'M={m}']['speedup_vs_float32']:.2f}x)"
+                r[f"M={m}"]["speedup_vs_bf16"] = bf16 / r[f"M={m}"]["ms_per_step"]
+            print(f"decode step M={m} (x float32, x bf16): " + ", ".join(
+                f"{n} {r[f'M={m}']['ms_per_step']:.2f} ms ({r[f'M={m}']['speedup_vs_float32']:.2f}x, "
+                f"{r[f'M={m}']['speedup_vs_bf16']:.2f}x)"
                 for n, r in models.items()))
         result["decode_step"] = models
     RESULTS.mkdir(exist_ok=True)

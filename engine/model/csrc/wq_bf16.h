@@ -23,6 +23,8 @@
 #include <stdint.h>
 
 #define LMX_WQ_BH 1
+#define NR_BH 4 /* weight rows per decode register tile at 1-2 rows of x (2 at 3-4 rows): four
+                   independent accumulator chains hide VDPBF16PS's latency at batch 1 */
 
 /* x rows (bf16, row stride x_stride) -> xr [M, Kp] bf16, zero padded, in the order of the
  * weight vectors of `bits` (above) */
@@ -62,25 +64,26 @@ static inline __attribute__((always_inline)) void tile_bh(const uint16_t *xr, in
                                                           const uint8_t *w, int64_t row_bytes, int bits,
                                                           const float *scale, const float *zero, int G,
                                                           int group, int n0, const int nr, const int mr,
-                                                          float out[MR][2]) {
+                                                          float out[MR][NR_BH]) {
     const float off = bits == 4 ? 128.0f : 0.0f; /* the value the stored one stands for, less */
     const __m512i m15 = _mm512_set1_epi16(15), o4 = _mm512_set1_epi16(0x4300);
-    __m512 tot[MR][2];
-    float corr[MR][2] = {{0}};
+    __m512 tot[MR][NR_BH];
+    float corr[MR][NR_BH] = {{0}};
     for (int m = 0; m < mr; m++)
         for (int r = 0; r < nr; r++) tot[m][r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m512 acc[MR][2];
+        __m512 acc[MR][NR_BH];
         for (int m = 0; m < mr; m++)
             for (int r = 0; r < nr; r++) acc[m][r] = _mm512_setzero_ps();
         int64_t k = (int64_t)g * group;
         const int64_t ge = k + group;
         if (bits == 4)
             for (; k + 64 <= ge; k += 64) { /* two blocks: low nibbles, then high nibbles */
-                __m512bh lo[2], hi[2];
+                __m512bh lo[NR_BH], hi[NR_BH];
                 for (int r = 0; r < nr; r++) {
-                    const __m512i b = _mm512_cvtepu8_epi16(
-                        _mm256_loadu_si256((const __m256i *)(w + (int64_t)(n0 + r) * row_bytes + k / 2)));
+                    const uint8_t *p = w + (int64_t)(n0 + r) * row_bytes + k / 2;
+                    PREFETCH_ROWS_AHEAD(p, nr, row_bytes);
+                    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
                     lo[r] = (__m512bh)_mm512_or_si512(_mm512_and_si512(b, m15), o4);
                     hi[r] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), o4);
                 }
@@ -92,8 +95,12 @@ static inline __attribute__((always_inline)) void tile_bh(const uint16_t *xr, in
                 }
             }
         for (; k < ge; k += 32) { /* int8, or int4's lone last block: k order */
-            __m512bh wv[2];
-            for (int r = 0; r < nr; r++) wv[r] = block_bh(w + (int64_t)(n0 + r) * row_bytes + k / 32 * bits * 4, bits);
+            __m512bh wv[NR_BH];
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *p = w + (int64_t)(n0 + r) * row_bytes + k / 32 * bits * 4;
+                PREFETCH_ROWS_AHEAD(p, nr, row_bytes);
+                wv[r] = block_bh(p, bits);
+            }
             for (int m = 0; m < mr; m++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + m * Kp + k);
                 for (int r = 0; r < nr; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
@@ -118,15 +125,17 @@ static void rows_tile_bh(const uint16_t *xr, const float *xs, int64_t M, int64_t
                          int bits, const float *scale, const float *zero, int G, int group,
                          const float *bias, void *y, int yd, int N, int n0, int n1) {
     const int64_t row_bytes = Kp * bits / 8;
-    float out[MR][2];
+    float out[MR][NR_BH];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = M - m0 < MR ? (int)(M - m0) : MR;
         const uint16_t *xm = xr + m0 * Kp;
         const float *xsm = xs + m0 * G;
-        for (int n = n0; n < n1; n += 2) {
-            const int nr = n1 - n >= 2 ? 2 : 1;
+        for (int n = n0, nr; n < n1; n += nr) {
+            nr = n1 - n >= 4 && mr <= 2 ? 4 : n1 - n >= 2 ? 2 : 1;
 #define LMX_TILE_BH(NR, MRC) tile_bh(xm, Kp, xsm, w, row_bytes, bits, scale, zero, G, group, n, NR, MRC, out)
-            if (nr == 2) {
+            if (nr == 4) {
+                if (mr == 2) LMX_TILE_BH(4, 2); else LMX_TILE_BH(4, 1);
+            } else if (nr == 2) {
                 if (mr == 4) LMX_TILE_BH(2, 4); else if (mr == 3) LMX_TILE_BH(2, 3);
                 else if (mr == 2) LMX_TILE_BH(2, 2); else LMX_TILE_BH(2, 1);
             } else {

@@ -24,7 +24,8 @@
  * instead (the same weight layout; x repacked once per call), below and from GEMM_MIN_M rows.
  *
  * Threads split the output rows in tiles of NT when the call has PARALLEL_MIN_MACS of work
- * (a decode call of a small projection stays on the calling thread: no OpenMP fork).
+ * (a decode call of 128 x 1024 weights and more: a decode step reads its weights from DRAM, and
+ * one thread alone streams too few of them; the pool's fork costs a few microseconds).
  * Returns 0, or -1 when a work buffer cannot be allocated.
  */
 #include <stdint.h>
@@ -36,7 +37,11 @@
 
 #define NT 16 /* output rows per work item: 16 int4 rows of K = 2048 are 16 KiB (L1) */
 #define MR 4  /* rows of x per register tile */
-#define PARALLEL_MIN_MACS ((int64_t)1 << 22)
+#define PARALLEL_MIN_MACS ((int64_t)1 << 17)
+/* A decode call reads each weight once, from DRAM: the rows the next register tile reads
+ * (nr rows on, the same k) are prefetched as a tile reads its own, so their lines are in flight
+ * while it computes (a tile's rows are too short a stream for the hardware prefetcher) */
+#define PREFETCH_ROWS_AHEAD(p, nr, row_bytes) _mm_prefetch((const char *)(p) + (nr) * (row_bytes), _MM_HINT_T0)
 
 #if defined(__AVX512F__)
 #define WL 16 /* lanes */
@@ -112,7 +117,11 @@ static inline __attribute__((always_inline)) void tile(const float *xp, int64_t 
             for (int r = 0; r < nr; r++) acc[m][r] = VZERO();
         for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k += 32) {
             vf wv[2][NV];
-            for (int r = 0; r < nr; r++) widen(w + (int64_t)(n0 + r) * row_bytes + k / 32 * bpb, bits, wv[r]);
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *p = w + (int64_t)(n0 + r) * row_bytes + k / 32 * bpb;
+                PREFETCH_ROWS_AHEAD(p, nr, row_bytes);
+                widen(p, bits, wv[r]);
+            }
             for (int m = 0; m < mr; m++)
                 for (int i = 0; i < NV; i++) {
                     vf xv = VLOAD(xp + m * Kp + k + XOFF[i]);
