@@ -12,9 +12,12 @@ decode step is (time of 1 + n steps - time of 1 step) / n for 1 and 4 greedy seq
 ``--formats awq,gptq,fp8`` adds the same model as an AWQ GEMM and a GPTQ (v1) int4 g64
 checkpoint (W4A16, packed as their loaders read them; both repacked at load for the same
 kernel) and a compressed-tensors FP8 per-channel one (dequantized a band at a time).
+Serving (``bench.quantized_serving``, ``--serving N`` requests, 0 for none): the float32, bf16,
+W8A16 and W4A16 bases (the int checkpoints with bf16 activations) served with Poisson arrivals
+(``--rate``), mixed prompt lengths and 4 adapters, against the same requests on the base alone.
 Writes ``bench/results/quantized.json``.
 
-    python -m bench.quantized [--threads 2] [--quick] [--formats awq,gptq,fp8]
+    python -m bench.quantized [--threads 2] [--quick] [--formats awq,gptq,fp8] [--serving 16]
 """
 
 from __future__ import annotations
@@ -212,11 +215,35 @@ def decode_step(folder: Path, dtype: str, steps: int) -> dict:
 
 
 
+def serving(folders: dict, tmp: Path, args) -> dict:
+    """The serving run (``bench.quantized_serving``) on the float32, bf16, W8A16 and W4A16 bases
+    with the same adapters and requests."""
+    from bench.lora_throughput import make_adapters
+    from bench.quantized_serving import serve, serving_args
+
+    adapters = make_adapters(folders["float32"][0], tmp / "adapters", 4)
+    out = {"args": vars(serving_args(args.serving, args.rate))}
+    for name in ("float32", "bf16", "int8_bf16", "int4_g64_bf16"):
+        folder, dtype = folders[name]
+        out[name] = r = serve(folder, dtype, adapters, serving_args(args.serving, args.rate))
+        print(f"serving {name}: " + ", ".join(
+            f"{k} {r[k]['output_tok_s']:.1f} tok/s TTFT p50 {r[k]['ttft_s']['p50']:.2f} s "
+            f"TPOT p50 {r[k]['tpot_ms_p50']:.0f} ms" for k in ("lora", "base"))
+            + f"; LoRA/base {r['lora_over_base_tok_s']:.2f}", flush=True)
+    for name in ("int8_bf16", "int4_g64_bf16"):
+        out[name]["lora_tok_s_over_bf16_lora"] = (out[name]["lora"]["output_tok_s"]
+                                                  / out["bf16"]["lora"]["output_tok_s"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = bench_parser(__doc__, dtype=None, quick="shorter timings", out="quantized")
     ap.add_argument("--size", type=int, default=2048)
     ap.add_argument("--no-model", action="store_true", help="the projection only")
     ap.add_argument("--formats", default="", help="also decode awq,gptq,fp8 checkpoints of the model")
+    ap.add_argument("--serving", type=int, default=16, metavar="N",
+                    help="requests of the serving run per base (0: none)")
+    ap.add_argument("--rate", type=float, default=2.0, help="the serving run's Poisson arrivals per second")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from loramux.engine.model.kernels import loader
@@ -240,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 folders[name] = (write_other_format(src, Path(tmp) / fmt, fmt), "float32")
             for name, (folder, dtype) in folders.items():
                 models[name] = decode_step(folder, dtype, steps)
+            if args.serving:
+                result["serving"] = serving(folders, Path(tmp), args)
         for m in ROWS:
             base = models["float32"][f"M={m}"]["ms_per_step"]
             bf16 = models["bf16"][f"M={m}"]["ms_per_step"]

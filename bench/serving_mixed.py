@@ -98,6 +98,7 @@ async def run_config(engine, reqs, adapters) -> dict:
         "ttft_s": {f"p{p}": pct(ttft, p) for p in (50, 90, 99)},
         "itl_s": {f"p{p}": pct(itl, p) for p in (50, 90, 99)},
         "itl_p99_over_p50": pct(itl, 99) / pct(itl, 50),
+        "tpot_ms_p50": pct(tpot, 50) * 1e3,
         # the step budget's goal: ITL p99 <= 3x the median request's time per output token
         "itl_p99_over_tpot_p50": pct(itl, 99) / pct(tpot, 50),
         "ttft_system_prompt_seen_before_p50": statistics.median(cached) if cached else None,
