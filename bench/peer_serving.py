@@ -212,12 +212,14 @@ def main() -> None:
     ap.add_argument("--loramux-args", default="",
                     help="more `loramux serve` flags, e.g. '--target-ttft-ms 2000 --target-itl-ms 250'")
     ap.add_argument("--no-roofline", action="store_true", help="skip bench/roofline.py's line")
+    ap.add_argument("--model", default=None,
+                    help="the base both servers load (default: the default model), e.g. a quantized checkpoint")
     args = ap.parse_args()
     if not Path(args.client).is_file() or not (Path(args.peer).expanduser() / "bin" / "python").is_file():
         sys.exit(f"needs the client {args.client} and the peer's venv {args.peer} (docs/peer-benchmark.md)")
     from loramux.engine.default_model import default_model_path
 
-    model = default_model_path()
+    model = Path(args.model) if args.model else default_model_path()
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
