@@ -222,10 +222,11 @@ def serving(folders: dict, tmp: Path, args) -> dict:
     from bench.quantized_serving import serve, serving_args
 
     adapters = make_adapters(folders["float32"][0], tmp / "adapters", 4)
-    out = {"args": vars(serving_args(args.serving, args.rate))}
+    workload = serving_args(args.serving, args.rate)
+    out = {"args": vars(workload)}
     for name in ("float32", "bf16", "int8_bf16", "int4_g64_bf16"):
         folder, dtype = folders[name]
-        out[name] = r = serve(folder, dtype, adapters, serving_args(args.serving, args.rate))
+        out[name] = r = serve(folder, dtype, adapters, workload)
         print(f"serving {name}: " + ", ".join(
             f"{k} {r[k]['output_tok_s']:.1f} tok/s TTFT p50 {r[k]['ttft_s']['p50']:.2f} s "
             f"TPOT p50 {r[k]['tpot_ms_p50']:.0f} ms" for k in ("lora", "base"))
