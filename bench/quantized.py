@@ -4,8 +4,9 @@ rows, a prefill chunk), in one run.
 
 Projection: the engine's float ``Linear`` (oneDNN-packed) in float32 and bf16 against
 ``QuantLinear`` int8 per channel, int4 groups of 128 and 32 run by the compiled kernel
-(``loramux::wq_linear``), and int4 g128 on the torch path (dequantize a band, matmul; the
-fallback) — median of timed calls, ratios to float32 of the same run. Decode step: the default
+(``loramux::wq_linear``), int4 g128 on the torch path (dequantize a band, matmul; the
+fallback), and int8 / int4 g128 layers of a bf16 model (bf16 activations: at 64 rows the op
+hands dequantized bands to oneDNN) — best of timed calls, ratios to float32 of the same run. Decode step: the default
 model loaded in float32, bf16 and as compressed-tensors int8 per channel / int4 g64 checkpoints
 written here from its weights (576 input features: 128 does not divide them); the time per
 decode step is (time of 1 + n steps - time of 1 step) / n for 1 and 4 greedy sequences.
@@ -66,8 +67,10 @@ def method(bits: int, group: int | None) -> CompressedTensorsMethod:
         "group_0": {"targets": ["Linear"], "weights": weights}}}, "bench")
 
 
-def quant_linear(w: torch.Tensor, bits: int, group: int | None, kernel: bool) -> QuantLinear:
-    """w [n, k] as a compressed-tensors layer (repacked for the kernel when ``kernel``)."""
+def quant_linear(w: torch.Tensor, bits: int, group: int | None, kernel: bool,
+                 dtype: torch.dtype = torch.float32) -> QuantLinear:
+    """w [n, k] as a compressed-tensors layer of a ``dtype`` model (repacked for the kernel
+    when ``kernel``)."""
     q, scale = quantize(w, bits, group)
     n, k = w.shape
     tensors = {"p.weight_packed": pack_int32(q, bits), "p.weight_scale": scale,
@@ -76,7 +79,7 @@ def quant_linear(w: torch.Tensor, bits: int, group: int | None, kernel: bool) ->
     if not kernel:
         m._runs_kernel = lambda *a: False
     return m.create_linear(["p"], lambda name, *d: tensors.pop(name), None, shapes=[(n, k)],
-                           dtype=torch.float32)
+                           dtype=dtype)
 
 
 def timed(fn, x: torch.Tensor, seconds: float) -> tuple[float, float]:
@@ -102,13 +105,15 @@ def projection(size: int, seconds: float) -> dict:
         "int4_g128": quant_linear(w, 4, 128, True),
         "int4_g32": quant_linear(w, 4, 32, True),
         "int4_g128_torch": quant_linear(w, 4, 128, False),
+        "int8_bf16": quant_linear(w, 8, None, True, torch.bfloat16),  # bf16 x (W8A16 proper)
+        "int4_g128_bf16": quant_linear(w, 4, 128, True, torch.bfloat16),
     }
     out = {}
     for m in PROJECTION_ROWS:
         x = torch.randn(m, size)
         row = {}
         for name, layer in layers.items():
-            xi = x.to(torch.bfloat16) if name == "bf16" else x
+            xi = x.to(torch.bfloat16) if name.startswith("bf16") or name.endswith("bf16") else x
             median, best = timed(layer, xi, seconds)
             row[name] = {"ms": best * 1e3, "median_ms": median * 1e3, "bytes": layer.nbytes}
         base = row["float32"]["ms"]

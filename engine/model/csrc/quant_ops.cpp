@@ -11,8 +11,10 @@
 // one loramux::select_isa sets). The fake implementation is in kernels/fake.py.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
@@ -22,20 +24,64 @@
 namespace {
 
 using namespace lmx;
-using WqFn = decltype(&loramux_wq_linear_scalar);
+/* the ISA variant's two entry points: the kernel, and the band dequantizer of the large-M path */
+struct WqVariant {
+  decltype(&loramux_wq_linear_scalar) linear;
+  decltype(&loramux_wq_dequantize_scalar) dequantize;
+};
+#define LMX_WQ_VARIANT(v) WqVariant{loramux_wq_linear_##v, loramux_wq_dequantize_##v}
 
-WqFn wq_variant() {
+WqVariant wq_variant() {
   const std::string name = isa();
 #ifdef LMX_HAVE_AVX512BF16
-  if (name == "avx512bf16") return loramux_wq_linear_avx512bf16;
+  if (name == "avx512bf16") return LMX_WQ_VARIANT(avx512bf16);
 #endif
 #ifdef LMX_HAVE_AVX512
-  if (name == "avx512") return loramux_wq_linear_avx512;
+  if (name == "avx512") return LMX_WQ_VARIANT(avx512);
 #endif
 #ifdef LMX_HAVE_AVX2
-  if (name == "avx2") return loramux_wq_linear_avx2;
+  if (name == "avx2") return LMX_WQ_VARIANT(avx2);
 #endif
-  return loramux_wq_linear_scalar;
+  return LMX_WQ_VARIANT(scalar);
+}
+
+/* From DENSE_MIN_M rows of bf16 x (a prefill chunk) W is dequantized a band of output rows at a
+ * time ((stored - zero) * scale rounded to bf16 once: the weight a bf16 model of the checkpoint
+ * holds; wq_linear.c's loramux_wq_dequantize) and each band multiplied by ATen's bf16 GEMM
+ * (oneDNN): at those shapes it runs 1.3-2.5x the kernel's own GEMM, far more than a band's
+ * dequantization costs (measured on an AVX512_BF16 EPYC). fp32 x keeps the kernel's GEMM: ATen's
+ * fp32 GEMM of an unpacked weight (MKL) is no faster than it (2048 x 2048, 64 rows: 3.8 ms vs
+ * 3.2). BAND_ELEMS weights a band (2 MiB; wider bands measured no faster, narrower slower). */
+constexpr int64_t DENSE_MIN_M = 32;
+constexpr int64_t BAND_ELEMS = int64_t{1} << 20;
+
+at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor& w,
+                      const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                      const std::optional<at::Tensor>& bias, int64_t bits, int64_t K, int64_t Kp,
+                      int64_t group, int64_t G, int64_t N, at::ScalarType out_dtype) {
+  const char* op = "wq_linear";
+  const int64_t rows = std::min<int64_t>(N, std::max<int64_t>(16, BAND_ELEMS / K));
+  // one band buffer per thread, kept between calls: a fresh one would be mapped (and its pages
+  // faulted in) by every call
+  thread_local at::Tensor buffer;
+  const int64_t need = rows * K * x.element_size();
+  if (!buffer.defined() || buffer.numel() < need) buffer = at::empty({need}, x.options().dtype(at::kByte));
+  at::Tensor band = buffer.narrow(0, 0, need).view(x.scalar_type()).view({rows, K});
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const int od = dtype_code(x, op, "x");
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t r = std::min(rows, N - r0);
+    at::Tensor wb = band.narrow(0, 0, r);
+    v.dequantize(w.data_ptr<uint8_t>(), static_cast<int>(bits), scale.data_ptr<float>(),
+                 zero.has_value() ? zero->data_ptr<float>() : nullptr, as_int(G, op, "G"),
+                 as_int(group, op, "group_size"), as_int(r0, op, "N"), as_int(r0 + r, op, "N"),
+                 as_int(K, op, "in_features"), as_int(Kp, op, "in_features"), wb.data_ptr(), od,
+                 threads());
+    at::Tensor yb = y.narrow(1, r0, r);
+    at::mm_out(yb, x, wb.t());
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y.scalar_type() == out_dtype ? y : y.to(out_dtype);
 }
 
 void check_f32(const at::Tensor& t, int64_t rows, int64_t cols, const char* op, const char* name) {
@@ -80,7 +126,11 @@ at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   if (bias.has_value()) check_f32(*bias, N, -1, op, "bias");
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0 || N == 0) return y;
-  const int rc = wq_variant()(
+  const WqVariant v = wq_variant();
+  if (M >= DENSE_MIN_M && x.scalar_type() == at::kBFloat16)
+    return dense_call(v, x, w, scale, zero, bias, bits, K, Kp, group_size ? group_size : Kp, G, N,
+                      out_dtype);
+  const int rc = v.linear(
       x.data_ptr(), x.stride(0), xd, w.data_ptr<uint8_t>(), static_cast<int>(bits),
       scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<float>() : nullptr,
       as_int(G, op, "the number of groups"), as_int(group_size ? group_size : Kp, op, "group_size"),

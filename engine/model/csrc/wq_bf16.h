@@ -1,8 +1,8 @@
 /* wq_linear.c's native-bf16 path, compiled only into the ISA variant built with -mavx512bf16
  * (isa.cpp runs it only where the CPU has AVX512_BF16): bf16 activations, fewer than
- * the weights in the kernel's unchanged layout. Below GEMM_MIN_M rows (decode) tile_bh works on
- * the stored values in registers; from GEMM_MIN_M rows (prefill) gemm_call_bh widens a tile of
- * them to bf16 once and runs a GEMM over it (as wq_linear.c's fp32 paths do).
+ * GEMM_MIN_M rows of them (a decode step; from DENSE_MIN_M rows quant_ops.cpp hands dequantized
+ * bands to oneDNN instead), the weights in the kernel's unchanged layout: tile_bh works on the
+ * stored values in registers.
  *
  * Each stored value becomes a bf16 exactly, then VDPBF16PS (_mm512_dpbf16_ps) multiplies pairs
  * of them by pairs of x (bf16 x bf16 products are exact in fp32) into fp32 accumulators:
@@ -152,105 +152,6 @@ static void rows_tile_bh(const uint16_t *xr, const float *xs, int64_t M, int64_t
                 }
         }
     }
-}
-
-/* ---- prefill (GEMM_MIN_M rows and more): a GEMM over a tile of stored values as bf16 ---- */
-#define GR_BH 4 /* weight rows per register tile (by 2 vectors of 16 rows of x; 16 + 2 zmm) */
-
-/* y[m0 .. m0+32, n .. n+nr] from xt2 [Kp/2, Mp] (x pairs (x[m, 2p], x[m, 2p+1]) as bf16, zero
- * padded), xst [G, Mp] (x's sums per group) and wr [nr, Kp] (the stored values as bf16, plus
- * off): per group the pairs' products are summed, then scale * (acc - (zero + off) * sum x) */
-static inline __attribute__((always_inline)) void gemm_block_bh(const uint32_t *xt2, const float *xst,
-                                                                int64_t Mp, int64_t M, int64_t Kp,
-                                                                const uint16_t *wr, int G, int group,
-                                                                int bits, const float *scale,
-                                                                const float *zero, int64_t m0, const int nr,
-                                                                const float *bias, void *y, int yd, int N,
-                                                                int n) {
-    const float off = bits == 4 ? 128.0f : 0.0f;
-    __m512 tot[GR_BH][2];
-    for (int r = 0; r < nr; r++) tot[r][0] = tot[r][1] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        __m512 acc[GR_BH][2];
-        for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int64_t p = (int64_t)g * group / 2; p < (int64_t)(g + 1) * group / 2; p++) {
-            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xt2 + p * Mp + m0);
-            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xt2 + p * Mp + m0 + 16);
-            for (int r = 0; r < nr; r++) {
-                uint32_t pair;
-                memcpy(&pair, wr + r * Kp + 2 * p, sizeof pair);
-                const __m512bh wk = (__m512bh)_mm512_set1_epi32((int)pair);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x0, wk);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x1, wk);
-            }
-        }
-        const __m512 s0 = _mm512_loadu_ps(xst + g * Mp + m0), s1 = _mm512_loadu_ps(xst + g * Mp + m0 + 16);
-        for (int r = 0; r < nr; r++) {
-            const int64_t at = (int64_t)(n + r) * G + g;
-            const float sc = scale[at], z = (zero ? zero[at] : (bits == 4 ? 8.0f : 0.0f)) + off;
-            const __m512 vs = _mm512_set1_ps(sc), vz = _mm512_set1_ps(-sc * z);
-            tot[r][0] = _mm512_fmadd_ps(vz, s0, _mm512_fmadd_ps(vs, acc[r][0], tot[r][0]));
-            tot[r][1] = _mm512_fmadd_ps(vz, s1, _mm512_fmadd_ps(vs, acc[r][1], tot[r][1]));
-        }
-    }
-    float lanes[32];
-    for (int r = 0; r < nr; r++) {
-        _mm512_storeu_ps(lanes, tot[r][0]);
-        _mm512_storeu_ps(lanes + 16, tot[r][1]);
-        for (int l = 0; l < 32 && m0 + l < M; l++) {
-            const float v = lanes[l] + (bias ? bias[n + r] : 0.0f);
-            const int64_t i = (m0 + l) * N + n + r;
-            if (yd == 0) ((float *)y)[i] = v;
-            else ((uint16_t *)y)[i] = f32_to_bf16(v);
-        }
-    }
-}
-
-/* gemm_call (wq_linear.c) for bf16 x: x as bf16 pairs transposed once (xt2 [Kp/2, Mp], Mp = M
- * rounded up to 32) with its sums per group (xst [G, Mp]); per tile of NT rows, the stored
- * values widened once to bf16 (block_bh: exact) into a per-thread buffer, then gemm_block_bh */
-static int gemm_call_bh(const uint16_t *x, int64_t x_stride, const float *xs, int64_t M, int K, int64_t Kp,
-                        const uint8_t *w, int bits, const float *scale, const float *zero, int G, int group,
-                        const float *bias, void *y, int yd, int N, int tiles, int nthreads) {
-    const int64_t Mp = (M + 31) / 32 * 32, row_bytes = Kp * bits / 8;
-    uint32_t *xt2 = (uint32_t *)calloc((size_t)(Kp / 2 * Mp + G * Mp), sizeof(uint32_t));
-    if (xt2 == NULL) return -1;
-    float *xst = (float *)(xt2 + Kp / 2 * Mp);
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xm = x + m * x_stride;
-        for (int64_t k = 0; k < K; k++) xt2[k / 2 * Mp + m] |= (uint32_t)xm[k] << (16 * (k & 1));
-        for (int g = 0; g < G; g++) xst[g * Mp + m] = xs[m * G + g];
-    }
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
-    {
-        uint16_t *wr = (uint16_t *)malloc((size_t)(NT * Kp) * sizeof(uint16_t));
-        if (wr == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            const int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
-            if (wr == NULL) continue;
-            for (int n = n0; n < n1; n++)
-                for (int64_t k = 0; k < Kp; k += 32)
-                    _mm512_storeu_si512(wr + (n - n0) * Kp + k,
-                                        (__m512i)block_bh(w + n * row_bytes + k / 32 * bits * 4, bits));
-            for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-                int n = n0;
-                for (; n + GR_BH <= n1; n += GR_BH)
-                    gemm_block_bh(xt2, xst, Mp, M, Kp, wr + (n - n0) * Kp, G, group, bits, scale, zero, m0,
-                                  GR_BH, bias, y, yd, N, n);
-                for (; n < n1; n++)
-                    gemm_block_bh(xt2, xst, Mp, M, Kp, wr + (n - n0) * Kp, G, group, bits, scale, zero, m0, 1,
-                                  bias, y, yd, N, n);
-            }
-        }
-        free(wr);
-    }
-    free(xt2);
-    return failed ? -1 : 0;
 }
 
 #endif

@@ -14,7 +14,10 @@ extern "C" {
     int loramux_wq_linear_##isa(const void *x, int64_t x_stride, int xd, const uint8_t *w,        \
                                 int bits, const float *scale, const float *zero, int G, int group, \
                                 const float *bias, void *y, int yd, int64_t M, int N, int K,      \
-                                int Kp, int nthreads);
+                                int Kp, int nthreads);                                            \
+    void loramux_wq_dequantize_##isa(const uint8_t *w, int bits, const float *scale,               \
+                                     const float *zero, int G, int group, int n0, int n1, int K,   \
+                                     int Kp, void *out, int od, int nthreads);
 
 LMX_DECLARE_WQ(scalar)
 #ifdef LMX_HAVE_AVX2

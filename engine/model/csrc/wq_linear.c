@@ -20,8 +20,10 @@
  * copied to an fp32 [M, Kp] buffer; y (fp32 or bf16, rounded once) is contiguous [M, N]; bias
  * fp32 [N] or NULL.
  *
- * In the ISA variant built with AVX512_BF16, bf16 x takes wq_bf16.h's native bf16 dot products
- * instead (the same weight layout; x repacked once per call), below and from GEMM_MIN_M rows.
+ * In the ISA variant built with AVX512_BF16, bf16 x below GEMM_MIN_M rows takes wq_bf16.h's
+ * native bf16 dot products instead (the same weight layout; x repacked once per call). From
+ * DENSE_MIN_M rows of bf16 x quant_ops.cpp does not call this kernel: it dequantizes W a band of
+ * rows at a time (loramux_wq_dequantize, below) and hands each band to oneDNN's bf16 GEMM.
  *
  * Threads split the output rows in tiles of NT when the call has PARALLEL_MIN_MACS of work
  * (a decode call of 128 x 1024 weights and more: a decode step reads its weights from DRAM, and
@@ -42,6 +44,13 @@
  * (nr rows on, the same k) are prefetched as a tile reads its own, so their lines are in flight
  * while it computes (a tile's rows are too short a stream for the hardware prefetcher) */
 #define PREFETCH_ROWS_AHEAD(p, nr, row_bytes) _mm_prefetch((const char *)(p) + (nr) * (row_bytes), _MM_HINT_T0)
+
+/* stored value k of a row */
+static inline int stored(const uint8_t *row, int bits, int64_t k) {
+    if (bits == 8) return (int8_t)row[k];
+    uint8_t b = row[k / 32 * 16 + (k % 32) % 16];
+    return (k % 32) < 16 ? (b & 15) : (b >> 4);
+}
 
 #if defined(__AVX512F__)
 #define WL 16 /* lanes */
@@ -142,13 +151,7 @@ static inline __attribute__((always_inline)) void tile(const float *xp, int64_t 
         for (int r = 0; r < nr; r++) out[m][r] = VHSUM(tot[m][r]) - corr[m][r];
 }
 #else
-/* the plain C tile: value k of a row, then the same sums one lane at a time */
-static inline int stored(const uint8_t *row, int bits, int64_t k) {
-    if (bits == 8) return (int8_t)row[k];
-    uint8_t b = row[k / 32 * 16 + (k % 32) % 16];
-    return (k % 32) < 16 ? (b & 15) : (b >> 4);
-}
-
+/* the plain C tile: value k of a row (stored), then the same sums one lane at a time */
 static void tile(const float *xp, int64_t Kp, const float *xs, const uint8_t *w, int64_t row_bytes,
                  int bits, const float *scale, const float *zero, int G, int group, int n0, int nr,
                  int mr, float out[MR][2]) {
@@ -199,6 +202,62 @@ static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, c
                 }
         }
     }
+}
+
+/* W rows n0..n1 dequantized, (stored - zero) * scale in fp32, into out [n1 - n0, K]: fp32 (od 0)
+ * or bf16 rounded once (od 1) -- the band the large-M path hands to oneDNN (quant_ops.cpp) */
+#if defined(__AVX512F__)
+static inline void store_deq(void *out, int od, int64_t i, __m512 v) {
+    if (od == 0) {
+        _mm512_storeu_ps((float *)out + i, v);
+        return;
+    }
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(v)); /* RNE */
+#else
+    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1); /* as f32_to_bf16 */
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), one),
+                                                     _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
+}
+#elif defined(WL)
+static inline void store_deq(void *out, int od, int64_t i, __m256 v) {
+    vstore(out, od, i, od == 0 ? v : vround_bf16(v));
+}
+#endif
+
+static void dequant_row(const uint8_t *row, int bits, const float *scale, const float *zero, int G,
+                        int group, int K, void *out, int od) {
+    for (int g = 0; g < G; g++) {
+        const float s = scale[g], z = zero ? zero[g] : (bits == 4 ? 8.0f : 0.0f);
+        const int k1 = (g + 1) * group < K ? (g + 1) * group : K;
+        int k = g * group;
+#ifdef WL
+        const vf vs = VSET(s), vz = VSET(z);
+        for (; k + 32 <= k1; k += 32) {
+            vf wv[NV];
+            widen(row + k / 32 * bits * 4, bits, wv);
+            for (int i = 0; i < NV; i++) store_deq(out, od, k + XOFF[i], VDEQ(wv[i], vz, vs));
+        }
+#endif
+        for (; k < k1; k++) { /* the scalar variant, and a row's last values past a block of 32 */
+            const float v = ((float)stored(row, bits, k) - z) * s;
+            if (od == 0) ((float *)out)[k] = v;
+            else ((uint16_t *)out)[k] = f32_to_bf16(v);
+        }
+    }
+}
+
+void LMX_FN(loramux_wq_dequantize)(const uint8_t *w, int bits, const float *scale, const float *zero,
+                                   int G, int group, int n0, int n1, int K, int Kp, void *out, int od,
+                                   int nthreads) {
+    const int64_t row_bytes = (int64_t)Kp * bits / 8, esize = od == 0 ? 4 : 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if ((int64_t)(n1 - n0) * K >= PARALLEL_MIN_MACS)
+    for (int n = n0; n < n1; n++)
+        dequant_row(w + n * row_bytes, bits, scale + (int64_t)n * G, zero ? zero + (int64_t)n * G : NULL, G,
+                    group, K, (char *)out + (n - n0) * K * esize, od);
 }
 
 #include "wq_bf16.h" /* the avx512bf16 variant's bf16-activation tile (rows_tile_bh) */
@@ -302,14 +361,6 @@ int LMX_FN(loramux_wq_linear)(const void *x, int64_t x_stride, int xd, const uin
         for (int64_t k = 0; k < Kp; k++) xs[m * G + k / group] += xp[m * Kp + k];
     }
     const int tiles = (N + NT - 1) / NT;
-#ifdef LMX_WQ_BH
-    if (xd == 1 && M >= GEMM_MIN_M) { /* bf16 x, prefill: the bf16 GEMM over exact bf16 weights */
-        int rc = gemm_call_bh((const uint16_t *)x, x_stride, xs, M, K, Kp, w, bits, scale, zero, G, group, bias,
-                              y, yd, N, tiles, nthreads);
-        free(xp);
-        return rc;
-    }
-#endif
 #ifdef WL
     if (M >= GEMM_MIN_M) {
         int rc = gemm_call(xp, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, K, tiles, nthreads);

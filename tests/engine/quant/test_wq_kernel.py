@@ -1,6 +1,7 @@
 """The compiled weight-only linear (``loramux::wq_linear``, csrc/wq_linear.c) against the
 dequantize-then-matmul reference, in every ISA variant this CPU runs: int4 / int8, symmetric
-and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x (both of its paths), odd output and
+and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x (the kernel's decode
+tiles below 32 rows; from 32 its GEMM for fp32 x, dequantized bands through oneDNN for bf16), odd output and
 input sizes, fp32 and bf16 activations; its layout, its fake implementation, its refusals and
 its wiring into the compressed-tensors layers (the torch path stays the fallback)."""
 
@@ -22,7 +23,7 @@ from loramux.engine.model.quant.int_packed import (
 )
 
 SHAPES = [(32, 96), (64, 128), (128, 256), (None, 100), (None, 67), (None, 32)]  # (group, K)
-ROWS = (1, 2, 3, 17, 33, 64)  # from 32 rows the kernel dequantizes a tile once, then a GEMM
+ROWS = (1, 2, 3, 17, 31, 32, 33, 64)  # from 32 rows: the kernel's GEMM (fp32 x), oneDNN bands (bf16)
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, symmetric: bool, seed: int = 0):
@@ -60,8 +61,13 @@ def test_kernel_equals_dequantize_then_matmul(isa, bits, group, k, symmetric):
                 exact = (x.double().abs() @ ref.double().abs().T).max().item()  # error scale
                 if dtype == torch.float32:
                     torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * exact)
-                else:  # one bf16 rounding of the fp32 sum
+                elif m < 32:  # one bf16 rounding of the fp32 sum (the kernel)
                     torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-5 * exact)
+                else:  # the band holds the weights a bf16 checkpoint holds (each rounded once);
+                    # the product is rounded to bf16 before the bias is added (an ulp of it)
+                    want = torch.nn.functional.linear(x.double(), ref.to(torch.bfloat16).double(),
+                                                      bias.double() if m % 2 else None)
+                    torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=2 ** -8 * exact)
 
 
 @pytest.mark.parametrize("isa", ISAS)
