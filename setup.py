@@ -28,7 +28,8 @@ CSRC = "engine/model/csrc"
 KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c",
                                                   "wq_linear.c")]
 HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_prefill.h",
-                                         "sgmv_shrink.h", "sgmv_bf16.h", "wq_kernels.h", "wq_bf16.h")]
+                                         "sgmv_shrink.h", "sgmv_bf16.h", "wq_kernels.h", "wq_bf16.h",
+                                         "wq_dequant.h")]
 C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]
 """Flags of every kernel object. OpenMP: the process's libgomp at run time is torch's own."""
 

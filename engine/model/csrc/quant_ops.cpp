@@ -1,6 +1,7 @@
 // The weight-only int8 / int4 linear as a torch.library operator: torch.ops.loramux.wq_linear.
 //
-//   wq_linear(x [M, K] fp32/bf16, w uint8 [N, Kp * bits / 8], scale fp32 [N, G],
+//   wq_linear(x [M, K] fp32/bf16, w uint8 [N, Kp * bits / 8] (or float8_e4m3fn [N, Kp], bits 8),
+//             scale fp32 [N, G],
 //             zero fp32 [N, G]?, bias fp32 [N]?, bits, in_features K, group_size,
 //             out_dtype) -> y [M, N]
 //
@@ -57,7 +58,8 @@ constexpr int64_t BAND_ELEMS = int64_t{1} << 20;
 
 at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor& w,
                       const at::Tensor& scale, const std::optional<at::Tensor>& zero,
-                      const std::optional<at::Tensor>& bias, int64_t bits, int64_t K, int64_t Kp,
+                      const std::optional<at::Tensor>& bias, int64_t bits /* the kernels' code */,
+                      int64_t K, int64_t Kp,
                       int64_t group, int64_t G, int64_t N, at::ScalarType out_dtype) {
   const char* op = "wq_linear";
   const int64_t rows = std::min<int64_t>(N, std::max<int64_t>(16, BAND_ELEMS / K));
@@ -72,7 +74,7 @@ at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor&
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t r = std::min(rows, N - r0);
     at::Tensor wb = band.narrow(0, 0, r);
-    v.dequantize(w.data_ptr<uint8_t>(), static_cast<int>(bits), scale.data_ptr<float>(),
+    v.dequantize(static_cast<const uint8_t*>(w.data_ptr()), static_cast<int>(bits), scale.data_ptr<float>(),
                  zero.has_value() ? zero->data_ptr<float>() : nullptr, as_int(G, op, "G"),
                  as_int(group, op, "group_size"), as_int(r0, op, "N"), as_int(r0 + r, op, "N"),
                  as_int(K, op, "in_features"), as_int(Kp, op, "in_features"), wb.data_ptr(), od,
@@ -116,8 +118,12 @@ at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   check_cpu(w, op, "w");
   check_contiguous(w, op, "w");
   check_dim(w, 2, op, "w");
-  TORCH_CHECK(w.scalar_type() == at::kByte, "loramux::", op, ": w must be uint8, got ",
-              w.scalar_type());
+  const bool fp8 = w.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(w.scalar_type() == at::kByte || fp8, "loramux::", op,
+              ": w must be uint8 (packed integers) or float8_e4m3fn, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(!fp8 || (bits == 8 && !zero.has_value()), "loramux::", op,
+                    ": float8_e4m3fn weights take bits 8 and no zero");
+  const int code = fp8 ? LMX_WQ_FP8 : static_cast<int>(bits);  // the C kernels' `bits`
   const int64_t N = w.size(0), G = group_size ? K / group_size : 1;
   TORCH_CHECK(w.size(1) == Kp * bits / 8, "loramux::", op, ": w must be [N, ", Kp * bits / 8,
               "] (", Kp, " values of ", bits, " bits a row), got ", w.sizes());
@@ -128,10 +134,10 @@ at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   if (M == 0 || N == 0) return y;
   const WqVariant v = wq_variant();
   if (M >= DENSE_MIN_M && x.scalar_type() == at::kBFloat16)
-    return dense_call(v, x, w, scale, zero, bias, bits, K, Kp, group_size ? group_size : Kp, G, N,
+    return dense_call(v, x, w, scale, zero, bias, code, K, Kp, group_size ? group_size : Kp, G, N,
                       out_dtype);
   const int rc = v.linear(
-      x.data_ptr(), x.stride(0), xd, w.data_ptr<uint8_t>(), static_cast<int>(bits),
+      x.data_ptr(), x.stride(0), xd, static_cast<const uint8_t*>(w.data_ptr()), code,
       scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<float>() : nullptr,
       as_int(G, op, "the number of groups"), as_int(group_size ? group_size : Kp, op, "group_size"),
       bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr(), yd, M,

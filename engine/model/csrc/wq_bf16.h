@@ -13,7 +13,8 @@
  *         x is repacked once per call into that order (each 64 values of a group as
  *         x[0..15], x[32..47], x[16..31], x[48..63]; a group's lone last block, when its length
  *         is an odd number of blocks, stays in k order: its nibbles are put back in order).
- *   int8  int8 -> int32 -> fp32 -> bf16 (_mm512_cvtne2ps_pbh): exact for |q| <= 256, k order.
+ *   int8  int8 -> int32 -> fp32 -> bf16 (_mm512_cvtne2ps_pbh): exact for |q| <= 256, k order;
+ *   fp8   fp8_widen -> bf16, exact (4 significant bits, exponents within bf16's), k order.
  * The sums are fp32 as on the fp32-FMA path, in another order (and int4's through the offset
  * of 128): close to it, not bit-identical. Included by wq_linear.c only. */
 #ifndef LORAMUX_WQ_BF16_H
@@ -47,6 +48,9 @@ static void repack_x_bh(const uint16_t *x, int64_t x_stride, int64_t M, int K, i
 
 /* one block of 32 stored values (at p) as 32 bf16 lanes in k order */
 static inline __m512bh block_bh(const uint8_t *p, int bits) {
+    if (bits == LMX_WQ_FP8) /* an fp8 value has 4 significant bits: exact in bf16 */
+        return _mm512_cvtne2ps_pbh(fp8_widen(_mm_loadu_si128((const __m128i *)(p + 16))),
+                                   fp8_widen(_mm_loadu_si128((const __m128i *)p)));
     if (bits == 8) {
         __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
         __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
@@ -97,7 +101,7 @@ static inline __attribute__((always_inline)) void tile_bh(const uint16_t *xr, in
         for (; k < ge; k += 32) { /* int8, or int4's lone last block: k order */
             __m512bh wv[NR_BH];
             for (int r = 0; r < nr; r++) {
-                const uint8_t *p = w + (int64_t)(n0 + r) * row_bytes + k / 32 * bits * 4;
+                const uint8_t *p = w + (int64_t)(n0 + r) * row_bytes + k / 32 * LMX_WQ_WIDTH(bits) * 4;
                 PREFETCH_ROWS_AHEAD(p, nr, row_bytes);
                 wv[r] = block_bh(p, bits);
             }
@@ -124,7 +128,7 @@ static inline __attribute__((always_inline)) void tile_bh(const uint16_t *xr, in
 static void rows_tile_bh(const uint16_t *xr, const float *xs, int64_t M, int64_t Kp, const uint8_t *w,
                          int bits, const float *scale, const float *zero, int G, int group,
                          const float *bias, void *y, int yd, int N, int n0, int n1) {
-    const int64_t row_bytes = Kp * bits / 8;
+    const int64_t row_bytes = Kp * LMX_WQ_WIDTH(bits) / 8;
     float out[MR][NR_BH];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = M - m0 < MR ? (int)(M - m0) : MR;

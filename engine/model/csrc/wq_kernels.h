@@ -10,6 +10,11 @@
 extern "C" {
 #endif
 
+/* `bits` is 4 or 8 (integers) or LMX_WQ_FP8: float8_e4m3fn weights, one byte each in k order as
+ * int8's (scale per row, no zero point) */
+#define LMX_WQ_FP8 9
+#define LMX_WQ_WIDTH(bits) ((bits) == LMX_WQ_FP8 ? 8 : (bits)) /* bits a weight */
+
 #define LMX_DECLARE_WQ(isa)                                                                       \
     int loramux_wq_linear_##isa(const void *x, int64_t x_stride, int xd, const uint8_t *w,        \
                                 int bits, const float *scale, const float *zero, int G, int group, \

@@ -3,6 +3,7 @@
  * W is read in the kernel's own layout (repacked once at load, int_packed.py's
  * ``kernel_layout``): each row holds Kp = K rounded up to 32 values as blocks of 32,
  *   int8  32 signed bytes q[k] in k order;
+ *   fp8   32 float8_e4m3fn bytes in k order (bits = LMX_WQ_FP8; widened exactly, zero 0);
  *   int4  16 bytes, byte j = u[j] | u[j + 16] << 4 (u = q + 8, unsigned), so one 16-byte load
  *         widened to 16 lanes gives k 0..15 (low nibbles) and k 16..31 (high nibbles).
  * The padding values of a row are multiplied by zero activations (the x buffer is padded).
@@ -30,6 +31,7 @@
  * one thread alone streams too few of them; the pool's fork costs a few microseconds).
  * Returns 0, or -1 when a work buffer cannot be allocated.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,11 +47,19 @@
  * while it computes (a tile's rows are too short a stream for the hardware prefetcher) */
 #define PREFETCH_ROWS_AHEAD(p, nr, row_bytes) _mm_prefetch((const char *)(p) + (nr) * (row_bytes), _MM_HINT_T0)
 
+/* a float8_e4m3fn byte's value, exactly: (8 + m) 2^(e - 10), subnormal m 2^-9, 0x7f: NaN */
+static inline float fp8_value(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = (e == 15 && m == 7) ? NAN : e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+    return (b & 0x80) ? -v : v;
+}
+
 /* stored value k of a row */
-static inline int stored(const uint8_t *row, int bits, int64_t k) {
-    if (bits == 8) return (int8_t)row[k];
+static inline float stored(const uint8_t *row, int bits, int64_t k) {
+    if (bits == 8) return (float)(int8_t)row[k];
+    if (bits == LMX_WQ_FP8) return fp8_value(row[k]);
     uint8_t b = row[k / 32 * 16 + (k % 32) % 16];
-    return (k % 32) < 16 ? (b & 15) : (b >> 4);
+    return (float)((k % 32) < 16 ? (b & 15) : (b >> 4));
 }
 
 #if defined(__AVX512F__)
@@ -63,7 +73,23 @@ typedef __m512 vf;
 #define VDEQ(v, z, s) _mm512_mul_ps(_mm512_sub_ps(v, z), s)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 static const int XOFF[32 / WL] = {0, 16}; /* k offset of each widened vector of a block */
+/* 16 float8_e4m3fn bytes as fp32 lanes, exactly (fp8_value): the exponent and mantissa bits
+ * moved to fp32's, the exponent rebiased (+120); subnormals m 2^-9; NaN; the sign */
+static inline __m512 fp8_widen(__m128i bytes) {
+    const __m512i b = _mm512_cvtepi8_epi32(bytes), mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+    v = _mm512_mask_mul_ps(v, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_cvtepi32_ps(mag),
+                           _mm512_set1_ps(1.0f / 512));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), _mm512_set1_ps(NAN));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
+                                               _mm512_and_si512(b, _mm512_set1_epi32((int)0x80000000u))));
+}
 static inline void widen(const uint8_t *p, int bits, vf *o) { /* one block: o[32 / WL] */
+    if (bits == LMX_WQ_FP8) {
+        o[0] = fp8_widen(_mm_loadu_si128((const __m128i *)p));
+        o[1] = fp8_widen(_mm_loadu_si128((const __m128i *)(p + 16)));
+        return;
+    }
     if (bits == 8) {
         o[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
         o[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
@@ -85,10 +111,22 @@ typedef __m256 vf;
 #define VHSUM(v) hsum8(v)
 static const int XOFF[32 / WL] = {0, 16, 8, 24};
 static inline __m128i load8(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
+/* 8 float8_e4m3fn bytes as fp32 lanes, exactly (as the AVX-512 fp8_widen) */
+static inline __m256 fp8_widen(__m128i bytes) {
+    const __m256i b = _mm256_cvtepi8_epi32(bytes), mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+    __m256 v = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512));
+    v = _mm256_blendv_ps(v, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN),
+                         _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
+    return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0x80000000u))));
+}
 static inline void widen(const uint8_t *p, int bits, vf *o) {
-    if (bits == 8) {
-        for (int i = 0; i < 4; i++) /* k order: offsets 0, 8, 16, 24 -> o[0], o[2], o[1], o[3] */
-            o[(i & 1) * 2 + (i >> 1)] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 8 * i)));
+    if (bits == 8 || bits == LMX_WQ_FP8) {
+        for (int i = 0; i < 4; i++) { /* k order: offsets 0, 8, 16, 24 -> o[0], o[2], o[1], o[3] */
+            const __m128i b = load8(p + 8 * i);
+            o[(i & 1) * 2 + (i >> 1)] = bits == 8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)) : fp8_widen(b);
+        }
         return;
     }
     for (int h = 0; h < 2; h++) { /* bytes 8h..8h+7: k 8h.. (low) and 16 + 8h.. (high) */
@@ -119,7 +157,7 @@ static inline __attribute__((always_inline)) void tile(const float *xp, int64_t 
     float corr[MR][2] = {{0}};
     for (int m = 0; m < mr; m++)
         for (int r = 0; r < nr; r++) tot[m][r] = VZERO();
-    const int bpb = bits * 4; /* bytes per block */
+    const int bpb = LMX_WQ_WIDTH(bits) * 4; /* bytes per block */
     for (int g = 0; g < G; g++) {
         vf acc[MR][2];
         for (int m = 0; m < mr; m++)
@@ -163,7 +201,7 @@ static void tile(const float *xp, int64_t Kp, const float *xs, const uint8_t *w,
             float s = scale[(int64_t)(n0 + r) * G + g];
             float z = zero ? zero[(int64_t)(n0 + r) * G + g] : (bits == 4 ? 8.0f : 0.0f);
             for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k++) {
-                float wk = ((float)stored(row, bits, k) - z) * s;
+                float wk = (stored(row, bits, k) - z) * s;
                 for (int m = 0; m < mr; m++) acc[m] += xp[m * Kp + k] * wk;
             }
         }
@@ -177,7 +215,7 @@ static void tile(const float *xp, int64_t Kp, const float *xs, const uint8_t *w,
 static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, const uint8_t *w, int bits,
                       const float *scale, const float *zero, int G, int group, const float *bias,
                       void *y, int yd, int N, int n0, int n1) {
-    const int64_t row_bytes = Kp * bits / 8;
+    const int64_t row_bytes = Kp * LMX_WQ_WIDTH(bits) / 8;
     float out[MR][2];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = M - m0 < MR ? (int)(M - m0) : MR;
@@ -204,61 +242,7 @@ static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, c
     }
 }
 
-/* W rows n0..n1 dequantized, (stored - zero) * scale in fp32, into out [n1 - n0, K]: fp32 (od 0)
- * or bf16 rounded once (od 1) -- the band the large-M path hands to oneDNN (quant_ops.cpp) */
-#if defined(__AVX512F__)
-static inline void store_deq(void *out, int od, int64_t i, __m512 v) {
-    if (od == 0) {
-        _mm512_storeu_ps((float *)out + i, v);
-        return;
-    }
-#if defined(__AVX512BF16__)
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(v)); /* RNE */
-#else
-    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1); /* as f32_to_bf16 */
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), one),
-                                                     _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-#endif
-}
-#elif defined(WL)
-static inline void store_deq(void *out, int od, int64_t i, __m256 v) {
-    vstore(out, od, i, od == 0 ? v : vround_bf16(v));
-}
-#endif
-
-static void dequant_row(const uint8_t *row, int bits, const float *scale, const float *zero, int G,
-                        int group, int K, void *out, int od) {
-    for (int g = 0; g < G; g++) {
-        const float s = scale[g], z = zero ? zero[g] : (bits == 4 ? 8.0f : 0.0f);
-        const int k1 = (g + 1) * group < K ? (g + 1) * group : K;
-        int k = g * group;
-#ifdef WL
-        const vf vs = VSET(s), vz = VSET(z);
-        for (; k + 32 <= k1; k += 32) {
-            vf wv[NV];
-            widen(row + k / 32 * bits * 4, bits, wv);
-            for (int i = 0; i < NV; i++) store_deq(out, od, k + XOFF[i], VDEQ(wv[i], vz, vs));
-        }
-#endif
-        for (; k < k1; k++) { /* the scalar variant, and a row's last values past a block of 32 */
-            const float v = ((float)stored(row, bits, k) - z) * s;
-            if (od == 0) ((float *)out)[k] = v;
-            else ((uint16_t *)out)[k] = f32_to_bf16(v);
-        }
-    }
-}
-
-void LMX_FN(loramux_wq_dequantize)(const uint8_t *w, int bits, const float *scale, const float *zero,
-                                   int G, int group, int n0, int n1, int K, int Kp, void *out, int od,
-                                   int nthreads) {
-    const int64_t row_bytes = (int64_t)Kp * bits / 8, esize = od == 0 ? 4 : 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if ((int64_t)(n1 - n0) * K >= PARALLEL_MIN_MACS)
-    for (int n = n0; n < n1; n++)
-        dequant_row(w + n * row_bytes, bits, scale + (int64_t)n * G, zero ? zero + (int64_t)n * G : NULL, G,
-                    group, K, (char *)out + (n - n0) * K * esize, od);
-}
+#include "wq_dequant.h" /* loramux_wq_dequantize: bands of W for quant_ops.cpp's oneDNN path */
 
 #include "wq_bf16.h" /* the avx512bf16 variant's bf16-activation tile (rows_tile_bh) */
 
@@ -300,14 +284,14 @@ static inline __attribute__((always_inline)) void gemm_block(const float *xt, in
 static void rows_tile_gemm(const float *xt, int64_t Mp, int64_t M, int64_t Kp, const uint8_t *w,
                            int bits, const float *scale, const float *zero, int G, int group,
                            const float *bias, void *y, int yd, int N, int n0, int n1, float *wr) {
-    const int64_t row_bytes = Kp * bits / 8;
+    const int64_t row_bytes = Kp * LMX_WQ_WIDTH(bits) / 8;
     for (int n = n0; n < n1; n++)
         for (int g = 0; g < G; g++) {
             const int64_t at = (int64_t)n * G + g;
             const vf s = VSET(scale[at]), z = VSET(zero ? zero[at] : (bits == 4 ? 8.0f : 0.0f));
             for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k += 32) {
                 vf wv[NV];
-                widen(w + n * row_bytes + k / 32 * bits * 4, bits, wv);
+                widen(w + n * row_bytes + k / 32 * LMX_WQ_WIDTH(bits) * 4, bits, wv);
                 for (int i = 0; i < NV; i++) VSTORE(wr + (n - n0) * Kp + k + XOFF[i], VDEQ(wv[i], z, s));
             }
         }

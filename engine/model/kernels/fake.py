@@ -183,7 +183,11 @@ def wq_linear(x, w, scale, zero, bias, bits, in_features, group_size, out_dtype)
     kp = -(-in_features // 32) * 32
     _dim(w, 2, op, "w")
     _contiguous(w, op, "w")
-    _check(w.dtype == torch.uint8, op, f"w must be uint8, got {w.dtype}")
+    fp8 = w.dtype == torch.float8_e4m3fn
+    _check(w.dtype == torch.uint8 or fp8, op,
+           f"w must be uint8 (packed integers) or float8_e4m3fn, got {w.dtype}")
+    torch._check_value(not fp8 or (bits == 8 and zero is None),
+                       lambda: f"loramux::{op}: float8_e4m3fn weights take bits 8 and no zero")
     _check(w.shape[1] == kp * bits // 8, op, f"w must be [N, {kp * bits // 8}], got {tuple(w.shape)}")
     groups = in_features // group_size if group_size else 1
     for name, t in (("scale", scale), ("zero", zero)):

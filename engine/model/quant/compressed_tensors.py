@@ -48,6 +48,7 @@ from loramux.engine.model.quant.fp8 import (
 from loramux.engine.model.quant.int_packed import (
     PACKED_BITS,
     dequantize_int,
+    fp8_kernel_layout,
     kernel_apply,
     kernel_dequantize,
     kernel_fits,
@@ -232,7 +233,9 @@ class CompressedTensorsMethod(WeightOnlyMethod):
 
     def _fp8_linear(self, modules: Sequence[str], scheme: FloatScheme, take: Take,
                     bias: torch.Tensor | None, shapes: Sequence[Shape], dtype: torch.dtype):
-        """A projection of FP8 weights (``fp8.py``), dequantized a band of rows at a time."""
+        """A projection of FP8 weights (``fp8.py``): on the CPU the compiled kernel's layout
+        (``loramux::wq_linear`` widens each byte exactly), elsewhere a band of rows dequantized
+        at a time."""
         parts = [read_fp8(m, scheme, shape, take, self._bad) for m, shape in zip(modules, shapes,
                                                                                   strict=True)]
         in_features = {p["weight"].shape[1] for p in parts}
@@ -241,21 +244,27 @@ class CompressedTensorsMethod(WeightOnlyMethod):
                                  f"input features {sorted(in_features)}")
         params = {n: torch.cat([p[n] for p in parts]) if len(parts) > 1 else parts[0][n]
                   for n in parts[0]}
-        if (scheme, "fp8") not in self._logged:
-            self._logged.add((scheme, "fp8"))
+        out = params["weight"].shape[0]
+        # the kernel's layout only; but a float32 model of 16-bit scales keeps the torch path:
+        # the library rounds each weight to the scales' dtype, the kernel's float32 sums do not
+        rounds = dtype == torch.float32 and params["weight_scale"].dtype != torch.float32
+        if not rounds and self._runs_kernel(scheme, params["weight"].device):
+            params = fp8_kernel_layout(params["weight"], params["weight_scale"])
+        elif (scheme, "fp8-torch") not in self._logged:
+            self._logged.add((scheme, "fp8-torch"))
             logger.info("quantized linears (%s): torch dequantize-then-matmul, a band of rows at "
                         "a time into %s", scheme.describe(), dtype)
-        return QuantLinear(self, params, bias, out_features=params["weight"].shape[0],
-                           in_features=in_features.pop(), dtype=dtype, scheme=scheme)
+        return QuantLinear(self, params, bias, out_features=out, in_features=in_features.pop(),
+                           dtype=dtype, scheme=scheme)
 
-    def _runs_kernel(self, scheme: IntScheme, device: torch.device) -> bool:
+    def _runs_kernel(self, scheme: IntScheme | FloatScheme, device: torch.device) -> bool:
         """Whether this projection runs the compiled kernel (``loramux::wq_linear``); logs
         once per scheme which path runs (without it the torch dequantize-then-matmul runs instead)."""
         if device.type != "cpu":
             return False
+        group = getattr(scheme, "group_size", None)  # FP8: per channel or per tensor
         why = (f"CPU kernels {loader.status().state}" if not loader.available()
-               else None if kernel_fits(scheme.group_size)
-               else f"group size {scheme.group_size} is not a multiple of 32")
+               else None if kernel_fits(group) else f"group size {group} is not a multiple of 32")
         note = (f"torch dequantize-then-matmul ({why})" if why
                 else f"loramux::wq_linear ({loader.status().isa} variant)")
         if (scheme, note) not in self._logged:
@@ -325,13 +334,15 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         else the torch path (dequantize a band, matmul), the reference."""
         if ("kernel_weight" in layer.params and x.device.type == "cpu" and loader.available()
                 and x.dtype in KERNEL_DTYPES and layer.dtype in KERNEL_DTYPES):
-            scheme: IntScheme = layer.scheme
-            return kernel_apply(layer.params, scheme.num_bits, layer.in_features, scheme.group_size,
-                                x, layer.bias, layer.dtype)
+            scheme: IntScheme | FloatScheme = layer.scheme
+            return kernel_apply(layer.params, scheme.num_bits, layer.in_features,
+                                getattr(scheme, "group_size", None), x, layer.bias, layer.dtype)
         return super().apply(layer, x)
 
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
         if isinstance(layer.scheme, FloatScheme):
+            if "kernel_weight" in layer.params:  # the kernel's layout
+                return kernel_dequantize(layer.params, 8, layer.in_features, None, start, stop)
             return dequantize_fp8_rows(layer.params, start, stop)
         scheme: IntScheme = layer.scheme
         if "kernel_weight" in layer.params:  # repacked at load for the kernel

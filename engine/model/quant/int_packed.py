@@ -78,12 +78,28 @@ def kernel_layout(values: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     return out
 
 
+def fp8_kernel_layout(weight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """FP8 weights [n, in] (float8_e4m3fn) and their per-row scales [n, 1] in the kernel's layout:
+    ``kernel_weight`` float8_e4m3fn [n, kp] (zero padded, k order as int8's),
+    ``kernel_scale`` float32 [n, 1] (no zero point) and ``scale_dtype``, an empty tensor of the
+    checkpoint scales' dtype: the dtype the library dequantizes in (``kernel_dequantize``)."""
+    n, k = weight.shape
+    kp = -(-k // KERNEL_BLOCK) * KERNEL_BLOCK
+    w = torch.zeros(n, kp, dtype=torch.uint8)
+    w[:, :k] = weight.view(torch.uint8)
+    return {"kernel_weight": w.view(weight.dtype), "kernel_scale": scale.float().reshape(n, 1).contiguous(),
+            "scale_dtype": torch.empty(0, dtype=scale.dtype)}
+
+
 def kernel_dequantize(params: dict[str, torch.Tensor], num_bits: int, in_features: int,
                       group_size: int | None, start: int, stop: int) -> torch.Tensor:
     """Rows ``start:stop`` of a weight in the kernel's layout, dequantized as the kernel does
-    (``(stored - zero) * scale`` in float32): [stop - start, in]."""
+    (``(stored - zero) * scale`` in float32; FP8: in the checkpoint scales' dtype, as the
+    library): [stop - start, in]."""
     w = params["kernel_weight"][start:stop]  # [r, kp·bits/8]
     r = w.shape[0]
+    if w.dtype == torch.float8_e4m3fn:  # fp8_kernel_layout: the exact product, rounded once
+        return (w[:, :in_features].float() * params["kernel_scale"][start:stop]).to(params["scale_dtype"].dtype)
     if num_bits == 8:
         u = w.view(torch.int8).to(torch.int32)  # [r, kp]
     else:
@@ -103,7 +119,8 @@ def kernel_apply(params: dict[str, torch.Tensor], num_bits: int, in_features: in
                  group_size: int | None, x: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
     """``x @ W.T + b`` by the compiled kernel (``torch.ops.loramux.wq_linear``): x [T, in]
-    float32 or bfloat16 on the CPU → [T, out] ``out_dtype``, accumulated in float32."""
+    float32 or bfloat16 on the CPU → [T, out] ``out_dtype``, accumulated in float32; an FP8
+    layout (``fp8_kernel_layout``) with ``num_bits`` 8."""
     from loramux.engine.model.kernels import ops
 
     if x.stride(-1) != 1:

@@ -50,10 +50,14 @@ def test_fp8_matches_the_library(name, tmp_path, default_model_dir, caplog):
     model = llm.llm_engine.model
     assert check_engine_weights(model, ref_weights) == set(ref_weights)
     qkv = model.layers[0].qkv
-    assert qkv.params["weight"].dtype == torch.float8_e4m3fn  # one byte a weight in memory
     bias = qkv.bias.numel() * qkv.bias.element_size() if qkv.bias is not None else 0
-    scale = qkv.params["weight_scale"].element_size()
-    assert qkv.nbytes - bias == qkv.out_features * (qkv.in_features + scale)
+    if "kernel_weight" in qkv.params:  # the CPU kernel's layout: rows padded to 32, fp32 scales
+        weight, scale = qkv.params["kernel_weight"], qkv.params["kernel_scale"]
+        assert weight.shape == (qkv.out_features, -(-qkv.in_features // 32) * 32)
+    else:
+        weight, scale = qkv.params["weight"], qkv.params["weight_scale"]
+    assert weight.dtype == torch.float8_e4m3fn  # one byte a weight in memory
+    assert qkv.nbytes - bias == qkv.out_features * (weight.shape[1] + scale.element_size())
     prompts = peft_prompts(default_model_dir, 60)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -17,6 +17,7 @@ from loramux.engine.model.quant import base
 from loramux.engine.model.quant.compressed_tensors import CompressedTensorsMethod, IntScheme
 from loramux.engine.model.quant.int_packed import (
     dequantize_int,
+    fp8_kernel_layout,
     kernel_apply,
     kernel_dequantize,
     kernel_layout,
@@ -56,18 +57,55 @@ def test_kernel_equals_dequantize_then_matmul(isa, bits, group, k, symmetric):
                 x = torch.randn(m, k).to(dtype)
                 y = kernel_apply(params, bits, k, group, x, bias if m % 2 else None, dtype)
                 assert y.shape == (m, n) and y.dtype == dtype
-                want = torch.nn.functional.linear(x.double(), ref.double(),
-                                                  bias.double() if m % 2 else None)
-                exact = (x.double().abs() @ ref.double().abs().T).max().item()  # error scale
-                if dtype == torch.float32:
-                    torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * exact)
-                elif m < 32:  # one bf16 rounding of the fp32 sum (the kernel)
-                    torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-5 * exact)
-                else:  # the band holds the weights a bf16 checkpoint holds (each rounded once);
-                    # the product is rounded to bf16 before the bias is added (an ulp of it)
-                    want = torch.nn.functional.linear(x.double(), ref.to(torch.bfloat16).double(),
-                                                      bias.double() if m % 2 else None)
-                    torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=2 ** -8 * exact)
+                _close(y, x, ref, bias if m % 2 else None, dtype, m)
+
+
+def _close(y, x, w, bias, dtype, m):
+    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below 32 rows, one bf16
+    rounding of the fp32 sum (the kernel); from 32, the band holds the weights a bf16 checkpoint
+    holds (each rounded once) and the product is rounded to bf16 before the bias is added."""
+    want = torch.nn.functional.linear(x.double(), w.double(), bias.double() if bias is not None else None)
+    exact = (x.double().abs() @ w.double().abs().T).max().item()
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * exact)
+    elif m < 32:
+        torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-5 * exact)
+    else:
+        want = torch.nn.functional.linear(x.double(), w.to(torch.bfloat16).double(),
+                                          bias.double() if bias is not None else None)
+        torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=2 ** -8 * exact)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_weights_widen_exactly(isa):
+    """float8_e4m3fn weights: every byte but NaN (subnormals, zeros, both signs, the largest),
+    odd input features (a padded last block), per-row scales; NaN bytes give NaN rows."""
+    n, k = 39, 100
+    g = torch.Generator().manual_seed(3)
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F]  # not NaN
+    raw = codes[torch.randint(0, codes.numel(), (n, k), generator=g)].to(torch.uint8)
+    raw[0, :codes.numel() % k] = codes[: codes.numel() % k].to(torch.uint8)
+    weight = raw.view(torch.float8_e4m3fn)
+    scale = torch.rand(n, 1, generator=g) * 0.05 + 0.005
+    params = fp8_kernel_layout(weight, scale)
+    ref = weight.float() * scale  # [n, k]: the library's rule in float32
+    assert torch.equal(kernel_dequantize(params, 8, k, None, 0, n), ref)
+    bias = torch.randn(n)
+    with forced_isa(isa):
+        for m in ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k).to(dtype)
+                b = bias if m % 2 else None
+                y = kernel_apply(params, 8, k, None, x, b, dtype)
+                assert y.shape == (m, n) and y.dtype == dtype
+                _close(y, x, ref, b, dtype, m)
+        nan = params["kernel_weight"].view(torch.uint8).clone()
+        nan[5, 7] = 0x7F
+        for m in (1, 40):
+            y = kernel_apply(dict(params, kernel_weight=nan.view(torch.float8_e4m3fn)), 8, k, None,
+                             torch.randn(m, k), None, torch.float32)
+            assert torch.isnan(y[:, 5]).all() and not torch.isnan(y[:, 6]).any()
 
 
 @pytest.mark.parametrize("isa", ISAS)
