@@ -12,7 +12,8 @@ written here from its weights (576 input features: 128 does not divide them); th
 decode step is (time of 1 + n steps - time of 1 step) / n for 1 and 4 greedy sequences.
 ``--formats awq,gptq,fp8`` adds the same model as an AWQ GEMM and a GPTQ (v1) int4 g64
 checkpoint (W4A16, packed as their loaders read them; both repacked at load for the same
-kernel) and a compressed-tensors FP8 per-channel one (dequantized a band at a time).
+kernel) and a compressed-tensors FP8 per-channel one (the same kernel, each byte widened), each
+with float32 and bf16 activations.
 Serving (``bench.quantized_serving``, ``--serving N`` requests, 0 for none): the float32, bf16,
 W8A16 and W4A16 bases (the int checkpoints with bf16 activations) served with Poisson arrivals
 (``--rate``), mixed prompt lengths and 4 adapters, against the same requests on the base alone.
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             for fmt in filter(None, args.formats.split(",")):
                 name = {"awq": "awq_int4_g64", "gptq": "gptq_int4_g64", "fp8": "fp8_channel"}[fmt]
                 folders[name] = (write_other_format(src, Path(tmp) / fmt, fmt), "float32")
+                folders[name + "_bf16"] = (folders[name][0], "bfloat16")
             for name, (folder, dtype) in folders.items():
                 models[name] = decode_step(folder, dtype, steps)
             if args.serving:

@@ -7,8 +7,11 @@ A config group may declare ``input_activations`` (FP8 W8A8: dynamic, per token o
 tensor): this CPU has no FP8 math, so the activations stay in the model's dtype and only the
 weights are FP8 (the start-up log says so). Static activation scales (``input_scale``) and
 every other float scheme (other widths, groups, blocks, zero points) are refused naming the
-field. The matmul dequantizes a band of output rows at a time
-(:meth:`~loramux.engine.model.quant.base.WeightOnlyMethod.apply`): the weights stay one byte
+field. On the CPU the layer holds the compiled kernel's layout (``int_packed.fp8_kernel_layout``;
+``loramux::wq_linear`` widens each byte exactly), except a float32 model of 16-bit scales
+(the library rounds each weight to the scales' dtype; the kernel's float32 sums do not);
+elsewhere the matmul dequantizes a band of output rows at a time
+(:meth:`~loramux.engine.model.quant.base.WeightOnlyMethod.apply`). The weights stay one byte
 each in memory.
 """
 
