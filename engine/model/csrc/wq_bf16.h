@@ -14,7 +14,8 @@
  *         x[0..15], x[32..47], x[16..31], x[48..63]; a group's lone last block, when its length
  *         is an odd number of blocks, stays in k order: its nibbles are put back in order).
  *   int8  int8 -> int32 -> fp32 -> bf16 (_mm512_cvtne2ps_pbh): exact for |q| <= 256, k order;
- *   fp8   fp8_widen -> bf16, exact (4 significant bits, exponents within bf16's), k order.
+ *   fp8   bits moved to bf16's (fp8_block_bh), exact (4 significant bits, exponents within
+ *         bf16's), k order.
  * The sums are fp32 as on the fp32-FMA path, in another order (and int4's through the offset
  * of 128): close to it, not bit-identical. Included by wq_linear.c only. */
 #ifndef LORAMUX_WQ_BF16_H
@@ -46,11 +47,26 @@ static void repack_x_bh(const uint16_t *x, int64_t x_stride, int64_t M, int K, i
     }
 }
 
+/* bf16 bits of m 2^-9, m = 0..7: the float8_e4m3fn subnormals (a permutexvar table) */
+static const uint16_t FP8_SUBNORMAL_BF16[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+/* 32 float8_e4m3fn bytes as 32 bf16 lanes, exactly (wq_linear.c's fp8_value; an fp8 value has 4
+ * significant bits): the exponent and mantissa bits moved to bf16's, the exponent rebiased
+ * (+120); subnormals from the table; 0x7f NaN; the sign */
+static inline __m512bh fp8_block_bh(const uint8_t *p) {
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
+    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epi16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                      _mm512_loadu_si512((const void *)FP8_SUBNORMAL_BF16));
+    v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
+                              _mm512_set1_epi16(0x7fc0));
+    return (__m512bh)_mm512_or_si512(v, _mm512_and_si512(b, _mm512_set1_epi16((short)0x8000)));
+}
+
 /* one block of 32 stored values (at p) as 32 bf16 lanes in k order */
 static inline __m512bh block_bh(const uint8_t *p, int bits) {
-    if (bits == LMX_WQ_FP8) /* an fp8 value has 4 significant bits: exact in bf16 */
-        return _mm512_cvtne2ps_pbh(fp8_widen(_mm_loadu_si128((const __m128i *)(p + 16))),
-                                   fp8_widen(_mm_loadu_si128((const __m128i *)p)));
+    if (bits == LMX_WQ_FP8) return fp8_block_bh(p);
     if (bits == 8) {
         __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
         __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));

@@ -103,9 +103,10 @@ def test_fp8_weights_widen_exactly(isa):
         nan = params["kernel_weight"].view(torch.uint8).clone()
         nan[5, 7] = 0x7F
         for m in (1, 40):
-            y = kernel_apply(dict(params, kernel_weight=nan.view(torch.float8_e4m3fn)), 8, k, None,
-                             torch.randn(m, k), None, torch.float32)
-            assert torch.isnan(y[:, 5]).all() and not torch.isnan(y[:, 6]).any()
+            for dtype in (torch.float32, torch.bfloat16):
+                y = kernel_apply(dict(params, kernel_weight=nan.view(torch.float8_e4m3fn)), 8, k, None,
+                                 torch.randn(m, k).to(dtype), None, dtype)
+                assert torch.isnan(y[:, 5]).all() and not torch.isnan(y[:, 6]).any()
 
 
 @pytest.mark.parametrize("isa", ISAS)
