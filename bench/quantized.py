@@ -17,7 +17,7 @@ with float32 and bf16 activations.
 Serving (``bench.quantized_serving``, ``--serving N`` requests, 0 for none): the float32, bf16,
 W8A16 and W4A16 bases (the int checkpoints with bf16 activations) served with Poisson arrivals
 (``--rate``), mixed prompt lengths and 4 adapters, against the same requests on the base alone.
-Writes ``bench/results/quantized.json``.
+Writes ``bench/results/quantized.json`` and ``.png``.
 
     python -m bench.quantized [--threads 2] [--quick] [--formats awq,gptq,fp8] [--serving 16]
 """
@@ -290,8 +290,44 @@ def main(argv: list[str] | None = None) -> int:
         result["decode_step"] = models
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote bench/results/{args.out}.json")
+    if "decode_step" in result:
+        plot(result, RESULTS / f"{args.out}.png")
+    print(f"wrote bench/results/{args.out}.json (and .png)")
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """Decode step ms per base at batch 1 and 4 (speedup over bf16 above each bar) and, when the
+    serving run ran, its output tok/s with adapters and on the base alone."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models, serving = result["decode_step"], result.get("serving") or {}
+    serving = {n: r for n, r in serving.items() if isinstance(r, dict) and "lora" in r}
+    fig, axes = plt.subplots(1, 2 if serving else 1, figsize=(14 if serving else 9, 4), squeeze=False)
+    names = list(models)
+    for j, m in enumerate(ROWS):
+        xs = [i + j * 0.4 for i in range(len(names))]
+        ms = [models[n][f"M={m}"]["ms_per_step"] for n in names]
+        axes[0][0].bar(xs, ms, 0.4, label=f"batch {m}")
+        for x, n, v in zip(xs, names, ms, strict=True):
+            axes[0][0].text(x, v, f"{models[n][f'M={m}']['speedup_vs_bf16']:.2f}x", ha="center",
+                            va="bottom", fontsize=7)
+    axes[0][0].set_xticks([i + 0.2 for i in range(len(names))], names, rotation=20, fontsize=8)
+    axes[0][0].set_title(f"decode step (ms; x bf16 above), {result.get('cpu', '')}", fontsize=9)
+    axes[0][0].legend()
+    if serving:
+        ax, sn = axes[0][1], list(serving)
+        for j, key in enumerate(("lora", "base")):
+            ax.bar([i + j * 0.4 for i in range(len(sn))], [serving[n][key]["output_tok_s"] for n in sn],
+                   0.4, label="4 adapters" if key == "lora" else "base alone")
+        ax.set_xticks([i + 0.2 for i in range(len(sn))], sn, rotation=20, fontsize=8)
+        ax.set_title("serving run: output tok/s", fontsize=9)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":
