@@ -136,7 +136,9 @@ def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
     """``wq_linear`` in the bf16 variant, bf16 x (1 to 31 rows: the decode path; 33 and 64: the
-    prefill GEMM over a tile widened to bf16), fp32 and bf16 y, against float64 ``x @ dequant(W).T``. Groups of two blocks and lone blocks (96 = 64 + 32,
+    kernel's float32 GEMM for an fp32 y, and for a bf16 y bands of W rounded to bf16 through
+    oneDNN, against the same rounded weights, the product rounded to bf16 before the bias),
+    fp32 and bf16 y, against float64 ``x @ dequant(W).T``. Groups of two blocks and lone blocks (96 = 64 + 32,
     K = 608 per channel) exercise both of the int4 repacked orders. Bound: fp32 summation of
     the sums the kernel forms (int4's through the exact offset of 128, taken off again with
     the zero point), K * 2**-24 relative to their magnitudes; a bf16 y adds one rounding."""
@@ -164,8 +166,14 @@ def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
             for out_dtype in (torch.float32, torch.bfloat16):
                 y = torch.ops.loramux.wq_linear(x, w, scale, zero_stored if not symmetric else None, bias, bits,
                                                 k, group, out_dtype)
-                err = (y.double() - want).abs()
-                limit = bound + (2**-8 * want.abs() if out_dtype == torch.bfloat16 else 0)
+                if m >= 32 and out_dtype == torch.bfloat16:  # the oneDNN band path
+                    w_b = deq.float().bfloat16().double()  # (q - zero) * scale in fp32, rounded once
+                    want_b = x.double() @ w_b.T + bias.double()
+                    mag = x.double().abs() @ w_b.abs().T
+                    err, limit = (y.double() - want_b).abs(), 4 * k * U * mag + 2**-8 * (mag + want_b.abs())
+                else:
+                    err = (y.double() - want).abs()
+                    limit = bound + (2**-8 * want.abs() if out_dtype == torch.bfloat16 else 0)
                 assert torch.all(err <= limit), (m, out_dtype, float((err - limit).max()))
 
 

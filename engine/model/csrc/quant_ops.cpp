@@ -46,7 +46,8 @@ WqVariant wq_variant() {
   return LMX_WQ_VARIANT(scalar);
 }
 
-/* From DENSE_MIN_M rows of bf16 x (a prefill chunk) W is dequantized a band of output rows at a
+/* From DENSE_MIN_M rows of bf16 x and a bf16 y (a prefill chunk of a bf16 model; a float32 y keeps
+ * the kernel's float32 sums) W is dequantized a band of output rows at a
  * time ((stored - zero) * scale rounded to bf16 once: the weight a bf16 model of the checkpoint
  * holds; wq_linear.c's loramux_wq_dequantize) and each band multiplied by ATen's bf16 GEMM
  * (oneDNN): at those shapes it runs 1.3-2.5x the kernel's own GEMM, far more than a band's
@@ -133,7 +134,7 @@ at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0 || N == 0) return y;
   const WqVariant v = wq_variant();
-  if (M >= DENSE_MIN_M && x.scalar_type() == at::kBFloat16)
+  if (M >= DENSE_MIN_M && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16)
     return dense_call(v, x, w, scale, zero, bias, code, K, Kp, group_size ? group_size : Kp, G, N,
                       out_dtype);
   const int rc = v.linear(
