@@ -60,8 +60,7 @@ constexpr int64_t BAND_ELEMS = int64_t{1} << 20;
 at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor& w,
                       const at::Tensor& scale, const std::optional<at::Tensor>& zero,
                       const std::optional<at::Tensor>& bias, int64_t bits /* the kernels' code */,
-                      int64_t K, int64_t Kp,
-                      int64_t group, int64_t G, int64_t N, at::ScalarType out_dtype) {
+                      int64_t K, int64_t Kp, int64_t group, int64_t G, int64_t N) {
   const char* op = "wq_linear";
   const int64_t rows = std::min<int64_t>(N, std::max<int64_t>(16, BAND_ELEMS / K));
   // one band buffer per thread, kept between calls: a fresh one would be mapped (and its pages
@@ -83,8 +82,8 @@ at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor&
     at::Tensor yb = y.narrow(1, r0, r);
     at::mm_out(yb, x, wb.t());
   }
-  if (bias.has_value()) y.add_(*bias);
-  return y.scalar_type() == out_dtype ? y : y.to(out_dtype);
+  if (bias.has_value()) y.add_(*bias);  // fp32 bias into the bf16 product: one more rounding
+  return y;
 }
 
 void check_f32(const at::Tensor& t, int64_t rows, int64_t cols, const char* op, const char* name) {
@@ -135,8 +134,7 @@ at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   if (M == 0 || N == 0) return y;
   const WqVariant v = wq_variant();
   if (M >= DENSE_MIN_M && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16)
-    return dense_call(v, x, w, scale, zero, bias, code, K, Kp, group_size ? group_size : Kp, G, N,
-                      out_dtype);
+    return dense_call(v, x, w, scale, zero, bias, code, K, Kp, group_size ? group_size : Kp, G, N);
   const int rc = v.linear(
       x.data_ptr(), x.stride(0), xd, static_cast<const uint8_t*>(w.data_ptr()), code,
       scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<float>() : nullptr,
