@@ -262,9 +262,9 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         once per scheme which path runs (without it the torch dequantize-then-matmul runs instead)."""
         if device.type != "cpu":
             return False
-        group = getattr(scheme, "group_size", None)  # FP8: per channel or per tensor
         why = (f"CPU kernels {loader.status().state}" if not loader.available()
-               else None if kernel_fits(group) else f"group size {group} is not a multiple of 32")
+               else None if kernel_fits(scheme.group_size)
+               else f"group size {scheme.group_size} is not a multiple of 32")
         note = (f"torch dequantize-then-matmul ({why})" if why
                 else f"loramux::wq_linear ({loader.status().isa} variant)")
         if (scheme, note) not in self._logged:
@@ -335,8 +335,8 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         if ("kernel_weight" in layer.params and x.device.type == "cpu" and loader.available()
                 and x.dtype in KERNEL_DTYPES and layer.dtype in KERNEL_DTYPES):
             scheme: IntScheme | FloatScheme = layer.scheme
-            return kernel_apply(layer.params, scheme.num_bits, layer.in_features,
-                                getattr(scheme, "group_size", None), x, layer.bias, layer.dtype)
+            return kernel_apply(layer.params, scheme.num_bits, layer.in_features, scheme.group_size,
+                                x, layer.bias, layer.dtype)
         return super().apply(layer, x)
 
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:

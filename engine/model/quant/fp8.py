@@ -41,6 +41,8 @@ class FloatScheme:
     """The declared dynamic activation quantization (``token`` / ``tensor``), not applied on
     the CPU; None: none declared."""
     num_bits: int = 8
+    group_size: None = None
+    """Never grouped (per tensor or per channel): read as the integer schemes' field is."""
 
     def describe(self) -> str:
         acts = (f", input activations FP8 dynamic per {self.activations} declared: kept in the "
