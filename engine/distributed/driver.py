@@ -37,7 +37,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.distributed import group
 from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
 from loramux.engine.distributed.worker import SlotSetup, WorkerSetup
-from loramux.engine.errors import CollectiveError, EngineDeadError
+from loramux.engine.errors import CollectiveError, EngineDeadError, LoRAError
 from loramux.engine.model.decoder import DecoderModel
 from loramux.engine.runner import ModelRunner, StepAdapters
 from loramux.engine.step_data import ModelOutput, SchedulerOutput
@@ -174,6 +174,11 @@ class TensorParallelRunner:
         """Each slot's whole adapter as last written (written again into new workers)."""
         if buffers is not None:
             buffers.mirror = self
+        base = getattr(adapters, "base_projections", None)
+        if base is not None:
+            base.gather = self.gather_dora_parts
+        self._exchange = threading.Lock()
+        """Held while rank 0 talks to its workers (a step, a DoRA exchange): one at a time."""
         self.workers = WorkerGroup(config, path, model.device)
         self._finalizer = weakref.finalize(self, self.workers.stop)
         self._start()
@@ -201,22 +206,35 @@ class TensorParallelRunner:
             raise EngineDeadError("a tensor-parallel worker died; the engine restarts its workers")
         with self._lock:
             ops, self._ops = self._ops, []
-        try:
-            self.workers.send((ops, dict(self.adapters.slot_of), plan))
-        except Exception as e:
-            raise EngineDeadError(f"a tensor-parallel worker cannot be reached: {e}") from e
-        output = self.local.execute(plan)
+        with self._exchange:
+            try:
+                self.workers.send(("step", ops, dict(self.adapters.slot_of), plan))
+            except Exception as e:
+                raise EngineDeadError(f"a tensor-parallel worker cannot be reached: {e}") from e
+            output = self.local.execute(plan)
         if _broken(output.error) or (output.error is not None and not self.workers.alive()):
             raise EngineDeadError(f"tensor-parallel step failed: {output.error}") from output.error
         return output
 
+    def gather_dora_parts(self, weights, own) -> list:
+        """Every rank's DoRA parts (``dora.RankParts``) of the whole adapter ``weights``, rank 0's
+        (``own``) first: the workers compute theirs on their shares between two steps (called
+        from a load thread; raises :class:`LoRAError` when a worker cannot answer)."""
+        with self._exchange:
+            try:
+                self.workers.send(("dora", weights))
+                return group.gather_objects(own, self.workers.control)
+            except Exception as e:
+                raise LoRAError(f"the tensor-parallel workers could not scale a DoRA adapter: {e}") from e
+
     def reset(self) -> None:
         """Replace every worker (after the engine's loop died): new processes, a new group,
         the slots written again."""
-        self.workers.stop()
-        with self._lock:
-            self._ops = [("write", slot, w) for slot, w in self._slots.items()]
-        self._start()
+        with self._exchange:
+            self.workers.stop()
+            with self._lock:
+                self._ops = [("write", slot, w) for slot, w in self._slots.items()]
+            self._start()
 
     def shutdown(self) -> None:
         """Stop the workers now (also done when the runner is collected and at exit)."""

@@ -124,6 +124,13 @@ def receive(control):
     return box[0]
 
 
+def gather_objects(obj, control) -> list | None:
+    """Every rank's picklable ``obj`` on rank 0 (in rank order; None elsewhere)."""
+    box = [None] * dist.get_world_size(control) if dist.get_rank(control) == 0 else None
+    dist.gather_object(obj, box, dst=0, group=control)
+    return box
+
+
 def gather_columns(part: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
     """Rank 0: every rank's ``part`` [B, widths[r]] side by side, ``[B, sum(widths)]``;
     the other ranks: None (they send theirs)."""

@@ -37,8 +37,17 @@ expert's intermediate size (sharded experts, as vLLM's default: the block's outp
 partial sum like a dense MLP's, and the router stays whole, so no token moves between ranks)."""
 
 Ranges = list[tuple[int, int]]
-QUANTIZED = frozenset({"weight_packed", "weight_scale", "weight_zero_point", "weight_shape"})
-"""compressed-tensors' tensors of a quantized projection (FP8's ``weight`` is a plain one)."""
+QUANTIZED_AXES = {
+    # compressed-tensors, [out, in]: pack-quantized words along the input, zero points packed
+    # along the output, scales per row and group (FP8's per row or per tensor)
+    "weight_packed": (0, 1), "weight_scale": (0, 1), "weight_zero_point": (0, 1),
+    # AWQ ([in, out / 8] words along the output) and GPTQ ([in / per, out] words along the input)
+    "qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0),
+}
+"""A quantized projection's tensors: (the axis of its output rows, the axis of its input
+columns), each counting packed words or groups (a size 1: every row or column shares it)."""
+QUANTIZED = frozenset({*QUANTIZED_AXES, "weight_shape", "g_idx"})
+"""The stored tensors of a quantized projection (FP8's ``weight`` is a plain one)."""
 
 
 def check_shardable(dims: ModelDims, world: int) -> None:
@@ -146,7 +155,7 @@ class TensorShard:
         if (module in COLUMN_PARALLEL or module in ROW_PARALLEL) and kind in QUANTIZED:
             return self._quantized(module, kind, tensor)
         if module in COLUMN_PARALLEL and kind in ("weight", "bias"):
-            return torch.cat([tensor[a:b] for a, b in self.out_ranges(module)])
+            return self.rows_of(module, tensor)
         if module in ROW_PARALLEL and kind == "bias":
             return tensor[:] if self.rank == 0 else None
         if module in ROW_PARALLEL and kind == "weight":
@@ -155,29 +164,46 @@ class TensorShard:
         return tensor[:]
 
     def _quantized(self, module: str, kind: str, tensor) -> torch.Tensor:
-        """A compressed-tensors tensor's share: integer weights packed 32 bits at a time along
-        the input, scales per row and group (FP8's per row or per tensor), zero points packed
-        along the rows, the stored ``weight_shape`` made the share's."""
+        """A quantized tensor's share (:data:`QUANTIZED_AXES`): the units (packed words,
+        groups) of this rank's output rows or input columns, a per-tensor or per-row scale
+        whole where every share uses it; compressed-tensors' stored ``weight_shape`` made the
+        share's, GPTQ's ``g_idx`` (each input column's group) rebased to the share's groups."""
         shape = list(tensor.get_shape()) if hasattr(tensor, "get_shape") else list(tensor.shape)
         k_in, n_out = self.dims.module_shapes()[module]
         column = module in COLUMN_PARALLEL
-        a, b = self.in_range(module) if not column else (0, k_in)
+        ranges = self.out_ranges(module) if column else [self.in_range(module)]
         if kind == "weight_shape":
-            rows = sum(e - s for s, e in self.out_ranges(module)) if column else n_out
-            return torch.tensor([rows, b - a], dtype=tensor[:].dtype)
-        if column and kind == "weight_zero_point":  # packed along the rows
-            per = n_out // shape[0]
-            return torch.cat([tensor[s // per : e // per]
-                              for s, e in self._aligned(self.out_ranges(module), per, module)])
-        if column:
-            if len(shape) < 2 or shape[0] != n_out:  # a per-tensor scale
-                return tensor[:]
-            return torch.cat([tensor[s:e] for s, e in self.out_ranges(module)])
-        if len(shape) < 2 or shape[1] == 1:  # per row (or tensor): every column shares it
+            rows = sum(e - s for s, e in ranges) if column else n_out
+            cols = k_in if column else ranges[0][1] - ranges[0][0]
+            return torch.tensor([rows, cols], dtype=tensor[:].dtype)
+        if kind == "g_idx":
+            return tensor[:] if column else self._g_idx(module, tensor[:], k_in)
+        axis = QUANTIZED_AXES[kind][0 if column else 1]
+        if len(shape) < 2 or shape[axis] == 1:
             return tensor[:]
-        per = k_in // shape[1]  # input values a stored column holds: a packed word, a group
-        ((s, e),) = self._aligned([(a, b)], per, module)
-        return tensor[:, s // per : e // per]
+        size = n_out if column else k_in
+        if size % shape[axis]:
+            raise ModelLoadError(f"{module}.{kind} is {shape}: {shape[axis]} does not divide {size}")
+        per = size // shape[axis]  # values a stored unit holds: a packed word, a group
+        parts = [tensor[s // per : e // per] if axis == 0 else tensor[:, s // per : e // per]
+                 for s, e in self._aligned(ranges, per, module)]
+        return torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
+
+    def _g_idx(self, module: str, g_idx: torch.Tensor, k_in: int) -> torch.Tensor:
+        """A row-parallel share of GPTQ's ``g_idx``, its groups counted from the share's first:
+        only groups of consecutive input columns (no activation order) split over the ranks."""
+        groups = int(g_idx.max()) + 1 if g_idx.numel() else 1
+        a, b = self.in_range(module)
+        if groups == 1:  # one group per output channel: every share uses it
+            return g_idx[a:b]
+        per = k_in // groups
+        if not bool((g_idx.long() == torch.arange(k_in) // per).all()):
+            raise ModelLoadError(
+                f"tensor_parallel_size {self.world}: {module}'s GPTQ activation order (desc_act; "
+                f"g_idx) spreads each group over every rank's input columns; such checkpoints "
+                f"are served with tensor_parallel_size 1")
+        self._aligned([(a, b)], per, module)
+        return g_idx[a:b] - a // per
 
     def _aligned(self, ranges: Ranges, per: int, module: str) -> Ranges:
         """``ranges`` when each starts and ends on a stored unit of ``per`` values (a packed
@@ -210,9 +236,6 @@ class TensorShard:
     def lora(self, weights: LoraWeights) -> LoraWeights:
         """This rank's part of an adapter: B's rows of column-parallel projections, A's columns
         of row-parallel ones (the rest, vocabulary and norm parts included, is replicated)."""
-        if weights.spec.use_dora:
-            raise LoRAError("DoRA adapters are not served with tensor_parallel_size > 1 yet "
-                            "(their row norms need the whole rows)")
         layers = {}
         for i, modules in weights.layers.items():
             out = {}
@@ -236,4 +259,57 @@ class TensorShard:
                 a, b = params["down_proj"]
                 out["down_proj"] = (a[:, :, a0:a1].contiguous(), b)
             experts[i] = out
-        return dataclasses.replace(weights, layers=layers, experts=experts)
+        return dataclasses.replace(weights, layers=layers, experts=experts,
+                                   dora_scales=self._dora_share(weights.dora_scales))
+
+    def _dora_share(self, scales: dict) -> dict:
+        """A DoRA adapter's per-row ``(g, c)`` on this rank: a column-parallel projection's
+        rows; a row-parallel one's whole, its bias correction on rank 0 only (where the bias
+        is added)."""
+        out = {}
+        for layer, modules in scales.items():
+            share = {}
+            for name, (g, c) in modules.items():
+                if name in COLUMN_PARALLEL:
+                    g = self.rows_of(name, g)
+                    c = None if c is None else self.rows_of(name, c)
+                elif name in ROW_PARALLEL and self.rank != 0:
+                    c = None
+                share[name] = (g, c)
+            out[layer] = share
+        return out
+
+    def rows_of(self, module: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a column-parallel ``module``'s output vector ``t``."""
+        return torch.cat([t[s:e] for s, e in self.out_ranges(module)])
+
+    def join_dora(self, per_rank: list) -> dict:
+        """The whole model's DoRA parts (``dora.RankParts``) from every rank's, rank 0 first: a
+        column-parallel projection's rows put back in place (a replicated KV head's from any
+        of its ranks), a row-parallel one's partial sums added up (its bias is rank 0's).
+        Raises :class:`LoRAError` when a rank failed (its entry is the error's text)."""
+        for rank, parts in enumerate(per_rank):
+            if isinstance(parts, str):
+                raise LoRAError(f"tensor-parallel rank {rank} could not scale the DoRA adapter: {parts}")
+        ranks = [dataclasses.replace(self, rank=r) for r in range(self.world)]
+        joined = {}
+        for key, (norm_sq, bias) in per_rank[0].items():
+            module = key[1]
+            if module in COLUMN_PARALLEL:
+                norm_sq = self._place(module, ranks, [p[key][0] for p in per_rank])
+                if bias is not None:
+                    bias = self._place(module, ranks, [p[key][1] for p in per_rank])
+            elif module in ROW_PARALLEL:
+                norm_sq = sum((p[key][0] for p in per_rank[1:]), norm_sq)
+            joined[key] = (norm_sq, bias)
+        return joined
+
+    def _place(self, module: str, ranks: list[TensorShard], parts: list[torch.Tensor]) -> torch.Tensor:
+        """A column-parallel ``module``'s whole output vector from each rank's rows."""
+        whole = parts[0].new_zeros(self.dims.module_shapes()[module][1])
+        for shard, part in zip(ranks, parts, strict=True):
+            at = 0
+            for s, e in shard.out_ranges(module):
+                whole[s:e] = part[at : at + e - s]
+                at += e - s
+        return whole

@@ -24,6 +24,7 @@ from loramux.engine.config import ModelConfig
 from loramux.engine.distributed import group
 from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
 from loramux.engine.loading import resolve_device, resolve_dtype
+from loramux.engine.lora.dora import BaseProjections, rank_parts
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.step import LoRAStepBatch, lay_out_step
 from loramux.engine.model.decoder import DecoderModel
@@ -72,7 +73,17 @@ class FollowerAdapters:
         self.buffers.shard = model.shard
         self.buffers.norms.base = model.norm_weights()
         self.hook = LoRAStepBatch(self.buffers, setup.backend, model.device)
+        self.base = BaseProjections(model)
         self.slot_of: dict[str, int] = {}
+
+    def share_dora_parts(self, weights, control) -> None:
+        """This rank's DoRA parts of the whole adapter ``weights`` (its share's), sent to rank 0
+        (the text of the error when they cannot be computed: rank 0 refuses the adapter)."""
+        try:
+            parts = rank_parts(self.buffers.shard.lora(weights), self.base)
+        except Exception as e:  # rank 0 waits for every rank's answer
+            parts = f"{type(e).__name__}: {e}"
+        group.gather_objects(parts, control)
 
     def apply(self, ops: list, slot_of: dict[str, int]) -> None:
         """Rank 0's slot writes and clears since the last step, then its slot table."""
@@ -136,7 +147,10 @@ def run_worker(rank: int, world: int, init_method: str, mc: ModelConfig, path: s
     logger.info("rank %d of %d ready: %d KV blocks", rank, world, setup.num_blocks)
     try:
         while (message := group.receive(control)) is not None:
-            ops, slot_of, plan = message
+            if message[0] == "dora":
+                adapters.share_dora_parts(message[1], control)
+                continue
+            _, ops, slot_of, plan = message
             if adapters is not None:
                 adapters.apply(ops, slot_of)
             runner.execute(plan)

@@ -13,9 +13,14 @@ whose small learned deviations survive bfloat16); every other row is left alone
 ``‖W0 + s·BA‖²`` per row is ``‖W0‖² + 2s·Σ_r B (A W0ᵀ)ᵀ + s²·‖BA‖²``: the base's row norms
 (kept by :class:`~loramux.engine.model.linear.Linear`, whose packed weight cannot be read
 back) and one small projection of A's rows through the base, in float64 from float32 parts.
+Under tensor parallelism each rank computes these sums over its share (its rows of a
+column-parallel projection, its input columns of a row-parallel one, whose sums the ranks
+add up) and rank 0 joins them into the whole adapter's scales at load.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -41,13 +46,19 @@ gather would copy their scale row once per token (~30% more time on the CPU)."""
 
 
 class BaseProjections:
-    """The served base's projections, by layer and projection group (what DoRA reads)."""
+    """The served base's projections, by layer and projection group (what DoRA reads); under
+    tensor parallelism, this rank's share of them."""
 
     def __init__(self, model) -> None:
         """``model``: the engine's ``DecoderModel``."""
         self.model = model
+        self.shard = getattr(model, "shard", None)
+        """This rank's share (``TensorShard``) under tensor parallelism, else None."""
+        self.gather: Callable[[LoraWeights, RankParts], list[RankParts]] | None = None
+        """Rank 0 under tensor parallelism: ``(whole adapter, this rank's parts)`` → every
+        rank's parts, rank 0's first (the runner's exchange with its workers)."""
         self.slice_offsets: dict[str, list[int]] = {}
-        shapes = model.dims.module_shapes()
+        shapes = getattr(model, "local_dims", model.dims).module_shapes()
         for group, modules in PROJECTION_GROUPS.items():
             offs = [0]
             for m in modules:
@@ -55,9 +66,6 @@ class BaseProjections:
             self.slice_offsets[group] = offs
 
     def linear(self, layer: int, group: str) -> Linear | QuantLinear:
-        if getattr(self.model, "shard", None) is not None:
-            raise LoRAError("DoRA adapters are not served with tensor_parallel_size > 1 yet: "
-                            "their per-row norms need the whole rows, which no rank holds")
         weights = self.model.layers[layer]
         lin = weights.qkv if group == "qkv" else weights.o if group == "o" else getattr(
             weights.mlp, group, None)
@@ -75,46 +83,74 @@ class BaseProjections:
         return slice(offs[s], offs[s + 1])
 
 
-def module_scale(
-    lin: Linear | QuantLinear, rows: slice, a: torch.Tensor, b: torch.Tensor, m: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(g, c)`` on the CPU, float32 [out]: ``g = m / ‖W0 + s·BA‖`` per row of the module
-    (``rows`` of ``lin``), ``c = (1 - g) ⊙ bias`` (None without a bias)."""
+RankParts = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]]
+"""Per ``(layer, module)`` of a DoRA adapter, what one rank's share of the base gives:
+``‖W0 + s·BA‖²`` of the rows it holds (float64; a partial sum over its input columns for a
+row-parallel projection) and the base bias of those rows (None: no bias on this rank)."""
+
+
+def module_norm_sq(lin: Linear | QuantLinear, rows: slice, a: torch.Tensor, b: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``‖W0 + s·BA‖²`` per row of the module (``rows`` of ``lin``), float64 [out] on the CPU,
+    summed over the input columns ``lin`` and ``a`` hold (all of them on one process)."""
     base_rows = lin.project(a)[:, rows].double().cpu()  # [r, out] = A W0ᵀ
     norms_sq = lin.row_norms()[rows].double().cpu() ** 2
     a64, b64 = a.double().cpu(), b.double().cpu()
     ba_sq = ((b64 @ (a64 @ a64.T)) * b64).sum(1)  # ‖B A‖² per row
     cross = (b64 * base_rows.T).sum(1)  # W0 · (BA) per row
-    norm = (norms_sq + 2 * scale * cross + scale * scale * ba_sq).clamp_min(0).sqrt()
-    g = (m.double().cpu() / norm).float()
-    c = None
-    if lin.bias is not None:
-        c = ((1 - g.double()) * lin.bias[rows].double().cpu()).float()
+    return norms_sq + 2 * scale * cross + scale * scale * ba_sq
+
+
+def row_gains(norm_sq: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(g, c)`` float32 [out]: ``g = m / ‖W0 + s·BA‖`` from the rows' squared norms,
+    ``c = (1 - g) ⊙ bias`` (None without a bias)."""
+    g = (m.double().cpu() / norm_sq.clamp_min(0).sqrt()).float()
+    c = None if bias is None else ((1 - g.double()) * bias.double().cpu()).float()
     return g, c
 
 
-def dora_scales(weights: LoraWeights, base: BaseProjections, name: str = "adapter") -> None:
-    """Fill ``weights.dora_scales`` for a DoRA adapter against the served base; raises
-    :class:`LoRAError` naming the module when a scale is not finite or above
-    :data:`MAX_DORA_SCALE`."""
-    scales: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = {}
-    s = weights.spec.scale
+def rank_parts(weights: LoraWeights, base: BaseProjections) -> RankParts:
+    """This rank's :data:`RankParts` of a DoRA adapter (``weights``: this rank's share of it)."""
+    parts: RankParts = {}
     with torch.no_grad():
         for layer, modules in sorted(weights.layers.items()):
             for module, (a, b) in modules.items():
-                m = weights.magnitudes.get(layer, {}).get(module)
-                if m is None:
-                    raise LoRAError(f"DoRA adapter {name!r}: layer {layer} {module} has no "
-                                    f"lora_magnitude_vector")
                 group = GROUP_OF[module]
-                g, c = module_scale(base.linear(layer, group), base.rows(group, module), a, b, m, s)
-                peak = float(g.abs().max()) if g.numel() else 0.0
-                if not peak <= MAX_DORA_SCALE:
-                    raise LoRAError(
-                        f"DoRA adapter {name!r}: layer {layer} {module} scales its rows by up to "
-                        f"{peak:.3g} (magnitude / ‖W0 + s·BA‖; limit {MAX_DORA_SCALE:g}): its "
-                        f"weight's rows nearly cancel the base's")
-                scales.setdefault(layer, {})[module] = (g, c)
+                lin, rows = base.linear(layer, group), base.rows(group, module)
+                bias = lin.bias[rows].double().cpu() if lin.bias is not None else None
+                parts[(layer, module)] = (module_norm_sq(lin, rows, a, b, weights.spec.scale), bias)
+    return parts
+
+
+def dora_scales(weights: LoraWeights, base: BaseProjections, name: str = "adapter") -> None:
+    """Fill ``weights.dora_scales`` (the whole adapter's) for a DoRA adapter against the served
+    base; under tensor parallelism every rank computes its share's parts and rank 0 joins them
+    (``TensorShard.join_dora``: a row-parallel row's squared norm is the sum of the ranks'
+    partial sums). Raises :class:`LoRAError` naming the module when a scale is not finite or
+    above :data:`MAX_DORA_SCALE`."""
+    for layer, modules in sorted(weights.layers.items()):
+        for module in modules:
+            if weights.magnitudes.get(layer, {}).get(module) is None:
+                raise LoRAError(f"DoRA adapter {name!r}: layer {layer} {module} has no "
+                                f"lora_magnitude_vector")
+    if base.shard is None:
+        parts = rank_parts(weights, base)
+    elif base.gather is None:
+        raise LoRAError(f"DoRA adapter {name!r}: this rank cannot reach the other ranks' "
+                        f"shares of the base")
+    else:
+        parts = base.shard.join_dora(base.gather(weights, rank_parts(base.shard.lora(weights), base)))
+    scales: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for (layer, module), (norm_sq, bias) in parts.items():
+        g, c = row_gains(norm_sq, weights.magnitudes[layer][module], bias)
+        peak = float(g.abs().max()) if g.numel() else 0.0
+        if not peak <= MAX_DORA_SCALE:
+            raise LoRAError(
+                f"DoRA adapter {name!r}: layer {layer} {module} scales its rows by up to "
+                f"{peak:.3g} (magnitude / ‖W0 + s·BA‖; limit {MAX_DORA_SCALE:g}): its "
+                f"weight's rows nearly cancel the base's")
+        scales.setdefault(layer, {})[module] = (g, c)
     weights.dora_scales = scales
 
 

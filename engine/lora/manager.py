@@ -106,9 +106,12 @@ class LoRAManager:
         self.hook = LoRAStepBatch(self.buffers, self.backend, model.device)
         """The model's LoRA hook (``LoRAHook``): this step's layout and the layer call."""
         self.slots = SlotTable(self.buffers, self._busy, lambda key: self._emit("evicted", key))
+        self.base_projections = BaseProjections(model)
+        """What DoRA adapters are scaled against (under tensor parallelism the runner connects
+        it to the other ranks: ``gather``)."""
         self.tiers = AdapterTiers(config, model.dims, self.buffers, self.max_cpu_loras, cpu_dtype,
                                   adapter_source, pin_memory=model.device.type == "cuda",
-                                  base=BaseProjections(model))
+                                  base=self.base_projections)
         self._write_on_loop = model.device.type == "cuda"  # async H2D copy on a side stream
 
     def _busy(self) -> set[str]:

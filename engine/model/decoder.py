@@ -142,8 +142,8 @@ class DecoderModel:
         self.norms = Norms(self.ops, self.dims.rms_norm_eps, spec.norm_offset)
         self.quant = quant_method(self.hf_config, quantization, str(path))
         """How the checkpoint stores the projections (``quant/``)."""
-        if self.shard and self.quant.quantized and (self.quant.name != "compressed-tensors" or self.dims.num_experts):
-            raise ModelLoadError(f"{path}: {self.quant.name} checkpoints and quantized experts run unsharded for now")
+        if self.shard and self.quant.quantized and self.dims.num_experts:
+            raise ModelLoadError(f"{path}: quantized experts ({self.quant.name}) run unsharded for now")
         self._load(load_state_dict(path, dtype, device, self.arch, self.quant.keeps_stored_dtype,
                                    take=self.shard.take if self.shard is not None else None))
         self.attention_windows = spec.windows

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from support.lora_fixtures import ALL_MODULES, make_peft_adapter
 from support.peft_harness import check_rows_match_peft, peft_prompts
-from support.tiny_models import make_tiny_model
+from support.tiny_models import make_tiny_llama, make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
 from loramux.engine.errors import EngineDeadError, ModelLoadError
@@ -254,15 +254,63 @@ def test_sharded_experts_and_expert_adapters_match_peft(name, tmp_path, default_
     llm.llm_engine.runner.shutdown()
 
 
-def test_a_dora_adapter_is_refused_naming_why_and_the_neighbour_is_served(tmp_path, default_model_dir):
+DORA = {  # name: (family, tp, [(kind, rank, targets)])
+    "qwen2-tp2-biases": ("qwen2", 2, [("dora", 8, ALL_MODULES), ("lora", 8, ["v_proj", "up_proj", "down_proj"]),
+                                      ("dora", 4, ["k_proj", "o_proj"])]),
+    "phi3-tp2-fused": ("phi3", 2, [("dora", 8, FUSED), ("dora", 4, ["qkv_proj"])]),
+    "gemma3-tp4-replicated-kv": ("gemma3", 4, [("dora", 8, ALL_MODULES)]),
+}
+
+
+@pytest.mark.parametrize("name", list(DORA))
+def test_dora_adapters_match_peft_under_tensor_parallelism(name, tmp_path, default_model_dir, prompts):
+    """DoRA's per-row norms ‖W0 + s·BA‖ from the whole rows: each rank's rows of q, k, v, gate, up
+    (KV heads replicated on several ranks), the ranks' partial sums over o's and down's input
+    columns added up at load; the row-parallel bias correction added once. DoRA, plain LoRA and
+    base rows in one batch, teacher-forced against PEFT."""
+    from support.lora_fixtures import make_dora_adapter
+
+    family, tp, specs = DORA[name]
+    base = (make_tiny_llama(tmp_path / name, default_model_dir, architecture="qwen2") if family == "qwen2"
+            else make_tiny_model(tmp_path / name, default_model_dir, family))
+    adapters = [(make_dora_adapter if kind == "dora" else make_peft_adapter)(
+        base, tmp_path / f"a{i}", r=r, target_modules=t, seed=i, std=0.2) for i, (kind, r, t) in enumerate(specs)]
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
+              max_loras=len(adapters), max_lora_rank=8, max_num_batched_tokens=48, tensor_parallel_size=tp)
+    rows = prompts[:8]
+    choice = [i % (len(adapters) + 1) for i in range(len(rows))]
+    choice = [None if c == len(adapters) else c for c in choice]
+    loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
+    assert set(check_rows_match_peft(base, adapters, rows, choice, outs)) == set(range(len(adapters)))
+    llm.llm_engine.runner.shutdown()
+
+
+def test_a_dora_adapter_cancelling_a_row_parallel_row_is_refused_and_the_neighbour_is_served(
+        tmp_path, default_model_dir):
+    """o_proj's rows are split over the ranks' input columns: only the joined norm shows the
+    cancellation (each rank's partial norm alone does not), so the refusal proves the sum."""
+    from safetensors.torch import load_file, save_file
+    from support.lora_fixtures import make_dora_adapter
+
     from loramux.engine.errors import LoRAError
 
-    base = make_tiny_model(tmp_path / "m", default_model_dir, "llama")
-    dora = make_peft_adapter(base, tmp_path / "dora", r=4, target_modules=["q_proj", "o_proj"], use_dora=True)
+    base = make_tiny_llama(tmp_path / "m", default_model_dir)
+    dora = make_dora_adapter(base, tmp_path / "dora", r=4, target_modules=["o_proj"], std=0.1)
+    w0 = load_file(base / "model.safetensors")["model.layers.0.self_attn.o_proj.weight"]
+    path = dora / "adapter_model.safetensors"
+    tensors = load_file(path)
+    key = "base_model.model.model.layers.0.self_attn.o_proj.lora_"
+    tensors[key + "A.weight"][0] = w0[0]
+    tensors[key + "B.weight"][0] = 0.0
+    tensors[key + "B.weight"][0, 0] = -1.0 / 2  # s = 2: s·(BA)[0] = -W0[0], over every rank's columns
+    tensors[key + "magnitude_vector"][0] = 100.0
+    save_file(tensors, path)
     llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=64, enable_lora=True, max_loras=1,
-              tensor_parallel_size=2)
+              max_lora_rank=4, tensor_parallel_size=2)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    with pytest.raises(LoRAError, match="DoRA adapters are not served with tensor_parallel_size > 1"):
+    with pytest.raises(LoRAError, match=r"layer 0 o_proj scales its rows by up to .*nearly cancel"):
         llm.generate({"prompt_token_ids": [1, 2, 3]}, params, lora_request=LoRARequest("d", 1, str(dora)))
     assert len(llm.generate({"prompt_token_ids": [1, 2, 3]}, params)[0].outputs[0].token_ids) == 3
     llm.llm_engine.runner.shutdown()
@@ -319,46 +367,3 @@ def test_speculative_decoding_structured_output_beams_and_seeds_as_in_one_proces
         return outs
 
     assert run(2) == run(1)
-
-
-def _write_fp8(src: Path, out: Path, strategy: str) -> Path:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fp8_checkpoints", Path(__file__).parent / "quant" / "fp8_checkpoints.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_fp8(src, out, strategy=strategy)
-
-
-@pytest.mark.parametrize("scheme", [dict(num_bits=4, group_size=16, symmetric=False),
-                                    dict(num_bits=8, group_size=None), dict(fp8="channel"), dict(fp8="tensor")],
-                         ids=["int4-g16-asym", "int8-channel", "fp8-channel", "fp8-tensor"])
-def test_a_quantized_base_shards_as_stored_and_serves_lora_as_one_process(scheme, tmp_path, default_model_dir,
-                                                                         prompts):
-    """compressed-tensors pack-quantized and FP8: each rank reads its rows (zero points packed
-    along them) or its packed words and groups of the input, a per-tensor scale whole; the
-    outputs are one process's."""
-    from support.quant_checkpoints import write_compressed
-
-    dense = make_tiny_model(tmp_path / "dense", default_model_dir, "qwen3")
-    base = (_write_fp8(dense, tmp_path / "q", scheme["fp8"]) if "fp8" in scheme
-            else write_compressed(dense, tmp_path / "q", **scheme))
-    adapter = make_peft_adapter(dense, tmp_path / "a", r=8, target_modules=ALL_MODULES, std=0.1)
-    rows = prompts[:4]
-    loras = [None, LoRARequest("a", 1, str(adapter))] * 2
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
-
-    def run(tp: int):
-        llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
-                  max_loras=1, max_lora_rank=8, tensor_parallel_size=tp)
-        outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
-        if tp > 1:
-            llm.llm_engine.runner.shutdown()
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-                for o in outs]
-
-    one, two = run(1), run(2)
-    assert [t for t, _ in two] == [t for t, _ in one]
-    for (_, a), (_, b) in zip(one, two, strict=True):
-        for x, y in zip(a, b, strict=True):
-            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
