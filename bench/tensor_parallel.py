@@ -7,7 +7,9 @@ requests. Workload: ``--num-prompts`` prompts of ``--prompt-len`` tokens, ``--ne
 greedy tokens each, all submitted at once. For each setting it reports output tokens/s, the
 median decode step (every row decoding) and, under TP, the communication share of rank 0's
 decode steps: the time in its all-reduces (the copy through shared memory and the wait for the
-slower rank) over the step. Ratios are TP N ÷ TP 1 of the same adapters.
+slower rank) over the step. Ratios are TP N ÷ TP 1 of the same adapters, and at TP N with 4
+adapters ``fully_sharded_loras`` ÷ the default layout (throughput, decode step, rank 0's slot
+bytes).
 
 On a CPU the ranks share the memory bandwidth and the cores that TP 1 uses alone, so TP
 there is a correctness and memory-per-process tool, not a speed-up: the numbers say by how
@@ -43,7 +45,7 @@ def _comm_share(engine, plan_steps: int) -> float:
     return (reduce_seconds() - before) / total if total else 0.0
 
 
-def run(model: Path, adapters: list[Path], tp: int, args) -> dict:
+def run(model: Path, adapters: list[Path], tp: int, args, fully_sharded: bool = False) -> dict:
     from loramux.engine import SamplingParams
     from loramux.engine.config import EngineConfig
     from loramux.engine.engine import LLMEngine
@@ -53,7 +55,7 @@ def run(model: Path, adapters: list[Path], tp: int, args) -> dict:
     engine = LLMEngine(EngineConfig.from_options(
         model=str(model), dtype=args.dtype, device="cpu", max_model_len=args.prompt_len + args.new_tokens + 16,
         enable_lora=bool(adapters), max_loras=max(1, len(adapters)), max_lora_rank=16,
-        max_num_seqs=args.num_prompts, tensor_parallel_size=tp))
+        max_num_seqs=args.num_prompts, tensor_parallel_size=tp, fully_sharded_loras=fully_sharded))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, SHAPE["vocab_size"], (args.num_prompts, args.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -88,8 +90,11 @@ def run(model: Path, adapters: list[Path], tp: int, args) -> dict:
     runner = engine.runner
     if hasattr(runner, "shutdown"):
         runner.shutdown()
-    return {"tp": tp, "adapters": len(adapters), "output_tokens_per_s": args.num_prompts * args.new_tokens / wall,
-            "decode_step_ms_p50": 1e3 * statistics.median(decode), "comm_share": share}
+    buffers = getattr(engine.lora_manager, "buffers", None)
+    return {"tp": tp, "adapters": len(adapters), "fully_sharded_loras": fully_sharded,
+            "output_tokens_per_s": args.num_prompts * args.new_tokens / wall,
+            "decode_step_ms_p50": 1e3 * statistics.median(decode), "comm_share": share,
+            "rank0_slot_bytes": buffers.num_bytes() if buffers is not None else 0}
 
 
 def main() -> None:
@@ -108,21 +113,31 @@ def main() -> None:
         cfg = write_random_llama(model, shape, getattr(torch, args.dtype), torch.device("cpu"))
         adapters = write_random_adapters(Path(tmp) / "adapters", cfg, 4, 16, getattr(torch, args.dtype),
                                          torch.device("cpu"))
-        for n_adapters in (0, 4):
-            for tp in (1, args.tp):
-                row = run(model, adapters[:n_adapters], tp, args)
-                rows.append(row)
-                print(f"TP {tp}, {n_adapters} adapters: {row['output_tokens_per_s']:.1f} tok/s, decode step "
-                      f"{row['decode_step_ms_p50']:.1f} ms"
-                      + (f", all-reduce share {row['comm_share']:.0%}" if row["comm_share"] is not None else ""),
-                      flush=True)
+        for n_adapters, tp, fully in ((0, 1, False), (0, args.tp, False), (4, 1, False), (4, args.tp, False),
+                                      (4, args.tp, True)):
+            row = run(model, adapters[:n_adapters], tp, args, fully)
+            rows.append(row)
+            print(f"TP {tp}, {n_adapters} adapters{' fully sharded' if fully else ''}: "
+                  f"{row['output_tokens_per_s']:.1f} tok/s, decode step "
+                  f"{row['decode_step_ms_p50']:.1f} ms, rank 0 slots {row['rank0_slot_bytes'] / 2**20:.1f} MiB"
+                  + (f", all-reduce share {row['comm_share']:.0%}" if row["comm_share"] is not None else ""),
+                  flush=True)
     ratios = {}
     for n in (0, 4):
-        one, many = (next(r for r in rows if r["tp"] == t and r["adapters"] == n) for t in (1, args.tp))
+        one, many = (next(r for r in rows if r["tp"] == t and r["adapters"] == n and not r["fully_sharded_loras"])
+                     for t in (1, args.tp))
         ratios[f"{n}_adapters"] = {
             "throughput_tp_over_tp1": many["output_tokens_per_s"] / one["output_tokens_per_s"],
             "decode_step_tp_over_tp1": many["decode_step_ms_p50"] / one["decode_step_ms_p50"]}
         print(f"{n} adapters: TP {args.tp} / TP 1 throughput {ratios[f'{n}_adapters']['throughput_tp_over_tp1']:.2f}x")
+    default, fully = (next(r for r in rows if r["tp"] == args.tp and r["adapters"] == 4
+                           and r["fully_sharded_loras"] == f) for f in (False, True))
+    ratios["fully_sharded_over_default"] = {
+        "throughput": fully["output_tokens_per_s"] / default["output_tokens_per_s"],
+        "decode_step": fully["decode_step_ms_p50"] / default["decode_step_ms_p50"],
+        "rank0_slot_bytes": fully["rank0_slot_bytes"] / default["rank0_slot_bytes"]}
+    print("fully sharded / default at TP {}: throughput {throughput:.2f}x, decode step {decode_step:.2f}x, "
+          "rank 0 slot bytes {rank0_slot_bytes:.2f}x".format(args.tp, **ratios["fully_sharded_over_default"]))
     path = write_json(args.out, {"cpu": cpu_name(), "dtype": args.dtype, "threads": args.threads,
                                  "shape": shape, "workload": {"num_prompts": args.num_prompts,
                                                               "prompt_len": args.prompt_len,

@@ -175,6 +175,11 @@ class LoRAConfig:
     """Bytes for adapters when max_loras is unset: CPU = slots + CPU tier (None =
     DEFAULT_CPU_LORA_MEMORY); CUDA = slots, taken before the KV cache (None =
     GPU_LORA_MEMORY_SHARE of the memory left after the weights)."""
+    fully_sharded_loras: bool = False
+    """vLLM's option, under tensor parallelism: also split each adapter's A by rank on
+    column-parallel projections and B by output columns on row-parallel ones (the S-LoRA
+    layout, ``lora/sharded.py``): each rank's slots hold ``1/N`` of every adapter, for one
+    small collective per LoRA group and layer. No effect on one rank."""
     lora_load_workers: int = 2
     """Cold adapters read from disk (or fetched from the adapter source) at once, each on its
     own thread (capped by the CPU tier's size: their weights are held beside it); further

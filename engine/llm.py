@@ -58,6 +58,7 @@ class LLM:
         lora_backend: str = LoRAConfig.lora_backend,
         lora_memory: int | None = LoRAConfig.lora_memory,
         lora_load_workers: int = LoRAConfig.lora_load_workers,
+        fully_sharded_loras: bool = LoRAConfig.fully_sharded_loras,
         speculative_config: dict | str | None = None,
         tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
         distributed_executor_backend: str = ParallelConfig.distributed_executor_backend,
@@ -82,7 +83,8 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             lora_backend=lora_backend, lora_memory=lora_memory,
-            lora_load_workers=lora_load_workers, speculative_config=speculative_config,
+            lora_load_workers=lora_load_workers, fully_sharded_loras=fully_sharded_loras,
+            speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
         )
@@ -212,9 +214,6 @@ class _Unserved:
 
 
 _VLLM_UNSERVED: dict[str, _Unserved] = {
-    "fully_sharded_loras": _Unserved(False, True, "adapters are sharded as their projections are "
-                                     "(B by rows on column-parallel layers, A by columns on row-parallel "
-                                     "ones); the S-LoRA layout that also splits A by rank is not built"),
     "swap_space": _Unserved(4, False, "preempted sequences are recomputed, never swapped"),
     "trust_remote_code": _Unserved(False, False, "no remote code is run: every family has its "
                                    "own implementation here"),

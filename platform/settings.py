@@ -179,6 +179,10 @@ class Settings(_LimitSettings):
         "before the KV cache); None = the engine's default."))
     lora_load_workers: int = Field(LoRAConfig.lora_load_workers, description=(
         "Cold adapters read from disk or the object store at once; more wait in fair order."))
+    fully_sharded_loras: bool = Field(LoRAConfig.fully_sharded_loras, description=(
+        "vLLM's option: under tensor parallelism also split A by rank and B by output columns "
+        "(the S-LoRA layout: 1/N of every adapter per rank, one small collective per LoRA "
+        "layer; docs/tensor-parallel.md)."))
     lora_modules: Annotated[list[str], NoDecode] = Field(default_factory=list, description=(
         'Static adapters every caller may use: name=path or {"name": .., "path": ..}.'))
 

@@ -233,18 +233,26 @@ class TensorShard:
         return tensor[:]
 
     # --- adapters --------------------------------------------------------------------------
-    def lora(self, weights: LoraWeights) -> LoraWeights:
+    def lora(self, weights: LoraWeights, rank_share: int | None = None) -> LoraWeights:
         """This rank's part of an adapter: B's rows of column-parallel projections, A's columns
-        of row-parallel ones (the rest, vocabulary and norm parts included, is replicated)."""
+        of row-parallel ones (the rest, vocabulary and norm parts included, is replicated).
+        ``rank_share`` (``fully_sharded_loras``, ``lora/sharded.py``): also A's rank rows
+        ``[rank·share, (rank+1)·share)`` of column-parallel projections and B's ``1/world`` of
+        the output rows of row-parallel ones."""
         layers = {}
         for i, modules in weights.layers.items():
             out = {}
             for name, (a, b) in modules.items():
                 if name in COLUMN_PARALLEL:
-                    b = torch.cat([b[s:e] for s, e in self.out_ranges(name)])
+                    b = self.rows_of(name, b)
+                    if rank_share is not None:
+                        a = a[self.rank * rank_share : (self.rank + 1) * rank_share]
                 elif name in ROW_PARALLEL:
                     s, e = self.in_range(name)
                     a = a[:, s:e]
+                    if rank_share is not None:
+                        n = b.shape[0] // self.world
+                        b = b[self.rank * n : (self.rank + 1) * n]
                 out[name] = (a.contiguous(), b.contiguous())
             layers[i] = out
         a0, a1 = self._expert_range()

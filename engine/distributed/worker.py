@@ -44,11 +44,12 @@ class SlotSetup:
     scale_dtype: torch.dtype
     blockdiag: bool
     backend: str
+    fully_sharded: bool = False
 
     @classmethod
     def of(cls, buffers: SlotBuffers, backend: str) -> SlotSetup:
         return cls(buffers.max_loras, buffers.max_rank, buffers.dtype, buffers.scale_dtype,
-                   buffers.blockdiag, backend)
+                   buffers.blockdiag, backend, buffers.fully_sharded)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class FollowerAdapters:
     def __init__(self, model: DecoderModel, setup: SlotSetup) -> None:
         self.buffers = SlotBuffers(model.local_dims, setup.max_loras, setup.max_rank, setup.dtype,
                                    model.device, blockdiag=setup.blockdiag,
-                                   scale_dtype=setup.scale_dtype)
-        self.buffers.shard = model.shard
+                                   scale_dtype=setup.scale_dtype, shard=model.shard,
+                                   fully_sharded=setup.fully_sharded)
         self.buffers.norms.base = model.norm_weights()
         self.hook = LoRAStepBatch(self.buffers, setup.backend, model.device)
         self.base = BaseProjections(model)

@@ -80,6 +80,14 @@ class LoRAManager:
         # the CPU tier keeps adapters in the model's dtype (bf16: half of fp32 slots' memory)
         cpu_dtype = model.dtype if config.lora_dtype == "auto" else dtype
         self.backend = ops.resolve_backend(config.lora_backend, model.device)
+        if config.fully_sharded_loras and model.shard is not None:
+            if config.lora_backend == "triton":
+                raise ValueError("fully_sharded_loras runs on the torch LoRA backend (its GEMMs read "
+                                 "the block-diagonal slots); lora_backend='triton' was asked for")
+            self.backend = "torch"
+        elif config.fully_sharded_loras:
+            logger.warning("fully_sharded_loras has no effect with tensor_parallel_size 1 (one rank "
+                           "holds every adapter whole)")
         blockdiag = self.backend == "torch"
         self.capacity = plan_capacity(
             config, model.dims, torch.finfo(dtype).bits // 8,
@@ -96,9 +104,9 @@ class LoRAManager:
         )
         self.buffers = SlotBuffers(  # under tensor parallelism: this rank's share of each slot
             model.local_dims, self.max_loras, config.max_lora_rank, dtype, model.device,
-            blockdiag=blockdiag, scale_dtype=model.dtype,
+            blockdiag=blockdiag, scale_dtype=model.dtype, shard=model.shard,
+            fully_sharded=config.fully_sharded_loras,
         )
-        self.buffers.shard = model.shard
         self.buffers.vocab.allowance = self.capacity.adapter_allowance
         self.buffers.vocab.pool = self.capacity.vocab_pool
         self.buffers.norms.base = model.norm_weights() if hasattr(model, "norm_weights") else {}

@@ -32,6 +32,7 @@ from loramux.adapters.arch import GROUP_FUSED_MODULE, PROJECTION_GROUPS
 from loramux.adapters.format import LoraWeights
 from loramux.engine.lora.experts import ExpertSlots
 from loramux.engine.lora.norms import NormSlots
+from loramux.engine.lora.sharded import SlotLayout
 from loramux.engine.lora.vocab import VocabSlots
 from loramux.engine.model.weights import ModelDims
 
@@ -51,8 +52,14 @@ class SlotBuffers:
 
     def __init__(
         self, dims: ModelDims, max_loras: int, max_rank: int, dtype: torch.dtype, device,
-        *, blockdiag: bool = False, scale_dtype: torch.dtype = torch.float32,
+        *, blockdiag: bool = False, scale_dtype: torch.dtype = torch.float32, shard=None,
+        fully_sharded: bool = False,
     ) -> None:
+        """``dims``: the projections' shapes on this rank (its ``local_dims`` under tensor
+        parallelism, ``shard`` its ``TensorShard``); ``fully_sharded`` (with a shard and the
+        block-diagonal layout): vLLM's ``fully_sharded_loras``, the S-LoRA layout
+        (``sharded.py``): column-parallel groups keep ``max_rank / world`` rank rows of A,
+        row-parallel ones this rank's ``1 / world`` of B's output columns."""
         self.dims = dims
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -63,6 +70,14 @@ class SlotBuffers:
         self.b: list[dict[str, torch.Tensor]] = []
         self.row_shift: dict[tuple[int, str], torch.Tensor] = {}
         self.blockdiag = blockdiag
+        self.shard = shard
+        """Under tensor parallelism, this rank's share (``TensorShard``): an adapter is cut to
+        it as it is written (the buffers are built with the rank's ``local_dims``)."""
+        self.fully_sharded = fully_sharded and shard is not None
+        self.layout = SlotLayout(dims, max_rank, shard if self.fully_sharded else None)
+        """Each group's A rank rows and B columns (``sharded.SlotLayout``)."""
+        if self.fully_sharded and not blockdiag:
+            raise ValueError("fully_sharded_loras runs on the block-diagonal slot layout (the torch backend)")
         for group, modules in PROJECTION_GROUPS.items():
             offs = [0]
             for m in modules:
@@ -76,9 +91,9 @@ class SlotBuffers:
             a_layer, b_layer = {}, {}
             for group, modules in PROJECTION_GROUPS.items():
                 k = shapes[modules[0]][0]
-                n = self.slice_offsets[group][-1]
+                n = self.layout.b_offsets[group][-1]
                 a_layer[group] = alloc(
-                    max_loras, len(modules), max_rank, k, dtype=dtype, device=device
+                    max_loras, len(modules), self.layout.a_rows[group], k, dtype=dtype, device=device
                 )
                 if blockdiag:
                     b_layer[group] = alloc(
@@ -112,9 +127,6 @@ class SlotBuffers:
         """Projection groups each slot's adapter targets (others are all zero)."""
         self.dora: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
         """Per slot, the ``(layer, group)`` pairs its DoRA adapter scales (empty: plain LoRA)."""
-        self.shard = None
-        """Under tensor parallelism, this rank's share (``TensorShard``): an adapter is cut to
-        it as it is written (the buffers are built with the rank's ``local_dims``)."""
         self.mirror: SlotMirror | None = None
         """Rank 0 under tensor parallelism: told of every write and clear (whole adapters), to
         repeat them on the other ranks."""
@@ -135,7 +147,7 @@ class SlotBuffers:
         self.norms.entries(weights)  # raises for a norm the model has not
         whole = weights
         if self.shard is not None:
-            weights = self.shard.lora(weights)
+            weights = self.shard.lora(weights, self.layout.rank_share)
         if self.mirror is not None:
             self.mirror.wrote(slot, whole)
         if self.stream is None:
@@ -166,7 +178,7 @@ class SlotBuffers:
                 b = self.b[layer][group][slot]
                 a.zero_()
                 b.zero_()
-                offs = self.slice_offsets[group]
+                offs = self.layout.b_offsets[group]
                 fused = modules.get(GROUP_FUSED_MODULE.get(group))
                 for s, name in enumerate(names):
                     pair = modules.get(name)
@@ -177,7 +189,7 @@ class SlotBuffers:
                     wa, wb = pair
                     if self.blockdiag:  # the torch backend reads A pre-scaled
                         wa = wa.to(a.dtype) * weights.spec.scale
-                    a[s, :r].copy_(wa, non_blocking=True)
+                    a[s, : wa.shape[0]].copy_(wa, non_blocking=True)  # fully sharded: A's rank rows
                     if self.blockdiag:
                         rows = slice(s * self.max_rank, s * self.max_rank + r)
                         b[rows, offs[s] : offs[s + 1]].copy_(wb.t(), non_blocking=True)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from loramux.engine.lora import ops
+from loramux.engine.lora import ops, sharded
 from loramux.engine.lora.dora import DoraStep
 from loramux.engine.lora.experts import ExpertStep
 from loramux.engine.lora.meta import LoRABatchMeta
@@ -60,6 +60,7 @@ class LoRAStepBatch:
                           and cpu_step.slots_fit(buffers.a, buffers.b))
         self._slot_dtype = next(iter(buffers.a[0].values())).dtype if self._cpu_sgmv else None
         self._sgmv: cpu_step.SgmvStep | None = None
+        self._fully_sharded = getattr(buffers, "fully_sharded", False)
         self.experts = (ExpertStep(buffers.experts, device, self._kernel)
                         if buffers.experts is not None else None)
         """The experts' LoRA of the step on an MoE base (``experts.py``)."""
@@ -114,7 +115,13 @@ class LoRAStepBatch:
         if group not in self._groups:
             return
         b = self.buffers
-        if self._sgmv is None or not self._sgmv.add(group, y, x, b.a[layer][group], b.b[layer][group]):
+        if self._fully_sharded:  # the S-LoRA layout under tensor parallelism (sharded.py)
+            if group in sharded.COLUMN_GROUPS:
+                sharded.add_column(y, x, b.a[layer][group], b.b[layer][group], self._meta.runs, b.shard)
+            else:
+                sharded.add_row(y, x, b.a[layer][group], b.b[layer][group], self._meta.runs,
+                                b.layout.out_start[group])
+        elif self._sgmv is None or not self._sgmv.add(group, y, x, b.a[layer][group], b.b[layer][group]):
             self._kernel(y, x, b.a[layer][group], b.b[layer][group], self._meta, self._scale,
                          b.slice_offsets[group])
         if self._dora is not None:

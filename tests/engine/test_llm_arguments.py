@@ -17,11 +17,6 @@ def test_vllm_defaults_pass_silently():
                               "trust_remote_code": False, "tokenizer_mode": "auto"})
 
 
-def test_fully_sharded_loras_is_refused_naming_it():
-    with pytest.raises(ValueError, match="fully_sharded_loras=True is not supported"):
-        check_vllm_arguments({"fully_sharded_loras": True})
-
-
 @pytest.mark.parametrize("options, why", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be in"),
     (dict(distributed_executor_backend="ray"), "distributed_executor_backend must be 'mp'"),
