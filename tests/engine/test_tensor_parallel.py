@@ -55,6 +55,19 @@ def prompts(default_model_dir):
     return peft_prompts(default_model_dir, 40)
 
 
+def _mixed_batch_matches_peft(llm, name, base, adapters, rows) -> tuple:
+    """Rows round-robin over the adapters and the base model, 6 greedy tokens each, teacher-forced
+    against PEFT; every adapter must move its rows' numbers. Returns (outputs, LoRA requests,
+    sampling parameters)."""
+    choice = [i % (len(adapters) + 1) for i in range(len(rows))]
+    choice = [None if c == len(adapters) else c for c in choice]
+    loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
+    assert set(check_rows_match_peft(base, adapters, rows, choice, outs)) == set(range(len(adapters)))
+    return outs, loras, params
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_model_and_adapters_match_peft(name, tmp_path, default_model_dir, prompts):
     family, tp, overrides, specs = CASES[name]
@@ -65,13 +78,7 @@ def test_sharded_model_and_adapters_match_peft(name, tmp_path, default_model_dir
               max_loras=len(adapters), max_lora_rank=16, max_num_batched_tokens=48,
               tensor_parallel_size=tp)
     assert len(_workers()) == tp - 1
-    choice = [i % (len(adapters) + 1) for i in range(len(prompts))]
-    choice = [None if c == len(adapters) else c for c in choice]
-    loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
-    moved = check_rows_match_peft(base, adapters, prompts, choice, outs)
-    assert set(moved) == set(range(len(adapters)))  # every adapter changed its rows' numbers
+    outs, loras, params = _mixed_batch_matches_peft(llm, name, base, adapters, prompts)
     # the same prompts again: prefix-cache hits on every rank give the same tokens
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
@@ -244,13 +251,7 @@ def test_sharded_experts_and_expert_adapters_match_peft(name, tmp_path, default_
     llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
               max_loras=len(adapters), max_lora_rank=16, max_num_batched_tokens=40,
               tensor_parallel_size=2)
-    rows = prompts[:12]
-    choice = [i % (len(adapters) + 1) for i in range(len(rows))]
-    choice = [None if c == len(adapters) else c for c in choice]
-    loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
-    assert set(check_rows_match_peft(base, adapters, rows, choice, outs)) == set(range(len(adapters)))
+    _mixed_batch_matches_peft(llm, name, base, adapters, prompts[:12])
     llm.llm_engine.runner.shutdown()
 
 
@@ -277,13 +278,7 @@ def test_dora_adapters_match_peft_under_tensor_parallelism(name, tmp_path, defau
         base, tmp_path / f"a{i}", r=r, target_modules=t, seed=i, std=0.2) for i, (kind, r, t) in enumerate(specs)]
     llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=128, enable_lora=True,
               max_loras=len(adapters), max_lora_rank=8, max_num_batched_tokens=48, tensor_parallel_size=tp)
-    rows = prompts[:8]
-    choice = [i % (len(adapters) + 1) for i in range(len(rows))]
-    choice = [None if c == len(adapters) else c for c in choice]
-    loras = [None if c is None else LoRARequest(f"{name}-{c}", c + 1, str(adapters[c])) for c in choice]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    outs = llm.generate([{"prompt_token_ids": p} for p in rows], params, lora_request=loras)
-    assert set(check_rows_match_peft(base, adapters, rows, choice, outs)) == set(range(len(adapters)))
+    _mixed_batch_matches_peft(llm, name, base, adapters, prompts[:8])
     llm.llm_engine.runner.shutdown()
 
 
