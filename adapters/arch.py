@@ -175,6 +175,18 @@ class BaseModelDims:
         """``(in_features, out_features)`` of one projection."""
         return self.module_shapes()[module]
 
+    def group_offsets(self) -> dict[str, list[int]]:
+        """Per projection group (``PROJECTION_GROUPS``), where each of its modules' output
+        columns start in the group's fused output, and its width last (``[0, q, q+kv, q+2kv]``)."""
+        shapes = self.module_shapes()
+        out = {}
+        for group, modules in PROJECTION_GROUPS.items():
+            offs = [0]
+            for m in modules:
+                offs.append(offs[-1] + shapes[m][1])
+            out[group] = offs
+        return out
+
 
 def _positive_int(cfg: Mapping[str, Any], key: str) -> int:
     value = cfg.get(key)

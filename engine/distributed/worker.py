@@ -24,7 +24,7 @@ from loramux.engine.config import ModelConfig
 from loramux.engine.distributed import group
 from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
 from loramux.engine.loading import resolve_device, resolve_dtype
-from loramux.engine.lora.dora import BaseProjections, rank_parts
+from loramux.engine.lora.dora import BaseProjections
 from loramux.engine.lora.slots import SlotBuffers
 from loramux.engine.lora.step import LoRAStepBatch, lay_out_step
 from loramux.engine.model.decoder import DecoderModel
@@ -81,7 +81,7 @@ class FollowerAdapters:
         """This rank's DoRA parts of the whole adapter ``weights`` (its share's), sent to rank 0
         (the text of the error when they cannot be computed: rank 0 refuses the adapter)."""
         try:
-            parts = rank_parts(self.buffers.shard.lora(weights), self.base)
+            parts = self.base.parts(weights)
         except Exception as e:  # rank 0 waits for every rank's answer
             parts = f"{type(e).__name__}: {e}"
         group.gather_objects(parts, control)

@@ -57,13 +57,7 @@ class BaseProjections:
         self.gather: Callable[[LoraWeights, RankParts], list[RankParts]] | None = None
         """Rank 0 under tensor parallelism: ``(whole adapter, this rank's parts)`` → every
         rank's parts, rank 0's first (the runner's exchange with its workers)."""
-        self.slice_offsets: dict[str, list[int]] = {}
-        shapes = getattr(model, "local_dims", model.dims).module_shapes()
-        for group, modules in PROJECTION_GROUPS.items():
-            offs = [0]
-            for m in modules:
-                offs.append(offs[-1] + shapes[m][1])
-            self.slice_offsets[group] = offs
+        self.slice_offsets = getattr(model, "local_dims", model.dims).group_offsets()
 
     def linear(self, layer: int, group: str) -> Linear | QuantLinear:
         weights = self.model.layers[layer]
@@ -73,6 +67,11 @@ class BaseProjections:
             raise LoRAError(f"DoRA on {group} of layer {layer}: this model's layer has no dense "
                             f"{group} projection")
         return lin
+
+    def parts(self, weights: LoraWeights) -> RankParts:
+        """This rank's :data:`RankParts` of the whole DoRA adapter ``weights`` (cut to this
+        rank's share first under tensor parallelism)."""
+        return rank_parts(weights if self.shard is None else self.shard.lora(weights), self)
 
     def rows(self, group: str, module: str) -> slice:
         """The rows of ``module`` in its group's projection (all of them for a fused name)."""
@@ -134,13 +133,12 @@ def dora_scales(weights: LoraWeights, base: BaseProjections, name: str = "adapte
             if weights.magnitudes.get(layer, {}).get(module) is None:
                 raise LoRAError(f"DoRA adapter {name!r}: layer {layer} {module} has no "
                                 f"lora_magnitude_vector")
-    if base.shard is None:
-        parts = rank_parts(weights, base)
-    elif base.gather is None:
+    if base.shard is not None and base.gather is None:
         raise LoRAError(f"DoRA adapter {name!r}: this rank cannot reach the other ranks' "
                         f"shares of the base")
-    else:
-        parts = base.shard.join_dora(base.gather(weights, rank_parts(base.shard.lora(weights), base)))
+    parts = base.parts(weights)
+    if base.shard is not None:
+        parts = base.shard.join_dora(base.gather(weights, parts))
     scales: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = {}
     for (layer, module), (norm_sq, bias) in parts.items():
         g, c = row_gains(norm_sq, weights.magnitudes[layer][module], bias)

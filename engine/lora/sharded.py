@@ -36,20 +36,13 @@ class SlotLayout:
     (the default layout, or the fully sharded one when given the rank's ``TensorShard``)."""
 
     def __init__(self, dims, max_rank: int, shard=None) -> None:
-        shapes = dims.module_shapes()
-        self.shard = shard
         self.rank_share: int | None = None
         """A's rank rows per rank on column-parallel groups (None: not fully sharded)."""
         self.a_rows = {g: max_rank for g in PROJECTION_GROUPS}
-        self.b_offsets: dict[str, list[int]] = {}
+        self.b_offsets: dict[str, list[int]] = dims.group_offsets()
         """Per group, the slices' offsets in the slots' B columns."""
         self.out_start: dict[str, int] = {}
         """Row-parallel groups, fully sharded: the first output column this rank's B holds."""
-        for group, modules in PROJECTION_GROUPS.items():
-            offs = [0]
-            for m in modules:
-                offs.append(offs[-1] + shapes[m][1])
-            self.b_offsets[group] = offs
         if shard is None:
             return
         world = shard.world

@@ -65,7 +65,7 @@ class SlotBuffers:
         self.max_rank = max_rank
         self.dtype, self.scale_dtype = dtype, scale_dtype
         shapes = dims.module_shapes()
-        self.slice_offsets: dict[str, list[int]] = {}
+        self.slice_offsets: dict[str, list[int]] = dims.group_offsets()
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
         self.row_shift: dict[tuple[int, str], torch.Tensor] = {}
@@ -78,11 +78,6 @@ class SlotBuffers:
         """Each group's A rank rows and B columns (``sharded.SlotLayout``)."""
         if self.fully_sharded and not blockdiag:
             raise ValueError("fully_sharded_loras runs on the block-diagonal slot layout (the torch backend)")
-        for group, modules in PROJECTION_GROUPS.items():
-            offs = [0]
-            for m in modules:
-                offs.append(offs[-1] + shapes[m][1])
-            self.slice_offsets[group] = offs
         # The torch backend on the CPU: slots start uninitialised, so a capacity derived from
         # memory costs pages only as slots fill (``_write`` zeroes a slot before filling it,
         # and no kernel reads a slot that is not in the step's segments).
