@@ -179,6 +179,8 @@ class TensorParallelRunner:
             base.gather = self.gather_dora_parts
         self._exchange = threading.Lock()
         """Held while rank 0 talks to its workers (a step, a DoRA exchange): one at a time."""
+        self._dora_tokens = 0
+        """Numbers each DoRA exchange (its start and its collection)."""
         self.workers = WorkerGroup(config, path, model.device)
         self._finalizer = weakref.finalize(self, self.workers.stop)
         self._start()
@@ -216,14 +218,34 @@ class TensorParallelRunner:
             raise EngineDeadError(f"tensor-parallel step failed: {output.error}") from output.error
         return output
 
-    def gather_dora_parts(self, weights, own) -> list:
+    def gather_dora_parts(self, weights, own_parts) -> list:
         """Every rank's DoRA parts (``dora.RankParts``) of the whole adapter ``weights``, rank 0's
-        (``own``) first: the workers compute theirs on their shares between two steps (called
-        from a load thread; raises :class:`LoRAError` when a worker cannot answer)."""
+        first (``own_parts()`` computes them). Short exchanges between steps: the first hands
+        the adapter to the workers, which compute their parts on a thread beside their steps
+        while rank 0 computes its own; polls (a flag per rank) wait until every rank is done;
+        the last collects them. No step waits for any rank's computation. Called from a load
+        thread; raises :class:`LoRAError` when a worker cannot answer."""
+        with self._lock:
+            self._dora_tokens += 1
+            token = self._dora_tokens
+        self._dora_exchange(("dora", token, weights))
+        try:
+            own = own_parts()
+        except Exception as e:  # the workers still hand in theirs: none is left behind
+            self._dora_exchange(("dora-collect", token), f"{type(e).__name__}: {e}")
+            raise
+        pause = 0.001
+        while not all(self._dora_exchange(("dora-poll", token), True)):
+            time.sleep(pause)  # the steps run meanwhile
+            pause = min(2 * pause, 0.05)
+        return self._dora_exchange(("dora-collect", token), own)
+
+    def _dora_exchange(self, message, own=None) -> list | None:
+        """Send ``message`` between two steps; with ``own``, gather every rank's answer."""
         with self._exchange:
             try:
-                self.workers.send(("dora", weights))
-                return group.gather_objects(own, self.workers.control)
+                self.workers.send(message)
+                return None if own is None else group.gather_objects(own, self.workers.control)
             except Exception as e:
                 raise LoRAError(f"the tensor-parallel workers could not scale a DoRA adapter: {e}") from e
 

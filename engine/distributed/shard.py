@@ -153,7 +153,10 @@ class TensorShard:
             a, b = self.vocab_range()
             return tensor[a:b]
         if (module in COLUMN_PARALLEL or module in ROW_PARALLEL) and kind in QUANTIZED:
-            return self._quantized(module, kind, tensor)
+            k_in, n_out = self.dims.module_shapes()[module]
+            column = module in COLUMN_PARALLEL
+            ranges = self.out_ranges(module) if column else [self.in_range(module)]
+            return self._quantized(module, kind, tensor, column, ranges, k_in, n_out)
         if module in COLUMN_PARALLEL and kind in ("weight", "bias"):
             return self.rows_of(module, tensor)
         if module in ROW_PARALLEL and kind == "bias":
@@ -163,21 +166,20 @@ class TensorShard:
             return tensor[:, a:b]
         return tensor[:]
 
-    def _quantized(self, module: str, kind: str, tensor) -> torch.Tensor:
-        """A quantized tensor's share (:data:`QUANTIZED_AXES`): the units (packed words,
-        groups) of this rank's output rows or input columns, a per-tensor or per-row scale
-        whole where every share uses it; compressed-tensors' stored ``weight_shape`` made the
+    def _quantized(self, module: str, kind: str, tensor, column: bool, ranges: Ranges,
+                   k_in: int, n_out: int) -> torch.Tensor:
+        """A quantized tensor's share (:data:`QUANTIZED_AXES`) of a projection ``[n_out, k_in]``
+        split along its output rows (``column``) or input columns in ``ranges``: the units
+        (packed words, groups) of those rows or columns, a per-tensor or per-row scale whole
+        where every share uses it; compressed-tensors' stored ``weight_shape`` made the
         share's, GPTQ's ``g_idx`` (each input column's group) rebased to the share's groups."""
         shape = list(tensor.get_shape()) if hasattr(tensor, "get_shape") else list(tensor.shape)
-        k_in, n_out = self.dims.module_shapes()[module]
-        column = module in COLUMN_PARALLEL
-        ranges = self.out_ranges(module) if column else [self.in_range(module)]
         if kind == "weight_shape":
             rows = sum(e - s for s, e in ranges) if column else n_out
             cols = k_in if column else ranges[0][1] - ranges[0][0]
             return torch.tensor([rows, cols], dtype=tensor[:].dtype)
         if kind == "g_idx":
-            return tensor[:] if column else self._g_idx(module, tensor[:], k_in)
+            return tensor[:] if column else self._g_idx(module, tensor[:], k_in, ranges[0])
         axis = QUANTIZED_AXES[kind][0 if column else 1]
         if len(shape) < 2 or shape[axis] == 1:
             return tensor[:]
@@ -189,11 +191,12 @@ class TensorShard:
                  for s, e in self._aligned(ranges, per, module)]
         return torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
 
-    def _g_idx(self, module: str, g_idx: torch.Tensor, k_in: int) -> torch.Tensor:
-        """A row-parallel share of GPTQ's ``g_idx``, its groups counted from the share's first:
-        only groups of consecutive input columns (no activation order) split over the ranks."""
+    def _g_idx(self, module: str, g_idx: torch.Tensor, k_in: int, columns: tuple[int, int]) -> torch.Tensor:
+        """A row-parallel share (input ``columns``) of GPTQ's ``g_idx``, its groups counted
+        from the share's first: only groups of consecutive input columns (no activation
+        order) split over the ranks."""
         groups = int(g_idx.max()) + 1 if g_idx.numel() else 1
-        a, b = self.in_range(module)
+        a, b = columns
         if groups == 1:  # one group per output channel: every share uses it
             return g_idx[a:b]
         per = k_in // groups
@@ -218,14 +221,20 @@ class TensorShard:
         return self.rank * n, (self.rank + 1) * n
 
     def _expert(self, parts: list[str], tensor) -> torch.Tensor:
-        """An expert tensor's share: per expert ``[I, H]`` rows / ``[H, I]`` columns, or the
-        fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] of transformers 5."""
+        """An expert tensor's share: per expert ``[I, H]`` rows / ``[H, I]`` columns (stored
+        plain or quantized: that projection's packed words, groups and scales), or the fused
+        ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] of transformers 5."""
         a, b = self._expert_range()
         inter = self.dims.moe_intermediate_size
         if parts[-2] == "experts" and parts[-1] == "gate_up_proj":
             return torch.cat([tensor[:, a:b], tensor[:, inter + a : inter + b]], dim=1)
         if parts[-2] == "experts" and parts[-1] == "down_proj":
             return tensor[:, :, a:b]
+        if parts[-2] in (EXPERT_COLUMN | EXPERT_ROW) and parts[-1] in QUANTIZED:
+            column = parts[-2] in EXPERT_COLUMN
+            hidden = self.dims.hidden_size
+            k_in, n_out = (hidden, inter) if column else (inter, hidden)
+            return self._quantized(".".join(parts[:-1]), parts[-1], tensor, column, [(a, b)], k_in, n_out)
         if parts[-2] in EXPERT_COLUMN and parts[-1] == "weight":
             return tensor[a:b]
         if parts[-2] in EXPERT_ROW and parts[-1] == "weight":

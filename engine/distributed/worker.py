@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +77,27 @@ class FollowerAdapters:
         self.hook = LoRAStepBatch(self.buffers, setup.backend, model.device)
         self.base = BaseProjections(model)
         self.slot_of: dict[str, int] = {}
+        self._dora: dict[int, Future] = {}
+        self._dora_pool = ThreadPoolExecutor(1, thread_name_prefix="dora-parts")
 
-    def share_dora_parts(self, weights, control) -> None:
-        """This rank's DoRA parts of the whole adapter ``weights`` (its share's), sent to rank 0
-        (the text of the error when they cannot be computed: rank 0 refuses the adapter)."""
+    def start_dora_parts(self, token: int, weights) -> None:
+        """Start computing this rank's DoRA parts of the whole adapter ``weights`` (its share's)
+        on a thread beside the steps; :meth:`send_dora_parts` hands them in."""
+        self._dora[token] = self._dora_pool.submit(self.base.parts, weights)
+
+    def send_dora_done(self, token: int, control) -> None:
+        """Tell rank 0 whether the parts started as ``token`` are computed (or cannot be)."""
+        future = self._dora.get(token)
+        group.gather_objects(future is None or future.done(), control)
+
+    def send_dora_parts(self, token: int, control) -> None:
+        """Send rank 0 the parts started as ``token`` once computed (the text of the error when
+        they could not be: rank 0 refuses the adapter)."""
+        future = self._dora.pop(token, None)
         try:
-            parts = self.base.parts(weights)
+            if future is None:
+                raise RuntimeError(f"this rank was never handed DoRA exchange {token} (restarted since)")
+            parts = future.result()
         except Exception as e:  # rank 0 waits for every rank's answer
             parts = f"{type(e).__name__}: {e}"
         group.gather_objects(parts, control)
@@ -149,7 +165,13 @@ def run_worker(rank: int, world: int, init_method: str, mc: ModelConfig, path: s
     try:
         while (message := group.receive(control)) is not None:
             if message[0] == "dora":
-                adapters.share_dora_parts(message[1], control)
+                adapters.start_dora_parts(message[1], message[2])
+                continue
+            if message[0] == "dora-poll":
+                adapters.send_dora_done(message[1], control)
+                continue
+            if message[0] == "dora-collect":
+                adapters.send_dora_parts(message[1], control)
                 continue
             _, ops, slot_of, plan = message
             if adapters is not None:

@@ -54,9 +54,10 @@ class BaseProjections:
         self.model = model
         self.shard = getattr(model, "shard", None)
         """This rank's share (``TensorShard``) under tensor parallelism, else None."""
-        self.gather: Callable[[LoraWeights, RankParts], list[RankParts]] | None = None
-        """Rank 0 under tensor parallelism: ``(whole adapter, this rank's parts)`` → every
-        rank's parts, rank 0's first (the runner's exchange with its workers)."""
+        self.gather: Callable[[LoraWeights, Callable[[], RankParts]], list[RankParts]] | None = None
+        """Rank 0 under tensor parallelism: ``(whole adapter, a function computing this rank's
+        parts)`` → every rank's parts, rank 0's first (the runner's exchange with its workers,
+        which compute theirs while rank 0 computes its own)."""
         self.slice_offsets = getattr(model, "local_dims", model.dims).group_offsets()
 
     def linear(self, layer: int, group: str) -> Linear | QuantLinear:
@@ -136,9 +137,10 @@ def dora_scales(weights: LoraWeights, base: BaseProjections, name: str = "adapte
     if base.shard is not None and base.gather is None:
         raise LoRAError(f"DoRA adapter {name!r}: this rank cannot reach the other ranks' "
                         f"shares of the base")
-    parts = base.parts(weights)
-    if base.shard is not None:
-        parts = base.shard.join_dora(base.gather(weights, parts))
+    if base.shard is None:
+        parts = base.parts(weights)
+    else:
+        parts = base.shard.join_dora(base.gather(weights, lambda: base.parts(weights)))
     scales: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = {}
     for (layer, module), (norm_sq, bias) in parts.items():
         g, c = row_gains(norm_sq, weights.magnitudes[layer][module], bias)

@@ -142,8 +142,6 @@ class DecoderModel:
         self.norms = Norms(self.ops, self.dims.rms_norm_eps, spec.norm_offset)
         self.quant = quant_method(self.hf_config, quantization, str(path))
         """How the checkpoint stores the projections (``quant/``)."""
-        if self.shard and self.quant.quantized and self.dims.num_experts:
-            raise ModelLoadError(f"{path}: quantized experts ({self.quant.name}) run unsharded for now")
         self._load(load_state_dict(path, dtype, device, self.arch, self.quant.keeps_stored_dtype,
                                    take=self.shard.take if self.shard is not None else None))
         self.attention_windows = spec.windows
@@ -187,7 +185,7 @@ class DecoderModel:
         mlp = None
         if s.mlp is not None:
             mlp = s.mlp(LayerContext(
-                index=i, prefix=p, dims=self.dims, activation=act, take=take, source=str(self.path),
+                index=i, prefix=p, dims=self.local_dims, activation=act, take=take, source=str(self.path),
                 quantized=self.quant.quantized,
                 linear=lambda modules, shapes: self.quant.create_linear(
                     modules, take, None, shapes=shapes, dtype=self.dtype)))

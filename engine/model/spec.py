@@ -50,7 +50,8 @@ class LayerContext:
     prefix: str
     """Its tensors' prefix in the canonical checkpoint names (``model.layers.<index>.``)."""
     dims: ModelDims
-    """The model's dimensions (experts, MoE layers, sizes)."""
+    """The dimensions this rank computes with (experts, MoE layers; sizes are its share under
+    tensor parallelism, ``TensorShard.local_dims``)."""
     activation: Callable[[torch.Tensor], torch.Tensor]
     """The spec's gated activation ``act(gate) * up`` [T, 2I] → [T, I], on the layer's small ops."""
     take: Callable[..., torch.Tensor | None]

@@ -362,3 +362,61 @@ def test_speculative_decoding_structured_output_beams_and_seeds_as_in_one_proces
         return outs
 
     assert run(2) == run(1)
+
+
+SLOW_WORKER_PARTS = """
+import os, time
+import loramux.engine.lora.dora as dora
+
+_parts = dora.BaseProjections.parts
+
+
+def _slow(self, weights):
+    time.sleep(float(os.environ["LORAMUX_TEST_DORA_PARTS_DELAY"]))
+    return _parts(self, weights)
+
+
+dora.BaseProjections.parts = _slow
+"""
+
+
+def test_a_dora_load_does_not_hold_a_neighbours_steps_while_the_workers_compute(tmp_path, default_model_dir,
+                                                                               monkeypatch):
+    """A tenant's DoRA adapter makes every rank compute its parts of the row norms (a projection
+    per module; over a quantized base, dequantized bands). The workers (made 1.5 s slow here by
+    a ``sitecustomize`` only their processes import) compute beside their steps: the
+    neighbour's stream keeps its pace and its tokens while the adapter loads."""
+    from support.lora_fixtures import make_dora_adapter
+
+    delay = 1.5
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_WORKER_PARTS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("LORAMUX_TEST_DORA_PARTS_DELAY", str(delay))
+    base = make_tiny_llama(tmp_path / "m", default_model_dir)
+    dora = make_dora_adapter(base, tmp_path / "dora", r=4, target_modules=["q_proj", "o_proj"], std=0.1)
+    llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=512, enable_lora=True, max_loras=1,
+              max_lora_rank=4, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    neighbour = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": [5, 6, 7]}, neighbour)[0].outputs[0].token_ids
+    engine.add_request("n", {"prompt_token_ids": [5, 6, 7]}, neighbour)
+    for _ in range(3):
+        engine.step()
+    added = time.monotonic()
+    engine.add_request("d", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2),
+                       lora_request=LoRARequest("d", 1, str(dora)))
+    step_ends, first_dora, outputs = [], None, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+            if out.request_id == "d" and first_dora is None and out.outputs[0].token_ids:
+                first_dora = time.monotonic()
+        if first_dora is None:
+            step_ends.append(time.monotonic())
+    llm.llm_engine.runner.shutdown()
+    assert first_dora is not None and first_dora - added >= delay  # the workers' parts were slow
+    gaps = [b - a for a, b in zip([added, *step_ends], step_ends, strict=False)]
+    assert len(gaps) > 10 and max(gaps) < delay / 2  # no step waited for them
+    assert outputs["n"].outputs[0].token_ids == alone and len(outputs["d"].outputs[0].token_ids) == 2

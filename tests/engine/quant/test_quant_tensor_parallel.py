@@ -3,12 +3,15 @@ pack-quantized and FP8, AWQ and GPTQ (v1, v2; 4 and 8 bits; groups and per chann
 stored, each rank reading the packed words, groups and scales of its output rows or input
 columns, and serve base rows, LoRA and DoRA rows as one process does (TP 1 of the same folder,
 itself checked against PEFT in ``test_awq_gptq_lora.py`` / ``test_quant_lora.py``). GPTQ's
-activation order cannot split its groups over the ranks' input columns: refused naming it."""
+activation order cannot split its groups over the ranks' input columns: refused naming it.
+Quantized MoE experts split like float ones (each rank its share of every expert's
+intermediate size, read from the packed words and groups)."""
 
 from __future__ import annotations
 
 import pytest
 from awq_gptq_layouts import write_awq, write_gptq
+from ct_moe_checkpoint import write_int4_experts
 from fp8_checkpoints import write_fp8
 from support.lora_fixtures import ALL_MODULES, make_dora_adapter, make_peft_adapter
 from support.peft_harness import peft_prompts
@@ -60,11 +63,33 @@ def test_a_quantized_base_shards_as_stored_and_serves_lora_and_dora_as_one_proce
     rows = prompts[:6]
     loras = [None, LoRARequest("lora", 1, str(lora)), LoRARequest("dora", 2, str(dora))] * 2
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
-    one, two = _run(base, 1, rows, loras, params), _run(base, 2, rows, loras, params)
+    _same_rows(_run(base, 1, rows, loras, params), _run(base, 2, rows, loras, params))
+
+
+def _same_rows(one, two) -> None:
     assert [t for t, _ in two] == [t for t, _ in one]
     for (_, a), (_, b) in zip(one, two, strict=True):
         for x, y in zip(a, b, strict=True):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+MOE_SCHEMES = {
+    "ct-int4-g16": lambda src, out: write_int4_experts(src, out, out.with_name("ref")) or out,
+    "awq-g16": lambda src, out: write_awq(src, out, group_size=16),
+    "gptq-int4-g16": lambda src, out: write_gptq(src, out, group_size=16),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_SCHEMES))
+def test_quantized_experts_shard_their_intermediate_size_as_one_process_serves(name, tmp_path,
+                                                                              default_model_dir, prompts):
+    dense = make_tiny_model(tmp_path / "dense", default_model_dir, "qwen3_moe")
+    base = MOE_SCHEMES[name](dense, tmp_path / "q")
+    lora = make_peft_adapter(dense, tmp_path / "lora", r=8, target_modules=["q_proj", "o_proj"], std=0.1)
+    rows = prompts[:4]
+    loras = [None, LoRARequest("lora", 1, str(lora))] * 2
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    _same_rows(_run(base, 1, rows, loras, params), _run(base, 2, rows, loras, params))
 
 
 def test_gptq_activation_order_is_refused_naming_it(tmp_path, default_model_dir):
