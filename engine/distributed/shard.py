@@ -46,6 +46,9 @@ QUANTIZED_AXES = {
 }
 """A quantized projection's tensors: (the axis of its output rows, the axis of its input
 columns), each counting packed words or groups (a size 1: every row or column shares it)."""
+GROUPED_ROWS = ("scales", "qzeros")
+"""AWQ's and GPTQ's per-group tensors ([groups, out]-major): a row-parallel share's groups
+depend on GPTQ's ``g_idx`` (:meth:`TensorShard.settle`)."""
 QUANTIZED = frozenset({*QUANTIZED_AXES, "weight_shape", "g_idx"})
 """The stored tensors of a quantized projection (FP8's ``weight`` is a plain one)."""
 
@@ -172,17 +175,18 @@ class TensorShard:
         split along its output rows (``column``) or input columns in ``ranges``: the units
         (packed words, groups) of those rows or columns, a per-tensor or per-row scale whole
         where every share uses it; compressed-tensors' stored ``weight_shape`` made the
-        share's, GPTQ's ``g_idx`` (each input column's group) rebased to the share's groups."""
+        share's; a row-parallel share's AWQ / GPTQ groups and ``g_idx`` are read whole and
+        cut by :meth:`settle`."""
         shape = list(tensor.get_shape()) if hasattr(tensor, "get_shape") else list(tensor.shape)
         if kind == "weight_shape":
             rows = sum(e - s for s, e in ranges) if column else n_out
             cols = k_in if column else ranges[0][1] - ranges[0][0]
             return torch.tensor([rows, cols], dtype=tensor[:].dtype)
         if kind == "g_idx":
-            return tensor[:] if column else self._g_idx(module, tensor[:], k_in, ranges[0])
+            return tensor[:] if column else tensor[ranges[0][0] : ranges[0][1]]
         axis = QUANTIZED_AXES[kind][0 if column else 1]
-        if len(shape) < 2 or shape[axis] == 1:
-            return tensor[:]
+        if len(shape) < 2 or shape[axis] == 1 or (not column and kind in GROUPED_ROWS):
+            return tensor[:]  # row-parallel groups: cut by settle(), which sees g_idx
         size = n_out if column else k_in
         if size % shape[axis]:
             raise ModelLoadError(f"{module}.{kind} is {shape}: {shape[axis]} does not divide {size}")
@@ -191,22 +195,39 @@ class TensorShard:
                  for s, e in self._aligned(ranges, per, module)]
         return torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
 
-    def _g_idx(self, module: str, g_idx: torch.Tensor, k_in: int, columns: tuple[int, int]) -> torch.Tensor:
-        """A row-parallel share (input ``columns``) of GPTQ's ``g_idx``, its groups counted
-        from the share's first: only groups of consecutive input columns (no activation
-        order) split over the ranks."""
-        groups = int(g_idx.max()) + 1 if g_idx.numel() else 1
-        a, b = columns
-        if groups == 1:  # one group per output channel: every share uses it
-            return g_idx[a:b]
-        per = k_in // groups
-        if not bool((g_idx.long() == torch.arange(k_in) // per).all()):
-            raise ModelLoadError(
-                f"tensor_parallel_size {self.world}: {module}'s GPTQ activation order (desc_act; "
-                f"g_idx) spreads each group over every rank's input columns; such checkpoints "
-                f"are served with tensor_parallel_size 1")
-        self._aligned([(a, b)], per, module)
-        return g_idx[a:b] - a // per
+    def settle(self, sd: dict[str, torch.Tensor]) -> None:
+        """After loading, what needs several tensors of one module: a row-parallel AWQ / GPTQ
+        projection's ``scales`` and ``qzeros`` (read whole) cut to the groups of its share
+        and its ``g_idx`` rebased to the first of them; under GPTQ's activation order (a
+        ``g_idx`` that is not consecutive) the share's columns draw on every group, so they
+        stay whole and ``g_idx`` keeps the global groups (the method regroups the share's
+        columns, ``repacked.regroup``)."""
+        for name in [n for n in sd if n.endswith(".scales")]:
+            prefix = name.removesuffix("scales")
+            module = prefix.split(".")[-2]
+            if self._expert_row(prefix):
+                k_in, (a, b) = self.dims.moe_intermediate_size, self._expert_range()
+            elif module in ROW_PARALLEL:
+                k_in, (a, b) = self.dims.module_shapes()[module][0], self.in_range(module)
+            else:
+                continue
+            groups = sd[name].shape[0]
+            if groups == 1:
+                continue
+            per = k_in // groups
+            g_idx = sd.get(prefix + "g_idx")
+            if g_idx is not None and not bool((g_idx.long() == torch.arange(a, b) // per).all()):
+                continue  # activation order: every group stays, g_idx global
+            self._aligned([(a, b)], per, prefix.rstrip("."))
+            for kind in GROUPED_ROWS:
+                if prefix + kind in sd:
+                    sd[prefix + kind] = sd[prefix + kind][a // per : b // per]
+            if g_idx is not None:
+                sd[prefix + "g_idx"] = g_idx - a // per
+
+    def _expert_row(self, prefix: str) -> bool:
+        parts = prefix.rstrip(".").split(".")
+        return "experts" in parts and parts[-1] in EXPERT_ROW
 
     def _aligned(self, ranges: Ranges, per: int, module: str) -> Ranges:
         """``ranges`` when each starts and ends on a stored unit of ``per`` values (a packed

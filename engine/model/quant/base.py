@@ -47,6 +47,9 @@ class QuantMethod(ABC):
     """vLLM's ``quantization`` name of the format (``none``: not quantized)."""
     quantized: bool = False
     """Whether any projection is stored quantized."""
+    tensor_parallel_size: int = 1
+    """The ranks the projections are split over (set by the model before it loads): a
+    row-parallel share holds ``1 / tensor_parallel_size`` of a projection's input columns."""
 
     def keeps_stored_dtype(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` (canonical) loads in its stored dtype (packed
@@ -135,6 +138,12 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    @property
+    def kernel_in_features(self) -> int:
+        """The input columns of the stored weight (the kernel's): ``in_features``, or more
+        where a tensor-parallel share's groups were padded (``repacked.regroup``)."""
+        return getattr(self.scheme, "kernel_in", None) or self.in_features
 
     @property
     def nbytes(self) -> int:

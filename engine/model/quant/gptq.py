@@ -18,6 +18,8 @@ module's tensors:
 load so that each group is contiguous (the kernel's grouped layout) and a call gathers the
 activations' columns by the same order: a [T, in] gather per call instead of a per-weight
 group lookup in the inner loop, and the kernel stays the one every int4 / int8 format runs.
+Under tensor parallelism a rank's share of o / down holds columns of every group: it keeps
+every group's ``scales`` / ``qzeros`` and is regrouped (``repacked.regroup``).
 Refused, naming the field or tensor: other bit widths and checkpoint formats (``marlin``,
 ``bitblas``, v2's other pack dtypes), ``desc_act`` without ``g_idx``, a ``g_idx`` that is not a
 grouping of ``group_size`` columns each, GPTQModel's per-module ``dynamic`` overrides.
@@ -32,7 +34,7 @@ import torch
 
 from loramux.engine.errors import ModelLoadError
 from loramux.engine.model.quant.base import Shape, Take, UnquantizedMethod
-from loramux.engine.model.quant.repacked import ModulePart, RepackedMethod, act_order_perm
+from loramux.engine.model.quant.repacked import ModulePart, RepackedMethod, act_order_perm, regroup
 
 FORMATS = ("gptq", "gptq_v2")
 """``checkpoint_format`` values served: v1 (zeros stored minus one) and v2."""
@@ -119,6 +121,9 @@ class GPTQMethod(RepackedMethod):
                             f"this weight [out, in] = {list(shape)}, packed to int32 "
                             f"[{shape[1] / per:g}, {shape[0]}]")
         g = self.group_size or k
+        if (g_idx is not None and self.group_size and self.tensor_parallel_size > 1 and scales.dim() == 2
+                and scales.shape[0] * g == k * self.tensor_parallel_size):
+            return self._read_share(p, qweight, qzeros, scales, g_idx, k, out)
         if k % g:
             raise self._bad(p + "scales", f"group_size {g} does not divide the {k} input features")
         groups = k // g
@@ -127,19 +132,49 @@ class GPTQMethod(RepackedMethod):
                             f"[{groups}, {out}] is required")
         if not bool(torch.isfinite(scales).all()):
             raise self._bad(p + "scales", "holds non-finite values")
+        self._check_zeros(p, qzeros, groups, out)
+        perm = act_order_perm(g_idx, self.group_size, k, p + "g_idx", self.source) \
+            if g_idx is not None else None
+        return ModulePart(self._reader(qweight), out, k, scales.T.contiguous(),
+                          self._zeros(qzeros).T.contiguous(), perm)
+
+    def _read_share(self, p: str, qweight, qzeros, scales, g_idx, k: int, out: int) -> ModulePart:
+        """A tensor-parallel share (``k`` of the input columns) of a projection under activation
+        order: every group's ``scales`` / ``qzeros``, ``g_idx`` naming the share's columns'
+        global groups (``TensorShard.settle``); regrouped for the kernel (``repacked.regroup``)."""
+        groups = scales.shape[0]
+        if not scales.is_floating_point() or scales.dim() != 2 or scales.shape[1] != out:
+            raise self._bad(p + "scales", f"is {scales.dtype} {list(scales.shape)}; a float "
+                            f"[groups, {out}] is required")
+        if not bool(torch.isfinite(scales).all()):
+            raise self._bad(p + "scales", "holds non-finite values")
+        self._check_zeros(p, qzeros, groups, out)
+        gi = g_idx.to(torch.int64)
+        if tuple(gi.shape) != (k,) or g_idx.is_floating_point() or bool(((gi < 0) | (gi >= groups)).any()):
+            raise self._bad(p + "g_idx", f"is {g_idx.dtype} {list(g_idx.shape)}; integers in "
+                            f"0..{groups - 1} for the share's {k} input columns are required")
+        if bool((torch.bincount(gi, minlength=groups) > self.group_size).any()):
+            raise self._bad(p + "g_idx", f"gives a group more than group_size {self.group_size} columns")
+        return regroup(self._reader(qweight), out, k, scales.T.contiguous(),
+                       self._zeros(qzeros).T.contiguous(), gi, self.group_size, self.num_bits)
+
+    def _check_zeros(self, p: str, qzeros, groups: int, out: int) -> None:
+        per = 32 // self.num_bits
         if out % per or qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, out // per):
             raise self._bad(p + "qzeros", f"is {qzeros.dtype} {list(qzeros.shape)}; int32 "
                             f"[{groups}, {out / per:g}] is required")
-        zero = unpack_rows(qzeros.T.contiguous(), bits).T  # [G, out] as stored
-        if self.v1:
-            zero = (zero + 1) & ((1 << bits) - 1)
-        perm = act_order_perm(g_idx, self.group_size, k, p + "g_idx", self.source) \
-            if g_idx is not None else None
 
+    def _zeros(self, qzeros) -> torch.Tensor:
+        """The zero points [G, out] (unsigned), as the checkpoint's format stores them."""
+        bits = self.num_bits
+        zero = unpack_rows(qzeros.T.contiguous(), bits).T
+        return (zero + 1) & ((1 << bits) - 1) if self.v1 else zero
+
+    def _reader(self, qweight):
         def read(r0: int, r1: int) -> torch.Tensor:  # output rows r0:r1 → [r, in]
-            return unpack_rows(qweight[:, r0:r1], bits).T
+            return unpack_rows(qweight[:, r0:r1], self.num_bits).T
 
-        return ModulePart(read, out, k, scales.T.contiguous(), zero.T.contiguous(), perm)
+        return read
 
     def _bad(self, tensor: str, why: str) -> ModelLoadError:
         return ModelLoadError(f"{self.source}: tensor {tensor} {why}")

@@ -11,6 +11,9 @@ layout; ``kernel_zero`` only when some zero point is off the midpoint) and ``per
 is the checkpoint's input column ``perm[p, j]``; the parts are output-row ranges
 (:attr:`RepackedScheme.bounds`, one per fused module whose permutation differs). A call
 gathers the activations' columns by ``perm`` (``[T, in]``, once per part), never the weights.
+A tensor-parallel share of an activation-order layer (:func:`regroup`) has more kernel columns
+than inputs (groups padded to whole sub-groups): ``perm`` is then [1, kernel in] and
+:attr:`RepackedScheme.kernel_in` says how many.
 """
 
 from __future__ import annotations
@@ -55,11 +58,15 @@ class RepackedScheme:
     bounds: tuple[int, ...] = ()
     """Output-row boundaries of the parts with their own column permutation ``(0, ..., out)``;
     empty when the columns are not permuted."""
+    kernel_in: int | None = None
+    """The kernel's input columns when they are not the layer's (a regrouped share,
+    :func:`regroup`: padded groups); None: the layer's ``in_features``."""
 
     def describe(self) -> str:
         group = f"group {self.group_size}" if self.group_size else "per-channel"
         kind = "symmetric" if self.symmetric else "zero points"
         perm = ", activation order" if self.bounds else ""
+        perm += ", regrouped share" if self.kernel_in else ""
         return f"int{self.num_bits} {group} {kind}{perm}"
 
 
@@ -73,6 +80,14 @@ class ModulePart:
     scale: torch.Tensor  # [out, G] float
     zero: torch.Tensor | None  # [out, G] int32 unsigned, or None (the midpoint)
     perm: torch.Tensor | None  # [in] int64: the column order making groups contiguous, or None
+    columns: torch.Tensor | None = None
+    """A regrouped share (:func:`regroup`): the activations' column of each of the kernel's
+    ``in_features`` columns (padding: column 0, its weights exactly zero); ``read`` then
+    gives rows in the kernel's order and ``perm`` is None."""
+    inputs: int | None = None
+    """With ``columns``: the layer's input features (the activations' columns)."""
+    group_size: int | None = None
+    """With ``columns``: the kernel's group size (sub-groups of the checkpoint's groups)."""
 
 
 def act_order_perm(g_idx: torch.Tensor, group_size: int | None, in_features: int,
@@ -94,6 +109,52 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int | None, in_features: int
     if bool((g == torch.arange(in_features) // per).all()):
         return None
     return torch.argsort(g, stable=True)
+
+
+def regroup(read: RowReader, out_features: int, in_features: int, scale: torch.Tensor,
+            zero: torch.Tensor | None, g_idx: torch.Tensor, group_size: int, num_bits: int) -> ModulePart:
+    """A tensor-parallel rank's share of a GPTQ projection under activation order: its
+    ``in_features`` input columns belong to groups (``g_idx``, global) whose other columns
+    sit on other ranks, so no group is whole here. The share's columns are sorted by group
+    and each group's run padded to whole sub-groups of ``s`` columns (``s``: the candidate
+    among 32, 64, ... up to the group size, or the group size, that stores the fewest bytes
+    — weights plus a scale and zero point a sub-group), each sub-group with its group's
+    scale and zero point; padding weights are the zero point (exactly 0 dequantized) and
+    read activation column 0. ``scale`` / ``zero`` [out, G] cover every group."""
+    g = g_idx.to(torch.int64)
+    counts = torch.bincount(g, minlength=scale.shape[1])
+    present = torch.nonzero(counts).flatten().tolist()
+    candidates = sorted({c for c in range(32, group_size + 1, 32)} | {group_size})
+    per_sub = (8 if zero is not None else 4) * 8 // num_bits  # a sub-group's scale (+ zero), in weights
+
+    def cost(c: int) -> int:
+        subs = sum(-(-int(counts[p]) // c) for p in present)
+        return subs * c + subs * per_sub
+
+    s = min(candidates, key=lambda c: (cost(c), -c))
+    order = torch.argsort(g, stable=True)
+    columns, parents, at = [], [], 0
+    for p in present:
+        n = int(counts[p])
+        subs = -(-n // s)
+        columns += order[at : at + n].tolist() + [-1] * (subs * s - n)
+        parents += [p] * subs
+        at += n
+    cols = torch.tensor(columns, dtype=torch.int64)
+    parent = torch.tensor(parents, dtype=torch.int64)
+    pad = cols < 0
+    pad_parent = parent.repeat_interleave(s)[pad]
+    mid = 1 << (num_bits - 1)
+    sub_zero = zero[:, parent] if zero is not None else None
+
+    def read_regrouped(r0: int, r1: int) -> torch.Tensor:
+        values = read(r0, r1)[:, cols.clamp_min(0)]
+        values[:, pad] = zero[r0:r1][:, pad_parent] if zero is not None else mid
+        return values
+
+    return ModulePart(read_regrouped, out_features, len(columns), scale[:, parent].contiguous(),
+                      sub_zero.contiguous() if sub_zero is not None else None, None,
+                      columns=cols.clamp_min(0), inputs=in_features, group_size=s)
 
 
 def _layout(part: ModulePart, num_bits: int, zero_needed: bool) -> dict[str, torch.Tensor]:
@@ -127,7 +188,7 @@ def repack(parts: Sequence[ModulePart], num_bits: int, group_size: int | None,
     tensors = [_layout(p, num_bits, zero_needed) for p in parts]
     params = {name: torch.cat([t[name] for t in tensors]).to(device) for name in tensors[0]}
     bounds: tuple[int, ...] = ()
-    perms = [p.perm for p in parts]
+    perms = [p.columns if p.columns is not None else p.perm for p in parts]
     if any(p is not None for p in perms):
         k = parts[0].in_features
         kept: list[torch.Tensor] = []
@@ -142,7 +203,8 @@ def repack(parts: Sequence[ModulePart], num_bits: int, group_size: int | None,
                 cuts.append(row)
         bounds = tuple(cuts)  # part i: rows bounds[i]:bounds[i + 1]
         params["perm"] = torch.stack(kept).to(device)  # [P, in]
-    return params, RepackedScheme(num_bits, group_size, not zero_needed, bounds)
+    kernel_in = parts[0].in_features if parts[0].columns is not None else None
+    return params, RepackedScheme(num_bits, group_size, not zero_needed, bounds, kernel_in)
 
 
 class RepackedMethod(WeightOnlyMethod):
@@ -158,10 +220,11 @@ class RepackedMethod(WeightOnlyMethod):
     def build(self, parts: Sequence[ModulePart], bias: torch.Tensor | None, dtype: torch.dtype,
               num_bits: int, group_size: int | None, device: torch.device) -> QuantLinear:
         """The :class:`QuantLinear` of a fused projection read as ``parts``."""
-        in_features = {p.in_features for p in parts}
-        if len(in_features) > 1:
+        in_features = {p.inputs or p.in_features for p in parts}
+        if len(in_features) > 1 or (parts[0].columns is not None and len(parts) > 1):
             raise ModelLoadError(f"{self.source}: fused modules have different input features "
                                  f"{sorted(in_features)}")
+        group_size = parts[0].group_size or group_size
         params, scheme = repack(parts, num_bits, group_size, device)
         self._log(scheme, device)
         return QuantLinear(self, params, bias, out_features=sum(p.out_features for p in parts),
@@ -193,7 +256,7 @@ class RepackedMethod(WeightOnlyMethod):
         p = layer.params
 
         def run(params: dict, xs: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            return kernel_apply(params, scheme.num_bits, layer.in_features, scheme.group_size,
+            return kernel_apply(params, scheme.num_bits, layer.kernel_in_features, scheme.group_size,
                                 xs, b, layer.dtype)
 
         if "perm" not in p:
@@ -209,13 +272,21 @@ class RepackedMethod(WeightOnlyMethod):
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` in the checkpoint's input-column order, float32."""
         scheme: RepackedScheme = layer.scheme
-        w = kernel_dequantize(layer.params, scheme.num_bits, layer.in_features,
-                              scheme.group_size, start, stop)  # [r, in], kernel column order
-        if "perm" not in layer.params:
-            return w
-        out = torch.empty_like(w)
-        for i, perm in enumerate(layer.params["perm"]):
-            r0, r1 = max(scheme.bounds[i], start), min(scheme.bounds[i + 1], stop)
-            if r0 < r1:
-                out[r0 - start:r1 - start, perm] = w[r0 - start:r1 - start]
-        return out
+        w = kernel_dequantize(layer.params, scheme.num_bits, layer.kernel_in_features,
+                              scheme.group_size, start, stop)  # [r, kernel in], kernel column order
+        return checkpoint_columns(layer, w, start, stop)
+
+
+def checkpoint_columns(layer: QuantLinear, w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of ``layer``'s dequantized weight ``w`` in the kernel's column order
+    put back in the checkpoint's input-column order ([r, in]): each kernel column added into
+    the column its activations come from (``perm``; a regrouped share's padding adds zeros)."""
+    if "perm" not in layer.params:
+        return w
+    out = w.new_zeros(w.shape[0], layer.in_features)
+    bounds = layer.scheme.bounds
+    for i, perm in enumerate(layer.params["perm"]):
+        r0, r1 = max(bounds[i], start), min(bounds[i + 1], stop)
+        if r0 < r1:
+            out[r0 - start:r1 - start].index_add_(1, perm, w[r0 - start:r1 - start])
+    return out

@@ -331,7 +331,7 @@ def prepare(layer) -> bool:
     kernel's layout (called once at load for a layer on a CUDA device, where Triton is
     installed); False, nothing changed, when the kernel does not run this layer."""
     bits, group = getattr(layer.scheme, "num_bits", 0), getattr(layer.scheme, "group_size", None)
-    layout = make_layout(layer.params, bits, group, layer.in_features)
+    layout = make_layout(layer.params, bits, group, layer.kernel_in_features)
     note = ("Triton wq_gemm" if layout is not None else "torch dequantize-then-matmul (the Triton "
             "kernel takes int4 / int8 per channel or groups of 32k (int4) / 16k (int8))")
     if (layer.scheme, note) not in _LOGGED:
@@ -373,7 +373,7 @@ def apply(layer, x: torch.Tensor) -> torch.Tensor:
 def dequantize_rows(layer, start: int, stop: int) -> torch.Tensor:
     """Output rows ``start:stop`` of a converted layer, ``(u - zero) * scale`` in the scale's
     dtype, in the checkpoint's input-column order: [stop - start, in]."""
-    p, bits, k = layer.params, layer.scheme.num_bits, layer.in_features
+    p, bits, k = layer.params, layer.scheme.num_bits, layer.kernel_in_features
     u = p["wq_weight"][:, start:stop].to(torch.int32)  # [in·bits/8 (padded), r]
     if bits == 4:
         half = int4_block(layer.scheme.group_size) // 2
@@ -386,11 +386,6 @@ def dequantize_rows(layer, start: int, stop: int) -> torch.Tensor:
     q = u.to(scale.dtype).view(r, groups, k // groups)
     q = q - (zero.unsqueeze(-1) if zero is not None else float(1 << (bits - 1)))
     w = (q * scale.unsqueeze(-1)).view(r, k)
-    if "perm" not in p:
-        return w
-    out = torch.empty_like(w)
-    for r0, r1, perm in _parts(layer):
-        a, b = max(r0, start), min(r1, stop)
-        if a < b:
-            out[a - start:b - start, perm] = w[a - start:b - start]
-    return out
+    from loramux.engine.model.quant.repacked import checkpoint_columns
+
+    return checkpoint_columns(layer, w, start, stop)

@@ -2,8 +2,9 @@
 pack-quantized and FP8, AWQ and GPTQ (v1, v2; 4 and 8 bits; groups and per channel) shard as
 stored, each rank reading the packed words, groups and scales of its output rows or input
 columns, and serve base rows, LoRA and DoRA rows as one process does (TP 1 of the same folder,
-itself checked against PEFT in ``test_awq_gptq_lora.py`` / ``test_quant_lora.py``). GPTQ's
-activation order cannot split its groups over the ranks' input columns: refused naming it.
+itself checked against PEFT in ``test_awq_gptq_lora.py`` / ``test_quant_lora.py``). Under GPTQ's
+activation order a row-parallel share's columns draw on every group: they are regrouped
+(``repacked.regroup``: sorted by group, padded to whole sub-groups) and served as one process.
 Quantized MoE experts split like float ones (each rank its share of every expert's
 intermediate size, read from the packed words and groups)."""
 
@@ -19,7 +20,6 @@ from support.quant_checkpoints import write_compressed
 from support.tiny_models import make_tiny_model
 
 from loramux.engine import LLM, LoRARequest, SamplingParams
-from loramux.engine.errors import ModelLoadError
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,6 +33,11 @@ SCHEMES = {  # name: (writer, options)
     "gptq-int4-g16": (write_gptq, dict(group_size=16)),
     "gptq-v2-int8-g32-asym": (write_gptq, dict(bits=8, group_size=32, sym=False, fmt="gptq_v2")),
     "gptq-channel": (write_gptq, dict(group_size=-1)),
+    # activation order: o's and down's shares regrouped (g16: the torch path; g32: the kernel)
+    "gptq-int4-g16-desc-act": (write_gptq, dict(group_size=16, desc_act=True)),
+    "gptq-v2-int8-g32-desc-act-asym": (write_gptq, dict(bits=8, group_size=32, desc_act=True, sym=False,
+                                                         fmt="gptq_v2")),
+    "gptq-int4-g64-desc-act": (write_gptq, dict(group_size=64, desc_act=True)),
 }
 
 
@@ -90,10 +95,3 @@ def test_quantized_experts_shard_their_intermediate_size_as_one_process_serves(n
     loras = [None, LoRARequest("lora", 1, str(lora))] * 2
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     _same_rows(_run(base, 1, rows, loras, params), _run(base, 2, rows, loras, params))
-
-
-def test_gptq_activation_order_is_refused_naming_it(tmp_path, default_model_dir):
-    dense = make_tiny_model(tmp_path / "dense", default_model_dir, "qwen3")
-    base = write_gptq(dense, tmp_path / "q", group_size=16, desc_act=True)
-    with pytest.raises(ModelLoadError, match=r"activation order \(desc_act"):
-        LLM(str(base), dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=2)

@@ -162,3 +162,30 @@ def test_activation_order_parts_gather_the_columns():
     torch.testing.assert_close(torch.cat([b for _, _, b in layer.bands()]), w)
     x = torch.randn(4, k).to(torch.float16)  # fp16: the CPU kernel never takes it
     _check(layer(x), x, w, None)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_regrouped_tensor_parallel_share_runs_padded_groups(bits):
+    """A rank's share of an activation-order layer (``repacked.regroup``): its 96 columns draw
+    on all 8 groups of 32, each group's run padded to whole sub-groups; the Triton layout keeps
+    the kernel's wider columns and gathers the activations by ``perm`` (padding: exact zeros)."""
+    from loramux.engine.model.quant.repacked import regroup
+
+    n, k_all, group, k = 40, 256, 32, 96
+    gen = torch.Generator().manual_seed(3)
+    g_all = torch.randperm(k_all, generator=gen) // group  # act order: column c in group g_all[c]
+    g_idx = g_all[:k]  # this rank's share: columns 0..95
+    values = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.int32)  # unsigned
+    scale = torch.rand(n, k_all // group, generator=gen) * 0.05 + 0.005
+    zero = torch.randint(0, 1 << bits, (n, k_all // group), generator=gen, dtype=torch.int32)
+    w = (values - zero[:, g_idx]).float() * scale[:, g_idx]  # [n, k] the share's weights
+    part = regroup(lambda r0, r1: values[r0:r1], n, k, scale, zero, g_idx, group, bits)
+    params, scheme = repack([part], bits, part.group_size, torch.device("cpu"))
+    layer = QuantLinear(_Repacked(), params, None, out_features=n, in_features=k,
+                        dtype=torch.float16, scheme=scheme)
+    assert layer.kernel_in_features > k and layer.kernel_in_features % part.group_size == 0
+    torch.testing.assert_close(torch.cat([b for _, _, b in layer.bands()]), w)
+    assert triton_wq.prepare(layer) and "perm" in layer.params
+    torch.testing.assert_close(torch.cat([b for _, _, b in layer.bands()]), w)
+    x = torch.randn(4, k).to(torch.float16)
+    _check(layer(x), x, w, None)
