@@ -1,5 +1,5 @@
 """Weight-only int8 / int4 against float32 and bf16 on the CPU: one 2048 x 2048 projection and
-one decode step of the default model (SmolLM2-135M), batch 1 and 4 (the projection also 64
+one decode step of the default model (SmolLM2-135M), batch 1, 4 and 16 (the projection also 64
 rows, a prefill chunk), in one run.
 
 Projection: the engine's float ``Linear`` (oneDNN-packed) in float32 and bf16 against
@@ -9,7 +9,7 @@ fallback), and int8 / int4 g128 layers of a bf16 model (bf16 activations: at 64 
 hands dequantized bands to oneDNN) — best of timed calls, ratios to float32 of the same run. Decode step: the default
 model loaded in float32, bf16 and as compressed-tensors int8 per channel / int4 g64 checkpoints
 written here from its weights (576 input features: 128 does not divide them); the time per
-decode step is (time of 1 + n steps - time of 1 step) / n for 1 and 4 greedy sequences.
+decode step is (time of 1 + n steps - time of 1 step) / n for 1, 4 and 16 greedy sequences.
 ``--formats awq,gptq,fp8`` adds the same model as an AWQ GEMM and a GPTQ (v1) int4 g64
 checkpoint (W4A16, packed as their loaders read them; both repacked at load for the same
 kernel) and a compressed-tensors FP8 per-channel one (the same kernel, each byte widened), each
@@ -38,7 +38,7 @@ from loramux.engine.model.linear import Linear
 from loramux.engine.model.quant.base import QuantLinear
 from loramux.engine.model.quant.compressed_tensors import CompressedTensorsMethod
 
-ROWS = (1, 4)
+ROWS = (1, 4, 16)  # the issue's batch 1-4, and a decode step of 16 sequences
 PROJECTION_ROWS = (*ROWS, 64)  # and a prefill chunk
 
 def quantize(w: torch.Tensor, bits: int, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Decode step ms per base at batch 1 and 4 (speedup over bf16 above each bar) and, when the
+    """Decode step ms per base at batch 1, 4 and 16 (speedup over bf16 above each bar) and, when the
     serving run ran, its output tok/s with adapters and on the base alone."""
     import matplotlib
 
@@ -309,13 +309,13 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2 if serving else 1, figsize=(14 if serving else 9, 4), squeeze=False)
     names = list(models)
     for j, m in enumerate(ROWS):
-        xs = [i + j * 0.4 for i in range(len(names))]
+        xs = [i + j * 0.27 for i in range(len(names))]
         ms = [models[n][f"M={m}"]["ms_per_step"] for n in names]
-        axes[0][0].bar(xs, ms, 0.4, label=f"batch {m}")
+        axes[0][0].bar(xs, ms, 0.27, label=f"batch {m}")
         for x, n, v in zip(xs, names, ms, strict=True):
             axes[0][0].text(x, v, f"{models[n][f'M={m}']['speedup_vs_bf16']:.2f}x", ha="center",
                             va="bottom", fontsize=7)
-    axes[0][0].set_xticks([i + 0.2 for i in range(len(names))], names, rotation=20, fontsize=8)
+    axes[0][0].set_xticks([i + 0.27 for i in range(len(names))], names, rotation=20, fontsize=8)
     axes[0][0].set_title(f"decode step (ms; x bf16 above), {result.get('cpu', '')}", fontsize=9)
     axes[0][0].legend()
     if serving:

@@ -53,8 +53,13 @@ WqVariant wq_variant() {
  * (oneDNN): at those shapes it runs 1.3-2.5x the kernel's own GEMM, far more than a band's
  * dequantization costs (measured on an AVX512_BF16 EPYC). fp32 x keeps the kernel's GEMM: ATen's
  * fp32 GEMM of an unpacked weight (MKL) is no faster than it (2048 x 2048, 64 rows: 3.8 ms vs
- * 3.2). BAND_ELEMS weights a band (2 MiB; wider bands measured no faster, narrower slower). */
-constexpr int64_t DENSE_MIN_M = 32;
+ * 3.2). BAND_ELEMS weights a band (2 MiB; wider bands measured no faster, narrower slower).
+ * From 12 rows (a decode step of 12 sequences) the band path beats the kernel's bf16 dot products
+ * (AVX512_BF16 EPYC, the default model's 120 projections, bf16, best of 9: int4 g64 at 16 rows
+ * 25.9 ms vs 35.0, int8 per channel 24.5 vs 27.2; at 12 rows even, 24.0 vs 23.3 and 22.8 vs 21.0;
+ * at 8 rows the kernel wins, 15.8 vs 21.4 and 15.1 vs 21.7): the kernel's sums grow with every
+ * row while a band is dequantized once for all of them. */
+constexpr int64_t DENSE_MIN_M = 12;
 constexpr int64_t BAND_ELEMS = int64_t{1} << 20;
 
 at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor& w,

@@ -1,7 +1,8 @@
 """The compiled weight-only linear (``loramux::wq_linear``, csrc/wq_linear.c) against the
 dequantize-then-matmul reference, in every ISA variant this CPU runs: int4 / int8, symmetric
 and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x (the kernel's decode
-tiles below 32 rows; from 32 its GEMM for fp32 x, dequantized bands through oneDNN for bf16), odd output and
+tiles below 32 rows and its GEMM from 32 for fp32 x; for bf16 x its bf16 tiles below 12 rows,
+dequantized bands through oneDNN from 12), odd output and
 input sizes, fp32 and bf16 activations; its layout, its fake implementation, its refusals and
 its wiring into the compressed-tensors layers (the torch path stays the fallback)."""
 
@@ -24,7 +25,8 @@ from loramux.engine.model.quant.int_packed import (
 )
 
 SHAPES = [(32, 96), (64, 128), (128, 256), (None, 100), (None, 67), (None, 32)]  # (group, K)
-ROWS = (1, 2, 3, 17, 31, 32, 33, 64)  # from 32 rows: the kernel's GEMM (fp32 x), oneDNN bands (bf16)
+ROWS = (1, 2, 3, 11, 12, 17, 31, 32, 33, 64)  # from 32 rows: the kernel's GEMM (fp32 x)
+DENSE_ROWS = 12  # from 12 rows of bf16 x: oneDNN bands (quant_ops.cpp's DENSE_MIN_M)
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, symmetric: bool, seed: int = 0):
@@ -61,14 +63,14 @@ def test_kernel_equals_dequantize_then_matmul(isa, bits, group, k, symmetric):
 
 
 def _close(y, x, w, bias, dtype, m):
-    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below 32 rows, one bf16
-    rounding of the fp32 sum (the kernel); from 32, the band holds the weights a bf16 checkpoint
-    holds (each rounded once) and the product is rounded to bf16 before the bias is added."""
+    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below DENSE_ROWS rows, one
+    bf16 rounding of the fp32 sum (the kernel); from DENSE_ROWS, the band holds the weights a bf16
+    checkpoint holds (each rounded once) and the product is rounded to bf16 before the bias is added."""
     want = torch.nn.functional.linear(x.double(), w.double(), bias.double() if bias is not None else None)
     exact = (x.double().abs() @ w.double().abs().T).max().item()
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * exact)
-    elif m < 32:
+    elif m < DENSE_ROWS:
         torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-5 * exact)
     else:
         want = torch.nn.functional.linear(x.double(), w.to(torch.bfloat16).double(),
