@@ -224,7 +224,8 @@ class TensorParallelRunner:
         the adapter to the workers, which compute their parts on a thread beside their steps
         while rank 0 computes its own; polls (a flag per rank) wait until every rank is done;
         the last collects them. No step waits for any rank's computation. Called from a load
-        thread; raises :class:`LoRAError` when a worker cannot answer."""
+        thread; raises :class:`LoRAError` when a worker cannot answer or has not finished within
+        ``tensor_parallel_timeout`` (the workers then drop the exchange)."""
         with self._lock:
             self._dora_tokens += 1
             token = self._dora_tokens
@@ -234,8 +235,12 @@ class TensorParallelRunner:
         except Exception as e:  # the workers still hand in theirs: none is left behind
             self._dora_exchange(("dora-collect", token), f"{type(e).__name__}: {e}")
             raise
-        pause = 0.001
+        pause, deadline = 0.001, time.monotonic() + self.workers.timeout
         while not all(self._dora_exchange(("dora-poll", token), True)):
+            if time.monotonic() > deadline:  # a stalled worker: give up on this adapter only
+                self._dora_exchange(("dora-drop", token))
+                raise LoRAError(f"the tensor-parallel workers did not compute a DoRA adapter's norms "
+                                f"within tensor_parallel_timeout ({self.workers.timeout:g} s)")
             time.sleep(pause)  # the steps run meanwhile
             pause = min(2 * pause, 0.05)
         return self._dora_exchange(("dora-collect", token), own)

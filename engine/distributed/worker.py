@@ -90,6 +90,10 @@ class FollowerAdapters:
         future = self._dora.get(token)
         group.gather_objects(future is None or future.done(), control)
 
+    def drop_dora(self, token: int) -> None:
+        """Forget the parts started as ``token`` (rank 0 stopped waiting for them)."""
+        self._dora.pop(token, None)
+
     def send_dora_parts(self, token: int, control) -> None:
         """Send rank 0 the parts started as ``token`` once computed (the text of the error when
         they could not be: rank 0 refuses the adapter)."""
@@ -169,6 +173,9 @@ def run_worker(rank: int, world: int, init_method: str, mc: ModelConfig, path: s
                 continue
             if message[0] == "dora-poll":
                 adapters.send_dora_done(message[1], control)
+                continue
+            if message[0] == "dora-drop":  # rank 0 gave up on it: its result is never sent
+                adapters.drop_dora(message[1])
                 continue
             if message[0] == "dora-collect":
                 adapters.send_dora_parts(message[1], control)

@@ -380,15 +380,11 @@ dora.BaseProjections.parts = _slow
 """
 
 
-def test_a_dora_load_does_not_hold_a_neighbours_steps_while_the_workers_compute(tmp_path, default_model_dir,
-                                                                               monkeypatch):
-    """A tenant's DoRA adapter makes every rank compute its parts of the row norms (a projection
-    per module; over a quantized base, dequantized bands). The workers (made 1.5 s slow here by
-    a ``sitecustomize`` only their processes import) compute beside their steps: the
-    neighbour's stream keeps its pace and its tokens while the adapter loads."""
+def _slow_dora_workers(tmp_path, default_model_dir, monkeypatch, delay: float):
+    """A TP 2 engine whose worker takes ``delay`` s more to compute its DoRA parts (a
+    ``sitecustomize`` only the worker processes import), and a DoRA adapter for it."""
     from support.lora_fixtures import make_dora_adapter
 
-    delay = 1.5
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_WORKER_PARTS)
@@ -398,6 +394,17 @@ def test_a_dora_load_does_not_hold_a_neighbours_steps_while_the_workers_compute(
     dora = make_dora_adapter(base, tmp_path / "dora", r=4, target_modules=["q_proj", "o_proj"], std=0.1)
     llm = LLM(str(base), dtype="float32", device="cpu", max_model_len=512, enable_lora=True, max_loras=1,
               max_lora_rank=4, tensor_parallel_size=2)
+    return llm, dora
+
+
+def test_a_dora_load_does_not_hold_a_neighbours_steps_while_the_workers_compute(tmp_path, default_model_dir,
+                                                                               monkeypatch):
+    """A tenant's DoRA adapter makes every rank compute its parts of the row norms (a projection
+    per module; over a quantized base, dequantized bands). The workers (made 1.5 s slow here by
+    a ``sitecustomize`` only their processes import) compute beside their steps: the
+    neighbour's stream keeps its pace and its tokens while the adapter loads."""
+    delay = 1.5
+    llm, dora = _slow_dora_workers(tmp_path, default_model_dir, monkeypatch, delay)
     engine = llm.llm_engine
     neighbour = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": [5, 6, 7]}, neighbour)[0].outputs[0].token_ids
@@ -420,3 +427,24 @@ def test_a_dora_load_does_not_hold_a_neighbours_steps_while_the_workers_compute(
     gaps = [b - a for a, b in zip([added, *step_ends], step_ends, strict=False)]
     assert len(gaps) > 10 and max(gaps) < delay / 2  # no step waited for them
     assert outputs["n"].outputs[0].token_ids == alone and len(outputs["d"].outputs[0].token_ids) == 2
+
+
+def test_a_stalled_workers_dora_norms_fail_that_adapter_after_the_timeout_and_nothing_else(
+        tmp_path, default_model_dir, monkeypatch):
+    """A worker that does not finish its DoRA parts within ``tensor_parallel_timeout``: the
+    adapter is refused naming the timeout (the workers drop the exchange), the engine keeps
+    serving the base and plain adapters, and the group is unharmed."""
+    from loramux.engine.errors import LoRAError
+
+    llm, dora = _slow_dora_workers(tmp_path, default_model_dir, monkeypatch, delay=6.0)
+    llm.llm_engine.runner.workers.timeout = 2.0  # the DoRA wait's deadline (read per exchange)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+    started = time.monotonic()
+    with pytest.raises(LoRAError, match=r"did not compute a DoRA adapter's norms within tensor_parallel_timeout"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, params, lora_request=LoRARequest("d", 1, str(dora)))
+    assert time.monotonic() - started < 5.0  # the deadline, not the worker's 6 s
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids == alone
+    time.sleep(4.5)  # the dropped computation ends on the worker; its result goes nowhere
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids == alone
+    llm.llm_engine.runner.shutdown()
