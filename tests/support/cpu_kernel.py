@@ -31,6 +31,9 @@ def require_cpu_kernel() -> None:
 
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+WQ_DENSE_ROWS = 12
+"""From this many rows of bf16 x with a bf16 y, ``loramux::wq_linear`` hands dequantized bands of
+W to oneDNN instead of running its own sums (``DENSE_MIN_M`` in csrc/quant_ops.cpp)."""
 """Every ISA variant the build may carry (parametrize with it; :func:`forced_isa` skips the
 ones this CPU cannot run)."""
 

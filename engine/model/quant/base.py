@@ -145,6 +145,23 @@ class QuantLinear:
         where a tensor-parallel share's groups were padded (``repacked.regroup``)."""
         return getattr(self.scheme, "kernel_in", None) or self.in_features
 
+    def checkpoint_columns(self, w: torch.Tensor, start: int) -> torch.Tensor:
+        """Output rows ``start:start + len(w)`` of the dequantized weight ``w``, given in the
+        stored (kernel's) column order, in the checkpoint's input-column order [r, in]: each
+        stored column added into the column its activations come from (``params["perm"]``
+        [P, kernel in], one row per part of ``scheme.bounds``; a regrouped share's padding
+        adds zeros). Without a ``perm`` the orders are the same."""
+        if "perm" not in self.params:
+            return w
+        stop = start + w.shape[0]
+        out = w.new_zeros(w.shape[0], self.in_features)
+        bounds = self.scheme.bounds
+        for i, perm in enumerate(self.params["perm"]):
+            r0, r1 = max(bounds[i], start), min(bounds[i + 1], stop)
+            if r0 < r1:
+                out[r0 - start:r1 - start].index_add_(1, perm, w[r0 - start:r1 - start])
+        return out
+
     @property
     def nbytes(self) -> int:
         """Bytes the stored weights take (``DecoderModel.weight_bytes``)."""

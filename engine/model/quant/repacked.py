@@ -274,19 +274,4 @@ class RepackedMethod(WeightOnlyMethod):
         scheme: RepackedScheme = layer.scheme
         w = kernel_dequantize(layer.params, scheme.num_bits, layer.kernel_in_features,
                               scheme.group_size, start, stop)  # [r, kernel in], kernel column order
-        return checkpoint_columns(layer, w, start, stop)
-
-
-def checkpoint_columns(layer: QuantLinear, w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows ``start:stop`` of ``layer``'s dequantized weight ``w`` in the kernel's column order
-    put back in the checkpoint's input-column order ([r, in]): each kernel column added into
-    the column its activations come from (``perm``; a regrouped share's padding adds zeros)."""
-    if "perm" not in layer.params:
-        return w
-    out = w.new_zeros(w.shape[0], layer.in_features)
-    bounds = layer.scheme.bounds
-    for i, perm in enumerate(layer.params["perm"]):
-        r0, r1 = max(bounds[i], start), min(bounds[i + 1], stop)
-        if r0 < r1:
-            out[r0 - start:r1 - start].index_add_(1, perm, w[r0 - start:r1 - start])
-    return out
+        return layer.checkpoint_columns(w, start)

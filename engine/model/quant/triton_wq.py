@@ -385,7 +385,4 @@ def dequantize_rows(layer, start: int, stop: int) -> torch.Tensor:
     r, groups = scale.shape
     q = u.to(scale.dtype).view(r, groups, k // groups)
     q = q - (zero.unsqueeze(-1) if zero is not None else float(1 << (bits - 1)))
-    w = (q * scale.unsqueeze(-1)).view(r, k)
-    from loramux.engine.model.quant.repacked import checkpoint_columns
-
-    return checkpoint_columns(layer, w, start, stop)
+    return layer.checkpoint_columns((q * scale.unsqueeze(-1)).view(r, k), start)

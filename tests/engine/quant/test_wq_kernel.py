@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.cpu_kernel import ISAS, forced_isa, require_cpu_kernel
+from support.cpu_kernel import ISAS, WQ_DENSE_ROWS, forced_isa, require_cpu_kernel
 
 from loramux.engine.model.kernels import loader
 from loramux.engine.model.kernels import ops as kernel_ops
@@ -26,7 +26,6 @@ from loramux.engine.model.quant.int_packed import (
 
 SHAPES = [(32, 96), (64, 128), (128, 256), (None, 100), (None, 67), (None, 32)]  # (group, K)
 ROWS = (1, 2, 3, 11, 12, 17, 31, 32, 33, 64)  # from 32 rows: the kernel's GEMM (fp32 x)
-DENSE_ROWS = 12  # from 12 rows of bf16 x: oneDNN bands (quant_ops.cpp's DENSE_MIN_M)
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, symmetric: bool, seed: int = 0):
@@ -63,14 +62,14 @@ def test_kernel_equals_dequantize_then_matmul(isa, bits, group, k, symmetric):
 
 
 def _close(y, x, w, bias, dtype, m):
-    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below DENSE_ROWS rows, one
-    bf16 rounding of the fp32 sum (the kernel); from DENSE_ROWS, the band holds the weights a bf16
+    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below WQ_DENSE_ROWS rows, one
+    bf16 rounding of the fp32 sum (the kernel); from WQ_DENSE_ROWS, the band holds the weights a bf16
     checkpoint holds (each rounded once) and the product is rounded to bf16 before the bias is added."""
     want = torch.nn.functional.linear(x.double(), w.double(), bias.double() if bias is not None else None)
     exact = (x.double().abs() @ w.double().abs().T).max().item()
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * exact)
-    elif m < DENSE_ROWS:
+    elif m < WQ_DENSE_ROWS:
         torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-5 * exact)
     else:
         want = torch.nn.functional.linear(x.double(), w.to(torch.bfloat16).double(),
