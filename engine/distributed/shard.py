@@ -195,13 +195,13 @@ class TensorShard:
                  for s, e in self._aligned(ranges, per, module)]
         return torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
 
-    def settle(self, sd: dict[str, torch.Tensor]) -> None:
+    def settle(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """After loading, what needs several tensors of one module: a row-parallel AWQ / GPTQ
         projection's ``scales`` and ``qzeros`` (read whole) cut to the groups of its share
         and its ``g_idx`` rebased to the first of them; under GPTQ's activation order (a
         ``g_idx`` that is not consecutive) the share's columns draw on every group, so they
         stay whole and ``g_idx`` keeps the global groups (the method regroups the share's
-        columns, ``repacked.regroup``)."""
+        columns, ``repacked.regroup``). Returns ``sd``, settled in place."""
         for name in [n for n in sd if n.endswith(".scales")]:
             prefix = name.removesuffix("scales")
             module = prefix.split(".")[-2]
@@ -224,6 +224,7 @@ class TensorShard:
                     sd[prefix + kind] = sd[prefix + kind][a // per : b // per]
             if g_idx is not None:
                 sd[prefix + "g_idx"] = g_idx - a // per
+        return sd
 
     def _expert_row(self, prefix: str) -> bool:
         parts = prefix.rstrip(".").split(".")

@@ -142,12 +142,11 @@ class DecoderModel:
         self.norms = Norms(self.ops, self.dims.rms_norm_eps, spec.norm_offset)
         self.quant = quant_method(self.hf_config, quantization, str(path))
         """How the checkpoint stores the projections (``quant/``)."""
-        self.quant.tensor_parallel_size = self.shard.world if self.shard is not None else 1
+        shard = self.shard
+        self.quant.tensor_parallel_size = shard.world if shard is not None else 1
         sd = load_state_dict(path, dtype, device, self.arch, self.quant.keeps_stored_dtype,
-                             take=self.shard.take if self.shard is not None else None)
-        if self.shard is not None:
-            self.shard.settle(sd)
-        self._load(sd)
+                             take=shard.take if shard is not None else None)
+        self._load(shard.settle(sd) if shard is not None else sd)
         self.attention_windows = spec.windows
         """The distinct sliding windows of the layers (the runner builds metadata per window)."""
         self.embed_scale = (
