@@ -71,6 +71,8 @@ def _sgmv_inputs(S, R, K, widths, ranks, runs, T, seed=0):
     # S, R, K, slice widths, slot ranks, runs (start, end, slot), tokens
     (3, 16, 576, (576, 192, 192), [16, 8, 16, 12], [(0, 4, 0), (4, 8, 1), (8, 12, 2), (12, 16, 3)], 16),  # qkv decode
     (2, 32, 576, (1536, 1536), [32], [(0, 64, 0)], 64),  # gate_up prefill chunk
+    # prompt runs split over threads, expand blocks of 12 tokens and groups of 4 with remainders
+    (2, 32, 576, (1536, 1536), [16, 9], [(0, 37, 0), (37, 40, 1), (41, 70, 0)], 72),
     (1, 8, 1536, (576,), [8, 5], [(0, 7, 1), (9, 12, 0)], 12),  # down, odd rank, base rows 7-8
     (3, 8, 45, (50, 40, 61), [7, 3, 8], [(0, 1, 2), (1, 4, 0), (6, 7, 1), (7, 13, 2)], 13),  # off the widths
 ])

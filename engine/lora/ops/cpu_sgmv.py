@@ -18,17 +18,17 @@ from loramux.engine.model.kernels import ops as kernels
 
 # Runs of at most this many tokens go through the kernel, by the slot's rank and dtype; longer
 # runs through GEMMs on the adapter's rank (``torch_ops._add_runs_ranked``). The GEMMs' cost
-# hardly depends on the rank (y's traffic and oneDNN's fixed cost dominate) while the
-# kernel's grows with it, so low ranks stay in the kernel for longer runs. Measured on one
-# thread, the AVX2 kernel against the GEMMs (kernel time / GEMM time over the 4 groups):
-# fp32 slots, rank 8: 0.53 at 128 tokens, 0.72 at 384, 0.90 at 512; rank 16: 0.79 at 64,
-# 0.88 at 128, 0.91 at 256; rank 32: 0.81 at 32, 0.90 at 64. bf16 slots (a CPU with bf16
-# GEMMs, AVX-512-BF16/AMX): rank 8 0.86 at 96, 1.02 at 128; rank 16 0.79 at 48, 0.96 at 64;
-# rank 32 even at 32 (before the three-token shrink and expand). bf16 activations on fp32
-# slots (an AVX2 bf16 model) favour the kernel more than fp32 (0.54 at 256 for rank 8).
+# hardly grows with the run (y's traffic and the GEMM library's fixed cost per call dominate:
+# ~25 us a bf16 oneDNN call, ~6 us an fp32 one, seven calls a layer) while the kernel's grows
+# with run and rank, so low ranks stay in the kernel for longer runs. Measured with 2 threads
+# (the kernel splits calls from PARALLEL_MIN_MACS in lora_sgmv.c), kernel time / GEMM time over
+# the default model's 4 groups, on a 2-core AVX-512-BF16 EPYC: bf16 slots (the avx512bf16
+# variant) rank 8 0.69 at 256, 0.88 at 384; rank 16 0.88 at 192, 1.09 at 256; rank 32 0.91 at
+# 96, 1.09 at 128. fp32 slots (the avx2 variant): rank 8 0.95 at 256, 1.10 at 384; rank 16 0.96
+# at 128, 1.05 at 160; rank 32 1.03 at 24.
 SGMV_MAX_RUN_BY_RANK = {
-    torch.float32: ((8, 512), (16, 256), (32, 64)),
-    torch.bfloat16: ((8, 112), (16, 64), (32, 24)),
+    torch.float32: ((8, 320), (16, 128), (32, 24)),
+    torch.bfloat16: ((8, 384), (16, 224), (32, 112)),
 }
 SGMV_MAX_RUN_HIGH_RANK = 16  # ranks above the table's last
 

@@ -29,14 +29,20 @@
 
 #define TILE 64 /* output columns per expand work item */
 #define SHRINK_TOKENS 3 /* tokens of a run per shrink work item (dot4x3) */
-#define PF_TILES 3 /* the expand asks for the B tile this many work items ahead */
-/* A call is split over threads only from this much work (tokens x S*R x (K+N)): in the live
- * server (2 cores, the HTTP loop beside the engine thread) the OpenMP regions of decode and
- * chunk-sized calls spent ~3/4 of the kernel's time in libgomp's fork/barrier waits (py-spy
- * --native), and the 4-adapter serving run with every call on the engine thread alone gave
- * LoRA / base throughput 0.83 and TPOT 1.13x, against 0.77 and 1.51x split over 2 threads
- * (bench/results/lora_serving_threads.json). Only long prompt runs of high rank exceed it. */
-#define PARALLEL_MIN_MACS ((int64_t)1 << 26)
+#define PF_TILES 3 /* the expand asks for the B tile this many (run, tile) pairs ahead */
+/* Tokens of a run per expand work item: the item sweeps every column tile for them, so their
+ * rows of y are walked in order (a tile-major sweep of a long run's rows, a row's size apart,
+ * missed the cache at every row: half the kernel's time at 384 tokens) while the B tile stays
+ * in L1 for the block's tokens. A multiple of both paths' token groups (3 and 4). */
+#define EXPAND_BLOCK 12
+/* A call is split over threads only from this much work (tokens x S*R x (K+N)): decode calls of a
+ * few dozen rows stay on the calling thread (in the live server their OpenMP regions spent ~3/4
+ * of the kernel's time in libgomp's fork/barrier waits: bench/results/lora_serving_threads.json),
+ * prompt runs of more than ~40 tokens (gate_up, rank-32 slots) split. With prompt runs in the
+ * kernel up to SGMV_MAX_RUN_BY_RANK (cpu_sgmv.py), 4-adapter bf16 serving (bench/peer_serving.py,
+ * 48 prompts, medians of 3 alternated runs on a 2-core AVX-512-BF16 EPYC) went from 65.4 to 73.1
+ * output tok/s and TPOT p50 259 -> 208 ms against 2^26 (only the longest runs split). */
+#define PARALLEL_MIN_MACS ((int64_t)1 << 23)
 
 /* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
  * (results do not change). Adapter weights come from DRAM at every layer (the base's weights
@@ -250,20 +256,22 @@ static void expand_run(const float *v0, int64_t t, int64_t end, const void *b, i
 
 #ifdef LMX_SGMV_BH
 /* expand_run by the bf16 path (sgmv_bf16.h): vb0 + t * SRh is token t's row of bf16 pairs of v;
- * three tokens at a time share each B load, masked loads past c1 */
+ * BH_TOKENS tokens at a time share each B load, masked loads and stores past c1 */
 static void expand_run_bh(const uint32_t *vb0, int64_t SRh, int64_t t, int64_t end, const void *b, int64_t b0,
                           int S, int R, int rank, int N, int c0, int c1, const int64_t *off, void *y, int yd,
                           int64_t y_stride) {
     const uint16_t *bb = (const uint16_t *)b;
-    for (; t < end; t += 3) {
-        float a0[TILE], a1[TILE], a2[TILE];
-        float *at[3] = {a0, a1, a2};
-        const uint32_t *vq[3] = {vb0 + t * SRh, vb0 + (t + 1) * SRh, vb0 + (t + 2) * SRh};
-        const int n = end - t < 3 ? (int)(end - t) : 3;
-        if (n == 3) expand_bh(vq, 3, bb, b0, S, R, rank, N, c0, c1, off, at);
-        else if (n == 2) expand_bh(vq, 2, bb, b0, S, R, rank, N, c0, c1, off, at);
-        else expand_bh(vq, 1, bb, b0, S, R, rank, N, c0, c1, off, at);
-        for (int q = 0; q < n; q++) add_tile(y, yd, (t + q) * y_stride, c0, c1, at[q]);
+    for (; t < end; t += BH_TOKENS) {
+        const uint32_t *vq[BH_TOKENS];
+        int64_t rows[BH_TOKENS];
+        const int n = end - t < BH_TOKENS ? (int)(end - t) : BH_TOKENS;
+        for (int q = 0; q < n; q++) vq[q] = vb0 + (t + q) * SRh, rows[q] = (t + q) * y_stride;
+        switch (n) { /* a constant n for each inlined copy: the accumulators stay in registers */
+        case 4: expand_bh(vq, 4, bb, b0, S, R, rank, N, c0, c1, off, y, yd, rows); break;
+        case 3: expand_bh(vq, 3, bb, b0, S, R, rank, N, c0, c1, off, y, yd, rows); break;
+        case 2: expand_bh(vq, 2, bb, b0, S, R, rank, N, c0, c1, off, y, yd, rows); break;
+        default: expand_bh(vq, 1, bb, b0, S, R, rank, N, c0, c1, off, y, yd, rows); break;
+        }
     }
 }
 
@@ -307,19 +315,21 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
     /* v[row, s*R + i], then vb[row, s*Rh + p]: v[row, s*R + 2p .. 2p+1] as two bf16 */
     float *v = (float *)malloc((size_t)ntok * (SR + SRh) * sizeof(float));
     uint32_t *vb = (uint32_t *)(v + ntok * SR);
-    /* row_of_run[r]: the run's first row of v; pair_of_run[r]: its first group of SHRINK_TOKENS */
-    int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * 2 * sizeof(int64_t));
+    /* row_of_run[r]: the run's first row of v; pair_of_run[r]: its first group of SHRINK_TOKENS;
+     * block_of_run[r]: its first expand block of EXPAND_BLOCK tokens */
+    int64_t *row_of_run = (int64_t *)malloc((size_t)nruns * 3 * sizeof(int64_t));
     if (v == NULL || row_of_run == NULL) {
         free(v);
         free(row_of_run);
         return -1;
     }
-    int64_t *pair_of_run = row_of_run + nruns;
-    int64_t row = 0, npairs = 0;
+    int64_t *pair_of_run = row_of_run + nruns, *block_of_run = pair_of_run + nruns;
+    int64_t row = 0, npairs = 0, nblocks = 0;
     for (int r = 0; r < nruns; r++) {
         int64_t len = runs[3 * r + 1] - runs[3 * r];
-        row_of_run[r] = row, pair_of_run[r] = npairs;
+        row_of_run[r] = row, pair_of_run[r] = npairs, block_of_run[r] = nblocks;
         row += len, npairs += (len + SHRINK_TOKENS - 1) / SHRINK_TOKENS;
+        nblocks += (len + EXPAND_BLOCK - 1) / EXPAND_BLOCK;
     }
     int64_t w_slot_b = (int64_t)SR * N;
     int big = ntok * (int64_t)SR * (K + N) >= PARALLEL_MIN_MACS;
@@ -343,24 +353,29 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
                 shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
                               v + row0 * SR);
         }
-        /* expand: (run, column tile) per iteration; rows of B beyond the rank are skipped */
+        /* expand: EXPAND_BLOCK tokens of one run per iteration, every column tile of them; rows
+         * of B beyond the rank are skipped */
         int ntiles = (N + TILE - 1) / TILE;
-#pragma omp for schedule(static) collapse(2)
-        for (int r = 0; r < nruns; r++) {
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < nblocks; blk++) {
+            int r = 0;
+            while (r + 1 < nruns && block_of_run[r + 1] <= blk) r++;
+            int64_t slot = runs[3 * r + 2];
+            int rank = (int)ranks[slot];
+            int64_t t = runs[3 * r] + EXPAND_BLOCK * (blk - block_of_run[r]);
+            int64_t end = t + EXPAND_BLOCK < runs[3 * r + 1] ? t + EXPAND_BLOCK : runs[3 * r + 1];
+            int64_t first = row_of_run[r] + (t - runs[3 * r]); /* token t's row of v */
             for (int tile = 0; tile < ntiles; tile++) {
-                int64_t slot = runs[3 * r + 2];
-                int rank = (int)ranks[slot];
                 int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
-                int64_t t = runs[3 * r], end = runs[3 * r + 1];
                 int64_t ahead = (int64_t)r * ntiles + tile + PF_TILES; /* the item PF_TILES on */
                 if (ahead < (int64_t)nruns * ntiles)
                     prefetch_item(b, w_dtype, runs, ranks, slice_off, ahead, ntiles, S, R, N);
-                if (bh) /* vb + (row_of_run[r] - t) * SRh + t * SRh: token t's row */
-                    expand_run_bh(vb + (row_of_run[r] - t) * SRh, SRh, t, end, b, slot * w_slot_b, S, R, rank, N,
-                                  c0, c1, slice_off, y, y_dtype, y_stride);
+                if (bh) /* vb + (first - t) * SRh + t * SRh: token t's row */
+                    expand_run_bh(vb + (first - t) * SRh, SRh, t, end, b, slot * w_slot_b, S, R, rank, N, c0, c1,
+                                  slice_off, y, y_dtype, y_stride);
                 else /* v0 + t * SR: token t's row */
-                    expand_run(v + row_of_run[r] * SR - t * SR, t, end, b, w_dtype, slot * w_slot_b, S, R, rank,
-                               N, c0, c1, slice_off, y, y_dtype, y_stride);
+                    expand_run(v + (first - t) * SR, t, end, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, c1,
+                               slice_off, y, y_dtype, y_stride);
             }
         }
     }

@@ -9,7 +9,8 @@
  * Expand: y[t, tile] += sum_j v[t, j] * B[j, tile], v rounded to bf16 first (as a torch bf16
  * `(x @ A.T) @ B` rounds its intermediate), pairs of rows (j, j + 1) of B interleaved in
  * registers (unpacklo/hi_epi16: the fp32 lanes come out in a permuted column order, put back
- * once per tile). Neither is bit-identical to the fp32-FMA path; both keep fp32 sums.
+ * once per tile), BH_TOKENS tokens sharing each load of B, each token's sums added to y straight from
+ * the registers (16 lanes a time). Neither is bit-identical to the fp32-FMA path; both keep fp32 sums.
  * Included by lora_sgmv.c only (static functions, one copy per variant). */
 #ifndef LORAMUX_SGMV_BF16_H
 #define LORAMUX_SGMV_BF16_H
@@ -80,18 +81,52 @@ static void shrink_tokens_bh(const uint16_t *x, int64_t x_stride, int64_t t, int
     }
 }
 
-/* acc[q][0 .. c1 - c0) = sum over slices s and j < rank of vb's bf16 v[q][s*R + j] *
- * B[s*R + j, c0..c1), for n <= 3 tokens and a tile of up to 64 columns (masked loads past c1);
+/* the bf16 bits of each fp32 lane of v (low half of each 32-bit lane), rounded as f32_to_bf16:
+ * to nearest even, a NaN stays a quiet NaN, denormals kept (torch's rounding, 16 lanes) */
+static inline __m512i round_bf16_16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i qnan = _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, qnan);
+}
+
+/* y[row, c .. c + 16) (lanes of m only) += d: a bf16 y (yd 1) rounds once, as add_tile */
+static inline void add16_bh(void *y, int yd, int64_t row, int c, __mmask16 m, __m512 d) {
+    if (yd == 0) {
+        float *yp = (float *)y + row + c;
+        _mm512_mask_storeu_ps(yp, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, yp), d));
+        return;
+    }
+    uint16_t *yp = (uint16_t *)y + row + c;
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, yp));
+    const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), d);
+    _mm256_mask_storeu_epi16(yp, m, _mm512_cvtepi32_epi16(round_bf16_16(sum)));
+}
+
+static inline __mmask16 lanes16(int left) { /* the first min(max(left, 0), 16) lanes */
+    return left >= 16 ? (__mmask16)0xffffu : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
+#define BH_TOKENS 4 /* tokens of a run per expand_bh call: each B load feeds 4 x this many VDPBF16PS
+                     * (6 spilled the accumulators to the stack) */
+
+/* y[row q, c0..c1) += sum over slices s and j < rank of vb's bf16 v[q][s*R + j] * B[s*R + j, c0..c1)
+ * for n <= BH_TOKENS tokens (rows[q]: token q's offset in y) and a tile of up to 64 columns
+ * (masked loads and stores past c1), each token's sums added to y once as add_tile does;
  * slices whose columns [off[s], off[s+1]) miss the tile are skipped; B rows past the rank are
  * never read (zero lanes stand in for the odd row of the last pair) */
 static inline __attribute__((always_inline)) void expand_bh(const uint32_t *const *vq, const int n,
                                                             const uint16_t *b, int64_t b0, int S, int R,
                                                             int rank, int N, int c0, int c1,
-                                                            const int64_t *off, float *const *acc) {
+                                                            const int64_t *off, void *y, int yd,
+                                                            const int64_t *rows) {
     const int Rh = (R + 1) / 2;
     const __mmask32 m0 = bh_mask(c1 - c0), m1 = bh_mask(c1 - c0 - 32 > 0 ? c1 - c0 - 32 : 0);
-    __m512 lo[3][2], hi[3][2];
+    __m512 lo[BH_TOKENS][2], hi[BH_TOKENS][2];
+#pragma GCC unroll 4
     for (int q = 0; q < n; q++)
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) lo[q][h] = hi[q][h] = _mm512_setzero_ps();
     for (int s = 0; s < S; s++) {
         if (off[s + 1] <= c0 || off[s] >= c1) continue;
@@ -99,6 +134,7 @@ static inline __attribute__((always_inline)) void expand_bh(const uint32_t *cons
             const uint16_t *r0 = b + b0 + (int64_t)(s * R + j) * N + c0;
             const int two = j + 1 < rank;
             __m512bh pl[2], ph[2];
+#pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const __mmask32 m = h ? m1 : m0;
                 const __m512i e = _mm512_maskz_loadu_epi16(m, r0 + 32 * h);
@@ -106,8 +142,10 @@ static inline __attribute__((always_inline)) void expand_bh(const uint32_t *cons
                 pl[h] = (__m512bh)_mm512_unpacklo_epi16(e, o);
                 ph[h] = (__m512bh)_mm512_unpackhi_epi16(e, o);
             }
+#pragma GCC unroll 4
             for (int q = 0; q < n; q++) {
                 const __m512bh vp = (__m512bh)_mm512_set1_epi32((int)vq[q][s * Rh + j / 2]);
+#pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     lo[q][h] = _mm512_dpbf16_ps(lo[q][h], vp, pl[h]);
                     hi[q][h] = _mm512_dpbf16_ps(hi[q][h], vp, ph[h]);
@@ -118,10 +156,15 @@ static inline __attribute__((always_inline)) void expand_bh(const uint32_t *cons
     /* lane 4L + i of lo holds column 8L + i, of hi column 8L + 4 + i (L: 128-bit lane) */
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const int w = c1 - c0;
+#pragma GCC unroll 4
     for (int q = 0; q < n; q++)
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            _mm512_storeu_ps(acc[q] + 32 * h, _mm512_permutex2var_ps(lo[q][h], first, hi[q][h]));
-            _mm512_storeu_ps(acc[q] + 32 * h + 16, _mm512_permutex2var_ps(lo[q][h], second, hi[q][h]));
+            const int c = c0 + 32 * h;
+            add16_bh(y, yd, rows[q], c, lanes16(w - 32 * h), _mm512_permutex2var_ps(lo[q][h], first, hi[q][h]));
+            add16_bh(y, yd, rows[q], c + 16, lanes16(w - 32 * h - 16),
+                     _mm512_permutex2var_ps(lo[q][h], second, hi[q][h]));
         }
 }
 
