@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels: bf16 <-> fp32 as torch converts (scalar and 8 lanes), the AVX2 helpers, and the
+/* Shared by the CPU kernels: bf16 <-> fp32 as torch converts (scalar, 8 and 16 lanes), the AVX2 helpers, and the
  * naming of each ISA variant's entry points.
  * dtype codes: 0 = fp32, 1 = bf16.
  *
@@ -76,6 +76,18 @@ static inline void vstore(void *base, int dtype, int64_t i, __m256 v) {
     __m256i u = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
     _mm_storeu_si128((__m128i *)((uint16_t *)base + i), packed);
+}
+#endif
+
+#if defined(__AVX512F__)
+/* the bf16 bits of each fp32 lane of v (in the low half of each 32-bit lane), rounded as
+ * f32_to_bf16: to nearest even, a NaN stays a quiet NaN, denormals kept (16 lanes) */
+static inline __m512i round_bf16_16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i qnan = _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, qnan);
 }
 #endif
 #endif

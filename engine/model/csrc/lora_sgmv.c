@@ -336,10 +336,12 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
 
 #pragma omp parallel num_threads(nthreads) if (big)
     {
+        /* each thread's static chunk of items is ascending: its run index only moves forward
+         * (one pass over the runs per loop, not one per item) */
+        int r = 0;
         /* shrink: SHRINK_TOKENS tokens of one run per iteration (a run's last ones fewer) */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < npairs; p++) {
-            int r = 0;
             while (r + 1 < nruns && pair_of_run[r + 1] <= p) r++;
             int64_t k = SHRINK_TOKENS * (p - pair_of_run[r]); /* the group's first token in the run */
             int64_t t = runs[3 * r] + k;
@@ -358,7 +360,7 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
         int ntiles = (N + TILE - 1) / TILE;
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < nblocks; blk++) {
-            int r = 0;
+            if (block_of_run[r] > blk) r = 0; /* a chunk behind the shrink's last run */
             while (r + 1 < nruns && block_of_run[r + 1] <= blk) r++;
             int64_t slot = runs[3 * r + 2];
             int rank = (int)ranks[slot];

@@ -81,16 +81,6 @@ static void shrink_tokens_bh(const uint16_t *x, int64_t x_stride, int64_t t, int
     }
 }
 
-/* the bf16 bits of each fp32 lane of v (low half of each 32-bit lane), rounded as f32_to_bf16:
- * to nearest even, a NaN stays a quiet NaN, denormals kept (torch's rounding, 16 lanes) */
-static inline __m512i round_bf16_16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __m512i qnan = _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16);
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, qnan);
-}
-
 /* y[row, c .. c + 16) (lanes of m only) += d: a bf16 y (yd 1) rounds once, as add_tile */
 static inline void add16_bh(void *y, int yd, int64_t row, int c, __mmask16 m, __m512 d) {
     if (yd == 0) {

@@ -15,11 +15,7 @@ static inline void store_deq(void *out, int od, int64_t i, __m512 v) {
 #if defined(__AVX512BF16__)
     _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(v)); /* RNE */
 #else
-    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1); /* as f32_to_bf16 */
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), one),
-                                                     _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(round_bf16_16(v))); /* as f32_to_bf16 */
 #endif
 }
 #elif defined(WL)
