@@ -27,7 +27,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 CSRC = "engine/model/csrc"
 KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c",
                                                   "wq_linear.c")]
-HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_prefill.h",
+HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_bh.h",
+                                         "attention_prefill.h",
                                          "sgmv_shrink.h", "sgmv_bf16.h", "wq_kernels.h", "wq_bf16.h",
                                          "wq_dequant.h")]
 C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]

@@ -180,15 +180,18 @@ def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
                 assert torch.all(err <= limit), (m, out_dtype, float((err - limit).max()))
 
 
-@pytest.mark.parametrize("D, window, softcap", [(64, 0, 0.0), (48, 40, 0.0), (64, 0, 30.0)])
-def test_attention_bf16_decode_scores_against_fp64(D, window, softcap):
-    """``paged_attention`` in the bf16 variant on a bf16 cache, decode rows (the per-row path,
-    GQA group 3 as the default model): scores by VDPBF16PS on q and the keys where they lie,
+@pytest.mark.parametrize("D, window, softcap, H, Hkv", [
+    (64, 0, 0.0, 9, 3), (48, 40, 0.0, 9, 3), (64, 0, 30.0, 9, 3),
+    (64, 0, 0.0, 14, 2), (80, 0, 0.0, 10, 2), (64, 20, 0.0, 4, 4), (128, 0, 0.0, 8, 2)])
+def test_attention_bf16_decode_scores_against_fp64(D, window, softcap, H, Hkv):
+    """``paged_attention`` in the bf16 variant on a bf16 cache, decode rows (the per-row path;
+    GQA groups of 1 to 7 query heads, which share each value row's load: 7 = a pass of 4 heads
+    and one of 3): scores by VDPBF16PS on q and the keys where they lie,
     against float64 attention on the same bf16 values, and close to the fp32-FMA variant. The
     scores differ from exact sums by fp32 summation only (D * 2**-24 relative); the output
     rounds once to bf16, so one bf16 ulp (2**-8 relative) bounds the difference."""
-    g = torch.Generator().manual_seed(D + window)
-    H, Hkv, bs, ctx = 9, 3, 16, [1, 37, 130, 64]
+    g = torch.Generator().manual_seed(D + window + H)
+    bs, ctx = 16, [1, 37, 130, 64]
     nseq = len(ctx)
     width = max((c + bs - 1) // bs for c in ctx)
     perm = torch.randperm(nseq * width, generator=g).int()

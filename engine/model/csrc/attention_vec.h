@@ -1,9 +1,9 @@
 /* The attention kernel's inner loops over one chunk of keys (paged_attention.c): load a row
  * of the cache as fp32, score a query against the chunk's keys, soft-cap, exponentiate for the
  * online softmax and accumulate p . v; AVX2/FMA vector code where the ISA variant has it,
- * scalar C otherwise; in the avx512bf16 variant, the decode rows' scores of a bf16 cache with
- * the native bf16 dot product (scores_bh, accumulate_bh). Included by paged_attention.c only (static functions, one copy per
- * ISA variant). */
+ * scalar C otherwise (the avx512bf16 variant's decode path over a bf16 cache is
+ * attention_bh.h's). Included by paged_attention.c only (static functions, one copy per ISA
+ * variant). */
 #ifndef LORAMUX_ATTENTION_VEC_H
 #define LORAMUX_ATTENTION_VEC_H
 #include <math.h>
@@ -144,66 +144,6 @@ static void accumulate(float *acc, float corr, const float *p, const float *cons
         float a = acc[d] * corr;
         for (int j = 0; j < cnt; j++) a += p[j] * v[j][d];
         acc[d] = a;
-    }
-}
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define LMX_ATTN_BH 1
-/* s[j] = scale * (q . k[j]) for j < cnt, q and the keys bf16 rows read where they lie (a bf16
- * cache): VDPBF16PS over pairs of d (exact products, fp32 sums), four keys sharing each load
- * of q; masked loads past D (the avx512bf16 variant's decode path, paged_attention.c) */
-static void scores_bh(const uint16_t *q, const uint16_t *const *k, int cnt, int D, float scale, float *s) {
-    int j = 0;
-    for (; j + 4 <= cnt; j += 4) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int d = 0; d < D; d += 32) {
-            const __mmask32 m = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (D - d)) - 1u);
-            const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + d);
-            a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[j] + d));
-            a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[j + 1] + d));
-            a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[j + 2] + d));
-            a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_maskz_loadu_epi16(m, k[j + 3] + d));
-        }
-        s[j] = scale * _mm512_reduce_add_ps(a0), s[j + 1] = scale * _mm512_reduce_add_ps(a1);
-        s[j + 2] = scale * _mm512_reduce_add_ps(a2), s[j + 3] = scale * _mm512_reduce_add_ps(a3);
-    }
-    for (; j < cnt; j++) {
-        __m512 a = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 32) {
-            const __mmask32 m = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (D - d)) - 1u);
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(m, q + d),
-                                 (__m512bh)_mm512_maskz_loadu_epi16(m, k[j] + d));
-        }
-        s[j] = scale * _mm512_reduce_add_ps(a);
-    }
-}
-
-/* acc[d] = acc[d] * corr + sum_j p[j] v[j][d], the value rows bf16 where they lie: p rounded
- * to bf16 in pairs (p[j], p[j+1]) and VDPBF16PS against rows j and j+1 interleaved in registers
- * (unpacklo/hi_epi16: fp32 lanes in a permuted column order, put back once per 32 columns);
- * two sets of accumulators (even and odd pairs) for independent chains */
-static void accumulate_bh(float *acc, float corr, const float *p, const uint16_t *const *v, int cnt, int D) {
-    uint32_t pp[KEY_CHUNK / 2 + 1];
-    for (int j = 0; j < cnt; j += 2)
-        pp[j / 2] = (uint32_t)f32_to_bf16(p[j]) | (j + 1 < cnt ? (uint32_t)f32_to_bf16(p[j + 1]) << 16 : 0u);
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int d = 0; d < D; d += 32) {
-        const __mmask32 m = D - d >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (D - d)) - 1u);
-        __m512 lo[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, hi[2] = {lo[0], lo[0]};
-        for (int j = 0; j < cnt; j += 2) {
-            const __m512i e = _mm512_maskz_loadu_epi16(m, v[j] + d);
-            const __m512i o = j + 1 < cnt ? _mm512_maskz_loadu_epi16(m, v[j + 1] + d) : _mm512_setzero_si512();
-            const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp[j / 2]);
-            const int c = (j / 2) & 1;
-            lo[c] = _mm512_dpbf16_ps(lo[c], pv, (__m512bh)_mm512_unpacklo_epi16(e, o));
-            hi[c] = _mm512_dpbf16_ps(hi[c], pv, (__m512bh)_mm512_unpackhi_epi16(e, o));
-        }
-        const __m512 l = _mm512_add_ps(lo[0], lo[1]), h = _mm512_add_ps(hi[0], hi[1]);
-        float t[32];
-        _mm512_storeu_ps(t, _mm512_permutex2var_ps(l, first, h));
-        _mm512_storeu_ps(t + 16, _mm512_permutex2var_ps(l, second, h));
-        for (int k = 0; k < 32 && d + k < D; k++) acc[d + k] = acc[d + k] * corr + t[k];
     }
 }
 #endif

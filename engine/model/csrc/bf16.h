@@ -89,5 +89,28 @@ static inline __m512i round_bf16_16(__m512 v) {
     const __m512i qnan = _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16);
     return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, qnan);
 }
+
+#define VEC16 16
+
+/* elements i..i+15 of an fp32 or bf16 array, as fp32 lanes */
+static inline __m512 vload16(const void *base, int dtype, int64_t i) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 vround16_bf16(__m512 v) { /* as f32_to_bf16 (kept in fp32 lanes), 16 lanes */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16_16(v), 16));
+}
+
+/* elements i..i+15 of an fp32 or bf16 array = v (for bf16, v already bf16-rounded) */
+static inline void vstore16(void *base, int dtype, int64_t i, __m512 v) {
+    if (dtype == 0) {
+        _mm512_storeu_ps((float *)base + i, v);
+        return;
+    }
+    const __m512i u = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(u));
+}
 #endif
 #endif

@@ -58,6 +58,14 @@ __m256 _ZGVdN8v_expf(__m256 x);
 static inline __m256 vrnd(__m256 v, int dtype) { return dtype == 0 ? v : vround_bf16(v); }
 
 #endif
+#if defined(VEC16) && defined(__AVX512DQ__)
+/* the AVX-512 variants: 16 lanes first, the 8-lane loops take the rest (same expressions,
+ * same rounding; the norm's sum of squares keeps the 8-lane order) */
+#define WIDE 16
+__m512 _ZGVeN16v_expf(__m512 x); /* libmvec, 16 lanes */
+
+static inline __m512 vrnd16(__m512 v, int dtype) { return dtype == 0 ? v : vround16_bf16(v); }
+#endif
 
 /* residual[T, H] (row stride res_stride) += delta[T, H] (delta_dtype, stride delta_stride;
  * NULL = no add); out[T, H] (dense, out_dtype) = rms_norm(residual) * weight[H], or with
@@ -72,6 +80,17 @@ int LMX_FN(loramux_add_rms_norm)(void *residual, int64_t res_stride, const void 
         float sum = 0.0f;
 #ifdef VEC
         __m256 acc = _mm256_setzero_ps();
+#ifdef WIDE
+        for (; h + WIDE <= H; h += WIDE) {
+            __m512 r = vload16(residual, dtype, r0 + h);
+            if (delta != NULL) {
+                r = vrnd16(_mm512_add_ps(r, vrnd16(vload16(delta, delta_dtype, d0 + h), dtype)), dtype);
+                vstore16(residual, dtype, r0 + h, r);
+            }
+            const __m512 sq = _mm512_mul_ps(r, r); /* added as the 8-lane loop adds them */
+            acc = _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(sq)), _mm512_extractf32x8_ps(sq, 1));
+        }
+#endif
         for (; h + VEC <= H; h += VEC) {
             __m256 r = vload8(residual, dtype, r0 + h);
             if (delta != NULL) {
@@ -110,6 +129,13 @@ int LMX_FN(loramux_add_rms_norm)(void *residual, int64_t res_stride, const void 
         if (unit_offset) {
 #ifdef VEC
             __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+#ifdef WIDE
+            for (; h + WIDE <= H; h += WIDE) {
+                __m512 n = _mm512_mul_ps(vload16(residual, dtype, r0 + h), _mm512_set1_ps(inv));
+                __m512 w = _mm512_add_ps(_mm512_set1_ps(1.0f), vload16(weight, dtype, h));
+                vstore16(out, out_dtype, o0 + h, vrnd16(_mm512_mul_ps(n, w), dtype));
+            }
+#endif
             for (; h + VEC <= H; h += VEC) {
                 __m256 n = _mm256_mul_ps(vload8(residual, dtype, r0 + h), vinv);
                 __m256 w = _mm256_add_ps(one, vload8(weight, dtype, h));
@@ -124,6 +150,12 @@ int LMX_FN(loramux_add_rms_norm)(void *residual, int64_t res_stride, const void 
         }
 #ifdef VEC
         __m256 vinv = _mm256_set1_ps(inv);
+#ifdef WIDE
+        for (; h + WIDE <= H; h += WIDE) {
+            __m512 n = vrnd16(_mm512_mul_ps(vload16(residual, dtype, r0 + h), _mm512_set1_ps(inv)), dtype);
+            vstore16(out, out_dtype, o0 + h, vrnd16(_mm512_mul_ps(vload16(weight, dtype, h), n), dtype));
+        }
+#endif
         for (; h + VEC <= H; h += VEC) {
             __m256 n = vrnd(_mm256_mul_ps(vload8(residual, dtype, r0 + h), vinv), dtype);
             vstore(out, out_dtype, o0 + h, vrnd(_mm256_mul_ps(vload8(weight, dtype, h), n), dtype));
@@ -148,6 +180,20 @@ int LMX_FN(loramux_rope)(void *x, int64_t tok_stride, const int64_t *positions, 
         for (int h = 0; h < nheads; h++) {
             int64_t b = t * tok_stride + (int64_t)h * D;
             int i = 0;
+#ifdef WIDE
+            for (; i + WIDE <= half; i += WIDE) {
+                __m512 x1 = vload16(x, dtype, b + i), x2 = vload16(x, dtype, b + half + i);
+                __m512 c1 = vload16(cos, dtype, p + i), s1 = vload16(sin, dtype, p + i);
+                __m512 c2 = vload16(cos, dtype, p + half + i), s2 = vload16(sin, dtype, p + half + i);
+                __m512 nx2 = _mm512_xor_ps(x2, _mm512_set1_ps(-0.0f));
+                __m512 o1 = vrnd16(_mm512_add_ps(vrnd16(_mm512_mul_ps(x1, c1), dtype),
+                                                 vrnd16(_mm512_mul_ps(nx2, s1), dtype)), dtype);
+                __m512 o2 = vrnd16(_mm512_add_ps(vrnd16(_mm512_mul_ps(x2, c2), dtype),
+                                                 vrnd16(_mm512_mul_ps(x1, s2), dtype)), dtype);
+                vstore16(x, dtype, b + i, o1);
+                vstore16(x, dtype, b + half + i, o2);
+            }
+#endif
 #ifdef VEC
             for (; i + VEC <= half; i += VEC) {
                 __m256 x1 = vload8(x, dtype, b + i), x2 = vload8(x, dtype, b + half + i);
@@ -194,6 +240,16 @@ int LMX_FN(loramux_act_mul)(const void *gu, int64_t gu_stride, void *out, int ou
     for (int64_t t = 0; t < T; t++) {
         int64_t g0 = t * gu_stride, o0 = t * I;
         int64_t i = 0;
+#ifdef WIDE
+        for (; i + WIDE <= I; i += WIDE) {
+            const __m512 g = vload16(gu, dtype, g0 + i), c = _mm512_set1_ps(GELU_C);
+            const __m512 z = act == 0 ? _mm512_xor_ps(g, _mm512_set1_ps(-0.0f))
+                                      : _mm512_mul_ps(_mm512_set1_ps(-GELU_2K),
+                                                      _mm512_fmadd_ps(_mm512_mul_ps(c, g), _mm512_mul_ps(g, g), g));
+            const __m512 a = vrnd16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), _ZGVeN16v_expf(z))), dtype);
+            vstore16(out, out_dtype, o0 + i, vrnd16(_mm512_mul_ps(a, vload16(gu, dtype, g0 + I + i)), dtype));
+        }
+#endif
 #ifdef VEC
         __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
         __m256 k2 = _mm256_set1_ps(-GELU_2K), c = _mm256_set1_ps(GELU_C);

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_bh.h"
 #include "attention_prefill.h"
 #include "attention_vec.h"
 #include "bf16.h"
@@ -40,8 +41,9 @@ static inline void gather_chunk(const void *k_cache, const void *v_cache, const 
                                 int Hkv, int kvh, int D, int dtype, int c0, int c1, float *kbuf,
                                 float *vbuf, const float **krow, const float **vrow, int bh,
                                 const uint16_t **khrow, const uint16_t **vhrow) {
+    int blk = c0 / bs, slot = c0 % bs; /* position j's block and slot, stepped along */
     for (int j = c0; j <= c1; j++) {
-        const int64_t off = (((int64_t)table[j / bs] * bs + j % bs) * Hkv + kvh) * D;
+        const int64_t off = (((int64_t)table[blk] * bs + slot) * Hkv + kvh) * D;
         if (bh) {
             khrow[j - c0] = (const uint16_t *)k_cache + off;
             vhrow[j - c0] = (const uint16_t *)v_cache + off;
@@ -54,21 +56,36 @@ static inline void gather_chunk(const void *k_cache, const void *v_cache, const 
             krow[j - c0] = kbuf + (int64_t)(j - c0) * D;
             vrow[j - c0] = vbuf + (int64_t)(j - c0) * D;
         }
+        if (++slot == bs) slot = 0, blk++;
     }
 }
 
-/* The avx512bf16 variant's bf16 path: a bf16 cache, rows taking the per-row path (decode; not
- * the block path's tiles): q . k and p . v by the native bf16 dot product on the rows where
- * they lie (no fp32 copies), the scale applied to each score, p rounded to bf16 for p . v. */
+/* Prefetches the bf16 key and value rows of positions c0..c1 (inclusive) of KV head kvh: a
+ * decode row's reads are latency bound (128 bytes here, 128 there), so the next chunk's are
+ * requested while the current one is computed. */
+static inline void prefetch_chunk(const void *k_cache, const void *v_cache, const int32_t *table, int bs,
+                                  int Hkv, int kvh, int D, int c0, int c1) {
+    int blk = c0 / bs, slot = c0 % bs;
+    for (int j = c0; j <= c1; j++) {
+        const int64_t off = (((int64_t)table[blk] * bs + slot) * Hkv + kvh) * D;
+        for (int b = 0; b < D * 2; b += 64) {
+            __builtin_prefetch((const char *)((const uint16_t *)k_cache + off) + b);
+            __builtin_prefetch((const char *)((const uint16_t *)v_cache + off) + b);
+        }
+        if (++slot == bs) slot = 0, blk++;
+    }
+}
+
+/* The avx512bf16 variant's bf16 path: a bf16 cache, tiles of fewer than 8 query vectors
+ * (decode rows; not the block path's tiles) run attention_bh.h's row_chunk_bh on the bf16 rows
+ * where they lie (no fp32 copies). */
 #ifdef LMX_ATTN_BH
 #define ATTN_BH(dtype, M) ((dtype) == 1 && (M) < 8)
 #else /* no bf16 path in this variant: never called (ATTN_BH is 0) */
 #define ATTN_BH(dtype, M) 0
-static void scores_bh(const uint16_t *q, const uint16_t *const *k, int cnt, int D, float scale, float *s) {
-    (void)q, (void)k, (void)cnt, (void)D, (void)scale, (void)s;
-}
-static void accumulate_bh(float *acc, float corr, const float *p, const uint16_t *const *v, int cnt, int D) {
-    (void)acc, (void)corr, (void)p, (void)v, (void)cnt, (void)D;
+static void row_chunk_bh(const uint16_t *q, int G, int D, float scale, float softcap, const uint16_t *const *k,
+                         const uint16_t *const *v, int cnt, float *acc, float *mx, float *ls) {
+    (void)q, (void)G, (void)D, (void)scale, (void)softcap, (void)k, (void)v, (void)cnt, (void)acc, (void)mx, (void)ls;
 }
 #endif
 
@@ -104,6 +121,9 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
         const int c1 = c0 + KEY_CHUNK - 1 < hi ? c0 + KEY_CHUNK - 1 : hi; /* inclusive */
         gather_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, dtype, c0, c1, kbuf, vbuf, krow, vrow, bh, khrow,
                      vhrow);
+        if (bh && c1 < hi) /* the next chunk's rows on their way while this one is computed */
+            prefetch_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, c1 + 1,
+                           c1 + KEY_CHUNK < hi ? c1 + KEY_CHUNK : hi);
 #ifdef HAVE_BLOCK_PATH
         if (M >= 8) {
             chunk_block(qbuf, M, G, D, qpos0 + tile->r0, c0, c1 - c0 + 1, window, softcap, krow,
@@ -113,7 +133,7 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
 #else
         (void)kT, (void)P, (void)cr;
 #endif
-        for (int i = 0; i < M; i++) {
+        for (int i = 0; i < M; i += bh ? G : 1) { /* bh: the row's G heads together */
             const int pos = qpos0 + tile->r0 + i / G;
             const int jmax = pos < c1 ? pos : c1;
             int jmin = c0;
@@ -121,16 +141,19 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
             if (jmax < jmin) continue;
             const int cnt = jmax - jmin + 1;
             const int64_t qo = (int64_t)(row0 + tile->r0 + i / G) * q_tok_stride + (int64_t)(kvh * G + i % G) * D;
-            if (bh) scores_bh((const uint16_t *)q + qo, khrow + (jmin - c0), cnt, D, scale, sbuf);
-            else scores(qbuf + (int64_t)i * D, krow + (jmin - c0), cnt, D, sbuf);
+            if (bh) {
+                row_chunk_bh((const uint16_t *)q + qo, G, D, scale, softcap, khrow + (jmin - c0),
+                             vhrow + (jmin - c0), cnt, acc + (int64_t)i * D, mx + i, ls + i);
+                continue;
+            }
+            scores(qbuf + (int64_t)i * D, krow + (jmin - c0), cnt, D, sbuf);
             if (softcap > 0.0f) softcap_scores(sbuf, cnt, softcap);
             float bmax = sbuf[0];
             for (int j = 1; j < cnt; j++) bmax = sbuf[j] > bmax ? sbuf[j] : bmax;
             const float newm = bmax > mx[i] ? bmax : mx[i];
             const float corr = expf(mx[i] - newm); /* 0 when mx[i] is -inf */
             const float sum = softmax_exp(sbuf, cnt, newm);
-            if (bh) accumulate_bh(acc + (int64_t)i * D, corr, sbuf, vhrow + (jmin - c0), cnt, D);
-            else accumulate(acc + (int64_t)i * D, corr, sbuf, vrow + (jmin - c0), cnt, D);
+            accumulate(acc + (int64_t)i * D, corr, sbuf, vrow + (jmin - c0), cnt, D);
             ls[i] = ls[i] * corr + sum;
             mx[i] = newm;
         }
