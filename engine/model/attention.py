@@ -20,6 +20,7 @@ its own. The softmax ``scale`` (default ``head_dim ** -0.5``) and a logit ``soft
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,7 @@ def build_attention_metadata(
         meta.triton = build_triton_metadata(block_tables, starts, num_new, device, block_size)
         return meta
     if cpu_kernel and device.type == "cpu":
-        _plan_cpu_kernel(meta, block_tables, starts, num_new, num_decode, block_size, window)
+        _plan_cpu_kernel(meta, block_tables, starts, num_new, block_size, window)
         return meta
     arange_block = torch.arange(block_size)
 
@@ -150,26 +151,14 @@ def build_step_attention(
     return metas
 
 
-def _plan_cpu_kernel(meta, block_tables, starts, num_new, num_decode, block_size, window) -> None:
-    """Fresh prompts (no cached prefix) as causal SDPA groups; every other row to the kernel."""
+def _plan_cpu_kernel(meta, block_tables, starts, num_new, block_size, window) -> None:
+    """Every row of the step to the C kernel: decodes, prompt chunks over a cached prefix and
+    fresh prompts alike (its prompt tiles ran fresh causal prompts 1.2-1.9x faster than
+    torch's SDPA up to 1024 tokens on an AVX-512 EPYC, level at 2048; bench/attention_prefill.py)."""
     from loramux.engine.model.cpu_attention import build_cpu_metadata
 
-    fresh: dict[int, list[int]] = {}
-    picked: list[int] = []
-    row_starts: list[int] = []
-    row = 0
-    for i, (s, n) in enumerate(zip(starts, num_new, strict=True)):
-        if i >= num_decode and s == 0 and (window is None or n <= window):
-            fresh.setdefault(n, []).append(row)
-        else:
-            picked.append(i)
-            row_starts.append(row)
-        row += n
-    meta.fresh_groups = [FreshPrefillGroup(rows, n) for n, rows in fresh.items()]
-    meta.cpu = build_cpu_metadata(
-        [block_tables[i] for i in picked], row_starts, [starts[i] for i in picked],
-        [num_new[i] for i in picked], block_size, window,
-    )
+    row_starts = list(accumulate(num_new[:-1], initial=0))[: len(num_new)]
+    meta.cpu = build_cpu_metadata(block_tables, row_starts, starts, num_new, block_size, window)
 
 
 def _plan_decodes(meta: AttentionMetadata, starts: list[int], context_slots, device, pad: int) -> None:
