@@ -221,3 +221,56 @@ def test_attention_bf16_decode_scores_against_fp64(D, window, softcap, H, Hkv):
         want[s] = torch.einsum("hn,nhd->hd", torch.softmax(sc, -1), vals).reshape(-1)
     torch.testing.assert_close(out[BF16].double(), want, rtol=2**-7, atol=2e-3)
     torch.testing.assert_close(out[BF16].float(), out["avx512"].float(), rtol=2**-7, atol=2e-3)
+
+
+@pytest.mark.parametrize("D, window, softcap, H, Hkv", [
+    (64, 0, 0.0, 9, 3), (48, 40, 0.0, 9, 3), (64, 0, 30.0, 9, 3), (64, 0, 0.0, 14, 2),
+    (80, 0, 0.0, 10, 2), (33, 0, 0.0, 4, 4), (128, 20, 0.0, 8, 2)])
+def test_attention_bf16_prompt_tiles_against_fp64(D, window, softcap, H, Hkv):
+    """Prompt rows (tiles of 8+ query vectors) in the bf16 variant on a bf16 cache: q . k and
+    p . v by VDPBF16PS on packed key / value pairs, fresh prompts and chunks over a cached
+    prefix, beside decode rows, against float64 attention on the same bf16 values. The bound:
+    one bf16 rounding of the output (2**-8 relative) plus p rounded to bf16 before p . v
+    (2**-8 of sum_j p_j |v_j|), and fp32 score sums."""
+    g = torch.Generator().manual_seed(D + window + H)
+    bs = 16
+    rows = [(0, 1), (0, 150), (37, 1), (45, 70), (0, 9), (130, 3)]  # (computed, new)
+    nseq = len(rows)
+    ctx = [c + n for c, n in rows]
+    width = max((c + bs - 1) // bs for c in ctx)
+    tables = torch.randperm(nseq * width, generator=g).int().view(nseq, width).contiguous()
+    k_cache = torch.randn(nseq * width * bs, Hkv, D, generator=g).bfloat16()
+    v_cache = torch.randn(nseq * width * bs, Hkv, D, generator=g).bfloat16()
+    starts = torch.tensor([0] + [n for _, n in rows[:-1]]).cumsum(0).int()
+    q = torch.randn(int(sum(n for _, n in rows)), H, D, generator=g).bfloat16()
+    scale = D**-0.5
+    args = (tables, starts, torch.tensor([n for _, n in rows]).int(), torch.tensor(ctx).int(), bs, scale,
+            window, softcap)
+    out = {}
+    for isa in ("avx512", BF16):
+        with forced_isa(isa):
+            out[isa] = torch.zeros(q.shape[0], H * D, dtype=torch.bfloat16)
+            torch.ops.loramux.paged_attention(q, k_cache, v_cache, out[isa], *args)
+    want = torch.zeros(q.shape[0], H, D, dtype=torch.float64)
+    pv_mag = torch.zeros_like(want)
+    for s, (done, n) in enumerate(rows):
+        pos = torch.arange(ctx[s])
+        slots = tables[s][pos // bs].long() * bs + pos % bs
+        keys = k_cache[slots].double().repeat_interleave(H // Hkv, 1)  # [ctx, H, D]
+        vals = v_cache[slots].double().repeat_interleave(H // Hkv, 1)
+        qs = q[int(starts[s]): int(starts[s]) + n].double()  # [n, H, D]
+        sc = torch.einsum("nhd,chd->hnc", qs, keys) * scale
+        if softcap:
+            sc = softcap * torch.tanh(sc / softcap)
+        qpos = torch.arange(done, done + n)[:, None]
+        visible = pos[None, :] <= qpos
+        if window:
+            visible &= pos[None, :] > qpos - window
+        p = torch.softmax(sc.masked_fill(~visible, float("-inf")), -1)
+        want[int(starts[s]): int(starts[s]) + n] = torch.einsum("hnc,chd->nhd", p, vals)
+        pv_mag[int(starts[s]): int(starts[s]) + n] = torch.einsum("hnc,chd->nhd", p, vals.abs())
+    want, pv_mag = want.reshape(q.shape[0], -1), pv_mag.reshape(q.shape[0], -1)
+    bound = 2**-8 * (want.abs() + pv_mag) + 1e-4
+    err = (out[BF16].double() - want).abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
+    torch.testing.assert_close(out[BF16].float(), out["avx512"].float(), rtol=2**-7, atol=2e-2)

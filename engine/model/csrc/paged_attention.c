@@ -1,7 +1,7 @@
 /* Paged attention on the CPU, reading K/V blocks where they lie in the cache.
  *
- * One call per layer runs every non-fresh row of a step: decode rows (n = 1) and prompt
- * chunks that continue a cached prefix (n > 1). A work item is (sequence, query tile,
+ * One call per layer runs every row of a step: decode rows (n = 1) and prompt chunks (n > 1),
+ * fresh or continuing a cached prefix. A work item is (sequence, query tile,
  * KV head): the tile's rows times the G query heads of that KV head (GQA without repeating
  * K/V) attend over the sequence's blocks with an online softmax, fp32 accumulation, and
  * causal + optional sliding-window masks. Work items run in an OpenMP loop (the process's
@@ -12,8 +12,10 @@
  * Layouts: q[t, h, d] at q + t * q_tok_stride + h * D + d; k/v cache [S, Hkv, D];
  * out [T, H * D]; tables [nseq, table_stride] int32 block ids; row_start/num_new/ctx_len
  * [nseq] int32 (first step row, new tokens, context length after the step).
- * The inner loops over a chunk of keys are attention_vec.h's, the prompt tiles' GEMMs
- * attention_prefill.h's; this file is the tiling, the online softmax and the OpenMP loop.
+ * The inner loops over a chunk of keys are attention_vec.h's (attention_bh.h's for bf16 decode
+ * rows in the avx512bf16 variant), the prompt tiles' GEMMs attention_prefill.h's
+ * (attention_prefill_bh.h's over a bf16 cache there); this file is the tiling, the online
+ * softmax and the OpenMP loop.
  * The caller (ops.cpp) has checked every shape, stride, dtype and block id.
  * Returns 0, or -1 when a buffer cannot be allocated.
  */
@@ -24,6 +26,7 @@
 
 #include "attention_bh.h"
 #include "attention_prefill.h"
+#include "attention_prefill_bh.h"
 #include "attention_vec.h"
 #include "bf16.h"
 #include "kernels.h"
@@ -89,28 +92,65 @@ static void row_chunk_bh(const uint16_t *q, int G, int D, float scale, float sof
 }
 #endif
 
+/* qbuf[i * G + g] = scale * (query row row0 + i, head kvh * G + g) as fp32, for m rows */
+static inline void load_tile_queries(const void *q, int64_t q_tok_stride, int row0, int m, int kvh, int G, int D,
+                                     float scale, int dtype, float *qbuf) {
+    for (int i = 0; i < m; i++)
+        for (int g = 0; g < G; g++) {
+            float *dst = qbuf + (int64_t)(i * G + g) * D;
+            load_row(q, dtype, (int64_t)(row0 + i) * q_tok_stride + (int64_t)(kvh * G + g) * D, D, dst);
+            for (int d = 0; d < D; d++) dst[d] *= scale;
+        }
+}
+
+/* out rows row0.. (m of them), heads kvh * G.. = acc / ls, in the output's dtype */
+static inline void store_tile(void *out, const float *acc, const float *ls, int row0, int m, int kvh, int G, int H,
+                              int D, int dtype) {
+    for (int i = 0; i < m; i++)
+        for (int g = 0; g < G; g++) {
+            const float *ai = acc + (int64_t)(i * G + g) * D;
+            const float inv = 1.0f / ls[i * G + g];
+            const int64_t off = (int64_t)(row0 + i) * H * D + (int64_t)(kvh * G + g) * D;
+            if (dtype == 0) {
+                float *o = (float *)out + off;
+                for (int d = 0; d < D; d++) o[d] = ai[d] * inv;
+            } else {
+                uint16_t *o = (uint16_t *)out + off;
+                for (int d = 0; d < D; d++) o[d] = f32_to_bf16(ai[d] * inv);
+            }
+        }
+}
+
+/* The avx512bf16 variant's prompt tiles over a bf16 cache (attention_prefill_bh.h) */
+#ifdef LMX_ATTN_BH_BLOCK
+#define ATTN_BHB(dtype, M) ((dtype) == 1 && (M) >= 8)
+#else
+#define ATTN_BHB(dtype, M) 0
+#endif
+
 static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, const void *v_cache,
                      void *out, const int32_t *table, int row0, int n, int ctx, const Tile *tile,
                      int kvh, int H, int Hkv, int G, int D, int bs, int window, float scale,
                      float softcap, int dtype, float *qbuf, float *acc, float *kbuf, float *vbuf, float *mx,
-                     float *ls, float *kT, float *P, float *cr) {
+                     float *ls, float *kT, float *P, float *cr, float *bhbuf) {
     const int m = tile->r1 - tile->r0, M = m * G;
     const int qpos0 = ctx - n; /* position of the sequence's first new row */
     const float *krow[KEY_CHUNK], *vrow[KEY_CHUNK];
     float sbuf[KEY_CHUNK];
-    const int bh = ATTN_BH(dtype, M);
+    const int bh = ATTN_BH(dtype, M), bhb = ATTN_BHB(dtype, M);
     const uint16_t *khrow[KEY_CHUNK], *vhrow[KEY_CHUNK];
-    for (int i = 0; i < m; i++)
-        for (int g = 0; g < G; g++) {
-            float *dst = qbuf + (int64_t)(i * G + g) * D;
-            load_row(q, dtype, (int64_t)(row0 + tile->r0 + i) * q_tok_stride + (int64_t)(kvh * G + g) * D, D, dst);
-            for (int d = 0; d < D; d++) dst[d] *= scale;
-        }
+    if (!bhb) load_tile_queries(q, q_tok_stride, row0 + tile->r0, m, kvh, G, D, scale, dtype, qbuf);
     memset(acc, 0, sizeof(float) * (size_t)M * D);
     for (int i = 0; i < M; i++) {
         mx[i] = -INFINITY;
         ls[i] = 0.0f;
     }
+#ifdef LMX_ATTN_BH_BLOCK
+    const BhbBuffers bb = bhb_buffers(bhbuf, M, D);
+    if (bhb) bhb_load_queries((const uint16_t *)q, q_tok_stride, row0 + tile->r0, m, kvh, G, D, bb.qh);
+#else
+    (void)bhbuf;
+#endif
     const int hi = qpos0 + tile->r1 - 1; /* last key any row of the tile sees */
     int lo = 0;
     if (window > 0) {
@@ -119,13 +159,20 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
     }
     for (int c0 = lo; c0 <= hi; c0 += KEY_CHUNK) {
         const int c1 = c0 + KEY_CHUNK - 1 < hi ? c0 + KEY_CHUNK - 1 : hi; /* inclusive */
-        gather_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, dtype, c0, c1, kbuf, vbuf, krow, vrow, bh, khrow,
-                     vhrow);
+        gather_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, dtype, c0, c1, kbuf, vbuf, krow, vrow, bh || bhb,
+                     khrow, vhrow);
         if (bh && c1 < hi) /* the next chunk's rows on their way while this one is computed */
             prefetch_chunk(k_cache, v_cache, table, bs, Hkv, kvh, D, c1 + 1,
                            c1 + KEY_CHUNK < hi ? c1 + KEY_CHUNK : hi);
 #ifdef HAVE_BLOCK_PATH
         if (M >= 8) {
+#ifdef LMX_ATTN_BH_BLOCK
+            if (bhb) {
+                chunk_block_bh(bb, M, G, D, qpos0 + tile->r0, c0, c1 - c0 + 1, window, scale, softcap, khrow, vhrow,
+                               P, cr, acc, mx, ls);
+                continue;
+            }
+#endif
             chunk_block(qbuf, M, G, D, qpos0 + tile->r0, c0, c1 - c0 + 1, window, softcap, krow,
                         vrow, kT, P, cr, acc, mx, ls);
             continue;
@@ -158,19 +205,7 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
             mx[i] = newm;
         }
     }
-    for (int i = 0; i < m; i++)
-        for (int g = 0; g < G; g++) {
-            const float *ai = acc + (int64_t)(i * G + g) * D;
-            const float inv = 1.0f / ls[i * G + g];
-            const int64_t off = (int64_t)(row0 + tile->r0 + i) * H * D + (int64_t)(kvh * G + g) * D;
-            if (dtype == 0) {
-                float *o = (float *)out + off;
-                for (int d = 0; d < D; d++) o[d] = ai[d] * inv;
-            } else {
-                uint16_t *o = (uint16_t *)out + off;
-                for (int d = 0; d < D; d++) o[d] = f32_to_bf16(ai[d] * inv);
-            }
-        }
+    store_tile(out, acc, ls, row0 + tile->r0, m, kvh, G, H, D, dtype);
 }
 
 int LMX_FN(loramux_paged_attention)(const void *q, int64_t q_tok_stride, const void *k_cache,
@@ -199,7 +234,8 @@ int LMX_FN(loramux_paged_attention)(const void *q, int64_t q_tok_stride, const v
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nitems > 1 && nthreads > 1)
     {
-        const size_t per = (size_t)M * D * 2 + (size_t)KEY_CHUNK * D * 3 + (size_t)M * (3 + KEY_CHUNK);
+        const size_t per = (size_t)M * D * 2 + (size_t)KEY_CHUNK * D * 3 + (size_t)M * (3 + KEY_CHUNK) +
+                           BHB_FLOATS(M, D);
         float *buf = (float *)malloc(sizeof(float) * per);
         if (!buf) {
 #pragma omp atomic write
@@ -208,6 +244,7 @@ int LMX_FN(loramux_paged_attention)(const void *q, int64_t q_tok_stride, const v
         float *qbuf = buf, *acc = qbuf + (size_t)M * D, *kbuf = acc + (size_t)M * D;
         float *vbuf = kbuf + (size_t)KEY_CHUNK * D, *mx = vbuf + (size_t)KEY_CHUNK * D;
         float *ls = mx + M, *kT = ls + M, *P = kT + (size_t)KEY_CHUNK * D, *cr = P + (size_t)M * KEY_CHUNK;
+        float *bhbuf = cr + M; /* attention_prefill_bh.h's packed tiles (none in other variants) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < nitems; it++) {
             if (!buf) continue;
@@ -215,7 +252,7 @@ int LMX_FN(loramux_paged_attention)(const void *q, int64_t q_tok_stride, const v
             const int s = tl->seq;
             run_item(q, q_tok_stride, k_cache, v_cache, out, tables + (int64_t)s * table_stride,
                      row_start[s], num_new[s], ctx_len[s], tl, (int)(it % Hkv), H, Hkv, G, D, bs,
-                     window, scale, softcap, dtype, qbuf, acc, kbuf, vbuf, mx, ls, kT, P, cr);
+                     window, scale, softcap, dtype, qbuf, acc, kbuf, vbuf, mx, ls, kT, P, cr, bhbuf);
         }
         free(buf);
     }
