@@ -14,8 +14,8 @@ to a time, not to a fixed token/sequence count:
   (:data:`FORGET_LONG`) as its prior, so what a steady workload's recent steps cannot tell
   apart (c0 against c_decode while every step has the same rows) keeps its earlier value.
 * :class:`StepBudget` turns the **ITL target** (``SchedulerConfig.target_itl_ms``; unset,
-  :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine,
-  and for a key alone at least :data:`DEFAULT_MULTIPLE` × the step of its running decodes)
+  :data:`DEFAULT_MULTIPLE` × the predicted one-row decode step, so it follows the machine;
+  for a key alone :data:`ALONE_MULTIPLE` × that, and at least × the step of its running decodes)
   into limits for the next step:
 
   - While the cost model is cold (its first :data:`WARM_STEPS` steps) or has no price for
@@ -64,7 +64,13 @@ from loramux.engine.goodput import (
 from loramux.engine.sequence import Sequence
 
 DEFAULT_MULTIPLE = 3.0
-"""Derived ITL target = this × the predicted cost of a one-row decode step."""
+"""Derived ITL target = this × the predicted cost of a one-row decode step (while fairness keys
+compete; the derived TTFT objective is this × a prompt's own prefill alone)."""
+ALONE_MULTIPLE = 5.0
+"""A key alone: its derived ITL target is this × the one-row step, and at least this × the step of
+its running decodes. The stretch falls on its own streams only, and larger steps pay each step's
+fixed cost less often: near saturation (the peer benchmark's 1.5 req/s, bf16, AVX512_BF16 EPYC) 5
+against 3 served more tokens with both first tokens and inter-token gaps sooner (docs/peer-benchmark.md)."""
 CONTENTION_SHARE = 0.5
 """While fairness keys compete a step aims at this share of the ITL target: a small key's
 rows, which run every step, stay well within it beside a flooder whose surplus rotates."""
@@ -242,12 +248,12 @@ class StepBudget:
         self.clock = time.monotonic
         """Seconds (monotonic); tests put a fake clock here."""
 
-    def target(self, adapters: int = 0) -> float:
-        """The ITL target in seconds: the configured one, or the derived one (0.0 while the
-        cost model is cold and none is configured)."""
+    def target(self, adapters: int = 0, multiple: float = DEFAULT_MULTIPLE) -> float:
+        """The ITL target in seconds: the configured one, or the derived one, ``multiple`` × the
+        one-row step (0.0 while the cost model is cold and none is configured)."""
         if self.target_s is not None:
             return self.target_s
-        return DEFAULT_MULTIPLE * self.model.predict(StepShape(1, 0, adapters))
+        return multiple * self.model.predict(StepShape(1, 0, adapters))
 
     def itl_target(self) -> float | None:
         """The ITL target the last step with decode rows promised them (else the one-row
@@ -302,8 +308,8 @@ class StepBudget:
         alone = len(self._last_seen) <= 1  # no other key had work within RECENT_S
         # the target of one row with its adapter: a tenant spraying adapters must not stretch
         # its neighbours' ITL
-        one = self.target(min(adapters, 1))
-        target = one if alone else CONTENTION_SHARE * one
+        target = (self.target(min(adapters, 1), ALONE_MULTIPLE) if alone
+                  else CONTENTION_SHARE * self.target(min(adapters, 1)))
         # a row's cost, its share of the adapters' included: the fit may put a step's cost on
         # either when rows and adapters grow together (one tenant spraying its adapters)
         c_row = c_dec + (c_ad * adapters / n if n else 0.0)
@@ -327,9 +333,9 @@ class StepBudget:
         decode_cost = c_dec * len(decode) + c_ad * (adapters if alone else
                                                     len({s.lora_key for s in decode if s.lora_key}) + 1)
         if alone and self.target_s is None:
-            # derived, alone: DEFAULT_MULTIPLE x this step's decodes (at least x one row's), so
+            # derived, alone: ALONE_MULTIPLE x this step's decodes (at least x one row's), so
             # a prompt chunk stretches the tenant's own inter-token gaps by that much at most
-            target = max(target, DEFAULT_MULTIPLE * (c0 + decode_cost))
+            target = max(target, ALONE_MULTIPLE * (c0 + decode_cost))
         if decode:
             self.last_target = target
         if not decode:  # a prompt alone: nobody's inter-token latency at stake

@@ -13,6 +13,7 @@ from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.engine.step_budget import (
     ALONE_EFFICIENCY,
+    ALONE_MULTIPLE,
     COLD_CHUNK_TOKENS,
     CONTENTION_SHARE,
     DEFAULT_MULTIPLE,
@@ -310,7 +311,7 @@ def test_a_sprayers_adapters_cannot_stretch_a_neighbours_steps():
 
 def test_derived_target_alone_bounds_a_chunk_to_a_multiple_of_the_decode_step():
     """Derived target, one key alone with 40 decodes (a decode-only step far above 3x the
-    one-row step): a long prompt's chunks make a step at most DEFAULT_MULTIPLE x the step of
+    one-row step): a long prompt's chunks make a step at most ALONE_MULTIPLE x the step of
     its decodes, and the engine reports that target for the ITL-miss count."""
     sched = make_scheduler()
     _warm_with_prompts(sched, rows=40)
@@ -323,6 +324,6 @@ def test_derived_target_alone_bounds_a_chunk_to_a_multiple_of_the_decode_step():
     while long.num_output_tokens == 0:
         plan = step(sched)
         chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
-        assert fake_seconds(plan) <= DEFAULT_MULTIPLE * (decode_only + C_DEC) * 1.05
-    assert len(chunks) > 1 and max(chunks) > (DEFAULT_MULTIPLE - 1.5) * decode_only / C_PRE
-    assert abs(sched.itl_target() - DEFAULT_MULTIPLE * decode_only) < 0.1 * decode_only
+        assert fake_seconds(plan) <= ALONE_MULTIPLE * (decode_only + C_DEC) * 1.05
+    assert len(chunks) > 1 and max(chunks) > (ALONE_MULTIPLE - 1.5) * decode_only / C_PRE
+    assert abs(sched.itl_target() - ALONE_MULTIPLE * decode_only) < 0.1 * decode_only
