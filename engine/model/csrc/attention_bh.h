@@ -86,12 +86,23 @@ static inline void bh_round_p(const float *p, int cnt, uint16_t *p16) {
     }
 }
 
+/* a[0..32) (the lanes m keeps) = a * corr + the 32 sums of lo / hi, accumulated over value row
+ * pairs interleaved by unpacklo / unpackhi_epi16 (that lane order undone here) */
+static inline __attribute__((always_inline)) void bh_add_pair_sums(float *a, __m512 lo, __m512 hi, float corr,
+                                                                   __mmask32 m) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __mmask16 k0 = (__mmask16)(m & 0xffffu), k1 = (__mmask16)(m >> 16);
+    const __m512 c = _mm512_set1_ps(corr);
+    _mm512_mask_storeu_ps(a, k0, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k0, a), c, _mm512_permutex2var_ps(lo, first, hi)));
+    _mm512_mask_storeu_ps(a + 16, k1,
+                          _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k1, a + 16), c, _mm512_permutex2var_ps(lo, second, hi)));
+}
+
 /* acc[h][d] = acc[h][d] * corr[h] + sum_j p[h][j] v[j][d] for NH heads (a constant at each
  * call site: the accumulators stay in registers); rows j, j+1 interleaved once for all heads */
 static inline __attribute__((always_inline)) void bh_accumulate_heads(
     float *acc, const float *corr, const uint16_t *p16, const int NH, const uint16_t *const *v, int cnt, int D) {
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int d = 0; d < D; d += 32) {
         const __mmask32 m = bh_dmask(D - d);
         __m512 lo[4], hi[4];
@@ -110,16 +121,8 @@ static inline __attribute__((always_inline)) void bh_accumulate_heads(
                 hi[h] = _mm512_dpbf16_ps(hi[h], pv, uh);
             }
         }
-        const __mmask16 k0 = (__mmask16)(m & 0xffffu), k1 = (__mmask16)(m >> 16);
 #pragma GCC unroll 4
-        for (int h = 0; h < NH; h++) {
-            float *a = acc + (int64_t)h * D + d;
-            const __m512 c = _mm512_set1_ps(corr[h]);
-            _mm512_mask_storeu_ps(a, k0, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k0, a), c,
-                                                         _mm512_permutex2var_ps(lo[h], first, hi[h])));
-            _mm512_mask_storeu_ps(a + 16, k1, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k1, a + 16), c,
-                                                              _mm512_permutex2var_ps(lo[h], second, hi[h])));
-        }
+        for (int h = 0; h < NH; h++) bh_add_pair_sums(acc + (int64_t)h * D + d, lo[h], hi[h], corr[h], m);
     }
 }
 

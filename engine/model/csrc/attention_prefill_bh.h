@@ -115,8 +115,6 @@ static inline void bhb_pack_values(const uint16_t *const *v, int cnt, int D, uin
 static inline __attribute__((always_inline)) void bhb_accumulate_q(float *acc, const float *cr, const uint16_t *pP,
                                                                    const int NQ, const uint16_t *vP, int npairs,
                                                                    int D) {
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int d = 0; d < D; d += 32) {
         const uint16_t *vb = vP + (int64_t)(d / 32) * (KEY_CHUNK / 2) * 64;
         __m512 lo[8], hi[8];
@@ -132,17 +130,8 @@ static inline __attribute__((always_inline)) void bhb_accumulate_q(float *acc, c
                 hi[t] = _mm512_dpbf16_ps(hi[t], pv, uh);
             }
         }
-        const __mmask32 m = bh_dmask(D - d);
-        const __mmask16 k0 = (__mmask16)(m & 0xffffu), k1 = (__mmask16)(m >> 16);
 #pragma GCC unroll 8
-        for (int t = 0; t < NQ; t++) {
-            float *a = acc + (int64_t)t * D + d;
-            const __m512 c = _mm512_set1_ps(cr[t]);
-            _mm512_mask_storeu_ps(a, k0, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k0, a), c,
-                                                         _mm512_permutex2var_ps(lo[t], first, hi[t])));
-            _mm512_mask_storeu_ps(a + 16, k1, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k1, a + 16), c,
-                                                              _mm512_permutex2var_ps(lo[t], second, hi[t])));
-        }
+        for (int t = 0; t < NQ; t++) bh_add_pair_sums(acc + (int64_t)t * D + d, lo[t], hi[t], cr[t], bh_dmask(D - d));
     }
 }
 
