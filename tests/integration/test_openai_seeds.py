@@ -155,6 +155,9 @@ def test_structured_output_example(server):
         messages=[{"role": "user", "content": "Generate a JSON with the name and age of one random person."}],
         response_format={"type": "json_schema",
                          "json_schema": {"name": "people", "schema": People.model_json_schema()}},
+        # the example samples (temperature 1): about 1 reply in 40 runs a string on to the length
+        # limit, valid JSON so far but unfinished; a seed makes the run reproducible
+        seed=3,
     )
     person = People.model_validate_json(completion.choices[0].message.content)
     assert person.name and completion.choices[0].finish_reason == "stop"
