@@ -139,7 +139,8 @@ static void run_item(const void *q, int64_t q_tok_stride, const void *k_cache, c
     float sbuf[KEY_CHUNK];
     const int bh = ATTN_BH(dtype, M), bhb = ATTN_BHB(dtype, M);
     const uint16_t *khrow[KEY_CHUNK], *vhrow[KEY_CHUNK];
-    if (!bhb) load_tile_queries(q, q_tok_stride, row0 + tile->r0, m, kvh, G, D, scale, dtype, qbuf);
+    if (!bh && !bhb) /* the bf16 paths read q where it lies */
+        load_tile_queries(q, q_tok_stride, row0 + tile->r0, m, kvh, G, D, scale, dtype, qbuf);
     memset(acc, 0, sizeof(float) * (size_t)M * D);
     for (int i = 0; i < M; i++) {
         mx[i] = -INFINITY;
