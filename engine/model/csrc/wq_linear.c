@@ -338,37 +338,25 @@ int LMX_FN(loramux_wq_linear)(const void *x, int64_t x_stride, int xd, const uin
                               const float *scale, const float *zero, int G, int group,
                               const float *bias, void *y, int yd, int64_t M, int N, int K, int Kp,
                               int nthreads) {
+    const int tiles = (N + NT - 1) / NT;
+#ifdef LMX_WQ_BH
+    if (xd == 1 && M < GEMM_MIN_M) /* bf16 x, decode: the native bf16 dot products over x repacked once */
+        return bh_call((const uint16_t *)x, x_stride, M, K, Kp, w, bits, scale, zero, G, group, bias, y, yd, N,
+                       tiles, nthreads);
+#endif
     /* [M, Kp] zero padded, then xs [M, G]: the sums of x over each group */
     float *xp = (float *)calloc((size_t)(M * Kp + M * G), sizeof(float)), *xs = xp + M * Kp;
     if (xp == NULL) return -1;
     for (int64_t m = 0; m < M; m++) {
         for (int k = 0; k < K; k++) xp[m * Kp + k] = load_elem(x, xd, m * x_stride + k);
-        for (int64_t k = 0; k < Kp; k++) xs[m * G + k / group] += xp[m * Kp + k];
+        for (int g = 0; g < G; g++)
+            for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k++) xs[m * G + g] += xp[m * Kp + k];
     }
-    const int tiles = (N + NT - 1) / NT;
 #ifdef WL
     if (M >= GEMM_MIN_M) {
         int rc = gemm_call(xp, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, K, tiles, nthreads);
         free(xp);
         return rc;
-    }
-#endif
-#ifdef LMX_WQ_BH
-    if (xd == 1) { /* bf16 x, decode: the native bf16 dot products over x repacked once */
-        uint16_t *xr = (uint16_t *)malloc((size_t)(M * Kp) * sizeof(uint16_t));
-        if (xr == NULL) {
-            free(xp);
-            return -1;
-        }
-        repack_x_bh((const uint16_t *)x, x_stride, M, K, Kp, group, bits, xr);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
-        for (int t = 0; t < tiles; t++) {
-            int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
-            rows_tile_bh(xr, xs, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1);
-        }
-        free(xr);
-        free(xp);
-        return 0;
     }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
