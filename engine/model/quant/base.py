@@ -130,6 +130,9 @@ class QuantLinear:
         self.compute_dtype = matmul_dtype(dtype, self.device)
         self.bias = bias.to(self.compute_dtype) if bias is not None else None  # [out]
         self._row_norms: torch.Tensor | None = None
+        # the method's compiled-kernel calls with this layer's arguments bound, as (columns to
+        # gather x by or None, call) per part: built by the method at the first call it runs
+        self.kernel_calls: list | None = None
         if self.device.type == "cuda":
             from loramux.engine.model.quant import triton_wq
 

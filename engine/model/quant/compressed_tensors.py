@@ -47,9 +47,9 @@ from loramux.engine.model.quant.fp8 import (
 )
 from loramux.engine.model.quant.int_packed import (
     PACKED_BITS,
+    KernelCall,
     dequantize_int,
     fp8_kernel_layout,
-    kernel_apply,
     kernel_dequantize,
     kernel_fits,
     kernel_layout,
@@ -334,9 +334,11 @@ class CompressedTensorsMethod(WeightOnlyMethod):
         else the torch path (dequantize a band, matmul), the reference."""
         if ("kernel_weight" in layer.params and x.device.type == "cpu" and loader.available()
                 and x.dtype in KERNEL_DTYPES and layer.dtype in KERNEL_DTYPES):
-            scheme: IntScheme | FloatScheme = layer.scheme
-            return kernel_apply(layer.params, scheme.num_bits, layer.in_features, scheme.group_size,
-                                x, layer.bias, layer.dtype)
+            if layer.kernel_calls is None:
+                scheme: IntScheme | FloatScheme = layer.scheme
+                layer.kernel_calls = [(None, KernelCall(layer.params, scheme.num_bits, layer.in_features,
+                                                        scheme.group_size, layer.bias, layer.dtype))]
+            return layer.kernel_calls[0][1](x)
         return super().apply(layer, x)
 
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:

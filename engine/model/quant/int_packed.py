@@ -115,16 +115,35 @@ def kernel_dequantize(params: dict[str, torch.Tensor], num_bits: int, in_feature
     return ((u - z.unsqueeze(-1)) * scale.unsqueeze(-1)).view(r, in_features)
 
 
+class KernelCall:
+    """``x @ W.T + b`` by the compiled kernel (``torch.ops.loramux.wq_linear``) for one layer's
+    (or one part's) tensors in the kernel's layout, the call's fixed arguments bound once: the
+    operator, the tensors, the widths and the bias in float32. A decode step of a quantized
+    model makes four of these calls a layer; looking the arguments up and converting the bias
+    anew cost more per call than the operator's own checks."""
+
+    __slots__ = ("_op", "_args")
+
+    def __init__(self, params: dict[str, torch.Tensor], num_bits: int, in_features: int,
+                 group_size: int | None, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+        from loramux.engine.model.kernels import loader
+
+        self._op = loader.require().wq_linear.default
+        self._args = (params["kernel_weight"], params["kernel_scale"], params.get("kernel_zero"),
+                      bias.float().contiguous() if bias is not None else None, num_bits, in_features,
+                      group_size or 0, out_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 or bfloat16 on the CPU → [T, out], accumulated in float32."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return self._op(x, *self._args)
+
+
 def kernel_apply(params: dict[str, torch.Tensor], num_bits: int, in_features: int,
                  group_size: int | None, x: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
-    """``x @ W.T + b`` by the compiled kernel (``torch.ops.loramux.wq_linear``): x [T, in]
-    float32 or bfloat16 on the CPU → [T, out] ``out_dtype``, accumulated in float32; an FP8
-    layout (``fp8_kernel_layout``) with ``num_bits`` 8."""
-    from loramux.engine.model.kernels import ops
-
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return ops.wq_linear(x, params["kernel_weight"], params["kernel_scale"], params.get("kernel_zero"),
-                         bias.float().contiguous() if bias is not None else None, bits=num_bits,
-                         in_features=in_features, group_size=group_size or 0, out_dtype=out_dtype)
+    """``x @ W.T + b`` by the compiled kernel once (:class:`KernelCall` binds it for repeated
+    calls): x [T, in] float32 or bfloat16 on the CPU → [T, out] ``out_dtype``, accumulated in
+    float32; an FP8 layout (``fp8_kernel_layout``) with ``num_bits`` 8."""
+    return KernelCall(params, num_bits, in_features, group_size, bias, out_dtype)(x)

@@ -28,7 +28,7 @@ from loramux.engine.errors import ModelLoadError
 from loramux.engine.model.kernels import loader
 from loramux.engine.model.quant.base import QuantLinear, WeightOnlyMethod
 from loramux.engine.model.quant.int_packed import (
-    kernel_apply,
+    KernelCall,
     kernel_dequantize,
     kernel_fits,
     kernel_layout,
@@ -253,21 +253,33 @@ class RepackedMethod(WeightOnlyMethod):
         if not (x.device.type == "cpu" and loader.available() and kernel_fits(scheme.group_size)
                 and x.dtype in KERNEL_DTYPES and layer.dtype in KERNEL_DTYPES):
             return super().apply(layer, x)
+        if layer.kernel_calls is None:
+            layer.kernel_calls = self._kernel_calls(layer)
+        calls = layer.kernel_calls
+        if len(calls) == 1 and calls[0][0] is None:
+            return calls[0][1](x)
+        outs = [call(x.index_select(-1, perm) if perm is not None else x) for perm, call in calls]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    @staticmethod
+    def _kernel_calls(layer: QuantLinear) -> list:
+        """The layer's kernel calls, bound once: one, or one per part with the columns its
+        activations are gathered by (``perm``)."""
+        scheme: RepackedScheme = layer.scheme
         p = layer.params
 
-        def run(params: dict, xs: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            return kernel_apply(params, scheme.num_bits, layer.kernel_in_features, scheme.group_size,
-                                xs, b, layer.dtype)
+        def bind(params: dict, bias: torch.Tensor | None) -> KernelCall:
+            return KernelCall(params, scheme.num_bits, layer.kernel_in_features, scheme.group_size,
+                              bias, layer.dtype)
 
         if "perm" not in p:
-            return run(p, x, layer.bias)
-        outs = []
+            return [(None, bind(p, layer.bias))]
+        calls = []
         for i, perm in enumerate(p["perm"]):
             r0, r1 = scheme.bounds[i], scheme.bounds[i + 1]
             part = {k: v[r0:r1] for k, v in p.items() if k != "perm"}
-            bias = layer.bias[r0:r1] if layer.bias is not None else None
-            outs.append(run(part, x.index_select(-1, perm), bias))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            calls.append((perm, bind(part, layer.bias[r0:r1] if layer.bias is not None else None)))
+        return calls
 
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` in the checkpoint's input-column order, float32."""
