@@ -125,25 +125,35 @@ static inline __attribute__((always_inline)) void tile_bh4(const x4_t *xa, int64
         const int g0 = xa->g0[c];
         const __mmask16 gm = (__mmask16)((1u << (G - g0 < 4 ? G - g0 : 4)) - 1);
         const __m512i gi = _mm512_loadu_si512(xa->gidx + c * 16);
+        /* every row's 4 vectors, scales and offsets first, then each row of x once against them
+         * (its 4 vectors and sums loaded once for all rows of W: from 2 rows of x the loads of x
+         * outnumbered the weights') */
+        __m512bh wv[NR_BH][4];
+        __m512 sv[NR_BH], zv[NR_BH];
         for (int r = 0; r < nr; r++) {
             const uint8_t *p = w + (int64_t)(n0 + r) * row_bytes + c * (CH / 2);
             PREFETCH_ROWS_AHEAD(p, nr, row_bytes);
             const __m512i b = _mm512_maskz_loadu_epi8(bm, p);
             const __m512i lo = _mm512_and_si512(b, m15), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), m15);
-            const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, c43), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, c43);
-            const __m512bh w2 = (__m512bh)_mm512_unpacklo_epi8(hi, c43), w3 = (__m512bh)_mm512_unpackhi_epi8(hi, c43);
+            wv[r][0] = (__m512bh)_mm512_unpacklo_epi8(lo, c43);
+            wv[r][1] = (__m512bh)_mm512_unpackhi_epi8(lo, c43);
+            wv[r][2] = (__m512bh)_mm512_unpacklo_epi8(hi, c43);
+            wv[r][3] = (__m512bh)_mm512_unpackhi_epi8(hi, c43);
             const int64_t at = (int64_t)(n0 + r) * G + g0;
-            const __m512 s = _mm512_permutexvar_ps(gi, _mm512_maskz_loadu_ps(gm, scale + at));
-            const __m512 zo = zero ? _mm512_add_ps(off, _mm512_permutexvar_ps(gi, _mm512_maskz_loadu_ps(gm, zero + at)))
-                                   : sym;
-            for (int m = 0; m < mr; m++) {
-                const uint16_t *xc = xa->xr + (m0 + m) * xa->Kc + c * CH;
-                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xc), w0);
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xc + 32), w1);
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xc + 64), w2);
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xc + 96), w3);
-                a = _mm512_fnmadd_ps(zo, _mm512_loadu_ps(xa->xl + ((m0 + m) * chunks + c) * 16), a);
-                tot[m][r] = _mm512_fmadd_ps(s, a, tot[m][r]);
+            sv[r] = _mm512_permutexvar_ps(gi, _mm512_maskz_loadu_ps(gm, scale + at));
+            zv[r] = zero ? _mm512_add_ps(off, _mm512_permutexvar_ps(gi, _mm512_maskz_loadu_ps(gm, zero + at))) : sym;
+        }
+        for (int m = 0; m < mr; m++) {
+            const uint16_t *xc = xa->xr + (m0 + m) * xa->Kc + c * CH;
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xc), x1 = (__m512bh)_mm512_loadu_si512(xc + 32);
+            const __m512bh x2 = (__m512bh)_mm512_loadu_si512(xc + 64), x3 = (__m512bh)_mm512_loadu_si512(xc + 96);
+            const __m512 xl = _mm512_loadu_ps(xa->xl + ((m0 + m) * chunks + c) * 16);
+            for (int r = 0; r < nr; r++) {
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), x0, wv[r][0]);
+                a = _mm512_dpbf16_ps(a, x1, wv[r][1]);
+                a = _mm512_dpbf16_ps(a, x2, wv[r][2]);
+                a = _mm512_dpbf16_ps(a, x3, wv[r][3]);
+                tot[m][r] = _mm512_fmadd_ps(sv[r], _mm512_fnmadd_ps(zv[r], xl, a), tot[m][r]);
             }
         }
     }
