@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.cpu_kernel import WQ_DENSE_ROWS, forced_isa, require_cpu_kernel
+from support.cpu_kernel import forced_isa, require_cpu_kernel, wq_dense_rows
 
 from loramux.engine.model.kernels import loader
 
@@ -138,7 +138,7 @@ def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
     """``wq_linear`` in the bf16 variant, bf16 x (1 to 31 rows: the decode path for an fp32 y, and
-    for a bf16 y below 12 rows; 33 and 64: the kernel's float32 GEMM for an fp32 y; from 12 rows
+    for a bf16 y below 24 rows; 33 and 64: the kernel's float32 GEMM for an fp32 y; from 24 rows
     with a bf16 y, bands of W rounded to bf16 through oneDNN, against the same rounded weights,
     the product rounded to bf16 before the bias),
     fp32 and bf16 y, against float64 ``x @ dequant(W).T``. Groups of two blocks and lone blocks (96 = 64 + 32,
@@ -162,14 +162,14 @@ def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
     mag_w = (q.double().abs() + zero_stored.double().abs().repeat_interleave(gs, 1) + off) \
         * scale.double().repeat_interleave(gs, 1)
     with forced_isa(BF16):
-        for m in (1, 3, 4, 5, 11, 12, 31, 33, 64):
+        for m in (1, 3, 4, 5, 11, 12, 17, 23, 24, 31, 33, 64):
             x = torch.randn(m, k, generator=g).bfloat16()
             want = x.double() @ deq.T + bias.double()
             bound = 4 * k * U * (x.double().abs() @ mag_w.T) + 1e-6
             for out_dtype in (torch.float32, torch.bfloat16):
                 y = torch.ops.loramux.wq_linear(x, w, scale, zero_stored if not symmetric else None, bias, bits,
                                                 k, group, out_dtype)
-                if m >= WQ_DENSE_ROWS and out_dtype == torch.bfloat16:  # the oneDNN band path
+                if m >= wq_dense_rows(BF16) and out_dtype == torch.bfloat16:  # the oneDNN band path
                     w_b = deq.float().bfloat16().double()  # (q - zero) * scale in fp32, rounded once
                     want_b = x.double() @ w_b.T + bias.double()
                     mag = x.double().abs() @ w_b.abs().T

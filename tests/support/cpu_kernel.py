@@ -31,11 +31,15 @@ def require_cpu_kernel() -> None:
 
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
-WQ_DENSE_ROWS = 12
-"""From this many rows of bf16 x with a bf16 y, ``loramux::wq_linear`` hands dequantized bands of
-W to oneDNN instead of running its own sums (``DENSE_MIN_M`` in csrc/quant_ops.cpp)."""
 """Every ISA variant the build may carry (parametrize with it; :func:`forced_isa` skips the
 ones this CPU cannot run)."""
+
+
+def wq_dense_rows(isa: str) -> int:
+    """From this many rows of bf16 x with a bf16 y, ``loramux::wq_linear`` in the ``isa`` variant
+    hands dequantized bands of W to oneDNN instead of running its own sums (``DENSE_MIN_M`` and
+    ``DENSE_MIN_M_BF16`` in csrc/quant_ops.cpp)."""
+    return 24 if isa == "avx512bf16" else 12
 
 
 @contextmanager

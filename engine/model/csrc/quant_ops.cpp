@@ -25,26 +25,15 @@
 namespace {
 
 using namespace lmx;
-/* the ISA variant's two entry points: the kernel, and the band dequantizer of the large-M path */
+/* the ISA variant's two entry points (the kernel, and the band dequantizer of the large-M path) and
+ * the rows from which the op takes the band path */
 struct WqVariant {
   decltype(&loramux_wq_linear_scalar) linear;
   decltype(&loramux_wq_dequantize_scalar) dequantize;
+  int64_t dense_min_m;  // from this many rows of bf16 x with a bf16 y: dense_call (below)
 };
-#define LMX_WQ_VARIANT(v) WqVariant{loramux_wq_linear_##v, loramux_wq_dequantize_##v}
+#define LMX_WQ_VARIANT(v, dense) WqVariant{loramux_wq_linear_##v, loramux_wq_dequantize_##v, dense}
 
-WqVariant wq_variant() {
-  const std::string name = isa();
-#ifdef LMX_HAVE_AVX512BF16
-  if (name == "avx512bf16") return LMX_WQ_VARIANT(avx512bf16);
-#endif
-#ifdef LMX_HAVE_AVX512
-  if (name == "avx512") return LMX_WQ_VARIANT(avx512);
-#endif
-#ifdef LMX_HAVE_AVX2
-  if (name == "avx2") return LMX_WQ_VARIANT(avx2);
-#endif
-  return LMX_WQ_VARIANT(scalar);
-}
 
 /* From DENSE_MIN_M rows of bf16 x and a bf16 y (a prefill chunk of a bf16 model; a float32 y keeps
  * the kernel's float32 sums) W is dequantized a band of output rows at a
@@ -58,9 +47,29 @@ WqVariant wq_variant() {
  * (AVX512_BF16 EPYC, the default model's 120 projections, bf16, best of 9: int4 g64 at 16 rows
  * 25.9 ms vs 35.0, int8 per channel 24.5 vs 27.2; at 12 rows even, 24.0 vs 23.3 and 22.8 vs 21.0;
  * at 8 rows the kernel wins, 15.8 vs 21.4 and 15.1 vs 21.7): the kernel's sums grow with every
- * row while a band is dequantized once for all of them. */
+ * row while a band is dequantized once for all of them. The avx512bf16 variant's own tiles
+ * (wq_bf16.h) run to DENSE_MIN_M_BF16 rows: since int4 takes 128 values a load and each row of x
+ * is loaded once for a tile's weight rows, its sums beat the bands up to about 24 rows (random
+ * weights of the default model's 120 shapes, medians of 12 alternated passes, AVX512_BF16 EPYC:
+ * int4 g64 at 12 rows 15.6 ms against 23.7, 16: 20.9 / 24.7, 24: 28.4 / 30.5, 31: 39.1 / 36.0;
+ * int8 at 12: 16.5 / 22.9, 16: 23.2 / 25.9, 24: 29.5 / 29.0, 31: 38.4 / 35.0). */
 constexpr int64_t DENSE_MIN_M = 12;
+constexpr int64_t DENSE_MIN_M_BF16 = 24;
 constexpr int64_t BAND_ELEMS = int64_t{1} << 20;
+
+WqVariant wq_variant() {
+  const std::string name = isa();
+#ifdef LMX_HAVE_AVX512BF16
+  if (name == "avx512bf16") return LMX_WQ_VARIANT(avx512bf16, DENSE_MIN_M_BF16);
+#endif
+#ifdef LMX_HAVE_AVX512
+  if (name == "avx512") return LMX_WQ_VARIANT(avx512, DENSE_MIN_M);
+#endif
+#ifdef LMX_HAVE_AVX2
+  if (name == "avx2") return LMX_WQ_VARIANT(avx2, DENSE_MIN_M);
+#endif
+  return LMX_WQ_VARIANT(scalar, DENSE_MIN_M);
+}
 
 at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor& w,
                       const at::Tensor& scale, const std::optional<at::Tensor>& zero,
@@ -138,7 +147,7 @@ at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0 || N == 0) return y;
   const WqVariant v = wq_variant();
-  if (M >= DENSE_MIN_M && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16)
+  if (M >= v.dense_min_m && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16)
     return dense_call(v, x, w, scale, zero, bias, code, K, Kp, group_size ? group_size : Kp, G, N);
   const int rc = v.linear(
       x.data_ptr(), x.stride(0), xd, static_cast<const uint8_t*>(w.data_ptr()), code,

@@ -1,6 +1,6 @@
 /* wq_linear.c's native-bf16 path, compiled only into the ISA variant built with -mavx512bf16
  * (isa.cpp runs it only where the CPU has AVX512_BF16): bf16 activations, fewer than
- * GEMM_MIN_M rows of them (a decode step; from DENSE_MIN_M rows quant_ops.cpp hands dequantized
+ * GEMM_MIN_M rows of them (a decode step; from DENSE_MIN_M_BF16 rows quant_ops.cpp hands dequantized
  * bands to oneDNN instead), the weights in the kernel's unchanged layout: tile_bh works on the
  * stored values in registers.
  *

@@ -23,7 +23,8 @@
  *
  * In the ISA variant built with AVX512_BF16, bf16 x below GEMM_MIN_M rows takes wq_bf16.h's
  * native bf16 dot products instead (the same weight layout; x repacked once per call). From
- * DENSE_MIN_M (12) rows of bf16 x with a bf16 y quant_ops.cpp does not call this kernel: it
+ * DENSE_MIN_M_BF16 (24) rows of bf16 x with a bf16 y (DENSE_MIN_M, 12, in the other variants)
+ * quant_ops.cpp does not call this kernel: it
  * dequantizes W a band of rows at a time (loramux_wq_dequantize, wq_dequant.h) and hands each
  * band to oneDNN's bf16 GEMM.
  *

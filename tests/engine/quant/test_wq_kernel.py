@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.cpu_kernel import ISAS, WQ_DENSE_ROWS, forced_isa, require_cpu_kernel
+from support.cpu_kernel import ISAS, forced_isa, require_cpu_kernel, wq_dense_rows
 
 from loramux.engine.model.kernels import loader
 from loramux.engine.model.kernels import ops as kernel_ops
@@ -58,18 +58,18 @@ def test_kernel_equals_dequantize_then_matmul(isa, bits, group, k, symmetric):
                 x = torch.randn(m, k).to(dtype)
                 y = kernel_apply(params, bits, k, group, x, bias if m % 2 else None, dtype)
                 assert y.shape == (m, n) and y.dtype == dtype
-                _close(y, x, ref, bias if m % 2 else None, dtype, m)
+                _close(y, x, ref, bias if m % 2 else None, dtype, m, isa)
 
 
-def _close(y, x, w, bias, dtype, m):
-    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below WQ_DENSE_ROWS rows, one
-    bf16 rounding of the fp32 sum (the kernel); from WQ_DENSE_ROWS, the band holds the weights a bf16
+def _close(y, x, w, bias, dtype, m, isa):
+    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below ``wq_dense_rows(isa)``
+    rows, one bf16 rounding of the fp32 sum (the kernel); from there, the band holds the weights a bf16
     checkpoint holds (each rounded once) and the product is rounded to bf16 before the bias is added."""
     want = torch.nn.functional.linear(x.double(), w.double(), bias.double() if bias is not None else None)
     exact = (x.double().abs() @ w.double().abs().T).max().item()
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * exact)
-    elif m < WQ_DENSE_ROWS:
+    elif m < wq_dense_rows(isa):
         torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-5 * exact)
     else:
         want = torch.nn.functional.linear(x.double(), w.to(torch.bfloat16).double(),
@@ -100,7 +100,7 @@ def test_fp8_weights_widen_exactly(isa):
                 b = bias if m % 2 else None
                 y = kernel_apply(params, 8, k, None, x, b, dtype)
                 assert y.shape == (m, n) and y.dtype == dtype
-                _close(y, x, ref, b, dtype, m)
+                _close(y, x, ref, b, dtype, m, isa)
         nan = params["kernel_weight"].view(torch.uint8).clone()
         nan[5, 7] = 0x7F
         for m in (1, 40):
