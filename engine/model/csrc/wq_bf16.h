@@ -107,7 +107,6 @@ static inline __m512bh block_bh(const uint8_t *p, int bits) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-
 /* the int4 register tile: y rows m0..m0+mr of output rows n0..n0+nr, before the bias */
 static inline __attribute__((always_inline)) void tile_bh4(const x4_t *xa, int64_t m0, const uint8_t *w,
                                                            int64_t row_bytes, const float *scale,
@@ -204,12 +203,11 @@ static inline __attribute__((always_inline)) void tile_bh(const uint16_t *xr, in
 
 /* rows_tile (wq_linear.c) on the bf16 tiles: output rows n0..n1 for every row of x (xa: int4's
  * layout, else xr in k order and xs the sums of x per group) */
-static void rows_tile_bh(const x4_t *xa, const uint16_t *xr, const float *xs, int64_t M, int K, int64_t Kp,
+static void rows_tile_bh(const x4_t *xa, const uint16_t *xr, const float *xs, int64_t M, int64_t Kp,
                          const uint8_t *w, int bits, const float *scale, const float *zero, int G,
                          int group, const float *bias, void *y, int yd, int N, int n0, int n1) {
     const int64_t row_bytes = Kp * LMX_WQ_WIDTH(bits) / 8;
     float out[MR][NR_BH];
-    (void)K;
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int mr = M - m0 < MR ? (int)(M - m0) : MR;
         const uint16_t *xm = xr + m0 * Kp;
@@ -273,7 +271,7 @@ static int bh_call(const uint16_t *x, int64_t x_stride, int64_t M, int K, int Kp
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * N * (int64_t)K >= PARALLEL_MIN_MACS)
     for (int t = 0; t < tiles; t++) {
         int n0 = t * NT, n1 = n0 + NT < N ? n0 + NT : N;
-        rows_tile_bh(&xa, xa.xr, xs, M, K, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1);
+        rows_tile_bh(&xa, xa.xr, xs, M, Kp, w, bits, scale, zero, G, group, bias, y, yd, N, n0, n1);
     }
     free(buf);
     return 0;

@@ -142,6 +142,15 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def call_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` through :attr:`kernel_calls` (bound by the method): one call, or one per
+        part on the columns of x its ``perm`` gathers, the parts' outputs side by side."""
+        calls = self.kernel_calls
+        if len(calls) == 1 and calls[0][0] is None:
+            return calls[0][1](x)
+        outs = [call(x.index_select(-1, perm) if perm is not None else x) for perm, call in calls]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
     @property
     def kernel_in_features(self) -> int:
         """The input columns of the stored weight (the kernel's): ``in_features``, or more

@@ -338,7 +338,7 @@ class CompressedTensorsMethod(WeightOnlyMethod):
                 scheme: IntScheme | FloatScheme = layer.scheme
                 layer.kernel_calls = [(None, KernelCall(layer.params, scheme.num_bits, layer.in_features,
                                                         scheme.group_size, layer.bias, layer.dtype))]
-            return layer.kernel_calls[0][1](x)
+            return layer.call_kernels(x)
         return super().apply(layer, x)
 
     def dequantize_rows(self, layer: QuantLinear, start: int, stop: int) -> torch.Tensor:

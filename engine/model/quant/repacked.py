@@ -255,11 +255,7 @@ class RepackedMethod(WeightOnlyMethod):
             return super().apply(layer, x)
         if layer.kernel_calls is None:
             layer.kernel_calls = self._kernel_calls(layer)
-        calls = layer.kernel_calls
-        if len(calls) == 1 and calls[0][0] is None:
-            return calls[0][1](x)
-        outs = [call(x.index_select(-1, perm) if perm is not None else x) for perm, call in calls]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return layer.call_kernels(x)
 
     @staticmethod
     def _kernel_calls(layer: QuantLinear) -> list:
