@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.cpu_kernel import forced_isa, require_cpu_kernel, wq_dense_rows
+from support.cpu_kernel import forced_isa, require_cpu_kernel, wq_bf16_bands
 
 from loramux.engine.model.kernels import loader
 
@@ -169,7 +169,7 @@ def test_wq_bf16_path_against_fp32_reference(bits, group, k, symmetric):
             for out_dtype in (torch.float32, torch.bfloat16):
                 y = torch.ops.loramux.wq_linear(x, w, scale, zero_stored if not symmetric else None, bias, bits,
                                                 k, group, out_dtype)
-                if m >= wq_dense_rows(BF16) and out_dtype == torch.bfloat16:  # the oneDNN band path
+                if wq_bf16_bands(BF16, m) and out_dtype == torch.bfloat16:  # the oneDNN band path
                     w_b = deq.float().bfloat16().double()  # (q - zero) * scale in fp32, rounded once
                     want_b = x.double() @ w_b.T + bias.double()
                     mag = x.double().abs() @ w_b.abs().T

@@ -35,11 +35,17 @@ ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
 ones this CPU cannot run)."""
 
 
-def wq_dense_rows(isa: str) -> int:
-    """From this many rows of bf16 x with a bf16 y, ``loramux::wq_linear`` in the ``isa`` variant
-    hands dequantized bands of W to oneDNN instead of running its own sums (``DENSE_MIN_M`` and
-    ``DENSE_MIN_M_BF16`` in csrc/quant_ops.cpp)."""
-    return 24 if isa == "avx512bf16" else 12
+def wq_bf16_bands(isa: str, rows: int) -> bool:
+    """Whether ``loramux::wq_linear`` in the ``isa`` variant multiplies ``rows`` of bf16 x (with a
+    bf16 y) by bf16 bands of W (each weight rounded to bf16 once, oneDNN's bf16 GEMM): the
+    variant with native bf16 GEMMs from ``DENSE_MIN_M_BF16`` (24) rows (csrc/quant_ops.cpp).
+    Every other call keeps fp32 sums of the exact weights, rounded once (the kernel's, or fp32
+    bands' from ``DENSE_MIN_M_AVX2`` rows in the avx2 and scalar variants)."""
+    return isa == "avx512bf16" and rows >= 24
+
+
+WQ_FP32_BAND_ROWS = 96
+"""From this many rows the avx2 variant hands fp32 bands of W to MKL (``DENSE_MIN_M_AVX2``)."""
 
 
 @contextmanager

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 
@@ -26,65 +27,81 @@ namespace {
 
 using namespace lmx;
 /* the ISA variant's two entry points (the kernel, and the band dequantizer of the large-M path) and
- * the rows from which the op takes the band path */
+ * the rows from which the op takes the band path (dense_call), for bf16 x with a bf16 y and for the
+ * other calls; `bf16_bands`: the bands are bf16 (a CPU with native bf16 GEMMs), else fp32 */
 struct WqVariant {
   decltype(&loramux_wq_linear_scalar) linear;
   decltype(&loramux_wq_dequantize_scalar) dequantize;
-  int64_t dense_min_m;  // from this many rows of bf16 x with a bf16 y: dense_call (below)
+  int64_t bf16_dense_min_m;
+  int64_t dense_min_m;
+  bool bf16_bands;
 };
-#define LMX_WQ_VARIANT(v, dense) WqVariant{loramux_wq_linear_##v, loramux_wq_dequantize_##v, dense}
+#define LMX_WQ_VARIANT(v, bf16_dense, dense, bf16_bands) \
+  WqVariant{loramux_wq_linear_##v, loramux_wq_dequantize_##v, bf16_dense, dense, bf16_bands}
 
-
-/* From DENSE_MIN_M rows of bf16 x and a bf16 y (a prefill chunk of a bf16 model; a float32 y keeps
- * the kernel's float32 sums) W is dequantized a band of output rows at a
- * time ((stored - zero) * scale rounded to bf16 once: the weight a bf16 model of the checkpoint
- * holds; wq_linear.c's loramux_wq_dequantize) and each band multiplied by ATen's bf16 GEMM
- * (oneDNN): at those shapes it runs 1.3-2.5x the kernel's own GEMM, far more than a band's
- * dequantization costs (measured on an AVX512_BF16 EPYC). fp32 x keeps the kernel's GEMM: ATen's
- * fp32 GEMM of an unpacked weight (MKL) is no faster than it (2048 x 2048, 64 rows: 3.8 ms vs
- * 3.2). BAND_ELEMS weights a band (2 MiB; wider bands measured no faster, narrower slower).
- * From 12 rows (a decode step of 12 sequences) the band path beats the kernel's bf16 dot products
- * (AVX512_BF16 EPYC, the default model's 120 projections, bf16, best of 9: int4 g64 at 16 rows
- * 25.9 ms vs 35.0, int8 per channel 24.5 vs 27.2; at 12 rows even, 24.0 vs 23.3 and 22.8 vs 21.0;
- * at 8 rows the kernel wins, 15.8 vs 21.4 and 15.1 vs 21.7): the kernel's sums grow with every
- * row while a band is dequantized once for all of them. The avx512bf16 variant's own tiles
- * (wq_bf16.h) run to DENSE_MIN_M_BF16 rows: since int4 takes 128 values a load and each row of x
- * is loaded once for a tile's weight rows, its sums beat the bands up to about 24 rows (random
- * weights of the default model's 120 shapes, medians of 12 alternated passes, AVX512_BF16 EPYC:
- * int4 g64 at 12 rows 15.6 ms against 23.7, 16: 20.9 / 24.7, 24: 28.4 / 30.5, 31: 39.1 / 36.0;
- * int8 at 12: 16.5 / 22.9, 16: 23.2 / 25.9, 24: 29.5 / 29.0, 31: 38.4 / 35.0). */
+/* From a variant's dense rows (a prefill chunk, or a decode step of many sequences) W is
+ * dequantized a band of output rows at a time (wq_linear.c's loramux_wq_dequantize) and each band
+ * multiplied by ATen's GEMM, whose blocking beats the kernel's own sums there: the kernel's
+ * sums grow with every row while a band is dequantized once for all of them.
+ * - Native bf16 (the avx512bf16 variant): bf16 x with a bf16 y takes bf16 bands ((stored - zero) *
+ *   scale rounded to bf16 once: the weight a bf16 model of the checkpoint holds) and oneDNN's bf16
+ *   GEMM, 1.3-2.5x the kernel's GEMM. Its own tiles (wq_bf16.h) run to DENSE_MIN_M_BF16 rows:
+ *   since int4 takes 128 values a load and each row of x is loaded once for a tile's weight rows,
+ *   its sums beat the bands up to about 24 rows (random weights of the default model's 120 shapes,
+ *   medians of 12 alternated passes, AVX512_BF16 EPYC: int4 g64 at 12 rows 15.6 ms against 23.7,
+ *   16: 20.9 / 24.7, 24: 28.4 / 30.5, 31: 39.1 / 36.0; int8 at 12: 16.5 / 22.9, 16: 23.2 / 25.9,
+ *   24: 29.5 / 29.0, 31: 38.4 / 35.0). fp32 x keeps the kernel's GEMM there: ATen's fp32 GEMM of an
+ *   unpacked weight (MKL) is no faster than it (2048 x 2048, 64 rows: 3.8 ms vs 3.2).
+ * - The avx512 variant: bf16 x with a bf16 y from DENSE_MIN_M rows, fp32 bands (no native bf16
+ *   GEMM: an emulated one runs 3-6x slower than fp32's); fp32 x keeps the kernel, as above.
+ * - AVX2 (and scalar): every call from DENSE_MIN_M_AVX2 rows, fp32 bands, x in fp32 (bf16 x
+ *   widened once), the fp32 product rounded once: on an AVX2 Zen 3, MKL's fp32 GEMM runs 1.4x the
+ *   kernel's at 64 rows, and ATen's emulated bf16 GEMM 6x slower than fp32's.
+ * BAND_ELEMS weights a band (wider bands measured no faster, narrower slower). */
 constexpr int64_t DENSE_MIN_M = 12;
 constexpr int64_t DENSE_MIN_M_BF16 = 24;
+constexpr int64_t DENSE_MIN_M_AVX2 = 96;
+constexpr int64_t NEVER = INT64_MAX;
 constexpr int64_t BAND_ELEMS = int64_t{1} << 20;
 
 WqVariant wq_variant() {
   const std::string name = isa();
 #ifdef LMX_HAVE_AVX512BF16
-  if (name == "avx512bf16") return LMX_WQ_VARIANT(avx512bf16, DENSE_MIN_M_BF16);
+  if (name == "avx512bf16") return LMX_WQ_VARIANT(avx512bf16, DENSE_MIN_M_BF16, NEVER, true);
 #endif
 #ifdef LMX_HAVE_AVX512
-  if (name == "avx512") return LMX_WQ_VARIANT(avx512, DENSE_MIN_M);
+  if (name == "avx512") return LMX_WQ_VARIANT(avx512, DENSE_MIN_M, NEVER, false);
 #endif
 #ifdef LMX_HAVE_AVX2
-  if (name == "avx2") return LMX_WQ_VARIANT(avx2, DENSE_MIN_M);
+  if (name == "avx2") return LMX_WQ_VARIANT(avx2, DENSE_MIN_M_AVX2, DENSE_MIN_M_AVX2, false);
 #endif
-  return LMX_WQ_VARIANT(scalar, DENSE_MIN_M);
+  return LMX_WQ_VARIANT(scalar, DENSE_MIN_M_AVX2, DENSE_MIN_M_AVX2, false);
 }
 
+/* whether a call of M rows takes the band path */
+bool takes_bands(const WqVariant& v, int64_t M, const at::Tensor& x, at::ScalarType out_dtype) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16;
+  return M >= (bf16 ? v.bf16_dense_min_m : v.dense_min_m);
+}
+
+/* y = x @ W^T + bias by bands of W dequantized into the GEMM's dtype (bf16 bands: bf16 x, the
+ * product in bf16; fp32 bands: x widened to fp32 once, the fp32 product and bias rounded once) */
 at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor& w,
                       const at::Tensor& scale, const std::optional<at::Tensor>& zero,
                       const std::optional<at::Tensor>& bias, int64_t bits /* the kernels' code */,
-                      int64_t K, int64_t Kp, int64_t group, int64_t G, int64_t N) {
+                      int64_t K, int64_t Kp, int64_t group, int64_t G, int64_t N, at::ScalarType out_dtype) {
   const char* op = "wq_linear";
+  const at::ScalarType gemm = v.bf16_bands && x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  const at::Tensor xg = x.scalar_type() == gemm ? x : x.to(gemm);
   const int64_t rows = std::min<int64_t>(N, std::max<int64_t>(16, BAND_ELEMS / K));
   // one band buffer per thread, kept between calls: a fresh one would be mapped (and its pages
   // faulted in) by every call
   thread_local at::Tensor buffer;
-  const int64_t need = rows * K * x.element_size();
+  const int64_t need = rows * K * at::elementSize(gemm);
   if (!buffer.defined() || buffer.numel() < need) buffer = at::empty({need}, x.options().dtype(at::kByte));
-  at::Tensor band = buffer.narrow(0, 0, need).view(x.scalar_type()).view({rows, K});
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  const int od = dtype_code(x, op, "x");
+  at::Tensor band = buffer.narrow(0, 0, need).view(gemm).view({rows, K});
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(gemm));
+  const int od = dtype_code(gemm, op, "the band");
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t r = std::min(rows, N - r0);
     at::Tensor wb = band.narrow(0, 0, r);
@@ -94,10 +111,10 @@ at::Tensor dense_call(const WqVariant& v, const at::Tensor& x, const at::Tensor&
                  as_int(K, op, "in_features"), as_int(Kp, op, "in_features"), wb.data_ptr(), od,
                  threads());
     at::Tensor yb = y.narrow(1, r0, r);
-    at::mm_out(yb, x, wb.t());
+    at::mm_out(yb, xg, wb.t());
   }
-  if (bias.has_value()) y.add_(*bias);  // fp32 bias into the bf16 product: one more rounding
-  return y;
+  if (bias.has_value()) y.add_(*bias);  // bf16 bands: the fp32 bias into the bf16 product, one more rounding
+  return y.scalar_type() == out_dtype ? y : y.to(out_dtype);
 }
 
 void check_f32(const at::Tensor& t, int64_t rows, int64_t cols, const char* op, const char* name) {
@@ -147,8 +164,8 @@ at::Tensor wq_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0 || N == 0) return y;
   const WqVariant v = wq_variant();
-  if (M >= v.dense_min_m && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16)
-    return dense_call(v, x, w, scale, zero, bias, code, K, Kp, group_size ? group_size : Kp, G, N);
+  if (takes_bands(v, M, x, out_dtype))
+    return dense_call(v, x, w, scale, zero, bias, code, K, Kp, group_size ? group_size : Kp, G, N, out_dtype);
   const int rc = v.linear(
       x.data_ptr(), x.stride(0), xd, static_cast<const uint8_t*>(w.data_ptr()), code,
       scale.data_ptr<float>(), zero.has_value() ? zero->data_ptr<float>() : nullptr,

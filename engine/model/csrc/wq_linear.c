@@ -72,6 +72,7 @@ typedef __m512 vf;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
 #define VDEQ(v, z, s) _mm512_mul_ps(_mm512_sub_ps(v, z), s)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
 static const int XOFF[32 / WL] = {0, 16}; /* k offset of each widened vector of a block */
@@ -109,6 +110,7 @@ typedef __m256 vf;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
 #define VDEQ(v, z, s) _mm256_mul_ps(_mm256_sub_ps(v, z), s)
 #define VHSUM(v) hsum8(v)
 static const int XOFF[32 / WL] = {0, 16, 8, 24};
@@ -147,23 +149,37 @@ static inline void widen(const uint8_t *p, int bits, vf *o) {
 #define NR_MAX 1 /* 8 accumulators of 16 registers */
 #endif
 
+/* independent accumulators per (row of x, row of W): a block's NV products go round-robin into
+ * them, so the FMAs of one output do not wait on each other (one chain holds a tile to one FMA
+ * latency per vector: at 1 row of x, 4 ns a block of 32 int4 on an AVX2 Zen 3, one thread); as
+ * many as the registers hold beside the widened weights (ACC_REGS accumulators in all) */
+#if WL == 16
+#define ACC_REGS 16
+#else
+#define ACC_REGS 8
+#endif
+#define SPLITS(mr, nr) ((mr) * (nr) * NV <= ACC_REGS ? NV : (mr) * (nr) * 2 <= ACC_REGS ? 2 : 1)
+
 /* y rows m0..m0+mr of output rows n0..n0+nr, before the bias. Per group, acc sums x * stored
- * over its blocks (widened values, no dequantize per weight); then tot += scale * acc and the
- * zero's share scale * zero * sum(x over the group) (xs) is taken off once per row */
+ * over its blocks (widened values, no dequantize per weight; SPLITS partial sums each); then
+ * tot += scale * acc and the zero's share scale * zero * sum(x over the group) (xs) is taken off
+ * once per row */
 static inline __attribute__((always_inline)) void tile(const float *xp, int64_t Kp, const float *xs,
                                                        const uint8_t *w, int64_t row_bytes, int bits,
                                                        const float *scale, const float *zero, int G,
                                                        int group, int n0, const int nr, const int mr,
                                                        float out[MR][2]) {
+    const int S = SPLITS(mr, nr);
     vf tot[MR][2];
     float corr[MR][2] = {{0}};
     for (int m = 0; m < mr; m++)
         for (int r = 0; r < nr; r++) tot[m][r] = VZERO();
     const int bpb = LMX_WQ_WIDTH(bits) * 4; /* bytes per block */
     for (int g = 0; g < G; g++) {
-        vf acc[MR][2];
+        vf acc[MR][2][NV];
         for (int m = 0; m < mr; m++)
-            for (int r = 0; r < nr; r++) acc[m][r] = VZERO();
+            for (int r = 0; r < nr; r++)
+                for (int s = 0; s < S; s++) acc[m][r][s] = VZERO();
         for (int64_t k = (int64_t)g * group; k < (int64_t)(g + 1) * group; k += 32) {
             vf wv[2][NV];
             for (int r = 0; r < nr; r++) {
@@ -174,7 +190,7 @@ static inline __attribute__((always_inline)) void tile(const float *xp, int64_t 
             for (int m = 0; m < mr; m++)
                 for (int i = 0; i < NV; i++) {
                     vf xv = VLOAD(xp + m * Kp + k + XOFF[i]);
-                    for (int r = 0; r < nr; r++) acc[m][r] = VFMA(xv, wv[r][i], acc[m][r]);
+                    for (int r = 0; r < nr; r++) acc[m][r][i % S] = VFMA(xv, wv[r][i], acc[m][r][i % S]);
                 }
         }
         for (int r = 0; r < nr; r++) {
@@ -182,7 +198,9 @@ static inline __attribute__((always_inline)) void tile(const float *xp, int64_t 
             const float sc = scale[at], z = zero ? zero[at] : (bits == 4 ? 8.0f : 0.0f);
             const vf vs = VSET(sc);
             for (int m = 0; m < mr; m++) {
-                tot[m][r] = VFMA(vs, acc[m][r], tot[m][r]);
+                vf sum = acc[m][r][0];
+                for (int s = 1; s < S; s++) sum = VADD(sum, acc[m][r][s]);
+                tot[m][r] = VFMA(vs, sum, tot[m][r]);
                 corr[m][r] += sc * z * xs[m * G + g];
             }
         }
@@ -214,9 +232,11 @@ static void tile(const float *xp, int64_t Kp, const float *xs, const uint8_t *w,
 #endif
 
 /* one work item: output rows n0..n1 for every row of x */
-static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, const uint8_t *w, int bits,
-                      const float *scale, const float *zero, int G, int group, const float *bias,
-                      void *y, int yd, int N, int n0, int n1) {
+static inline __attribute__((always_inline)) void rows_tile_of(const float *xp, const float *xs, int64_t M,
+                                                               int64_t Kp, const uint8_t *w, const int bits,
+                                                               const float *scale, const float *zero, int G,
+                                                               int group, const float *bias, void *y, int yd,
+                                                               int N, int n0, int n1) {
     const int64_t row_bytes = Kp * LMX_WQ_WIDTH(bits) / 8;
     float out[MR][2];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
@@ -242,6 +262,17 @@ static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, c
                 }
         }
     }
+}
+
+/* rows_tile_of compiled once per weight format: with `bits` a constant, each tile's loops hold
+ * only its own widening (one generic copy set up the fp8 constants at every group, and its
+ * register tiles spilled; int4 g64 at 1 row: 3.5 -> ns a block, one thread, AVX2 Zen 3) */
+static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, const uint8_t *w, int bits,
+                      const float *scale, const float *zero, int G, int group, const float *bias,
+                      void *y, int yd, int N, int n0, int n1) {
+    if (bits == 4) rows_tile_of(xp, xs, M, Kp, w, 4, scale, zero, G, group, bias, y, yd, N, n0, n1);
+    else if (bits == 8) rows_tile_of(xp, xs, M, Kp, w, 8, scale, zero, G, group, bias, y, yd, N, n0, n1);
+    else rows_tile_of(xp, xs, M, Kp, w, LMX_WQ_FP8, scale, zero, G, group, bias, y, yd, N, n0, n1);
 }
 
 #include "wq_dequant.h" /* loramux_wq_dequantize: bands of W for quant_ops.cpp's oneDNN path */

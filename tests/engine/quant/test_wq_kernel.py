@@ -1,8 +1,8 @@
 """The compiled weight-only linear (``loramux::wq_linear``, csrc/wq_linear.c) against the
 dequantize-then-matmul reference, in every ISA variant this CPU runs: int4 / int8, symmetric
 and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x (the kernel's decode
-tiles below 32 rows and its GEMM from 32 for fp32 x; for bf16 x its bf16 tiles below 12 rows,
-dequantized bands through oneDNN from 12), odd output and
+tiles below 32 rows and its GEMM from 32; the avx512bf16 variant's bf16 tiles and its bf16 bands
+through oneDNN from 24 rows of bf16 x; the avx2 variant's fp32 bands through MKL from 96), odd output and
 input sizes, fp32 and bf16 activations; its layout, its fake implementation, its refusals and
 its wiring into the compressed-tensors layers (the torch path stays the fallback)."""
 
@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.cpu_kernel import ISAS, forced_isa, require_cpu_kernel, wq_dense_rows
+from support.cpu_kernel import (
+    ISAS,
+    WQ_FP32_BAND_ROWS,
+    forced_isa,
+    require_cpu_kernel,
+    wq_bf16_bands,
+)
 
 from loramux.engine.model.kernels import loader
 from loramux.engine.model.kernels import ops as kernel_ops
@@ -25,7 +31,7 @@ from loramux.engine.model.quant.int_packed import (
 )
 
 SHAPES = [(32, 96), (64, 128), (128, 256), (None, 100), (None, 67), (None, 32)]  # (group, K)
-ROWS = (1, 2, 3, 11, 12, 17, 31, 32, 33, 64)  # from 32 rows: the kernel's GEMM (fp32 x)
+ROWS = (1, 2, 3, 11, 12, 17, 31, 32, 33, 64, WQ_FP32_BAND_ROWS + 1)  # from 32 rows: the kernel's GEMM
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, symmetric: bool, seed: int = 0):
@@ -62,14 +68,15 @@ def test_kernel_equals_dequantize_then_matmul(isa, bits, group, k, symmetric):
 
 
 def _close(y, x, w, bias, dtype, m, isa):
-    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x below ``wq_dense_rows(isa)``
-    rows, one bf16 rounding of the fp32 sum (the kernel); from there, the band holds the weights a bf16
-    checkpoint holds (each rounded once) and the product is rounded to bf16 before the bias is added."""
+    """y against x @ w.T (+ bias): float32 x, the fp32 sums; bf16 x, one bf16 rounding of the fp32
+    sum (the kernel, or fp32 bands), except where ``wq_bf16_bands``: there the band holds the
+    weights a bf16 checkpoint holds (each rounded once) and the product is rounded to bf16 before
+    the bias is added."""
     want = torch.nn.functional.linear(x.double(), w.double(), bias.double() if bias is not None else None)
     exact = (x.double().abs() @ w.double().abs().T).max().item()
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5 * exact)
-    elif m < wq_dense_rows(isa):
+    elif not wq_bf16_bands(isa, m):
         torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-5 * exact)
     else:
         want = torch.nn.functional.linear(x.double(), w.to(torch.bfloat16).double(),
