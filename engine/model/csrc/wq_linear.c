@@ -22,11 +22,11 @@
  * fp32 [N] or NULL.
  *
  * In the ISA variant built with AVX512_BF16, bf16 x below GEMM_MIN_M rows takes wq_bf16.h's
- * native bf16 dot products instead (the same weight layout; x repacked once per call). From
- * DENSE_MIN_M_BF16 (24) rows of bf16 x with a bf16 y (DENSE_MIN_M, 12, in the other variants)
- * quant_ops.cpp does not call this kernel: it
- * dequantizes W a band of rows at a time (loramux_wq_dequantize, wq_dequant.h) and hands each
- * band to oneDNN's bf16 GEMM.
+ * native bf16 dot products instead (the same weight layout; x repacked once per call). From a
+ * variant's dense rows (quant_ops.cpp: 24 rows of bf16 x with a bf16 y where bf16 GEMMs are
+ * native, 96 rows of any x in the avx2 and scalar variants) quant_ops.cpp does not call this
+ * kernel: it dequantizes W a band of rows at a time (loramux_wq_dequantize, wq_dequant.h) and
+ * hands each band to ATen's GEMM (bf16 bands to oneDNN, fp32 bands to MKL).
  *
  * Threads split the output rows in tiles of NT when the call has PARALLEL_MIN_MACS of work
  * (a decode call of 128 x 1024 weights and more: a decode step reads its weights from DRAM, and
@@ -285,7 +285,15 @@ static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, c
 #include "wq_bf16.h" /* the avx512bf16 variant's bf16-activation tile (rows_tile_bh) */
 
 #ifdef WL
-#define GEMM_MIN_M 32 /* from this many rows of x: dequantize a tile once, then a GEMM over it */
+/* from this many rows of x: dequantize a tile once, then a GEMM over it. AVX2: 12 (the
+ * default model's 4 projections of a layer, 2 threads, Zen 3, medians of 7 alternated passes,
+ * tiles vs GEMM: int4 g64 at 8 rows 1.22 / 1.32 ms, 12: 1.60 / 1.30, 16: 1.71 / 1.19; int8 at 8
+ * 0.73 / 1.01, 12: 1.33 / 1.33, 16: 1.76 / 1.38) */
+#if WL == 16
+#define GEMM_MIN_M 32
+#else
+#define GEMM_MIN_M 12
+#endif
 #define GR (WL / 2)   /* weight rows per GEMM register tile (by 2 vectors of WL rows of x) */
 
 static inline void store_y(void *y, int yd, int64_t i, float v) {
