@@ -30,7 +30,7 @@ KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.
 HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_bh.h",
                                          "attention_prefill.h", "attention_prefill_bh.h",
                                          "sgmv_shrink.h", "sgmv_bf16.h", "wq_kernels.h", "wq_bf16.h",
-                                         "wq_dequant.h")]
+                                         "wq_dequant.h", "wq_gemm.h")]
 C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]
 """Flags of every kernel object. OpenMP: the process's libgomp at run time is torch's own."""
 

@@ -1,6 +1,6 @@
 /* wq_linear.c's band dequantizer (included by it only, after its widen / stored / vector
  * macros): rows of W as (stored - zero) * scale, fp32 or bf16 rounded once -- the bands
- * quant_ops.cpp hands to oneDNN's GEMM from DENSE_MIN_M rows of bf16 x. */
+ * quant_ops.cpp hands to ATen's GEMM from a variant's dense rows. */
 #ifndef LORAMUX_WQ_DEQUANT_H
 #define LORAMUX_WQ_DEQUANT_H
 
