@@ -44,7 +44,7 @@ def wq_bf16_bands(isa: str, rows: int) -> bool:
     return isa == "avx512bf16" and rows >= 24
 
 
-WQ_FP32_BAND_ROWS = 96
+WQ_FP32_BAND_ROWS = 256
 """From this many rows the avx2 variant hands fp32 bands of W to MKL (``DENSE_MIN_M_AVX2``)."""
 
 

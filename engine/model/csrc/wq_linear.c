@@ -24,7 +24,7 @@
  * In the ISA variant built with AVX512_BF16, bf16 x below GEMM_MIN_M rows takes wq_bf16.h's
  * native bf16 dot products instead (the same weight layout; x repacked once per call). From a
  * variant's dense rows (quant_ops.cpp: 24 rows of bf16 x with a bf16 y where bf16 GEMMs are
- * native, 96 rows of any x in the avx2 and scalar variants) quant_ops.cpp does not call this
+ * native, 256 rows of any x in the avx2 and scalar variants) quant_ops.cpp does not call this
  * kernel: it dequantizes W a band of rows at a time (loramux_wq_dequantize, wq_dequant.h) and
  * hands each band to ATen's GEMM (bf16 bands to oneDNN, fp32 bands to MKL).
  *

@@ -2,7 +2,7 @@
 dequantize-then-matmul reference, in every ISA variant this CPU runs: int4 / int8, symmetric
 and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x (the kernel's decode
 tiles below 32 rows and its GEMM from 32; the avx512bf16 variant's bf16 tiles and its bf16 bands
-through oneDNN from 24 rows of bf16 x; the avx2 variant's fp32 bands through MKL from 96), odd output and
+through oneDNN from 24 rows of bf16 x; the avx2 variant's fp32 bands through MKL from 256), odd output and
 input sizes, fp32 and bf16 activations; its layout, its fake implementation, its refusals and
 its wiring into the compressed-tensors layers (the torch path stays the fallback)."""
 
