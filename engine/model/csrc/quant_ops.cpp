@@ -52,15 +52,15 @@ struct WqVariant {
  *   16: 20.9 / 24.7, 24: 28.4 / 30.5, 31: 39.1 / 36.0; int8 at 12: 16.5 / 22.9, 16: 23.2 / 25.9,
  *   24: 29.5 / 29.0, 31: 38.4 / 35.0). fp32 x keeps the kernel's GEMM there: ATen's fp32 GEMM of an
  *   unpacked weight (MKL) is no faster than it (2048 x 2048, 64 rows: 3.8 ms vs 3.2).
- * - The avx512 variant: bf16 x with a bf16 y from DENSE_MIN_M rows, fp32 bands (no native bf16
- *   GEMM: an emulated one runs 3-6x slower than fp32's); fp32 x keeps the kernel, as above.
+ * - The avx512 variant (no native bf16 GEMM): the kernel for every call (its GEMM matched MKL's
+ *   fp32 above; the bf16 bands it took from 12 rows would run an emulated bf16 GEMM, which on an
+ *   AVX2 CPU ran 3-6x slower than fp32's; no such CPU was at hand to measure).
  * - AVX2 (and scalar): every call from DENSE_MIN_M_AVX2 rows, fp32 bands, x in fp32 (bf16 x
  *   widened once), the fp32 product rounded once; ATen's emulated bf16 GEMM runs 3-6x slower than
  *   fp32's there. On an AVX2 Zen 3 (the default model's 4 projections of a layer, 2 threads,
  *   kernel / bands, ms): int4 g64 at 128 rows 8.5 / 9.8, 256: 16.5 / 15.4, 512: 36.9 / 30.6;
  *   int8 at 128 10.2 / 11.7, 256: 17.1 / 17.9, 512: 32.7 / 28.0.
  * BAND_ELEMS weights a band (wider bands measured no faster, narrower slower). */
-constexpr int64_t DENSE_MIN_M = 12;
 constexpr int64_t DENSE_MIN_M_BF16 = 24;
 constexpr int64_t DENSE_MIN_M_AVX2 = 256;
 constexpr int64_t NEVER = INT64_MAX;
@@ -72,7 +72,7 @@ WqVariant wq_variant() {
   if (name == "avx512bf16") return LMX_WQ_VARIANT(avx512bf16, DENSE_MIN_M_BF16, NEVER, true);
 #endif
 #ifdef LMX_HAVE_AVX512
-  if (name == "avx512") return LMX_WQ_VARIANT(avx512, DENSE_MIN_M, NEVER, false);
+  if (name == "avx512") return LMX_WQ_VARIANT(avx512, NEVER, NEVER, false);
 #endif
 #ifdef LMX_HAVE_AVX2
   if (name == "avx2") return LMX_WQ_VARIANT(avx2, DENSE_MIN_M_AVX2, DENSE_MIN_M_AVX2, false);
