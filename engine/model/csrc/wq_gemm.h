@@ -1,6 +1,6 @@
 /* wq_linear.c's large-M path (included by it only, after its widen / vector macros): from
  * GEMM_MIN_M rows of x a tile of NT rows of W is dequantized once into a per-thread fp32 buffer
- * and a register-blocked GEMM runs over it (x transposed once per call). */
+ * and a register-blocked GEMM runs over it (x transposed once per call into panels). */
 #ifndef LORAMUX_WQ_GEMM_H
 #define LORAMUX_WQ_GEMM_H
 

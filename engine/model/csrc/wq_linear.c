@@ -12,11 +12,12 @@
  * int8: zp) or NULL (int4: 8, int8: 0). A weight is (stored - zero) * scale; no dequantized
  * weight exists outside registers. The vector variants widen each block of 32 stored values
  * to fp32 lanes and multiply them into MR x NR vector accumulators (MR rows of x, NR rows of
- * W) per group, then fold the group in as scale * (sum x * stored - zero * sum x) (the sums of
+ * W; up to SPLITS independent partial sums each) per group, then fold the group in as scale * (sum x * stored - zero * sum x) (the sums of
  * x per group computed once per call); the scalar variant dequantizes each weight. Every sum
  * is fp32. From GEMM_MIN_M rows of x (a prefill chunk) the vector variants instead dequantize
  * a tile of NT rows of W once into a per-thread fp32 buffer (NT x Kp, in L2) and run a
- * register-blocked GEMM over it (x transposed, 2 vectors of rows of x by GR rows of W), so the
+ * register-blocked GEMM over it (x transposed into panels of 2 vectors of rows, wq_gemm.h; 2
+ * vectors of rows of x by GR rows of W), so the
  * widening is paid once per tile rather than once per 4 rows of x. x (fp32 or bf16) is first
  * copied to an fp32 [M, Kp] buffer; y (fp32 or bf16, rounded once) is contiguous [M, N]; bias
  * fp32 [N] or NULL.
@@ -280,7 +281,7 @@ static void rows_tile(const float *xp, const float *xs, int64_t M, int64_t Kp, c
     else rows_tile_of(xp, xs, M, Kp, w, LMX_WQ_FP8, scale, zero, G, group, bias, y, yd, N, n0, n1);
 }
 
-#include "wq_dequant.h" /* loramux_wq_dequantize: bands of W for quant_ops.cpp's oneDNN path */
+#include "wq_dequant.h" /* loramux_wq_dequantize: bands of W for quant_ops.cpp's ATen GEMM path */
 
 #include "wq_bf16.h" /* the avx512bf16 variant's bf16-activation tile (rows_tile_bh) */
 

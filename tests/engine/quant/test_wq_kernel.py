@@ -1,7 +1,7 @@
 """The compiled weight-only linear (``loramux::wq_linear``, csrc/wq_linear.c) against the
 dequantize-then-matmul reference, in every ISA variant this CPU runs: int4 / int8, symmetric
-and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 64 rows of x (the kernel's decode
-tiles below 32 rows and its GEMM from 32; the avx512bf16 variant's bf16 tiles and its bf16 bands
+and asymmetric, groups of 32 / 64 / 128 and per channel, 1 to 257 rows of x (the kernel's decode
+tiles below its GEMM, which starts at 12 rows on AVX2 and 32 on AVX-512; the avx512bf16 variant's bf16 tiles and its bf16 bands
 through oneDNN from 24 rows of bf16 x; the avx2 variant's fp32 bands through MKL from 256), odd output and
 input sizes, fp32 and bf16 activations; its layout, its fake implementation, its refusals and
 its wiring into the compressed-tensors layers (the torch path stays the fallback)."""
@@ -31,7 +31,7 @@ from loramux.engine.model.quant.int_packed import (
 )
 
 SHAPES = [(32, 96), (64, 128), (128, 256), (None, 100), (None, 67), (None, 32)]  # (group, K)
-ROWS = (1, 2, 3, 11, 12, 17, 31, 32, 33, 64, WQ_FP32_BAND_ROWS + 1)  # from 32 rows: the kernel's GEMM
+ROWS = (1, 2, 3, 11, 12, 17, 31, 32, 33, 64, WQ_FP32_BAND_ROWS + 1)  # from 12 / 32 rows: the kernel's GEMM
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, symmetric: bool, seed: int = 0):
