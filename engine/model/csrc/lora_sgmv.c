@@ -41,7 +41,10 @@
  * prompt runs of more than ~40 tokens (gate_up, rank-32 slots) split. With prompt runs in the
  * kernel up to SGMV_MAX_RUN_BY_RANK (cpu_sgmv.py), 4-adapter bf16 serving (bench/peer_serving.py,
  * 48 prompts, medians of 3 alternated runs on a 2-core AVX-512-BF16 EPYC) went from 65.4 to 73.1
- * output tok/s and TPOT p50 259 -> 208 ms against 2^26 (only the longest runs split). */
+ * output tok/s and TPOT p50 259 -> 208 ms against 2^26 (only the longest runs split). Re-measured
+ * on a 2-core AVX2 Zen 3 in fp32 (sgmv_parallel_ab_avx2_s53.json): splitting 4-row decode calls
+ * (2^17) halved LoRA's extra time of a replayed step in process, but in the live server it made
+ * the 4-adapter TPOT p50 7-10% worse (two alternated runs at 0.25 req/s). */
 #define PARALLEL_MIN_MACS ((int64_t)1 << 23)
 
 /* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
