@@ -28,6 +28,7 @@ from loramux.platform.inference_gateway import routes as runtime_lora_routes
 from loramux.platform.middleware import RequestContextMiddleware
 from loramux.platform.openai import routes as openai_routes
 from loramux.platform.openai.responses_api import routes as responses_routes
+from loramux.platform.priority import lower_front_end
 from loramux.platform.server import LoramuxApp, app_of
 from loramux.platform.settings import Settings
 from loramux.platform.state import VERSION, aclose_state, build_state
@@ -72,6 +73,7 @@ def create_app(
         state = app.services
         if state is None:
             built_engine = await run_in_threadpool(build_engine, settings)
+            lower_front_end(settings.front_end_nice)  # this loop's thread, below the engine's
             try:
                 built_registry = registry
                 if built_registry is None:
