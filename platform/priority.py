@@ -5,9 +5,12 @@ threads as the engine has cores. The front end (the event loop and the worker th
 starts: request parsing, streaming, the registry) shares those cores: at the same priority the
 OS scheduler gives a core to the front end's Python mid-step, and the whole team waits at its
 next barrier for the thread it preempted. ``front_end_nice`` levels below the engine, the front
-end gets the time the team leaves (on a free core it still runs at once). Measured in the live server (``bench/peer_serving.py``, 0.25 req/s, fp32,
-2-core AVX2 EPYC, two alternated pairs): TPOT p50 98.7 / 85.0 → 79.9 / 78.5 ms, TTFT p50
-1.42 / 1.25 → 1.22 / 1.18 s at 10.
+end gets the time the team leaves. Measured in the live server (``bench/peer_serving.py``, fp32,
+2-core AVX2 EPYC, alternated runs, ``bench/results/front_end_nice_avx2_s53.json``), 10 against
+0: the base model's TPOT p50 -8 to -19 % (three pairs, 0.25 and 0.5 req/s), but 4 adapters'
++7 to +24 % (three pairs at 0.25 req/s; a guess, not profiled: a step's serial parts, the SGMV kernel's among them,
+leave the team's other thread spinning, and a niced front end waits for it before the streams'
+tokens go out). So it is off by default.
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ def test_zero_changes_nothing_and_the_cap_is_19():
     assert _in_thread(lambda: lower_front_end(19))["after"] == 19
 
 
-def test_the_setting_defaults_to_10_and_refuses_out_of_range():
-    assert Settings().front_end_nice == 10
+def test_the_setting_defaults_to_0_and_refuses_out_of_range():
+    assert Settings().front_end_nice == 0
     with pytest.raises(ValueError, match="front_end_nice"):
         Settings(front_end_nice=20)
     with pytest.raises(ValueError, match="front_end_nice"):
