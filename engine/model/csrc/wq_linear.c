@@ -12,8 +12,9 @@
  * int8: zp) or NULL (int4: 8, int8: 0). A weight is (stored - zero) * scale; no dequantized
  * weight exists outside registers. The vector variants widen each block of 32 stored values
  * to fp32 lanes and multiply them into MR x NR vector accumulators (MR rows of x, NR rows of
- * W; up to SPLITS independent partial sums each; one row of x on AVX2: tile_x1) per group, then fold the group in as scale * (sum x * stored - zero * sum x) (the sums of
- * x per group computed once per call); the scalar variant dequantizes each weight. Every sum
+ * W; up to SPLITS independent partial sums each; one row of x on AVX2: tile_x1) per group,
+ * then fold the group in as scale * (sum x * stored - zero * sum x) (the sums of x per group
+ * computed once per call); the scalar variant dequantizes each weight. Every sum
  * is fp32. From GEMM_MIN_M rows of x (a prefill chunk) the vector variants instead dequantize
  * a tile of NT rows of W once into a per-thread fp32 buffer (NT x Kp, in L2) and run a
  * register-blocked GEMM over it (x transposed into panels of 2 vectors of rows, wq_gemm.h; 2
