@@ -8,9 +8,9 @@ next barrier for the thread it preempted. ``front_end_nice`` levels below the en
 end gets the time the team leaves. Measured in the live server (``bench/peer_serving.py``, fp32,
 2-core AVX2 EPYC, alternated runs, ``bench/results/front_end_nice_avx2_s53.json``), 10 against
 0: the base model's TPOT p50 -8 to -19 % (three pairs, 0.25 and 0.5 req/s), but 4 adapters'
-+7 to +24 % (three pairs at 0.25 req/s; a guess, not profiled: a step's serial parts, the SGMV kernel's among them,
-leave the team's other thread spinning, and a niced front end waits for it before the streams'
-tokens go out). So it is off by default.
++7 to +24 % (three pairs at 0.25 req/s; a guess, not profiled: a step's serial parts, the SGMV
+kernel's among them, leave the team's other thread spinning, and a niced front end waits for it
+before the streams' tokens go out). So it is off by default.
 """
 
 from __future__ import annotations
