@@ -28,7 +28,7 @@ CSRC = "engine/model/csrc"
 KERNEL_SOURCES = [f"{CSRC}/{name}" for name in ("fused_ops.c", "paged_attention.c", "lora_sgmv.c",
                                                   "wq_linear.c")]
 HEADERS = [f"{CSRC}/{name}" for name in ("bf16.h", "kernels.h", "attention_vec.h", "attention_bh.h",
-                                         "attention_prefill.h", "attention_prefill_bh.h",
+                                         "attention_prefill.h", "attention_prefill_512.h", "attention_prefill_bh.h",
                                          "sgmv_shrink.h", "sgmv_bf16.h", "wq_kernels.h", "wq_bf16.h",
                                          "wq_dequant.h", "wq_gemm.h")]
 C_FLAGS = ["-std=c11", "-O3", "-fno-wrapv", "-fPIC", "-fopenmp", "-Wall"]

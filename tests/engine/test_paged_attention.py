@@ -166,17 +166,19 @@ def _cpu_kernel_equals_torch_path(dtype, tol, window, heads, kv_heads):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-def test_cpu_kernel_long_chunks_span_many_tiles_and_blocks(dtype, tol, isa):
-    """Chunks longer than one query tile, odd head dim, q as a strided view, window on."""
+@pytest.mark.parametrize("head_dim", [40, 64, 144])
+def test_cpu_kernel_long_chunks_span_many_tiles_and_blocks(dtype, tol, isa, head_dim):
+    """Chunks longer than one query tile, head dims with and without a tail past whole vector
+    blocks (40: 16 + 16 + 8; 64; 144: 64 + 64 + 16), q as a strided view, window on."""
     from support.cpu_kernel import forced_isa
 
     with forced_isa(isa):
-        _long_chunks(dtype, tol)
+        _long_chunks(dtype, tol, head_dim)
 
 
-def _long_chunks(dtype, tol):
+def _long_chunks(dtype, tol, head_dim):
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, head_dim, block = 6, 2, 40, 8
+    heads, kv_heads, block = 6, 2, 8
     rows = [(37, 1), (130, 1), (50, 75), (3, 29)]  # (computed, new)
     blocks = iter(torch.randperm(200, generator=g).tolist())
     tables = [[next(blocks) for _ in range(-(-(s + n) // block))] for s, n in rows]

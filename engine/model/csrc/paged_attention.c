@@ -218,6 +218,7 @@ int LMX_FN(loramux_paged_attention)(const void *q, int64_t q_tok_stride, const v
     const int G = H / Hkv;
     int rows_per_tile = MAX_TILE_QUERIES / G;
     if (rows_per_tile < 1) rows_per_tile = 1;
+    while (rows_per_tile > 4 && rows_per_tile * G % 4) rows_per_tile--; /* whole 4-query blocks */
     const int M = rows_per_tile * G;
     int ntiles = 0;
     for (int s = 0; s < nseq; s++) ntiles += (num_new[s] + rows_per_tile - 1) / rows_per_tile;
