@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,8 @@ def bench_run(args, model: Path, port: int, lora: bool, out: Path) -> dict:
             "--goodput", *args.goodput.split()]
     if lora:
         argv += ["--lora-modules", *ADAPTERS, "--lora-assignment", "round-robin"]
+    if args.raw_dir:  # every request's TTFT and inter-token gaps, kept for a closer look
+        argv += ["--save-detailed"]
     env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}  # anonymous
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.run_timeout, env=env)
@@ -127,6 +130,9 @@ def bench_run(args, model: Path, port: int, lora: bool, out: Path) -> dict:
     if proc.returncode != 0 or not out.is_file():
         return {"error": (proc.stdout + proc.stderr)[-1500:]}
     data = json.loads(out.read_text())
+    if args.raw_dir:
+        Path(args.raw_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, Path(args.raw_dir) / f"{args.name}.{out.name}")
     return {k: data.get(k) for k in METRICS}
 
 
@@ -211,6 +217,8 @@ def main() -> None:
     ap.add_argument("--name", default="peer_serving")
     ap.add_argument("--loramux-args", default="",
                     help="more `loramux serve` flags, e.g. '--target-ttft-ms 2000 --target-itl-ms 250'")
+    ap.add_argument("--raw-dir", default=None,
+                    help="keep the client's per-request results (--save-detailed) in this folder")
     ap.add_argument("--no-roofline", action="store_true", help="skip bench/roofline.py's line")
     ap.add_argument("--model", default=None,
                     help="the base both servers load (default: the default model), e.g. a quantized checkpoint")

@@ -39,7 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["LONGEST_STEP_MULTIPLE", "MAX_PROMPTS", "KeyObjectives", "PromptDemand", "PromptInflow",
-           "StreamDemand", "best_prompt_cap", "keeping_pace", "met_count", "stream_slack"]
+           "StreamDemand", "best_prompt_cap", "first_prompt_whole", "keeping_pace", "met_count",
+           "stream_slack"]
 
 MAX_PROMPTS = 32
 """Prompts the count looks at (the first in the scheduler's order): a deep queue's tail cannot
@@ -93,6 +94,13 @@ def _absorbed(cap: int, floor: int, queued: int, stream: StreamDemand) -> int:
     return min(queued + stream.arriving, cap + floor * max(0, stream.remaining - 1))
 
 
+def _streams_met(cap: int, floor: int, cost: Callable[[int], float], streams: Sequence[StreamDemand],
+                 queued: int) -> int:
+    """Streams meeting their TPOT with ``cap`` prompt tokens this step and ``floor`` after."""
+    bare = cost(0)
+    return sum(1 for s in streams if cost(_absorbed(cap, floor, queued, s)) - bare <= s.slack)
+
+
 def met_count(cap: int, floor: int, cost: Callable[[int], float], prompts: Sequence[PromptDemand],
               streams: Sequence[StreamDemand], now: float, queued: int | None = None) -> int:
     """Objectives met with a cap of ``cap`` prompt tokens this step (``floor`` after it):
@@ -100,8 +108,8 @@ def met_count(cap: int, floor: int, cost: Callable[[int], float], prompts: Seque
     tokens costs what they cost). ``queued``: every queued prompt token (default: ``prompts``'),
     when ``prompts`` holds only the first of a deeper queue."""
     queued = sum(p.tokens for p in prompts) if queued is None else queued
-    step, base, bare = cost(min(cap, queued)), cost(min(floor, queued)), cost(0)
-    met = sum(1 for s in streams if cost(_absorbed(cap, floor, queued, s)) - bare <= s.slack)
+    step, base = cost(min(cap, queued)), cost(min(floor, queued))
+    met = _streams_met(cap, floor, cost, streams, queued)
     done = 0
     for demand in prompts[:MAX_PROMPTS]:
         done += demand.tokens
@@ -171,6 +179,28 @@ def best_prompt_cap(floor: int, ceiling: int, cost: Callable[[int], float],
         return met_count(cap, floor, cost, prompts, streams, now, queued), -abs(cap - floor)
 
     return max(sorted(_endpoints(floor, lo, hi, cost, prompts, streams, now, queued)), key=rank)
+
+
+def first_prompt_whole(cap: int, floor: int, ceiling: int, cost: Callable[[int], float],
+                       prompts: Sequence[PromptDemand], streams: Sequence[StreamDemand], now: float,
+                       queued: int | None = None) -> int:
+    """``cap`` (:func:`best_prompt_cap`'s), or the first prompt whole (at most ``ceiling``) where
+    that costs no objective, with every later step taking as much (a step's larger cap repeats
+    every step): first tokens a prompt a step, as vLLM lets a prompt in whole, while every stream
+    that meets its TPOT at ``cap`` and the floor's pace still meets it at that pace (a queue that
+    drains within its life costs it nothing more) and no fewer objectives are met in all."""
+    if not prompts or prompts[0].tokens <= cap:
+        return cap
+    queued = sum(p.tokens for p in prompts) if queued is None else queued
+    whole = min(ceiling, prompts[0].tokens)
+    if whole <= cap:
+        return cap
+    no_stream_pays = _streams_met(whole, whole, cost, streams, queued) >= _streams_met(cap, floor, cost, streams,
+                                                                                     queued)
+    if no_stream_pays and (met_count(whole, whole, cost, prompts, streams, now, queued)
+                           >= met_count(cap, floor, cost, prompts, streams, now, queued)):
+        return whole
+    return cap
 
 
 def keeping_pace(inflow: float, fixed: float, c_token: float) -> int:

@@ -58,6 +58,7 @@ from loramux.engine.goodput import (
     PromptInflow,
     StreamDemand,
     best_prompt_cap,
+    first_prompt_whole,
     keeping_pace,
     stream_slack,
 )
@@ -387,5 +388,11 @@ class StepBudget:
             for s in prompts[:MAX_PROMPTS]]
         # the streams share their steps with every queued prompt, not only the first ones
         queued = sum(s.num_tokens - s.num_computed_tokens for s in prompts)
-        return best_prompt_cap(floor, ceiling, cost, demands, streams, now,
-                               lowest=MIN_CHUNK_TOKENS, queued=queued)
+        cap = best_prompt_cap(floor, ceiling, cost, demands, streams, now, lowest=MIN_CHUNK_TOKENS, queued=queued)
+        # a key alone under a derived ITL target: its first prompt whole where no objective pays
+        # for it (an ITL target the operator or the tenant's quota set holds every step; under
+        # contention the target's chunk holds a flooder's prompts back from its neighbours')
+        derived = self.target_s is None and not any(own(s.fairness_key)[1] for s in decode)
+        if alone and derived:
+            return first_prompt_whole(cap, floor, ceiling, cost, demands, streams, now, queued)
+        return cap

@@ -15,6 +15,7 @@ from loramux.engine.goodput import (
     PromptInflow,
     StreamDemand,
     best_prompt_cap,
+    first_prompt_whole,
     keeping_pace,
     met_count,
     stream_slack,
@@ -42,6 +43,29 @@ def test_best_cap_is_the_brute_force_maximum(seed):
     assert counts[cap] == best
     # the nearest the floor among caps as good (below it only when that meets more)
     assert abs(cap - floor) == min(abs(p - floor) for p, c in counts.items() if c == best)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_first_prompt_whole_costs_no_stream_and_no_objective(seed):
+    """The first prompt whole replaces the count's cap only where, with every later step taking
+    as much, no stream that met its TPOT misses it and no fewer objectives are met; otherwise the
+    count's cap stands."""
+    rng = random.Random(seed)
+    floor = rng.randint(1, 40)
+    ceiling = floor + rng.randint(0, 400)
+    cost = _cost(rng.uniform(0.01, 0.1), rng.uniform(1e-4, 2e-3))
+    now = 100.0
+    prompts = [PromptDemand(rng.randint(1, 300), now + rng.uniform(0, 1.5)) for _ in range(rng.randint(1, 6))]
+    streams = [StreamDemand(rng.uniform(-0.2, 0.6), rng.randint(0, 30), rng.randint(0, 300))
+               for _ in range(rng.randint(0, 8))]
+    cap = best_prompt_cap(floor, ceiling, cost, prompts, streams, now)
+    got = first_prompt_whole(cap, floor, ceiling, cost, prompts, streams, now)
+    assert got in (cap, min(ceiling, prompts[0].tokens))
+    if got != cap:
+        assert got > cap
+        assert met_count(got, got, cost, prompts, streams, now) >= met_count(cap, floor, cost, prompts, streams, now)
+        assert met_count(got, got, cost, [], streams, now, sum(p.tokens for p in prompts)) >= met_count(
+            cap, floor, cost, [], streams, now, sum(p.tokens for p in prompts))
 
 
 def test_prompt_about_to_miss_gets_the_step_when_streams_have_slack():
@@ -136,18 +160,44 @@ def _prompt(tokens, arrival):
 
 def test_the_step_budget_gives_a_prompt_about_to_miss_more_of_the_step():
     """Wired into the step budget (fake clock at 100 s): a 400-token prompt due in 0.48 s gets
-    more than the ITL target's chunk while the streams have slack; with streams that would miss
-    their TPOT, or a prompt not yet pressed, the chunk stays the ITL target's."""
+    more than the ITL target's chunk while the streams have slack; beside streams that would
+    miss their TPOT, only what their slack pays for; not yet pressed, the ITL target's chunk
+    while another key has work, and the prompt whole for a key alone."""
     budget = _warm_budget(target_itl_ms=60, target_ttft_ms=500)
     streams = [_stream(f"s{i}", 20, 400, first_token_time=99.6) for i in range(2)]  # fast so far
     floor = _warm_budget(target_itl_ms=60).plan(streams, {"k"}, 0).prefill_tokens
     pressed = budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)])
     assert floor < pressed.prefill_tokens <= 400
     # streams with 2 tokens left whose TPOT pays for 0.2 s of prompt work: at the floor they
-    # share 62 prompt tokens (0.06 s), with the prompt whole all 400: two against one
+    # share 62 prompt tokens (0.06 s), with the prompt whole all 400: two against one, pressed
+    # or not
     tight = [_stream(f"s{i}", 20, 22, first_token_time=98.996) for i in range(2)]
-    assert budget.plan(tight, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens == floor
-    assert budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=100.0 + 30)]).prefill_tokens == floor
+    for prompts in ([_prompt(400, arrival=99.98)], [_prompt(400, arrival=100.0 + 30)]):
+        assert budget.plan(tight, {"k"}, 0, prompts=prompts).prefill_tokens == floor
+    # a prompt not pressed: the ITL target's chunk (the operator set the target: it holds every
+    # step); with a derived target, a key alone beside streams with slack takes it whole
+    later = [_prompt(400, arrival=100.0 + 30)]
+    assert budget.plan(streams, {"k"}, 0, prompts=later).prefill_tokens == floor
+    assert _warm_budget(target_ttft_ms=500).plan(streams, {"k"}, 0, prompts=later).prefill_tokens == 400
+
+
+def test_a_key_alone_finishes_its_first_prompt_a_step_when_no_objective_pays():
+    """Among caps that meet as many objectives, a key alone under a derived ITL target takes its
+    first prompt whole (first tokens a prompt a step, as vLLM lets a prompt in whole), never the
+    whole queue at once: the second prompt waits for the next step. Another key with work, a
+    target the operator set, or one the tenant's quota sets: the target's chunk."""
+    streams = [_stream(f"s{i}", 20, 400, first_token_time=99.6) for i in range(2)]
+    floor = _warm_budget().plan(streams, {"k"}, 0).prefill_tokens
+    two = [_prompt(300, 99.9), _prompt(500, 99.9)]
+    budget = _warm_budget(target_ttft_ms=30_000)  # no prompt is pressed
+    assert floor < 300 and budget.plan(streams, {"k"}, 0, prompts=two).prefill_tokens == 300
+    # a first prompt shorter than the floor's chunk: the floor (the next prompt starts too)
+    assert budget.plan(streams, {"k"}, 0, prompts=[_prompt(10, 99.9), _prompt(500, 99.9)]).prefill_tokens == floor
+    assert budget.plan(streams, {"k", "j"}, 0, prompts=two).prefill_tokens < 300
+    assert _warm_budget(target_itl_ms=140, target_ttft_ms=30_000).plan(
+        streams, {"k"}, 0, prompts=two).prefill_tokens < 300
+    budget.objectives.set("k", None, 140)
+    assert budget.plan(streams, {"k"}, 0, prompts=two).prefill_tokens < 300
 
 
 def test_a_keys_own_objectives_take_part_in_the_count():
@@ -155,12 +205,13 @@ def test_a_keys_own_objectives_take_part_in_the_count():
     pressed under the engine's 30 s objective, is pressed under its tenant's 480 ms one."""
     budget = _warm_budget(target_itl_ms=60, target_ttft_ms=30_000)
     streams = [_stream(f"s{i}", 20, 400, first_token_time=99.6) for i in range(2)]
-    floor = budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens
+    keys = {"k", "j"}  # another key has work: ties keep the floor
+    floor = budget.plan(streams, keys, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens
     budget.objectives.set("k", 500, None)
-    pressed = budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens
+    pressed = budget.plan(streams, keys, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens
     assert floor < pressed <= 400
     budget.objectives.set("k", None, None)  # dropped: the engine's again
-    assert budget.plan(streams, {"k"}, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens == floor
+    assert budget.plan(streams, keys, 0, prompts=[_prompt(400, arrival=99.98)]).prefill_tokens == floor
 
 
 def test_a_prompt_waiting_on_its_adapters_load_is_left_out_of_the_count():
@@ -186,7 +237,8 @@ def test_the_floor_keeps_pace_with_arriving_prompts_only_for_a_key_alone():
     def cap(keys, arrivals: bool) -> int:
         budget = _warm_budget(target_itl_ms=60, target_ttft_ms=30_000)  # no prompt is pressed
         streams = [_stream(f"s{i}", 20, 400, first_token_time=99.6) for i in range(2)]
-        first, second = _prompt(400, 100.0), _prompt(400, 100.0)
+        # a first prompt within any floor's chunk (a key alone would take a longer one whole)
+        first, second = _prompt(20, 100.0), _prompt(780, 100.0)
         if arrivals:  # seen over a second (no time observed: no inflow known)
             budget.plan(streams, keys, 0, prompts=[first])
             budget.clock = lambda: 101.0

@@ -3,6 +3,7 @@ machine; every planned step is 'measured' with it and fed back to the scheduler.
 
 from __future__ import annotations
 
+import pytest
 from support import scheduler_harness as harness
 
 from loramux.engine.block_manager import KVCacheManager
@@ -309,12 +310,17 @@ def test_a_sprayers_adapters_cannot_stretch_a_neighbours_steps():
     assert 0.010 + rows * 0.003 <= target * 1.05  # the step, its rows' adapters counted
 
 
-def test_derived_target_alone_bounds_a_chunk_to_a_multiple_of_the_decode_step():
+@pytest.mark.parametrize("tenant_itl", [None, 10_000.0])
+def test_derived_target_alone_bounds_a_chunk_to_a_multiple_of_the_decode_step(tenant_itl):
     """Derived target, one key alone with 40 decodes (a decode-only step far above 3x the
-    one-row step): a long prompt's chunks make a step at most ALONE_MULTIPLE x the step of
-    its decodes, and the engine reports that target for the ITL-miss count."""
+    one-row step), the engine reporting ALONE_MULTIPLE x the step of its decodes as the target
+    for the ITL-miss count. Where the key's quota sets its own ITL objective (even a lax one), a
+    long prompt's chunks make a step at most that; without one, the prompt runs whole (its
+    first token in one step, as vLLM's): the decodes' long lives absorb it within their TPOT."""
     sched = make_scheduler()
     _warm_with_prompts(sched, rows=40)
+    if tenant_itl is not None:
+        sched.budget.objectives.set("a", None, tenant_itl)
     for _ in range(int(RECENT_S / 0.09) + 2):
         step(sched)
     long = make_seq("long", "a", prompt_len=1500)
@@ -324,6 +330,10 @@ def test_derived_target_alone_bounds_a_chunk_to_a_multiple_of_the_decode_step():
     while long.num_output_tokens == 0:
         plan = step(sched)
         chunks += [s.num_new_tokens for s in plan.scheduled if s.seq_id == long.seq_id]
-        assert fake_seconds(plan) <= ALONE_MULTIPLE * (decode_only + C_DEC) * 1.05
-    assert len(chunks) > 1 and max(chunks) > (ALONE_MULTIPLE - 1.5) * decode_only / C_PRE
+        if tenant_itl is not None:
+            assert fake_seconds(plan) <= ALONE_MULTIPLE * (decode_only + C_DEC) * 1.05
+    if tenant_itl is None:
+        assert chunks == [1500]
+    else:
+        assert len(chunks) > 1 and max(chunks) > (ALONE_MULTIPLE - 1.5) * decode_only / C_PRE
     assert abs(sched.itl_target() - ALONE_MULTIPLE * decode_only) < 0.1 * decode_only
