@@ -28,7 +28,10 @@ the step grows), so its maximum lies at the floor or at a point where one prompt
 fewer: :func:`best_prompt_cap` evaluates exactly those points (ties: the cap nearest the floor),
 which tests check against a search of every ``P``. Streams about to miss keep the floor; prompts
 about to miss while streams have slack get more of the step, up to the whole token budget (as
-vLLM lets a prompt in whole).
+vLLM lets a prompt in whole). :func:`first_prompt_whole` then lets a key alone under a derived
+ITL target take its first prompt whole where that costs no stream and no objective, with every
+later step doing the same: first tokens a prompt a step instead of the floor's chunks (each
+chunk's step pays the decodes' cost again before the first token).
 """
 
 from __future__ import annotations
