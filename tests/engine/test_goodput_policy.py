@@ -26,15 +26,25 @@ def _cost(c0, c_tok):
     return lambda p: c0 + c_tok * p
 
 
+def _random_case(rng, span: int, longest: int, fewest_prompts: int, arriving: bool):
+    """A small random case: the floor, a ceiling up to ``span`` above it, a linear step cost,
+    the clock, 1..6 prompts of up to ``longest`` tokens (at least ``fewest_prompts``) and up to
+    8 streams (with prompt tokens arriving during their lives where ``arriving``)."""
+    floor = rng.randint(1, 40)
+    ceiling = floor + rng.randint(0, span)
+    cost = _cost(rng.uniform(0.01, 0.1), rng.uniform(1e-4, 2e-3))
+    now = 100.0
+    prompts = [PromptDemand(rng.randint(1, longest), now + rng.uniform(0, 1.5))
+               for _ in range(rng.randint(fewest_prompts, 6))]
+    streams = [StreamDemand(rng.uniform(-0.2, 0.6), rng.randint(0, 30), rng.randint(0, 300) if arriving else 0)
+               for _ in range(rng.randint(0, 8))]
+    return floor, ceiling, cost, now, prompts, streams
+
+
 @pytest.mark.parametrize("seed", range(200))
 def test_best_cap_is_the_brute_force_maximum(seed):
     rng = random.Random(seed)
-    floor = rng.randint(1, 40)
-    ceiling = floor + rng.randint(0, 300)
-    cost = _cost(rng.uniform(0.01, 0.1), rng.uniform(1e-4, 2e-3))
-    now = 100.0
-    prompts = [PromptDemand(rng.randint(1, 200), now + rng.uniform(0, 1.5)) for _ in range(rng.randint(0, 6))]
-    slacks = [StreamDemand(rng.uniform(-0.2, 0.6), rng.randint(0, 30)) for _ in range(rng.randint(0, 8))]
+    floor, ceiling, cost, now, prompts, slacks = _random_case(rng, 300, 200, 0, arriving=False)
     lowest = rng.choice([floor, rng.randint(1, floor)])
     cap = best_prompt_cap(floor, ceiling, cost, prompts, slacks, now, lowest=lowest)
     counts = {p: met_count(p, floor, cost, prompts, slacks, now) for p in range(lowest, max(floor, ceiling) + 1)}
@@ -50,14 +60,7 @@ def test_the_first_prompt_whole_costs_no_stream_and_no_objective(seed):
     """The first prompt whole replaces the count's cap only where, with every later step taking
     as much, no stream that met its TPOT misses it and no fewer objectives are met; otherwise the
     count's cap stands."""
-    rng = random.Random(seed)
-    floor = rng.randint(1, 40)
-    ceiling = floor + rng.randint(0, 400)
-    cost = _cost(rng.uniform(0.01, 0.1), rng.uniform(1e-4, 2e-3))
-    now = 100.0
-    prompts = [PromptDemand(rng.randint(1, 300), now + rng.uniform(0, 1.5)) for _ in range(rng.randint(1, 6))]
-    streams = [StreamDemand(rng.uniform(-0.2, 0.6), rng.randint(0, 30), rng.randint(0, 300))
-               for _ in range(rng.randint(0, 8))]
+    floor, ceiling, cost, now, prompts, streams = _random_case(random.Random(seed), 400, 300, 1, arriving=True)
     cap = best_prompt_cap(floor, ceiling, cost, prompts, streams, now)
     got = first_prompt_whole(cap, floor, ceiling, cost, prompts, streams, now)
     assert got in (cap, min(ceiling, prompts[0].tokens))
