@@ -192,16 +192,15 @@ def first_prompt_whole(cap: int, floor: int, ceiling: int, cost: Callable[[int],
     every step): first tokens a prompt a step, as vLLM lets a prompt in whole, while every stream
     that meets its TPOT at ``cap`` and the floor's pace still meets it at that pace (a queue that
     drains within its life costs it nothing more) and no fewer objectives are met in all."""
-    if not prompts or prompts[0].tokens <= cap:
-        return cap
-    queued = sum(p.tokens for p in prompts) if queued is None else queued
-    whole = min(ceiling, prompts[0].tokens)
+    whole = min(ceiling, prompts[0].tokens) if prompts else cap
     if whole <= cap:
         return cap
-    no_stream_pays = _streams_met(whole, whole, cost, streams, queued) >= _streams_met(cap, floor, cost, streams,
-                                                                                     queued)
-    if no_stream_pays and (met_count(whole, whole, cost, prompts, streams, now, queued)
-                           >= met_count(cap, floor, cost, prompts, streams, now, queued)):
+    queued = sum(p.tokens for p in prompts) if queued is None else queued
+    streams_whole, streams_cap = (_streams_met(whole, whole, cost, streams, queued),
+                                  _streams_met(cap, floor, cost, streams, queued))
+    prompts_whole, prompts_cap = (met_count(whole, whole, cost, prompts, (), now, queued),
+                                  met_count(cap, floor, cost, prompts, (), now, queued))
+    if streams_whole >= streams_cap and streams_whole + prompts_whole >= streams_cap + prompts_cap:
         return whole
     return cap
 
