@@ -517,13 +517,25 @@ def _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
-def test_sgmv_kernel_split_over_threads_matches_per_run_gemms():
+@pytest.mark.parametrize("isa,dtype", [("auto", torch.float32), ("avx512bf16", torch.bfloat16),
+                                       ("avx2", torch.bfloat16)])
+def test_sgmv_kernel_split_over_threads_matches_per_run_gemms(isa, dtype):
     """A call above the kernel's PARALLEL_MIN_MACS (600 tokens x 2 slices x rank-32 slots x
-    (K + N) = 1800: 69M >= 2**26) runs its shrink and expand split over threads: the same sums as
-    the per-run GEMMs, runs of several slots and ranks, base rows untouched."""
+    (K + N) = 1800: 69M >= 2**23) runs its shrink and expand split over threads: the same sums as
+    the per-run GEMMs, runs of several slots and ranks, base rows untouched; in bf16 (x, slots
+    and y) too, whose prompt runs the native-bf16 variant takes up to 1024 tokens
+    (``cpu_sgmv.SGMV_MAX_RUN_NATIVE_BF16``)."""
+    if isa == "auto":
+        require_cpu_kernel()
+        _split_over_threads(dtype)
+        return
+    with forced_isa(isa):
+        _split_over_threads(dtype)
+
+
+def _split_over_threads(dtype):
     from loramux.engine.lora.ops import cpu_sgmv
 
-    require_cpu_kernel()
     g = torch.Generator().manual_seed(11)
     S, R, K, N = 2, 32, 900, 900
     ranks = [32, 16, 8]
@@ -535,10 +547,11 @@ def test_sgmv_kernel_split_over_threads_matches_per_run_gemms():
             a[slot, s, :r] = torch.randn(r, K, generator=g) * 0.05
             b[slot, s * R : s * R + r, lo:hi] = torch.randn(r, hi - lo, generator=g) * 0.05
     runs = [(0, 250, 0), (250, 251, 1), (260, 610, 2)]  # rows 251-259 are base rows
-    x = torch.randn(610, K, generator=g)
-    y = torch.randn(610, N, generator=g)
-    expected = y.clone()
-    torch_ops._add_runs(expected, x, a, b, runs, S * R)
+    x = torch.randn(610, K, generator=g).to(dtype)
+    y = torch.randn(610, N, generator=g).to(dtype)
+    a, b = a.to(dtype), b.to(dtype)
+    expected = y.float().clone()  # (a copy: .float() of fp32 is y itself)
+    torch_ops._add_runs(expected, x.float(), a.float(), b.float(), runs, S * R)
     got = y.clone()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -548,7 +561,8 @@ def test_sgmv_kernel_split_over_threads_matches_per_run_gemms():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got[251:260], y[251:260])
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -586,7 +600,7 @@ def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
     from loramux.engine.lora.ops.cpu_sgmv import max_kernel_run, split_runs
 
     for dt in (torch.float32, torch.bfloat16):
-        assert max_kernel_run(4, dt) == max_kernel_run(8, dt) > max_kernel_run(16, dt) > max_kernel_run(64, dt)
+        assert max_kernel_run(4, dt) == max_kernel_run(8, dt) >= max_kernel_run(16, dt) > max_kernel_run(64, dt)
     # the slots' dtype picks the table: a run between the two dtypes' limits for rank 16 goes to
     # the kernel in one and to the GEMMs in the other (bf16 GEMMs pay oneDNN's ~25 us a call)
     n = max_kernel_run(16) + 1
@@ -605,3 +619,23 @@ def test_sgmv_takes_short_runs_and_gemms_the_long_ones():
     assert gemm_runs == [(3 + top8, e, 1), (e + long + 2, e + long + 3 + top8, 0)]
     assert slot_ranks == [8, 16, 0]
     assert split_runs(meta)[0] is table  # once per step: every layer reads the memo
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("amx", [False, True])
+def test_sgmv_run_table_follows_the_kernel_variant(isa, amx, monkeypatch):
+    """bf16 slots take the native-bf16 table (long prompt runs in the kernel) only in the
+    avx512bf16 variant on a CPU without AMX; every other variant, and any CPU whose oneDNN has AMX
+    tiles, keeps the table whose long runs go to GEMMs; fp32 slots always keep theirs."""
+    from loramux.engine.lora.ops import cpu_sgmv
+
+    monkeypatch.setattr(cpu_sgmv, "_cpu_has_amx", lambda: amx)
+    with forced_isa(isa):
+        native = isa == "avx512bf16" and not amx
+        want = cpu_sgmv.SGMV_MAX_RUN_NATIVE_BF16 if native else cpu_sgmv.SGMV_MAX_RUN_BY_RANK[torch.bfloat16]
+        assert cpu_sgmv.run_table(torch.bfloat16) == want
+        assert cpu_sgmv.run_table(torch.float32) == cpu_sgmv.SGMV_MAX_RUN_BY_RANK[torch.float32]
+        n = 600  # a prompt run of a rank-16 adapter: the kernel's only in the native table
+        meta = LoRABatchMeta.build([0] * n, torch.tensor([16]))
+        table, gemm_runs, _ = cpu_sgmv.split_runs(meta, torch.bfloat16)
+        assert (table.tolist(), gemm_runs) == (([[0, n, 0]], []) if native else ([], [(0, n, 0)]))

@@ -10,6 +10,8 @@ torch backend's layout, ``SlotBuffers``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from loramux.engine.lora.meta import LoRABatchMeta
@@ -30,13 +32,40 @@ SGMV_MAX_RUN_BY_RANK = {
     torch.float32: ((8, 320), (16, 128), (32, 24)),
     torch.bfloat16: ((8, 384), (16, 224), (32, 112)),
 }
+# bf16 slots on the kernel's native-bf16 variant (VDPBF16PS) where oneDNN has no AMX tiles: in a
+# whole engine step (a prompt run beside 8 decode rows of 4 adapters, slots of rank 32, the default
+# model, 2 threads, each step replayed with the kernel and with the GEMMs alternately: the
+# adapters' time beside the same step without them) the kernel cost less than the GEMMs at every
+# length measured up to 1000 tokens and rank up to 32 (2-core AVX-512-BF16 EPYC, 2026-12-07:
+# rank 8 at 512/768/1000 tokens 42/54/44 against 64/76/85 ms, rank 16 at 320/512/768 20/41-51/31
+# against 48/74-85/79, at 1000 86 against 86; rank 32 at 160/320/512/768/1000 17/35/51/68/86
+# against 41/54/72/89/97). The table above holds in isolated calls of hot weights, where the
+# GEMMs gain most; a step's adapter weights and y come from beyond the caches. With AMX, oneDNN's
+# bf16 GEMMs are several times faster and the table above stays.
+SGMV_MAX_RUN_NATIVE_BF16 = ((32, 1024),)
 SGMV_MAX_RUN_HIGH_RANK = 16  # ranks above the table's last
 
 
-def max_kernel_run(rank: int, w_dtype: torch.dtype = torch.float32) -> int:
+def run_table(w_dtype: torch.dtype) -> tuple[tuple[int, int], ...]:
+    """(rank, longest kernel run) pairs for slots in ``w_dtype`` on this CPU and kernel variant."""
+    if w_dtype == torch.bfloat16 and _native_bf16_without_amx():
+        return SGMV_MAX_RUN_NATIVE_BF16
+    return SGMV_MAX_RUN_BY_RANK[w_dtype]
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    return bool(torch.cpu.get_capabilities().get("amx_bf16"))
+
+
+def _native_bf16_without_amx() -> bool:
+    return loader.available() and torch.ops.loramux.isa() == "avx512bf16" and not _cpu_has_amx()
+
+
+def max_kernel_run(rank: int, w_dtype: torch.dtype = torch.float32, table=None) -> int:
     """The longest run of one adapter of ``rank`` (slots in ``w_dtype``) that the kernel takes
-    (longer: GEMMs)."""
-    for top, length in SGMV_MAX_RUN_BY_RANK[w_dtype]:
+    (longer: GEMMs); ``table``: :func:`run_table`'s, when the caller has it."""
+    for top, length in table or run_table(w_dtype):
         if rank <= top:
             return length
     return SGMV_MAX_RUN_HIGH_RANK
@@ -65,7 +94,8 @@ def split_runs(
     have one dtype), read by every LoRA layer."""
     if meta.cpu_split is None:
         ranks = meta.slot_ranks.tolist()
-        top = [max_kernel_run(r, w_dtype) for r in ranks]
+        table = run_table(w_dtype)
+        top = [max_kernel_run(r, w_dtype, table) for r in ranks]
         short = [r for r in meta.runs if r[1] - r[0] <= top[r[2]]]
         if len(short) == len(meta.runs) and meta.run_table is not None:
             table = meta.run_table
