@@ -36,8 +36,8 @@ from bench.common import (
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(base_dir: Path, root: Path, count: int) -> list[Path]:
-    """``count`` random PEFT adapters (ranks alternate 8/16) written without loading the base."""
+def make_adapters(base_dir: Path, root: Path, count: int, ranks: tuple[int, ...] = (8, 16)) -> list[Path]:
+    """``count`` random PEFT adapters (ranks cycle through ``ranks``) written without loading the base."""
     from loramux.adapters.format import LoraWeights, save_adapter
     from loramux.adapters.spec import LoraSpec
     from loramux.engine.model.weights import dims_from_config, read_hf_config
@@ -46,7 +46,7 @@ def make_adapters(base_dir: Path, root: Path, count: int) -> list[Path]:
     shapes = dims.module_shapes()
     paths = []
     for i in range(count):
-        r = 8 if i % 2 == 0 else 16
+        r = ranks[i % len(ranks)]
         g = torch.Generator().manual_seed(i)
         layers = {
             layer: {

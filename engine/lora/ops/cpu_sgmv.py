@@ -33,15 +33,15 @@ SGMV_MAX_RUN_BY_RANK = {
     torch.bfloat16: ((8, 384), (16, 224), (32, 112)),
 }
 # bf16 slots on the kernel's native-bf16 variant (VDPBF16PS) where oneDNN has no AMX tiles: in a
-# whole engine step (a prompt run beside 8 decode rows of 4 adapters, slots of rank 32, the default
-# model, 2 threads, each step replayed with the kernel and with the GEMMs alternately: the
-# adapters' time beside the same step without them) the kernel cost less than the GEMMs at every
-# length measured up to 1000 tokens and rank up to 32 (2-core AVX-512-BF16 EPYC, 2026-12-07:
-# rank 8 at 512/768/1000 tokens 42/54/44 against 64/76/85 ms, rank 16 at 320/512/768 20/41-51/31
-# against 48/74-85/79, at 1000 86 against 86; rank 32 at 160/320/512/768/1000 17/35/51/68/86
-# against 41/54/72/89/97). The table above holds in isolated calls of hot weights, where the
-# GEMMs gain most; a step's adapter weights and y come from beyond the caches. With AMX, oneDNN's
-# bf16 GEMMs are several times faster and the table above stays.
+# whole engine step (bench/sgmv_runs.py: a prompt run beside 8 decode rows of 4 adapters, slots of
+# rank 32, the default model, 2 threads, each step replayed with the kernel and with the GEMMs
+# alternately: the adapters' time beside the same step without them) the kernel cost less than the
+# GEMMs at every length measured up to 1000 tokens and rank up to 32 (2-core AVX-512-BF16 EPYC,
+# 2026-12-07, kernel against GEMMs: ranks 8/16/32 at 160 tokens 12/15/18 against 32/33/41 ms, at
+# 512 32/43/63 against 54/56/70, at 1000 79/73/121 against 84/74/147). The table above holds in
+# isolated calls of hot weights, where the GEMMs gain most; a step's adapter weights and y come
+# from beyond the caches. With AMX, oneDNN's bf16 GEMMs are several times faster and the table
+# above stays.
 SGMV_MAX_RUN_NATIVE_BF16 = ((32, 1024),)
 SGMV_MAX_RUN_HIGH_RANK = 16  # ranks above the table's last
 
