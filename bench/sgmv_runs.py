@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import bench_parser, make_engine, setup, write_json
+from bench.lora_step import replay
 from bench.lora_throughput import make_adapters
 
 RANKS = (8, 16, 32)
@@ -64,18 +65,6 @@ def capture(eng, decode_loras, prompt_lora, decodes: int, chunk: int):
     return found[0] if found else None
 
 
-def replay(eng, plan, lora: bool) -> float:
-    batch = eng.runner.order(plan, eng.lora_manager.slot_of)
-    t0 = time.perf_counter()
-    if lora:
-        eng.lora_manager.prepare_step(batch.row_lora_keys, batch.num_new_tokens)
-    try:
-        eng.runner.run_batch(batch, ())
-    finally:
-        eng.lora_manager.finish_step()
-    return time.perf_counter() - t0
-
-
 def compare(eng, plan, chunk: int, repeats: int) -> dict:
     """Median ms of the step's replays: base, the ``chunk``-token prompt run in GEMMs, in the
     kernel (the decode rows' runs in the kernel in both)."""
@@ -83,12 +72,12 @@ def compare(eng, plan, chunk: int, repeats: int) -> dict:
 
     def run(mode: str) -> float:
         if mode == "base":
-            return replay(eng, plan, False)
+            return replay(eng, plan, False, time.perf_counter)
         limit = chunk - 1 if mode == "gemm" else 1 << 20
         saved = cpu_sgmv.run_table
         cpu_sgmv.run_table = lambda w_dtype: ((max(RANKS), limit),)
         try:
-            return replay(eng, plan, True)
+            return replay(eng, plan, True, time.perf_counter)
         finally:
             cpu_sgmv.run_table = saved
 
