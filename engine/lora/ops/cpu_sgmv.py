@@ -94,8 +94,8 @@ def split_runs(
     have one dtype), read by every LoRA layer."""
     if meta.cpu_split is None:
         ranks = meta.slot_ranks.tolist()
-        table = run_table(w_dtype)
-        top = [max_kernel_run(r, w_dtype, table) for r in ranks]
+        limits = run_table(w_dtype)
+        top = [max_kernel_run(r, w_dtype, limits) for r in ranks]
         short = [r for r in meta.runs if r[1] - r[0] <= top[r[2]]]
         if len(short) == len(meta.runs) and meta.run_table is not None:
             table = meta.run_table
