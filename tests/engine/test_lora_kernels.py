@@ -639,3 +639,41 @@ def test_sgmv_run_table_follows_the_kernel_variant(isa, amx, monkeypatch):
         meta = LoRABatchMeta.build([0] * n, torch.tensor([16]))
         table, gemm_runs, _ = cpu_sgmv.split_runs(meta, torch.bfloat16)
         assert (table.tolist(), gemm_runs) == (([[0, n, 0]], []) if native else ([], [(0, n, 0)]))
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx2"])
+def test_sgmv_hostile_long_bf16_run_keeps_out_of_a_neighbours_rows(isa):
+    """A tenant's adapter of NaN and huge weights on a 600-token bf16 prompt run (the kernel's since
+    the native-bf16 table, split over threads) beside a neighbour's run in the same call: the
+    neighbour's rows are bit for bit those of a call holding its run alone, the base rows between
+    are untouched."""
+    from loramux.engine.lora.ops import cpu_sgmv
+
+    with forced_isa(isa):
+        g = torch.Generator().manual_seed(13)
+        S, R, K, N = 2, 32, 576, 640
+        a = torch.zeros(2, S, R, K)
+        b = torch.zeros(2, S * R, N)
+        for s in range(S):
+            lo, hi = s * N // S, (s + 1) * N // S
+            a[0, s] = float("nan")
+            a[0, s, ::2] = 3e38
+            b[0, s * R : (s + 1) * R, lo:hi] = 3e38
+            a[1, s, :16] = torch.randn(16, K, generator=g) * 0.05
+            b[1, s * R : s * R + 16, lo:hi] = torch.randn(16, hi - lo, generator=g) * 0.05
+        a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        ranks, offs = torch.tensor([32, 16]), [0, N // 2, N]
+        x = torch.randn(700, K, generator=g).to(torch.bfloat16)
+        y = torch.randn(700, N, generator=g).to(torch.bfloat16)
+        alone = y.clone()
+        cpu_sgmv.add_runs_sgmv(alone, x, a, b, torch.tensor([(610, 700, 1)]), ranks, offs)
+        both = y.clone()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            cpu_sgmv.add_runs_sgmv(both, x, a, b, torch.tensor([(0, 600, 0), (610, 700, 1)]), ranks, offs)
+        finally:
+            torch.set_num_threads(threads)
+        assert not both[:600].isfinite().all()  # the hostile rows are its own business
+        assert torch.equal(both[600:610], y[600:610])
+        assert torch.equal(both[610:].view(torch.int16), alone[610:].view(torch.int16))
