@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from loramux.engine import omp_threads
 from loramux.engine.block_manager import KVEventListener
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine, PromptType
@@ -80,6 +81,9 @@ class AsyncEngine:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
         self._thread.start()
+        # the engine's thread runs the steps' OpenMP teams from now on: the pool this thread
+        # kept from building the engine (loading the model) would throttle them (omp_threads.py)
+        omp_threads.release_pool()
 
     # --- public API ----------------------------------------------------------------
     async def generate(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from loramux.engine import omp_threads
 from loramux.engine.async_engine import AsyncEngine
 from loramux.platform import ops
 from loramux.platform.adapter_api import routes as adapter_routes
@@ -74,6 +75,7 @@ def create_app(
         if state is None:
             built_engine = await run_in_threadpool(build_engine, settings)
             lower_front_end(settings.front_end_nice)  # this loop's thread, below the engine's
+            omp_threads.confine_thread()  # and its torch work on itself alone (omp_threads.py)
             try:
                 built_registry = registry
                 if built_registry is None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from loramux.engine import omp_threads
 from loramux.engine.config import ModelConfig
 from loramux.engine.distributed import group
 from loramux.engine.distributed.shm_reduce import SharedMemoryReducer
@@ -78,7 +79,8 @@ class FollowerAdapters:
         self.base = BaseProjections(model)
         self.slot_of: dict[str, int] = {}
         self._dora: dict[int, Future] = {}
-        self._dora_pool = ThreadPoolExecutor(1, thread_name_prefix="dora-parts")
+        self._dora_pool = ThreadPoolExecutor(1, thread_name_prefix="dora-parts",
+                                             initializer=omp_threads.confine_thread)
 
     def start_dora_parts(self, token: int, weights) -> None:
         """Start computing this rank's DoRA parts of the whole adapter ``weights`` (its share's)

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from loramux.adapters.archive import adapter_folder
 from loramux.adapters.spec import MAX_CONFIG_BYTES
+from loramux.engine import omp_threads
 from loramux.platform.adapter_api.chat import CHAT_FIELDS, ChatSettingsCheck
 from loramux.platform.adapter_api.releases import ReleaseService
 from loramux.platform.adapter_api.schemas import (
@@ -55,6 +56,13 @@ if TYPE_CHECKING:
     from loramux.registry.store import ObjectStore
 
 logger = logging.getLogger(__name__)
+
+
+def _alone(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its torch work on the calling thread alone."""
+    with omp_threads.single_threaded():
+        return fn(*args, **kwargs)
+
 
 class AdapterService:
     """Tenant adapter operations over the registry."""
@@ -97,8 +105,10 @@ class AdapterService:
     async def _long(fn, *args, **kwargs):
         """An upload or export step: bounded by its size and each dependency's own
         timeouts (S3 read timeout and attempts, statement timeout), not by a deadline;
-        in the default worker pool, so a stalled store cannot starve the bulkheads."""
-        return await run_in_threadpool(fn, *args, **kwargs)
+        in the default worker pool, so a stalled store cannot starve the bulkheads; its torch
+        work (an upload's checks, an export's merge) on that thread alone, leaving the cores'
+        OpenMP teams to the engine's steps (``engine/omp_threads.py``)."""
+        return await run_in_threadpool(_alone, fn, *args, **kwargs)
 
     @staticmethod
     def _actor(caller: Caller) -> str:

@@ -1,0 +1,125 @@
+"""One thread of a server runs OpenMP teams (``engine/omp_threads.py``): a helper thread's torch
+work starts no pool of workers, a released thread's workers exit, and the engine's builder and
+the adapter loader's threads use them."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from loramux.engine import omp_threads
+
+pytestmark = pytest.mark.skipif(not omp_threads.available(), reason="no OpenMP runtime found")
+needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2,
+                               reason="a team needs two threads")
+
+
+def _tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def _parallel_work() -> None:
+    a = torch.randn(1024, 1024)
+    (a * 2).sum()
+    a @ a
+
+
+def _in_thread(fn):
+    """``fn()``'s result, run on a new thread; also the threads the process gained meanwhile."""
+    out = {}
+
+    def run():
+        me = str(threading.get_native_id())
+        before = _tasks()
+        out["result"] = fn()
+        out["new"] = _tasks() - before - {me}
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out["result"], out["new"]
+
+
+@needs_two
+def test_a_thread_s_parallel_work_starts_a_pool_unless_confined():
+    _, new = _in_thread(_parallel_work)
+    assert new, "the control: a second thread's parallel region starts pooled workers"
+
+    def confined():
+        assert omp_threads.confine_thread()
+        _parallel_work()
+        return torch.get_num_threads()
+
+    threads, new = _in_thread(confined)
+    assert threads == 1
+    assert not new
+
+
+@needs_two
+def test_release_pool_ends_the_thread_s_workers():
+    def work_then_release():
+        before = _tasks()
+        _parallel_work()
+        workers = _tasks() - before
+        released = omp_threads.release_pool()
+        deadline = time.monotonic() + 5
+        while workers & _tasks() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return workers, released, workers & _tasks()
+
+    (workers, released, left), _ = _in_thread(work_then_release)
+    assert workers and released
+    assert not left
+
+
+@needs_two
+def test_single_threaded_block_restores_the_team_size():
+    def block():
+        before = torch.get_num_threads()
+        with omp_threads.single_threaded():
+            inside = torch.get_num_threads()
+            start = _tasks()
+            _parallel_work()
+            gained = _tasks() - start
+        return before, inside, gained, torch.get_num_threads()
+
+    (before, inside, gained, after), _ = _in_thread(block)
+    assert inside == 1 and not gained
+    assert after == before >= 2
+
+
+def test_the_async_engine_s_builder_releases_its_pool(monkeypatch, tiny_model_dir):
+    from loramux.engine import LLM
+    from loramux.engine.async_engine import AsyncEngine
+
+    llm = LLM(model=str(tiny_model_dir), max_model_len=128)
+    calls = []
+    monkeypatch.setattr(omp_threads, "release_pool", lambda: calls.append(threading.get_ident()) or True)
+    engine = AsyncEngine(llm.llm_engine)
+    try:
+        assert calls == [threading.get_ident()]
+    finally:
+        engine.shutdown()
+
+
+def test_the_adapter_loader_s_threads_are_confined(monkeypatch):
+    from concurrent.futures import wait
+
+    from loramux.engine.lora.loader import AdapterLoader
+
+    names = []
+    monkeypatch.setattr(omp_threads, "confine_thread", lambda: names.append(threading.current_thread().name))
+    loader = AdapterLoader(slots=None, cpu_dtype=torch.float32, pin_memory=False)
+
+    def gone():
+        raise FileNotFoundError("no such adapter")
+
+    load = loader.load("a", gone, lambda w: None, None)
+    write = loader.write(None, 0)
+    wait([load, write], timeout=10)
+    assert isinstance(load.exception(), FileNotFoundError) and write.exception() is not None
+    assert any(n.startswith("lora-disk") for n in names) and any(n.startswith("lora-slot") for n in names)
