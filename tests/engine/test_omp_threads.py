@@ -14,8 +14,18 @@ import torch
 from loramux.engine import omp_threads
 
 pytestmark = pytest.mark.skipif(not omp_threads.available(), reason="no OpenMP runtime found")
-needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2,
-                               reason="a team needs two threads")
+
+
+@pytest.fixture
+def two_threads():
+    """New threads' torch work in teams of two (an earlier test may have left the process at one:
+    a tensor-parallel rank takes its share of the cores)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a team needs two CPUs")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def _tasks() -> set[str]:
@@ -23,9 +33,10 @@ def _tasks() -> set[str]:
 
 
 def _parallel_work() -> None:
+    """torch's own parallel loops (their teams follow the thread's OpenMP setting; a BLAS call
+    may follow a process-wide count of its own once torch.set_num_threads was called)."""
     a = torch.randn(1024, 1024)
-    (a * 2).sum()
-    a @ a
+    (a * 2 + 1).to(torch.bfloat16).float().sum()
 
 
 def _in_thread(fn):
@@ -44,8 +55,7 @@ def _in_thread(fn):
     return out["result"], out["new"]
 
 
-@needs_two
-def test_a_thread_s_parallel_work_starts_a_pool_unless_confined():
+def test_a_thread_s_parallel_work_starts_a_pool_unless_confined(two_threads):
     _, new = _in_thread(_parallel_work)
     assert new, "the control: a second thread's parallel region starts pooled workers"
 
@@ -59,8 +69,7 @@ def test_a_thread_s_parallel_work_starts_a_pool_unless_confined():
     assert not new
 
 
-@needs_two
-def test_release_pool_ends_the_thread_s_workers():
+def test_release_pool_ends_the_thread_s_workers(two_threads):
     def work_then_release():
         before = _tasks()
         _parallel_work()
@@ -76,8 +85,7 @@ def test_release_pool_ends_the_thread_s_workers():
     assert not left
 
 
-@needs_two
-def test_single_threaded_block_restores_the_team_size():
+def test_single_threaded_block_restores_the_team_size(two_threads):
     def block():
         before = torch.get_num_threads()
         with omp_threads.single_threaded():
