@@ -31,7 +31,6 @@ import torch
 
 from loramux.adapters.format import LoraWeights, load_adapter
 from loramux.adapters.vocab import local_base_tensor
-from loramux.engine import omp_threads
 from loramux.engine.errors import LoRAError
 from loramux.engine.lora.dora import BaseProjections, dora_scales
 from loramux.engine.lora.slots import SlotBuffers
@@ -86,10 +85,7 @@ class AdapterLoader:
         self._lock = threading.Lock()
         self._queue: list[tuple[str, Future, Callable[[], LoadResult]]] = []  # next first
         self._threads = 0  # disk workers alive; one leaves when it finds the queue empty
-        # loads and writes run beside the engine's steps: on their own thread alone, so their
-        # copies start no OpenMP team to compete with the steps' (omp_threads.py)
-        self._slot = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-slot",
-                                        initializer=omp_threads.confine_thread)
+        self._slot = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-slot")
         self._dora_write = threading.Lock()  # DoRA writes may add shared bias-shift rows
 
     def load(
@@ -124,7 +120,6 @@ class AdapterLoader:
             return [key for key, fut, _ in self._queue if not fut.cancelled()]
 
     def _work(self) -> None:
-        omp_threads.confine_thread()
         while True:
             with self._lock:
                 if not self._queue:

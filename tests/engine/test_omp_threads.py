@@ -1,6 +1,6 @@
 """One thread of a server runs OpenMP teams (``engine/omp_threads.py``): a helper thread's torch
-work starts no pool of workers, a released thread's workers exit, and the engine's builder and
-the adapter loader's threads use them."""
+work starts no pool of workers, a released thread's workers exit, and the engine's builder
+releases its pool."""
 
 from __future__ import annotations
 
@@ -112,22 +112,3 @@ def test_the_async_engine_s_builder_releases_its_pool(monkeypatch, tiny_model_di
         assert calls == [threading.get_ident()]
     finally:
         engine.shutdown()
-
-
-def test_the_adapter_loader_s_threads_are_confined(monkeypatch):
-    from concurrent.futures import wait
-
-    from loramux.engine.lora.loader import AdapterLoader
-
-    names = []
-    monkeypatch.setattr(omp_threads, "confine_thread", lambda: names.append(threading.current_thread().name))
-    loader = AdapterLoader(slots=None, cpu_dtype=torch.float32, pin_memory=False)
-
-    def gone():
-        raise FileNotFoundError("no such adapter")
-
-    load = loader.load("a", gone, lambda w: None, None)
-    write = loader.write(None, 0)
-    wait([load, write], timeout=10)
-    assert isinstance(load.exception(), FileNotFoundError) and write.exception() is not None
-    assert any(n.startswith("lora-disk") for n in names) and any(n.startswith("lora-slot") for n in names)
