@@ -1,9 +1,8 @@
 """AsyncEngine: the engine's step loop on a background thread, asyncio in front.
 
-All engine mutations (add, abort, step) happen on the loop thread; callers
-reach it through a command queue. ``generate`` is an async iterator of
-cumulative ``RequestOutput`` snapshots; leaving it early aborts the request and
-frees its KV blocks at once.
+All engine mutations (add, abort, step) happen on the loop thread; callers reach it through
+a command queue. ``generate`` is an async iterator of cumulative ``RequestOutput`` snapshots;
+leaving it early aborts the request and frees its KV blocks at once.
 
 Failures: an exception inside a step fails only that step's requests (only the culprit
 when one request's sampling or detokenizing failed) and the loop goes on. If the loop
@@ -44,10 +43,10 @@ from loramux.engine.outputs import EngineStats, LoadReport, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 
 SWITCH_INTERVAL_S = 0.001
-"""The interpreter's GIL switch interval while an engine thread runs (Python's default is
-5 ms): the HTTP loop shares the GIL with the busy engine thread, and each hand-off between
-them (a request in, an output out) waited up to the whole interval, several times per
-request; at 1 ms a neighbour's short request beside a flood spends ~25% less time waiting."""
+"""The interpreter's GIL switch interval while an engine thread runs (Python's default is 5 ms):
+the HTTP loop shares the GIL with the busy engine thread, and each hand-off between them (a
+request in, an output out) waited up to the whole interval, several times per request; at 1 ms
+a neighbour's short request beside a flood spends ~25% less time waiting."""
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +80,7 @@ class AsyncEngine:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
         self._thread.start()
-        # the engine's thread runs the steps' OpenMP teams from now on: the pool this thread
-        # kept from building the engine (loading the model) would throttle them (omp_threads.py)
-        omp_threads.release_pool()
+        omp_threads.release_pool()  # the builder's pool would throttle the steps' teams
 
     # --- public API ----------------------------------------------------------------
     async def generate(

@@ -10,12 +10,14 @@ another, so both kept a pool: a decode step of the default model in bf16 took 53
 second thread against 26-27 ms once only that thread had a pool (2-core AVX-512-BF16 EPYC), and
 one stream's inter-token time in the live server was 32-40 ms against the engine's 21 ms step.
 
-So the engine's thread keeps a team of the CPUs, and every other thread that runs torch work
-frees its pool (:func:`release_pool`: the thread that built the engine) or runs that work on
-itself alone, with no team and no pool (:func:`confine_thread` for a helper thread's whole life:
-the adapter loaders; :func:`single_threaded` for a block of work on a shared worker thread:
-uploads and exports). Where no OpenMP runtime is found (another platform or build) each is a
-no-op that says so by returning False.
+So the engine's thread keeps a team of the CPUs, and other threads that run torch work in a
+server free their pool (:func:`release_pool`: the thread that built the engine) or run that work
+on themselves alone, with no team and no pool (:func:`confine_thread` for a thread's whole life:
+the event loop's, a tensor-parallel rank's DoRA thread; :func:`single_threaded` for a block of work
+on a shared worker thread: uploads and exports). The adapter loader's threads keep their teams
+(confined, a neighbour's latency beside an adapter spray suffered: docs/architecture.md). Where no
+OpenMP runtime is found (another platform or build) each is a no-op that says so by returning
+False.
 """
 
 from __future__ import annotations
