@@ -4,18 +4,17 @@ All engine mutations (add, abort, step) happen on the loop thread; callers reach
 a command queue. ``generate`` is an async iterator of cumulative ``RequestOutput`` snapshots;
 leaving it early aborts the request and frees its KV blocks at once.
 
-Failures: an exception inside a step fails only that step's requests (only the culprit
-when one request's sampling or detokenizing failed) and the loop goes on. If the loop
-itself dies (an error outside a step's model run, e.g. in scheduling), every pending and
-queued caller gets :class:`EngineDeadError` at once, :attr:`AsyncEngine.is_ready` turns
-False, and the engine **restarts in-process**: its request state (queues, KV cache
-bookkeeping) is rebuilt, the model weights and adapter slots are kept, and the loop runs
-again (``restarts`` counts it). After ``max_restarts`` deaths it stays down, not ready,
-for a supervisor to replace the process.
+Failures: an exception inside a step fails only that step's requests (only the culprit when one
+request's sampling or detokenizing failed) and the loop goes on. If the loop itself dies (an error
+outside a step's model run, e.g. in scheduling), every pending and queued caller gets
+:class:`EngineDeadError` at once, :attr:`AsyncEngine.is_ready` turns False, and the engine
+**restarts in-process**: its request state (queues, KV cache bookkeeping) is rebuilt, the model
+weights and adapter slots are kept, and the loop runs again (``restarts`` counts it). After
+``max_restarts`` deaths it stays down, not ready, for a supervisor to replace the process.
 
-Load reports: once someone asked for one (:meth:`AsyncEngine.load_report`), the loop
-publishes a :class:`LoadReport` after every step (before its outputs go out) and every
-idle turn, so readers get the engine's state without waiting for its thread.
+Load reports: once someone asked for one (:meth:`AsyncEngine.load_report`), the loop publishes a
+:class:`LoadReport` after every step (before its outputs go out) and every idle turn, so readers
+get the engine's state without waiting for its thread.
 """
 
 from __future__ import annotations
