@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import httpx
@@ -20,3 +21,12 @@ def neighbour_request(url: str, key: str, timings: list[str] | None = None) -> t
     body = r.json()
     assert body["usage"]["completion_tokens"] == 8
     return time.monotonic() - start, body["choices"][0]["text"]
+
+
+def idle_after(url: str, key: str, before: list[tuple[float, str]], runs: int = 5) -> float:
+    """The neighbour's idle latency: the median of ``before`` (its runs before an attack) and
+    ``runs`` more once the attack stopped, so a drift of the machine's speed during the test
+    (one test's idle runs ranged 45-90 ms) weighs on both sides of the ratio."""
+    after = [neighbour_request(url, key) for _ in range(runs)]
+    assert all(text == before[0][1] for _, text in after)  # its output is still its idle one
+    return statistics.median(t for t, _ in before + after)
