@@ -13,9 +13,11 @@ one stream's inter-token time in the live server was 32-40 ms against the engine
 So the engine's thread keeps a team of the CPUs, and other threads that run torch work in a
 server free their pool (:func:`release_pool`: the thread that built the engine) or run that work
 on themselves alone, with no team and no pool (:func:`confine_thread` for a thread's whole life:
-the event loop's, a tensor-parallel rank's DoRA thread; :func:`single_threaded` for a block of work
-on a shared worker thread: uploads and exports). The adapter loader's threads keep their teams
-(confined, a neighbour's latency beside an adapter spray suffered: docs/architecture.md). Where no
+the event loop's, a tensor-parallel rank's DoRA thread; :func:`single_threaded` / :func:`alone` for
+a block of work on a shared worker thread: the registry's opening, the first start's bootstrap,
+uploads and exports). The adapter loader's threads keep their teams while they load (confined, a
+neighbour's latency beside an adapter spray suffered: docs/architecture.md) and free them after
+(its slot thread after each write; a disk thread's pool goes with the thread). Where no
 OpenMP runtime is found (another platform or build) each is a no-op that says so by returning
 False.
 """
@@ -33,7 +35,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "confine_thread", "release_pool", "single_threaded"]
+__all__ = ["alone", "available", "confine_thread", "release_pool", "single_threaded"]
 
 _OMP_PAUSE_SOFT = 1
 _RUNTIME = re.compile(r"\S*/lib(?:gomp|iomp5|omp)[^/\s]*\.so[.\d]*$")
@@ -86,6 +88,13 @@ def confine_thread() -> bool:
     _set_threads(1)
     release_pool()
     return True
+
+
+def alone(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under :func:`single_threaded`: what a shared worker thread (the
+    HTTP front end's thread pool) runs when its work may call torch."""
+    with single_threaded():
+        return fn(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -80,7 +80,7 @@ def create_app(
                 built_registry = registry
                 if built_registry is None:
                     built_registry = await run_in_threadpool(
-                        open_registry, settings, built_engine.model_path
+                        omp_threads.alone, open_registry, settings, built_engine.model_path
                     )
                 state = build_state(settings, built_engine, built_registry)
             except BaseException:
@@ -93,7 +93,9 @@ def create_app(
             app.drain.on_timeout.append(lambda: threading.Thread(
                 target=built_engine.shutdown, name="drain-timeout", daemon=True).start())
             if app.on_ready is not None:
-                await run_in_threadpool(app.on_ready, state)
+                # its torch work (the demo adapter's checks) alone: a worker thread's pool
+                # beside the engine's would throttle every step (omp_threads.py)
+                await run_in_threadpool(omp_threads.alone, app.on_ready, state)
         try:
             yield
         finally:

@@ -31,6 +31,7 @@ import torch
 
 from loramux.adapters.format import LoraWeights, load_adapter
 from loramux.adapters.vocab import local_base_tensor
+from loramux.engine import omp_threads
 from loramux.engine.errors import LoRAError
 from loramux.engine.lora.dora import BaseProjections, dora_scales
 from loramux.engine.lora.slots import SlotBuffers
@@ -135,7 +136,16 @@ class AdapterLoader:
 
     def write(self, weights: LoraWeights, slot: int) -> Future:
         """Copy CPU-tier weights into the reserved ``slot``."""
-        return self._slot.submit(self._write, weights, slot, {})
+        return self._slot.submit(self._write_released, weights, slot)
+
+    def _write_released(self, weights: LoraWeights, slot: int) -> LoadResult:
+        """:meth:`_write` on the slot thread, which outlives its writes: its OpenMP pool is
+        freed after each (a pool kept beside the engine thread's throttles every step; the
+        disk threads' go when they exit, see omp_threads.py)."""
+        try:
+            return self._write(weights, slot, {})
+        finally:
+            omp_threads.release_pool()
 
     def _load(self, folder, check, slot: int | None) -> LoadResult:
         seconds: dict[str, float] = {}

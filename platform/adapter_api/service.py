@@ -58,12 +58,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _alone(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with its torch work on the calling thread alone."""
-    with omp_threads.single_threaded():
-        return fn(*args, **kwargs)
-
-
 class AdapterService:
     """Tenant adapter operations over the registry."""
 
@@ -108,7 +102,7 @@ class AdapterService:
         in the default worker pool, so a stalled store cannot starve the bulkheads; its torch
         work (an upload's checks, an export's merge) on that thread alone, leaving the cores'
         OpenMP teams to the engine's steps (``engine/omp_threads.py``)."""
-        return await run_in_threadpool(_alone, fn, *args, **kwargs)
+        return await run_in_threadpool(omp_threads.alone, fn, *args, **kwargs)
 
     @staticmethod
     def _actor(caller: Caller) -> str:

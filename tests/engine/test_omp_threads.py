@@ -112,3 +112,25 @@ def test_the_async_engine_s_builder_releases_its_pool(monkeypatch, tiny_model_di
         assert calls == [threading.get_ident()]
     finally:
         engine.shutdown()
+
+
+def test_the_slot_writer_frees_its_pool_after_each_write(monkeypatch, tiny_model_dir, tmp_path):
+    """Two adapters over one slot: the second use of the first comes back from the CPU tier
+    through the loader's long-lived slot thread, which frees its pool after the write (the
+    disk threads' pools go when they exit)."""
+    from support.lora_fixtures import make_peft_adapter
+
+    from loramux.engine import LLM, LoRARequest, SamplingParams
+
+    loras = [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(tiny_model_dir, tmp_path / f"a{i}", seed=i)))
+             for i in range(2)]
+    llm = LLM(model=str(tiny_model_dir), max_model_len=128, enable_lora=True, max_loras=1,
+              max_cpu_loras=4, max_lora_rank=8)
+    released = []
+    real = omp_threads.release_pool
+    monkeypatch.setattr(omp_threads, "release_pool",
+                        lambda: released.append(threading.current_thread().name) or real())
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for lora in (*loras, loras[0]):
+        llm.generate(["hello"], params, lora_request=lora)
+    assert any(name.startswith("lora-slot") for name in released), released
