@@ -71,7 +71,7 @@ def test_a_tenant_spraying_its_adapters_leaves_the_neighbour_within_3x_idle(
     finally:
         attack.stop()
     assert sprayed > 2 * SPRAY_CONCURRENCY
-    idle = idle_after(url, tenants.neighbour_key, idle_runs)
+    idle = idle_after(url, tenants.neighbour_key, idle_runs, spray_engine)
     print(f"neighbour beside the spray {[round(t, 3) for t, _ in beside]} s, idle {idle:.3f} s, "
           f"{sprayed} spray requests ({failed} failed); timing {TIMINGS[-5:]}")
     assert all(text == expected for _, text in beside)  # the neighbour's output is untouched

@@ -124,7 +124,7 @@ def test_draftable_flood_is_bounded_and_leaves_the_neighbour_within_3x_idle(
         attack.stop()
     one_step = [d for s, d in watch.deltas if s == 1]
     latency = statistics.median(t for t, _ in beside)
-    idle = idle_after(url, tenants.neighbour_key, idle_runs)
+    idle = idle_after(url, tenants.neighbour_key, idle_runs, spec_engine)
     print(f"neighbour beside the draftable flood {[round(t, 3) for t, _ in beside]} s (median "
           f"{latency:.3f} s = {latency / idle:.1f}x), idle {idle:.3f} s; attacker drafted {drafted}, "
           f"accepted {accepted}; most drafts in one step {max(one_step, default=0)} (cap "
