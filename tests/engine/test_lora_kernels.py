@@ -520,8 +520,8 @@ def _sgmv_kernel_matches_per_run_gemms(w_dtype, x_dtype, y_dtype):
 @pytest.mark.parametrize("isa,dtype", [("auto", torch.float32), ("avx512bf16", torch.bfloat16),
                                        ("avx2", torch.bfloat16)])
 def test_sgmv_kernel_split_over_threads_matches_per_run_gemms(isa, dtype):
-    """A call above the kernel's PARALLEL_MIN_MACS (600 tokens x 2 slices x rank-32 slots x
-    (K + N) = 1800: 69M >= 2**23) runs its shrink and expand split over threads: the same sums as
+    """A prompt-sized call above the kernel's PARALLEL_MIN_MACS (600 tokens x 2 slices x rank-32
+    slots x (K + N) = 1800: 69M >= 2**15) runs its shrink and expand split over threads: the same sums as
     the per-run GEMMs, runs of several slots and ranks, base rows untouched; in bf16 (x, slots
     and y) too, whose prompt runs the native-bf16 variant takes up to 1024 tokens
     (``cpu_sgmv.SGMV_MAX_RUN_NATIVE_BF16``)."""
@@ -563,6 +563,50 @@ def _split_over_threads(dtype):
     assert torch.equal(got[251:260], y[251:260])
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("runs", [[(0, 1, 1)], [(0, 1, 2), (1, 2, 0), (3, 4, 1), (4, 5, 2)]],
+                         ids=["one-token", "four-adapters"])
+def test_sgmv_decode_call_split_over_threads_is_the_one_thread_call(isa, dtype, runs):
+    """A decode call (one token a run, 3 slices of rank-32 slots, K = N = 256: 2**16.6 MACs a token
+    >= PARALLEL_MIN_MACS) splits its slices and column tiles over 2 threads, even with one run:
+    bit for bit the 1-thread call's sums, matching the per-run GEMMs; the base row untouched."""
+    from loramux.engine.lora.ops import cpu_sgmv
+
+    g = torch.Generator().manual_seed(5)
+    S, R, K, N = 3, 32, 256, 256
+    ranks = [16, 8, 32]
+    offsets = [0, 128, 192, 256]
+    a = torch.zeros(3, S, R, K)
+    b = torch.zeros(3, S * R, N)
+    for slot, r in enumerate(ranks):
+        for s in range(S):
+            a[slot, s, :r] = torch.randn(r, K, generator=g) * 0.05
+            b[slot, s * R : s * R + r, offsets[s]:offsets[s + 1]] = torch.randn(
+                r, offsets[s + 1] - offsets[s], generator=g) * 0.05
+    x = torch.randn(5, K, generator=g).to(dtype)
+    y = torch.randn(5, N, generator=g).to(dtype)
+    a, b = a.to(dtype), b.to(dtype)
+    expected = y.float().clone()
+    torch_ops._add_runs(expected, x.float(), a.float(), b.float(), runs, S * R)
+    threads = torch.get_num_threads()
+    got = {}
+    with forced_isa(isa):
+        for n in (1, 2):
+            got[n] = y.clone()
+            torch.set_num_threads(n)
+            try:
+                cpu_sgmv.add_runs_sgmv(got[n], x, a, b, torch.tensor(runs), torch.tensor(ranks), offsets)
+            finally:
+                torch.set_num_threads(threads)
+    assert torch.equal(got[2], got[1])
+    touched = sorted({t for start, end, _ in runs for t in range(start, end)})
+    untouched = [t for t in range(5) if t not in touched]
+    assert torch.equal(got[2][untouched], y[untouched])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got[2].float(), expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -9,7 +9,7 @@
  *
  * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v, two tokens
  * of a run at a time (each load of A feeds both; the sums are those of one token alone).
- * Expand: columns of y split over threads; per column tile, each token's tile accumulates
+ * Expand: column tiles of y split over threads (the shrink: slices); per column tile, each token's tile accumulates
  * sum_j v[t, j] * B[j, tile] in fp32 over the slices whose columns (slice_off) meet the tile and is added to y once (a bf16 y rounds once, as a
  * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
  * The caller (ops.cpp) has checked every shape, stride, dtype, run and rank.
@@ -35,17 +35,18 @@
  * missed the cache at every row: half the kernel's time at 384 tokens) while the B tile stays
  * in L1 for the block's tokens. A multiple of both paths' token groups (3 and 4). */
 #define EXPAND_BLOCK 12
-/* A call is split over threads only from this much work (tokens x S*R x (K+N)): decode calls of a
- * few dozen rows stay on the calling thread (in the live server their OpenMP regions spent ~3/4
- * of the kernel's time in libgomp's fork/barrier waits: bench/results/lora_serving_threads.json),
- * prompt runs of more than ~40 tokens (gate_up, rank-32 slots) split. With prompt runs in the
- * kernel up to SGMV_MAX_RUN_BY_RANK (cpu_sgmv.py), 4-adapter bf16 serving (bench/peer_serving.py,
- * 48 prompts, medians of 3 alternated runs on a 2-core AVX-512-BF16 EPYC) went from 65.4 to 73.1
- * output tok/s and TPOT p50 259 -> 208 ms against 2^26 (only the longest runs split). Re-measured
- * on a 2-core AVX2 Zen 3 in fp32 (sgmv_parallel_ab_avx2_s53.json): splitting 4-row decode calls
- * (2^17) halved LoRA's extra time of a replayed step in process, but in the live server it made
- * the 4-adapter TPOT p50 7-10% worse (two alternated runs at 0.25 req/s). */
-#define PARALLEL_MIN_MACS ((int64_t)1 << 23)
+/* A call is split over threads from this much work (tokens x S*R x (K+N)): every decode call of
+ * the default model (one token's o projection is 2^15.2). The shrink's items are (3 tokens, one
+ * slice), the expand's (12 tokens, one column tile), so even one token's call splits. A decode
+ * call is a cold read of its adapters' weights, latency-bound on one core's outstanding misses:
+ * two cores read them ~1.5-2x faster (4 tokens of 4 adapters, qkv of the default model, 20-28
+ * against 37-40 us a call, bf16, 2-core AVX512-BF16 EPYC, 2026-12-08). Splitting used to lose in
+ * the live server (bench/results/sgmv_parallel_ab_avx2_s53.json, lora_serving_threads.json: 3/4
+ * of the kernel's time in libgomp's fork/barrier waits), but those servers ran a second OpenMP pool
+ * beside the engine's, which throttles every team's wake-ups (docs/architecture.md); with one pool,
+ * 4-adapter serving at 1.5 req/s (bench/results/s59ab_*.json, three alternated pairs) had TPOT p50
+ * 44 (33.7-51.9) against 53 (45-60.5) ms unsplit. */
+#define PARALLEL_MIN_MACS ((int64_t)1 << 15)
 
 /* ask the memory for elements i .. i+n of an fp32 or bf16 array ahead of use: a hint only
  * (results do not change). Adapter weights come from DRAM at every layer (the base's weights
@@ -94,34 +95,32 @@ static void expand_tile(const float *vi, const void *b, int bd, int64_t b0, int 
     }
 }
 
-/* v rows of tokens t .. t + n - 1 (n <= 3) of a run on `slot`: S * rank dot products each
- * (rows beyond the rank are zero) */
+/* slice s of the v rows of tokens t .. t + n - 1 (n <= 3) of a run on `slot`: rank dot products
+ * each (rows beyond the rank are zero) */
 static void shrink_tokens(const void *x, int xd, int64_t x_stride, int64_t t, int n, int pf, const void *a,
-                          int ad, int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi) {
+                          int ad, int64_t slot, const int64_t *ranks, int s, int S, int R, int K, float *vi) {
     int rank = (int)ranks[slot];
     int SR = S * R;
     int64_t xo[3] = {t * x_stride, (t + 1) * x_stride, (t + 2) * x_stride};
-    for (int s = 0; s < S; s++) {
-        int64_t ao = slot * (int64_t)SR * K + (int64_t)(s * R) * K;
-        float *vq[3] = {vi + s * R, vi + SR + s * R, vi + 2 * SR + s * R};
-        int j = 0;
-        if (pf) /* the run's first tokens: its A comes from DRAM, this slice's rows as one span */
-            prefetch_span(a, ad, ao, (int64_t)rank * K);
-        if (n == 3) {
-            for (; j + 4 <= rank; j += 4) {
-                float *o[3] = {vq[0] + j, vq[1] + j, vq[2] + j};
-                dot4x3(x, xd, xo, a, ad, ao + (int64_t)j * K, K, o);
-            }
-        } else if (n == 2) {
-            for (; j + 4 <= rank; j += 4) dot4x2(x, xd, xo[0], xo[1], a, ad, ao + (int64_t)j * K, K, vq[0] + j, vq[1] + j);
-        } else {
-            for (; j + 4 <= rank; j += 4) dot4(x, xd, xo[0], a, ad, ao + (int64_t)j * K, K, vq[0] + j);
+    int64_t ao = slot * (int64_t)SR * K + (int64_t)(s * R) * K;
+    float *vq[3] = {vi + s * R, vi + SR + s * R, vi + 2 * SR + s * R};
+    int j = 0;
+    if (pf) /* the run's first tokens: its A comes from DRAM, this slice's rows as one span */
+        prefetch_span(a, ad, ao, (int64_t)rank * K);
+    if (n == 3) {
+        for (; j + 4 <= rank; j += 4) {
+            float *o[3] = {vq[0] + j, vq[1] + j, vq[2] + j};
+            dot4x3(x, xd, xo, a, ad, ao + (int64_t)j * K, K, o);
         }
-        for (; j < rank; j++)
-            for (int q = 0; q < n; q++) vq[q][j] = dot(x, xd, xo[q], a, ad, ao + (int64_t)j * K, K);
-        for (int q = 0; q < n; q++)
-            for (int z = j; z < R; z++) vq[q][z] = 0.0f;
+    } else if (n == 2) {
+        for (; j + 4 <= rank; j += 4) dot4x2(x, xd, xo[0], xo[1], a, ad, ao + (int64_t)j * K, K, vq[0] + j, vq[1] + j);
+    } else {
+        for (; j + 4 <= rank; j += 4) dot4(x, xd, xo[0], a, ad, ao + (int64_t)j * K, K, vq[0] + j);
     }
+    for (; j < rank; j++)
+        for (int q = 0; q < n; q++) vq[q][j] = dot(x, xd, xo[q], a, ad, ao + (int64_t)j * K, K);
+    for (int q = 0; q < n; q++)
+        for (int z = j; z < R; z++) vq[q][z] = 0.0f;
 }
 
 /* y[row, c0..c1) += acc (a bf16 y rounds once, as a torch add of an fp32 delta) */
@@ -281,11 +280,10 @@ static void expand_run_bh(const uint32_t *vb0, int64_t SRh, int64_t t, int64_t e
 /* shrink_tokens by the bf16 path: n tokens from t of a run on `slot` into v and vb rows (the
  * run's first group asks for its A rows ahead: they come from DRAM) */
 static void shrink_group_bh(const void *x, int64_t x_stride, int64_t t, int n, int first, const void *a,
-                            int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi, uint32_t *vb) {
+                            int64_t slot, const int64_t *ranks, int s, int S, int R, int K, float *vi, uint32_t *vb) {
     if (first)
-        for (int s = 0; s < S; s++)
-            prefetch_span(a, 1, (slot * S * R + s * R) * (int64_t)K, ranks[slot] * K);
-    shrink_tokens_bh((const uint16_t *)x, x_stride, t, n, (const uint16_t *)a, slot, (int)ranks[slot], S, R, K,
+        prefetch_span(a, 1, (slot * S * R + s * R) * (int64_t)K, ranks[slot] * K);
+    shrink_tokens_bh((const uint16_t *)x, x_stride, t, n, (const uint16_t *)a, slot, (int)ranks[slot], s, S, R, K,
                      vi, vb);
 }
 #define SGMV_BH(x_dtype, w_dtype) ((x_dtype) == 1 && (w_dtype) == 1)
@@ -297,8 +295,8 @@ static void expand_run_bh(const uint32_t *vb0, int64_t SRh, int64_t t, int64_t e
     (void)c0, (void)c1, (void)off, (void)y, (void)yd, (void)y_stride;
 }
 static void shrink_group_bh(const void *x, int64_t x_stride, int64_t t, int n, int first, const void *a,
-                            int64_t slot, const int64_t *ranks, int S, int R, int K, float *vi, uint32_t *vb) {
-    (void)x, (void)x_stride, (void)t, (void)n, (void)first, (void)a, (void)slot, (void)ranks, (void)S;
+                            int64_t slot, const int64_t *ranks, int s, int S, int R, int K, float *vi, uint32_t *vb) {
+    (void)x, (void)x_stride, (void)t, (void)n, (void)first, (void)a, (void)slot, (void)ranks, (void)s, (void)S;
     (void)R, (void)K, (void)vi, (void)vb;
 }
 #define SGMV_BH(x_dtype, w_dtype) 0
@@ -342,9 +340,11 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
         /* each thread's static chunk of items is ascending: its run index only moves forward
          * (one pass over the runs per loop, not one per item) */
         int r = 0;
-        /* shrink: SHRINK_TOKENS tokens of one run per iteration (a run's last ones fewer) */
+        /* shrink: one slice of SHRINK_TOKENS tokens of one run per item (a run's last ones fewer) */
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < npairs; p++) {
+        for (int64_t item = 0; item < npairs * S; item++) {
+            const int64_t p = item / S;
+            const int s = (int)(item % S);
             while (r + 1 < nruns && pair_of_run[r + 1] <= p) r++;
             int64_t k = SHRINK_TOKENS * (p - pair_of_run[r]); /* the group's first token in the run */
             int64_t t = runs[3 * r] + k;
@@ -352,17 +352,19 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
             int n = left < SHRINK_TOKENS ? (int)left : SHRINK_TOKENS;
             int64_t row0 = row_of_run[r] + k;
             if (bh)
-                shrink_group_bh(x, x_stride, t, n, k == 0, a, runs[3 * r + 2], ranks, S, R, K, v + row0 * SR,
+                shrink_group_bh(x, x_stride, t, n, k == 0, a, runs[3 * r + 2], ranks, s, S, R, K, v + row0 * SR,
                                 vb + row0 * SRh);
             else
-                shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, S, R, K,
+                shrink_tokens(x, x_dtype, x_stride, t, n, k == 0, a, w_dtype, runs[3 * r + 2], ranks, s, S, R, K,
                               v + row0 * SR);
         }
-        /* expand: EXPAND_BLOCK tokens of one run per iteration, every column tile of them; rows
-         * of B beyond the rank are skipped */
+        /* expand: one column tile of EXPAND_BLOCK tokens of one run per item, a block's tiles in
+         * order; rows of B beyond the rank are skipped */
         int ntiles = (N + TILE - 1) / TILE;
 #pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < nblocks; blk++) {
+        for (int64_t item = 0; item < nblocks * ntiles; item++) {
+            const int64_t blk = item / ntiles;
+            const int tile = (int)(item % ntiles);
             if (block_of_run[r] > blk) r = 0; /* a chunk behind the shrink's last run */
             while (r + 1 < nruns && block_of_run[r + 1] <= blk) r++;
             int64_t slot = runs[3 * r + 2];
@@ -370,18 +372,16 @@ int LMX_FN(loramux_lora_sgmv)(const void *x, int64_t x_stride, int x_dtype, cons
             int64_t t = runs[3 * r] + EXPAND_BLOCK * (blk - block_of_run[r]);
             int64_t end = t + EXPAND_BLOCK < runs[3 * r + 1] ? t + EXPAND_BLOCK : runs[3 * r + 1];
             int64_t first = row_of_run[r] + (t - runs[3 * r]); /* token t's row of v */
-            for (int tile = 0; tile < ntiles; tile++) {
-                int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
-                int64_t ahead = (int64_t)r * ntiles + tile + PF_TILES; /* the item PF_TILES on */
-                if (ahead < (int64_t)nruns * ntiles)
-                    prefetch_item(b, w_dtype, runs, ranks, slice_off, ahead, ntiles, S, R, N);
-                if (bh) /* vb + (first - t) * SRh + t * SRh: token t's row */
-                    expand_run_bh(vb + (first - t) * SRh, SRh, t, end, b, slot * w_slot_b, S, R, rank, N, c0, c1,
-                                  slice_off, y, y_dtype, y_stride);
-                else /* v0 + t * SR: token t's row */
-                    expand_run(v + (first - t) * SR, t, end, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, c1,
-                               slice_off, y, y_dtype, y_stride);
-            }
+            int c0 = tile * TILE, c1 = c0 + TILE < N ? c0 + TILE : N;
+            int64_t ahead = (int64_t)r * ntiles + tile + PF_TILES; /* the item PF_TILES on */
+            if (ahead < (int64_t)nruns * ntiles)
+                prefetch_item(b, w_dtype, runs, ranks, slice_off, ahead, ntiles, S, R, N);
+            if (bh) /* vb + (first - t) * SRh + t * SRh: token t's row */
+                expand_run_bh(vb + (first - t) * SRh, SRh, t, end, b, slot * w_slot_b, S, R, rank, N, c0, c1,
+                              slice_off, y, y_dtype, y_stride);
+            else /* v0 + t * SR: token t's row */
+                expand_run(v + (first - t) * SR, t, end, b, w_dtype, slot * w_slot_b, S, R, rank, N, c0, c1,
+                           slice_off, y, y_dtype, y_stride);
         }
     }
     free(v);

@@ -50,33 +50,32 @@ static inline __attribute__((always_inline)) void dot_bh(const uint16_t *const *
         for (int i = 0; i < nr; i++) o[q][j + i] = _mm512_reduce_add_ps(c[q][i]);
 }
 
-/* shrink_tokens (lora_sgmv.c) for bf16 x and A: v rows of tokens t .. t + n - 1 (n <= 3); then
- * each row's pairs (v[2p], v[2p + 1]) rounded to bf16 into vb (Rh = (R + 1) / 2 pairs a slice) */
+/* shrink_tokens (lora_sgmv.c) for bf16 x and A: slice s of the v rows of tokens t .. t + n - 1
+ * (n <= 3); then each row's pairs (v[2p], v[2p + 1]) of the slice rounded to bf16 into vb (Rh =
+ * (R + 1) / 2 pairs a slice) */
 static void shrink_tokens_bh(const uint16_t *x, int64_t x_stride, int64_t t, int n, const uint16_t *a,
-                             int64_t slot, int rank, int S, int R, int K, float *vi, uint32_t *vb) {
+                             int64_t slot, int rank, int s, int S, int R, int K, float *vi, uint32_t *vb) {
     const int SR = S * R, Rh = (R + 1) / 2;
     const uint16_t *xr[3] = {x + t * x_stride, x, x};
     for (int q = 1; q < n; q++) xr[q] = x + (t + q) * x_stride;
-    for (int s = 0; s < S; s++) {
-        const uint16_t *as = a + slot * (int64_t)SR * K + (int64_t)(s * R) * K;
-        float *vq[3] = {vi + s * R, vi + SR + s * R, vi + 2 * SR + s * R};
-        int j = 0;
-        for (; j + 4 <= rank; j += 4) {
-            const uint16_t *ar = as + (int64_t)j * K;
-            if (n == 3) dot_bh(xr, 3, ar, 4, K, vq, j);
-            else if (n == 2) dot_bh(xr, 2, ar, 4, K, vq, j);
-            else dot_bh(xr, 1, ar, 4, K, vq, j);
-        }
-        for (; j < rank; j++) /* the rank's last rows, one at a time */
-            for (int q = 0; q < n; q++) dot_bh(xr + q, 1, as + (int64_t)j * K, 1, K, vq + q, j);
-        for (int q = 0; q < n; q++) {
-            for (int z = rank; z < R; z++) vq[q][z] = 0.0f;
-            uint32_t *pq = vb + (int64_t)q * S * Rh + s * Rh;
-            for (int p = 0; p < Rh; p++) {
-                const uint32_t lo = f32_to_bf16(vq[q][2 * p]);
-                const uint32_t hi = 2 * p + 1 < R ? f32_to_bf16(vq[q][2 * p + 1]) : 0u;
-                pq[p] = lo | hi << 16;
-            }
+    const uint16_t *as = a + slot * (int64_t)SR * K + (int64_t)(s * R) * K;
+    float *vq[3] = {vi + s * R, vi + SR + s * R, vi + 2 * SR + s * R};
+    int j = 0;
+    for (; j + 4 <= rank; j += 4) {
+        const uint16_t *ar = as + (int64_t)j * K;
+        if (n == 3) dot_bh(xr, 3, ar, 4, K, vq, j);
+        else if (n == 2) dot_bh(xr, 2, ar, 4, K, vq, j);
+        else dot_bh(xr, 1, ar, 4, K, vq, j);
+    }
+    for (; j < rank; j++) /* the rank's last rows, one at a time */
+        for (int q = 0; q < n; q++) dot_bh(xr + q, 1, as + (int64_t)j * K, 1, K, vq + q, j);
+    for (int q = 0; q < n; q++) {
+        for (int z = rank; z < R; z++) vq[q][z] = 0.0f;
+        uint32_t *pq = vb + (int64_t)q * S * Rh + s * Rh;
+        for (int p = 0; p < Rh; p++) {
+            const uint32_t lo = f32_to_bf16(vq[q][2 * p]);
+            const uint32_t hi = 2 * p + 1 < R ? f32_to_bf16(vq[q][2 * p + 1]) : 0u;
+            pq[p] = lo | hi << 16;
         }
     }
 }
