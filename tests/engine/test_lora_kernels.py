@@ -533,19 +533,28 @@ def test_sgmv_kernel_split_over_threads_matches_per_run_gemms(isa, dtype):
         _split_over_threads(dtype)
 
 
+def _blockdiag_slots(ranks, R, K, offsets, g):
+    """fp32 slots [len(ranks), S, R, K] (A, pre-scaled) and [len(ranks), S * R, N] (block-diagonal
+    B) for S = len(offsets) - 1 slices with output columns ``offsets``: random rows up to each
+    slot's rank, zeros beyond."""
+    S = len(offsets) - 1
+    a = torch.zeros(len(ranks), S, R, K)
+    b = torch.zeros(len(ranks), S * R, offsets[-1])
+    for slot, r in enumerate(ranks):
+        for s in range(S):
+            lo, hi = offsets[s], offsets[s + 1]
+            a[slot, s, :r] = torch.randn(r, K, generator=g) * 0.05
+            b[slot, s * R : s * R + r, lo:hi] = torch.randn(r, hi - lo, generator=g) * 0.05
+    return a, b
+
+
 def _split_over_threads(dtype):
     from loramux.engine.lora.ops import cpu_sgmv
 
     g = torch.Generator().manual_seed(11)
     S, R, K, N = 2, 32, 900, 900
     ranks = [32, 16, 8]
-    a = torch.zeros(3, S, R, K)
-    b = torch.zeros(3, S * R, N)
-    for slot, r in enumerate(ranks):
-        for s in range(S):
-            lo, hi = s * N // S, (s + 1) * N // S
-            a[slot, s, :r] = torch.randn(r, K, generator=g) * 0.05
-            b[slot, s * R : s * R + r, lo:hi] = torch.randn(r, hi - lo, generator=g) * 0.05
+    a, b = _blockdiag_slots(ranks, R, K, [s * N // S for s in range(S + 1)], g)
     runs = [(0, 250, 0), (250, 251, 1), (260, 610, 2)]  # rows 251-259 are base rows
     x = torch.randn(610, K, generator=g).to(dtype)
     y = torch.randn(610, N, generator=g).to(dtype)
@@ -579,13 +588,7 @@ def test_sgmv_decode_call_split_over_threads_is_the_one_thread_call(isa, dtype, 
     S, R, K, N = 3, 32, 256, 256
     ranks = [16, 8, 32]
     offsets = [0, 128, 192, 256]
-    a = torch.zeros(3, S, R, K)
-    b = torch.zeros(3, S * R, N)
-    for slot, r in enumerate(ranks):
-        for s in range(S):
-            a[slot, s, :r] = torch.randn(r, K, generator=g) * 0.05
-            b[slot, s * R : s * R + r, offsets[s]:offsets[s + 1]] = torch.randn(
-                r, offsets[s + 1] - offsets[s], generator=g) * 0.05
+    a, b = _blockdiag_slots(ranks, R, K, offsets, g)
     x = torch.randn(5, K, generator=g).to(dtype)
     y = torch.randn(5, N, generator=g).to(dtype)
     a, b = a.to(dtype), b.to(dtype)

@@ -7,11 +7,12 @@
  * slots costs rank 8. One call covers every run of a projection group, so a decode step of
  * many adapters costs one call per group instead of two GEMMs per adapter.
  *
- * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v, two tokens
- * of a run at a time (each load of A feeds both; the sums are those of one token alone).
- * Expand: column tiles of y split over threads (the shrink: slices); per column tile, each token's tile accumulates
- * sum_j v[t, j] * B[j, tile] in fp32 over the slices whose columns (slice_off) meet the tile and is added to y once (a bf16 y rounds once, as a
- * torch add of an fp32 delta does). x, A, B and y may each be fp32 (0) or bf16 (1).
+ * Shrink: per token, S * rank dot products of length K (fp32 accumulation) into v, up to three
+ * tokens of a run at a time (each load of A feeds them all; the sums are those of one token alone).
+ * Expand: per column tile, each token's tile accumulates sum_j v[t, j] * B[j, tile] in fp32 over
+ * the slices whose columns (slice_off) meet the tile and is added to y once (a bf16 y rounds once,
+ * as a torch add of an fp32 delta does). Threads split the shrink by (tokens, slice) and the expand by
+ * (tokens, column tile). x, A, B and y may each be fp32 (0) or bf16 (1).
  * The caller (ops.cpp) has checked every shape, stride, dtype, run and rank.
  * The shrink's dot products of x with A rows are sgmv_shrink.h's.
  * In the ISA variant built with AVX512_BF16 (sgmv_bf16.h), bf16 x and bf16 A / B take the
